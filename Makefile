@@ -1,0 +1,42 @@
+# Two commands do everything on a fresh Debian 12 machine (each installs what it needs):
+#   make test    build flatshard and run the whole CPU test suite (ctest)
+#   make bench   run flatshard-bench on a small model on CPU (ranks as threads)
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CTEST_ARGS ?=
+BENCH_ARGS ?=
+
+# ccache across fresh clones of the same machine (CI clones into a new folder every time).
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
+export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime,locale
+
+.PHONY: all setup configure build test bench clean
+
+all: build
+
+# Idempotent: checks Debian packages and the cached torch==2.11.0 virtualenv, installs what is
+# missing, and records the venv's python for CMake.
+setup:
+	@mkdir -p $(BUILD_DIR)
+	@bash tools/setup_deps.sh > $(BUILD_DIR)/.python.tmp
+	@tail -n1 $(BUILD_DIR)/.python.tmp > $(BUILD_DIR)/.python && rm -f $(BUILD_DIR)/.python.tmp
+
+configure: setup
+	@if [ ! -f $(BUILD_DIR)/build.ninja ] || [ "$$(cat $(BUILD_DIR)/.python)" != "$$(cat $(BUILD_DIR)/.python.configured 2>/dev/null)" ]; then \
+	  cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	    -DFLATSHARD_PYTHON="$$(cat $(BUILD_DIR)/.python)" && \
+	  cp $(BUILD_DIR)/.python $(BUILD_DIR)/.python.configured; \
+	fi
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 900 -j $(JOBS) $(CTEST_ARGS)
+
+bench: build
+	$(BUILD_DIR)/benchmarks/flatshard-bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(BUILD_DIR)
