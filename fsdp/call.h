@@ -1,0 +1,108 @@
+// flatshard/fsdp/call.h — the one line where a parent calls a (possibly sharded) child module.
+//
+//   x = flatshard::call(blocks_[i], x);      // instead of  x = blocks_[i]->forward(x);
+//
+// LibTorch modules have no forward hooks and `forward` is not virtual, so a sharded unit must be
+// entered through this call: it gathers the unit's parameters before the module runs, frees them
+// after (per the unit's strategy), and arms the backward hooks on the outputs. For a module that
+// is not (the first module of) a unit it is a plain forward call plus one hash lookup. Models
+// written this way run unchanged when not sharded at all.
+//
+// Calling a sharded unit's forward directly (bypassing flatshard::call) reads parameters whose
+// storage is freed and ATen throws "The tensor has a non-zero number of elements, but its data is
+// not allocated yet"; ShardedModel::check_call_sites() (and FLATSHARD_DEBUG=1) turn that into an
+// error naming the unit.
+//
+// Supported return types of `forward`: at::Tensor, std::vector<at::Tensor>, std::tuple of tensors
+// (non-tensor elements pass through). Thread rule: a model is driven by one thread at a time.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+class Unit;
+
+namespace detail {
+
+// nullptr when `m` is not a unit member of a live ShardedModel (the common, cheap case).
+Unit* find_unit(const torch::nn::Module* m);
+// Before the member module runs: unshard (or wait for the prefetched all-gather).
+void pre_forward(Unit* unit, const torch::nn::Module* m);
+// After it ran: attaches the pre-backward hook to `outputs` (replacing them with identity views
+// whose backward unshards the unit) and reshards if this was the unit's last member call.
+void post_forward(Unit* unit, const torch::nn::Module* m, std::vector<at::Tensor>& outputs);
+
+template <class M>
+const torch::nn::Module* module_of(const M& m) {
+  if constexpr (std::is_pointer_v<M>) {
+    return m;
+  } else {
+    return m.get();  // std::shared_ptr<Impl> or torch::nn::ModuleHolder<Impl>
+  }
+}
+
+template <class T>
+struct OutputAdapter {  // non-tensor outputs: no backward hook possible
+  static void collect(T&, std::vector<at::Tensor>&) {}
+  static void restore(T&, std::vector<at::Tensor>&, size_t&) {}
+};
+template <>
+struct OutputAdapter<at::Tensor> {
+  static void collect(at::Tensor& t, std::vector<at::Tensor>& v) { v.push_back(t); }
+  static void restore(at::Tensor& t, std::vector<at::Tensor>& v, size_t& i) { t = v[i++]; }
+};
+template <>
+struct OutputAdapter<std::vector<at::Tensor>> {
+  static void collect(std::vector<at::Tensor>& ts, std::vector<at::Tensor>& v) {
+    v.insert(v.end(), ts.begin(), ts.end());
+  }
+  static void restore(std::vector<at::Tensor>& ts, std::vector<at::Tensor>& v, size_t& i) {
+    for (auto& t : ts) t = v[i++];
+  }
+};
+template <class... Ts>
+struct OutputAdapter<std::tuple<Ts...>> {
+  static void collect(std::tuple<Ts...>& tup, std::vector<at::Tensor>& v) {
+    std::apply([&](auto&... e) { (OutputAdapter<std::decay_t<decltype(e)>>::collect(e, v), ...); },
+               tup);
+  }
+  static void restore(std::tuple<Ts...>& tup, std::vector<at::Tensor>& v, size_t& i) {
+    std::apply(
+        [&](auto&... e) { (OutputAdapter<std::decay_t<decltype(e)>>::restore(e, v, i), ...); }, tup);
+  }
+};
+
+}  // namespace detail
+
+// Calls module->forward(args...) as a unit-aware call. `module` may be a ModuleHolder
+// (torch::nn::Linear, TORCH_MODULE types), a std::shared_ptr<Impl> or a raw Impl pointer.
+template <class M, class... Args>
+auto call(M& module, Args&&... args) {
+  const torch::nn::Module* m = detail::module_of(module);
+  Unit* unit = detail::find_unit(m);
+  if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
+  detail::pre_forward(unit, m);
+  auto out = module->forward(std::forward<Args>(args)...);
+  using Out = decltype(out);
+  std::vector<at::Tensor> tensors;
+  detail::OutputAdapter<Out>::collect(out, tensors);
+  detail::post_forward(unit, m, tensors);
+  size_t i = 0;
+  detail::OutputAdapter<Out>::restore(out, tensors, i);
+  return out;
+}
+
+}  // namespace flatshard
