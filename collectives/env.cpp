@@ -1,0 +1,73 @@
+#include "collectives/env.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+
+namespace flatshard {
+namespace env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> table = {
+      {kTimeoutMs, "600000",
+       "collective timeout (ms) of communicators created from the environment"},
+      {kStoreTimeoutMs, "300000", "rendezvous store timeout (ms): connect and key lookups"},
+      {kNcclWatchdog, "1",
+       "1: event after each NCCL collective + watchdog thread enforcing the timeout; 0: off"},
+      {kWatchdogPollMs, "100", "watchdog poll period (ms)"},
+      {kNcclTerminateOnError, "0",
+       "1: terminate the process (exit 70) after the watchdog logs an error; 0: abort the NCCL "
+       "communicators and make the next call throw"},
+      {kNcclEagerConnect, "1",
+       "1: set NCCL_RUNTIME_CONNECT=0 (unless set) so NCCL connects peers at communicator "
+       "creation, never inside a collective launch"},
+  };
+  return table;
+}
+
+std::string get(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+
+int64_t get_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const std::string v = get(name);
+  if (v.empty()) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  const long long x = std::strtoll(v.c_str(), &end, 10);
+  TORCH_CHECK(errno == 0 && end != v.c_str() && *end == '\0', "environment variable ", name, "='",
+              v, "' is not an integer");
+  TORCH_CHECK(x >= lo && x <= hi, "environment variable ", name, "=", x, " is out of range [", lo,
+              ", ", hi, "]");
+  return x;
+}
+
+bool get_bool(const char* name, bool fallback) {
+  std::string v = get(name);
+  if (v.empty()) return fallback;
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off") return false;
+  TORCH_CHECK(false, "environment variable ", name, "='", get(name),
+              "' is not a boolean (use 0/1, true/false, yes/no, on/off)");
+}
+
+std::chrono::milliseconds timeout() {
+  return std::chrono::milliseconds(get_int(kTimeoutMs, 600000, 1, int64_t{1} << 40));
+}
+std::chrono::milliseconds store_timeout() {
+  return std::chrono::milliseconds(get_int(kStoreTimeoutMs, 300000, 1, int64_t{1} << 40));
+}
+bool nccl_watchdog() { return get_bool(kNcclWatchdog, true); }
+std::chrono::milliseconds watchdog_poll() {
+  return std::chrono::milliseconds(get_int(kWatchdogPollMs, 100, 1, 60000));
+}
+bool nccl_terminate_on_error() { return get_bool(kNcclTerminateOnError, false); }
+bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
+
+}  // namespace env
+}  // namespace flatshard

@@ -1,0 +1,71 @@
+// flatshard/collectives/env.h — every FLATSHARD_* environment knob, declared in one place.
+//
+// Contract
+// - Each knob has a name, a default and a meaning (the table `knobs()`; tools print it).
+// - Readers validate: a value that does not parse, or is out of range, throws c10::Error naming
+//   the variable, the value it holds and what is accepted. An unset or empty variable yields the
+//   default.
+// - Values are read when asked (no caching), so tests may setenv() before constructing objects.
+//
+// The launcher's own variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are not knobs; they are read
+// by collectives/launch_env.h.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace flatshard {
+namespace env {
+
+struct Knob {
+  const char* name;
+  const char* default_value;
+  const char* meaning;
+};
+
+// FLATSHARD_TIMEOUT_MS (default 600000): collective timeout of communicators created from the
+// environment; a collective not finished this long after it was issued fails on every rank.
+inline constexpr const char* kTimeoutMs = "FLATSHARD_TIMEOUT_MS";
+// FLATSHARD_STORE_TIMEOUT_MS (default 300000): how long rendezvous waits for the store (connect,
+// key lookups such as the NCCL unique id).
+inline constexpr const char* kStoreTimeoutMs = "FLATSHARD_STORE_TIMEOUT_MS";
+// FLATSHARD_NCCL_WATCHDOG (default 1): 1 = record an event after each NCCL collective and let a
+// watchdog thread enforce the timeout; 0 = no events, no watchdog (no timeout detection).
+inline constexpr const char* kNcclWatchdog = "FLATSHARD_NCCL_WATCHDOG";
+// FLATSHARD_WATCHDOG_POLL_MS (default 100): how often the watchdog polls outstanding events and
+// NCCL's asynchronous errors. Detection latency is timeout + up to one poll period.
+inline constexpr const char* kWatchdogPollMs = "FLATSHARD_WATCHDOG_POLL_MS";
+// FLATSHARD_NCCL_TERMINATE_ON_ERROR (default 0): 1 = after the watchdog logs a timeout or an NCCL
+// asynchronous error, terminate the process (exit code 70) instead of aborting the communicators
+// and making the next call throw. Use it when user threads may sit in a device synchronisation
+// that an abort cannot release (like PyTorch's TORCH_NCCL_ASYNC_ERROR_HANDLING).
+inline constexpr const char* kNcclTerminateOnError = "FLATSHARD_NCCL_TERMINATE_ON_ERROR";
+
+// FLATSHARD_NCCL_EAGER_CONNECT (default 1): 1 = unless NCCL_RUNTIME_CONNECT is already set, set
+// it to 0 before the first NCCL communicator is created, so NCCL connects peers during
+// communicator creation (all ranks present) instead of inside the first collective of each
+// algorithm, where a host thread would wait for a peer without any bound (Note [Watchdog]).
+inline constexpr const char* kNcclEagerConnect = "FLATSHARD_NCCL_EAGER_CONNECT";
+
+// The table of all knobs above (name, default, meaning), in declaration order.
+const std::vector<Knob>& knobs();
+
+// Raw value, or "" when unset.
+std::string get(const char* name);
+// Integer in [lo, hi]; `fallback` when unset or empty.
+int64_t get_int(const char* name, int64_t fallback, int64_t lo, int64_t hi);
+// 0/1/true/false/yes/no/on/off (case-insensitive); `fallback` when unset or empty.
+bool get_bool(const char* name, bool fallback);
+
+// Typed accessors for the knobs above.
+std::chrono::milliseconds timeout();
+std::chrono::milliseconds store_timeout();
+bool nccl_watchdog();
+std::chrono::milliseconds watchdog_poll();
+bool nccl_terminate_on_error();
+bool nccl_eager_connect();
+
+}  // namespace env
+}  // namespace flatshard

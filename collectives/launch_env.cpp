@@ -1,0 +1,160 @@
+#include "collectives/launch_env.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <sstream>
+
+namespace flatshard {
+
+const char* to_string(LaunchEnv::Launcher launcher) {
+  switch (launcher) {
+    case LaunchEnv::Launcher::kTorchrun:
+      return "torchrun";
+    case LaunchEnv::Launcher::kSlurm:
+      return "SLURM";
+    case LaunchEnv::Launcher::kOpenMpi:
+      return "Open MPI";
+  }
+  return "?";
+}
+
+namespace {
+
+// Reads variables through a lookup and reports errors in the launcher's terms.
+class Reader {
+ public:
+  Reader(const LaunchEnv::Lookup& lookup, const char* launcher)
+      : lookup_(lookup), launcher_(launcher) {}
+
+  std::optional<std::string> raw(const char* name) const {
+    auto v = lookup_(name);
+    if (v && v->empty()) return std::nullopt;
+    return v;
+  }
+
+  std::string require(const char* name) const {
+    auto v = raw(name);
+    TORCH_CHECK(v.has_value(), "flatshard rendezvous (", launcher_, "): environment variable ",
+                name, " is not set", hint(name));
+    return *v;
+  }
+
+  // Integer in [lo, hi]. `prefix_only` accepts a leading number ("2(x3)" -> 2, SLURM style).
+  int to_int(const char* name, const std::string& v, long lo, long hi,
+             bool prefix_only = false) const {
+    errno = 0;
+    char* end = nullptr;
+    const long x = std::strtol(v.c_str(), &end, 10);
+    TORCH_CHECK(errno == 0 && end != v.c_str() && (prefix_only || *end == '\0'),
+                "flatshard rendezvous (", launcher_, "): ", name, "='", v,
+                "' is not an integer");
+    TORCH_CHECK(x >= lo && x <= hi, "flatshard rendezvous (", launcher_, "): ", name, "=", x,
+                " is out of range [", lo, ", ", hi, "]");
+    return static_cast<int>(x);
+  }
+
+  int require_int(const char* name, long lo, long hi) const {
+    return to_int(name, require(name), lo, hi);
+  }
+
+  int optional_int(const char* name, int fallback, long lo, long hi,
+                   bool prefix_only = false) const {
+    auto v = raw(name);
+    return v ? to_int(name, *v, lo, hi, prefix_only) : fallback;
+  }
+
+ private:
+  static std::string hint(const char* name) {
+    const std::string n = name;
+    if (n == "MASTER_ADDR" || n == "MASTER_PORT")
+      return " (the address of rank 0's store; torchrun sets it, under SLURM or Open MPI export "
+             "MASTER_ADDR=<first host> MASTER_PORT=<free port>)";
+    return "";
+  }
+
+  const LaunchEnv::Lookup& lookup_;
+  const char* launcher_;
+};
+
+constexpr long kMaxRanks = 1L << 24;
+
+}  // namespace
+
+std::string LaunchEnv::store_prefix() const {
+  return use_agent_store ? "/worker/attempt_" + std::to_string(restart_count) : std::string();
+}
+
+std::string LaunchEnv::describe() const {
+  std::ostringstream os;
+  os << "rank " << rank << "/" << world_size << " (local " << local_rank << "/";
+  if (local_world_size >= 0)
+    os << local_world_size;
+  else
+    os << "?";
+  os << ") via " << to_string(launcher) << ", store " << master_addr << ":" << master_port;
+  if (use_agent_store) os << " (torchrun agent store, prefix " << store_prefix() << ")";
+  return os.str();
+}
+
+LaunchEnv LaunchEnv::from_env() {
+  return from_lookup([](const char* name) -> std::optional<std::string> {
+    const char* v = std::getenv(name);
+    if (!v) return std::nullopt;
+    return std::string(v);
+  });
+}
+
+LaunchEnv LaunchEnv::from_lookup(const Lookup& lookup) {
+  LaunchEnv e;
+  const bool has_rank = lookup("RANK").value_or("") != "";
+  const bool has_slurm = lookup("SLURM_PROCID").value_or("") != "";
+  const bool has_ompi = lookup("OMPI_COMM_WORLD_RANK").value_or("") != "";
+  TORCH_CHECK(has_rank || has_slurm || has_ompi,
+              "flatshard rendezvous: no launcher environment found: set RANK, WORLD_SIZE, "
+              "LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun does), or run under SLURM "
+              "(SLURM_PROCID) or Open MPI (OMPI_COMM_WORLD_RANK) with MASTER_ADDR and MASTER_PORT "
+              "exported");
+  if (has_rank) {
+    e.launcher = Launcher::kTorchrun;
+    Reader r(lookup, "torchrun");
+    e.world_size = r.require_int("WORLD_SIZE", 1, kMaxRanks);
+    e.rank = r.require_int("RANK", 0, e.world_size - 1);
+    e.local_world_size = r.optional_int("LOCAL_WORLD_SIZE", -1, 1, e.world_size);
+    e.local_rank = r.require_int(
+        "LOCAL_RANK", 0, e.local_world_size > 0 ? e.local_world_size - 1 : e.world_size - 1);
+  } else if (has_slurm) {
+    e.launcher = Launcher::kSlurm;
+    Reader r(lookup, "SLURM");
+    e.world_size = r.require_int("SLURM_NTASKS", 1, kMaxRanks);
+    e.rank = r.require_int("SLURM_PROCID", 0, e.world_size - 1);
+    e.local_world_size =
+        r.optional_int("SLURM_NTASKS_PER_NODE", -1, 1, e.world_size, /*prefix_only=*/true);
+    e.local_rank = r.require_int("SLURM_LOCALID", 0, e.world_size - 1);
+  } else {
+    e.launcher = Launcher::kOpenMpi;
+    Reader r(lookup, "Open MPI");
+    e.world_size = r.require_int("OMPI_COMM_WORLD_SIZE", 1, kMaxRanks);
+    e.rank = r.require_int("OMPI_COMM_WORLD_RANK", 0, e.world_size - 1);
+    e.local_world_size = r.optional_int("OMPI_COMM_WORLD_LOCAL_SIZE", -1, 1, e.world_size);
+    e.local_rank = r.require_int(
+        "OMPI_COMM_WORLD_LOCAL_RANK", 0,
+        e.local_world_size > 0 ? e.local_world_size - 1 : e.world_size - 1);
+  }
+  Reader r(lookup, to_string(e.launcher));
+  e.master_addr = r.require("MASTER_ADDR");
+  e.master_port = r.require_int("MASTER_PORT", 1, 65535);
+  // torchrun writes str(True) / str(False); anything else is a typo worth reporting.
+  if (auto agent = r.raw("TORCHELASTIC_USE_AGENT_STORE")) {
+    TORCH_CHECK(*agent == "True" || *agent == "False",
+                "flatshard rendezvous: TORCHELASTIC_USE_AGENT_STORE='", *agent,
+                "' must be True or False");
+    e.use_agent_store = *agent == "True";
+  }
+  if (e.use_agent_store)
+    e.restart_count = r.optional_int("TORCHELASTIC_RESTART_COUNT", 0, 0, 1L << 30);
+  return e;
+}
+
+}  // namespace flatshard

@@ -1,0 +1,109 @@
+// LaunchEnv parsing: torchrun, SLURM and Open MPI variables, the agent-store prefix, and errors
+// that name the variable and its value. Pure parsing: runs anywhere (no GPU, no sockets).
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <string>
+
+#include "collectives/env.h"
+#include "collectives/launch_env.h"
+
+using flatshard::LaunchEnv;
+
+namespace {
+
+LaunchEnv parse(const std::map<std::string, std::string>& vars) {
+  return LaunchEnv::from_lookup([&](const char* name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  });
+}
+
+std::map<std::string, std::string> torchrun() {
+  return {{"RANK", "3"},        {"WORLD_SIZE", "8"},        {"LOCAL_RANK", "1"},
+          {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29500"}};
+}
+
+}  // namespace
+
+TEST_CASE("torchrun variables", "[launch_env]") {
+  auto e = parse(torchrun());
+  CHECK(e.launcher == LaunchEnv::Launcher::kTorchrun);
+  CHECK(e.rank == 3);
+  CHECK(e.world_size == 8);
+  CHECK(e.local_rank == 1);
+  CHECK(e.local_world_size == 2);
+  CHECK(e.master_addr == "node0");
+  CHECK(e.master_port == 29500);
+  CHECK_FALSE(e.use_agent_store);
+  CHECK(e.store_prefix().empty());
+  CHECK(e.describe() == "rank 3/8 (local 1/2) via torchrun, store node0:29500");
+}
+
+TEST_CASE("torchrun agent store: client under /worker/attempt_<restart>", "[launch_env]") {
+  auto vars = torchrun();
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  vars["TORCHELASTIC_RESTART_COUNT"] = "2";
+  auto e = parse(vars);
+  CHECK(e.use_agent_store);
+  CHECK(e.restart_count == 2);
+  CHECK(e.store_prefix() == "/worker/attempt_2");
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  CHECK_FALSE(parse(vars).use_agent_store);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "yes";
+  CHECK_THROWS_WITH(parse(vars), Catch::Contains("TORCHELASTIC_USE_AGENT_STORE='yes'"));
+}
+
+TEST_CASE("SLURM and Open MPI when RANK is absent", "[launch_env]") {
+  auto s = parse({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "1"},
+                  {"SLURM_NTASKS_PER_NODE", "4(x4)"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "1234"}});
+  CHECK(s.launcher == LaunchEnv::Launcher::kSlurm);
+  CHECK((s.rank == 5 && s.world_size == 16 && s.local_rank == 1 && s.local_world_size == 4));
+  auto m = parse({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                  {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "1234"}});
+  CHECK(m.launcher == LaunchEnv::Launcher::kOpenMpi);
+  CHECK((m.rank == 2 && m.world_size == 4 && m.local_rank == 0 && m.local_world_size == -1));
+  // RANK wins over the others (torchrun inside a SLURM allocation).
+  auto vars = torchrun();
+  vars["SLURM_PROCID"] = "0";
+  CHECK(parse(vars).launcher == LaunchEnv::Launcher::kTorchrun);
+}
+
+TEST_CASE("missing or malformed variables name the variable and value", "[launch_env][errors]") {
+  CHECK_THROWS_WITH(parse({}), Catch::Contains("no launcher environment"));
+  auto v = torchrun();
+  v.erase("MASTER_ADDR");
+  CHECK_THROWS_WITH(parse(v), Catch::Contains("MASTER_ADDR is not set"));
+  v = torchrun();
+  v["RANK"] = "abc";
+  CHECK_THROWS_WITH(parse(v), Catch::Contains("RANK='abc' is not an integer"));
+  v = torchrun();
+  v["RANK"] = "8";
+  CHECK_THROWS_WITH(parse(v), Catch::Contains("RANK=8 is out of range [0, 7]"));
+  v = torchrun();
+  v["MASTER_PORT"] = "70000";
+  CHECK_THROWS_WITH(parse(v), Catch::Contains("MASTER_PORT=70000 is out of range"));
+  v = torchrun();
+  v["LOCAL_RANK"] = "2";
+  CHECK_THROWS_WITH(parse(v), Catch::Contains("LOCAL_RANK=2 is out of range [0, 1]"));
+  CHECK_THROWS_WITH(parse({{"SLURM_PROCID", "0"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}}),
+                    Catch::Contains("(SLURM): environment variable SLURM_NTASKS is not set"));
+}
+
+TEST_CASE("FLATSHARD_* knobs: defaults and validation", "[launch_env][env]") {
+  namespace env = flatshard::env;
+  unsetenv(env::kTimeoutMs);
+  CHECK(env::timeout().count() == 600000);
+  setenv(env::kTimeoutMs, "1500", 1);
+  CHECK(env::timeout().count() == 1500);
+  setenv(env::kTimeoutMs, "soon", 1);
+  CHECK_THROWS_WITH(env::timeout(), Catch::Contains("FLATSHARD_TIMEOUT_MS='soon' is not an integer"));
+  unsetenv(env::kTimeoutMs);
+  setenv(env::kNcclTerminateOnError, "maybe", 1);
+  CHECK_THROWS_WITH(env::nccl_terminate_on_error(), Catch::Contains("is not a boolean"));
+  setenv(env::kNcclTerminateOnError, "ON", 1);
+  CHECK(env::nccl_terminate_on_error());
+  unsetenv(env::kNcclTerminateOnError);
+  CHECK(env::knobs().size() >= 5);
+}

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh — build and check flatshard on a GPU box, from the repository root:
+#     bash tools/gpu_check.sh
+# Steps (each a function below; add new ones to STEPS):
+#   configure   cmake with torch's CMake prefix and NCCL from python3's torch wheel, the staged
+#               .device-deps/ (Abseil, Catch2 v2; see ../shared/tools/stage-device-deps.sh) if
+#               present, -DFLATSHARD_GPU_TESTS=ON
+#   build       the GPU targets (GPU_CHECK_BUILD_ALL=1: every target)
+#   gpu_tests   ctest -L gpu (each test launches itself with torchrun on min(2, #GPUs) GPUs)
+#   bench       flatshard-collectives-bench via torchrun
+#   bench_nowd  the same for all_gather:bf16 with the watchdog off (FLATSHARD_NCCL_WATCHDOG=0),
+#               to show what the per-collective completion event costs
+#   c10d        tools/c10d_reference.py via torchrun (same sizes and table)
+#   compare     side-by-side table: size, flatshard us, c10d us, ratio
+# A summary of every step is printed last; the exit status is non-zero if any step failed.
+# Knobs: GPU_CHECK_BUILD (build dir, default /tmp/flatshard-gpu-build), GPU_CHECK_LOGDIR (logs,
+# default $GPU_CHECK_BUILD/gpu_check), GPU_CHECK_NPROC (processes/GPUs, default min(2, #GPUs)),
+# GPU_CHECK_BENCH_ARGS (extra arguments for both benchmarks), PYTHON (default python3).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PYTHON=${PYTHON:-python3}
+BUILD=${GPU_CHECK_BUILD:-/tmp/flatshard-gpu-build}
+LOGDIR=${GPU_CHECK_LOGDIR:-$BUILD/gpu_check}
+BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:-}
+mkdir -p "$LOGDIR"
+
+log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
+
+# Abseil from .device-deps is linked dynamically.
+if [ -d "$ROOT/.device-deps/absl-prefix/lib/x86_64-linux-gnu" ]; then
+  export LD_LIBRARY_PATH="$ROOT/.device-deps/absl-prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+NGPU=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+NPROC=${GPU_CHECK_NPROC:-$((NGPU < 2 ? NGPU : 2))}
+TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
+
+# ------------------------------------------------------------------------------------------------
+step_configure() {
+  local tp nr prefix
+  tp=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)') || return 1
+  nr=$("$PYTHON" -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])') || return 1
+  prefix="$tp"
+  [ -d .device-deps/catch2-prefix ] && prefix="$ROOT/.device-deps/catch2-prefix;$prefix"
+  [ -d .device-deps/absl-prefix ] && prefix="$prefix;$ROOT/.device-deps/absl-prefix"
+  local gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  # A stale cache can keep a wrong NCCL (GPU.md): configure fresh.
+  rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
+  cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$prefix" -DNCCL_ROOT="$nr" -DFLATSHARD_PYTHON="$PYTHON" \
+    -DFLATSHARD_WITH_CUDA=ON -DFLATSHARD_GPU_TESTS=ON -DFLATSHARD_GPU_TEST_NPROC="$NPROC"
+}
+
+step_build() {
+  local targets=(--target nccl_collectives_test flatshard-collectives-bench)
+  [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
+  cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
+}
+
+step_gpu_tests() {
+  log "(the timeout test logs one expected 'ERROR ... timed out' line from rank 0)"
+  ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600
+}
+
+step_bench() {
+  # shellcheck disable=SC2086
+  "${TORCHRUN[@]}" --no-python "$BUILD/benchmarks/flatshard-collectives-bench" $BENCH_ARGS \
+    | tee "$LOGDIR/flatshard.txt"
+}
+
+step_bench_nowd() {
+  # shellcheck disable=SC2086
+  FLATSHARD_NCCL_WATCHDOG=0 "${TORCHRUN[@]}" --no-python "$BUILD/benchmarks/flatshard-collectives-bench" \
+    --ops all_gather:bf16 $BENCH_ARGS | tee "$LOGDIR/flatshard_nowd.txt"
+}
+
+step_c10d() {
+  # shellcheck disable=SC2086
+  "${TORCHRUN[@]}" tools/c10d_reference.py $BENCH_ARGS | tee "$LOGDIR/c10d.txt"
+}
+
+step_compare() {
+  "$PYTHON" - "$LOGDIR/flatshard.txt" "$LOGDIR/c10d.txt" "$LOGDIR/flatshard_nowd.txt" <<'EOF' | tee "$LOGDIR/compare.txt"
+import sys
+
+def rows(path):
+    out = {}
+    try:
+        lines = open(path).readlines()
+    except OSError:
+        return out
+    for line in lines:
+        f = line.split()
+        if len(f) == 8 and not line.startswith("#"):
+            out[(f[0], f[1], int(f[2]))] = (float(f[4]), float(f[6]), f[7])
+    return out
+
+ours, ref, nowd = rows(sys.argv[1]), rows(sys.argv[2]), rows(sys.argv[3])
+if not ours or not ref:
+    sys.exit("compare: no rows in one of the tables")
+print("# side by side (ratio = flatshard time / c10d time; <= 1.00 means flatshard is as fast or faster)")
+print(f"# {'op':>12} {'dtype':>5} {'size':>9} {'flatshard us':>12} {'c10d us':>10} {'ratio':>6} "
+      f"{'fs busbw':>9} {'c10d busbw':>10} {'fs no-watchdog us':>17}")
+slower = 0
+for key in sorted(ours, key=lambda k: (k[0], k[1], k[2])):
+    if key not in ref:
+        continue
+    (t, bw, ok), (tr, bwr, okr) = ours[key], ref[key]
+    size = key[2]
+    human = f"{size >> 30}G" if size >= 1 << 30 else f"{size >> 20}M" if size >= 1 << 20 else f"{size >> 10}K"
+    ratio = t / tr
+    note = "" if ratio <= 1.0 else "  slower"
+    slower += ratio > 1.0
+    if ok != "OK" or okr != "OK":
+        note += "  WRONG"
+    nw = f"{nowd[key][0]:17.2f}" if key in nowd else f"{'-':>17}"
+    print(f"{key[0]:>14} {key[1]:>5} {human:>9} {t:12.2f} {tr:10.2f} {ratio:6.2f} {bw:9.2f} {bwr:10.2f} {nw}{note}")
+beyond = sum(1 for k in ours if k in ref and ours[k][0] / ref[k][0] > 1.02)
+print(f"# {slower} of {len([k for k in ours if k in ref])} rows slower than c10d; "
+      f"{beyond} slower by more than 2% (run-to-run noise of separate processes is about 1-2%)")
+EOF
+}
+
+# ------------------------------------------------------------------------------------------------
+STEPS=(configure build gpu_tests bench bench_nowd c10d compare)
+# A failed step in this list stops the run (later steps need its output).
+FATAL=(configure build)
+declare -A RESULT SECONDS_TAKEN
+
+run_steps() {
+  local stop=0 s t0 rc
+  for s in "${STEPS[@]}"; do
+    if [ "$stop" = 1 ]; then
+      RESULT[$s]=SKIPPED
+      continue
+    fi
+    log "=== step $s ==="
+    t0=$(date +%s)
+    "step_$s" 2>&1 | tee "$LOGDIR/$s.log"
+    rc=${PIPESTATUS[0]}
+    SECONDS_TAKEN[$s]=$(($(date +%s) - t0))
+    if [ "$rc" = 0 ]; then RESULT[$s]=PASS; else RESULT[$s]="FAIL (exit $rc)"; fi
+    if [ "$rc" != 0 ] && [[ " ${FATAL[*]} " == *" $s "* ]]; then stop=1; fi
+  done
+}
+
+summary() {
+  local s failed=0
+  echo
+  log "=== summary (logs in $LOGDIR; $NGPU GPUs visible, $NPROC used) ==="
+  for s in "${STEPS[@]}"; do
+    printf '  %-10s %-16s %ss\n' "$s" "${RESULT[$s]}" "${SECONDS_TAKEN[$s]:--}"
+    [ "${RESULT[$s]}" = PASS ] || failed=1
+  done
+  if [ -f "$LOGDIR/compare.txt" ]; then
+    echo
+    cat "$LOGDIR/compare.txt"
+  fi
+  return $failed
+}
+
+if [ "$NPROC" -lt 1 ]; then
+  log "no CUDA device visible to $PYTHON (torch.cuda.device_count() = $NGPU)"
+  exit 1
+fi
+run_steps
+summary
