@@ -1,0 +1,39 @@
+// flatshard/fsdp/options.h — the knobs of fully_shard(), as plain structs with documented
+// defaults. Per-unit overrides come from the plan (wrap_policies/plan.h: UnitOptions).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+
+#include "wrap_policies/plan.h"
+
+namespace flatshard {
+
+struct MixedPrecision {
+  // dtype of the gathered parameters, of compute and of the all-gather. The optimizer always
+  // sees fp32 master shards. Default: float32 (no mixed precision).
+  c10::ScalarType param_dtype = c10::kFloat;
+  // dtype of the gradient reduce-scatter / all-reduce. Default: param_dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
+};
+
+struct ShardingOptions {
+  // Strategy for units whose plan entry sets none.
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // FULL_SHARD units free their gathered parameters after forward (true) or keep them until
+  // backward (false, i.e. SHARD_GRAD_OP behaviour). The root unit defaults to false because
+  // its backward starts right after the forward ends; a plan option overrides both.
+  bool reshard_after_forward = true;
+  MixedPrecision mixed_precision;
+  // Units whose all-gather is issued ahead of use: in forward, the next N units in the order
+  // recorded on the previous step; in backward, the next N in reverse forward order.
+  int forward_prefetch = 1;
+  int backward_prefetch = 1;
+  // Broadcast rank 0's initial parameter values at setup, so ranks need not initialise alike.
+  bool sync_module_states = true;
+  // Alignment of each parameter inside a flat parameter, in elements.
+  int64_t align = 8;
+};
+
+}  // namespace flatshard

@@ -1,0 +1,175 @@
+#include "fsdp/unit.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "fsdp/runtime.h"
+
+namespace flatshard {
+
+UnitCounters& UnitCounters::operator+=(const UnitCounters& o) {
+  forward_all_gathers += o.forward_all_gathers;
+  backward_all_gathers += o.backward_all_gathers;
+  reduce_scatters += o.reduce_scatters;
+  all_reduces += o.all_reduces;
+  bytes += o.bytes;
+  return *this;
+}
+
+namespace {
+
+// Identity on a unit's outputs whose backward runs before any of the unit's own backward ops:
+// the place to gather the unit's parameters again (the pre-backward hook).
+struct PreBackward : public torch::autograd::Function<PreBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                int64_t unit_ptr, at::TensorList xs) {
+    ctx->saved_data["unit"] = unit_ptr;
+    ctx->set_materialize_grads(false);
+    return xs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* unit = reinterpret_cast<Unit*>(ctx->saved_data["unit"].toInt());
+    unit->pre_backward();
+    torch::autograd::variable_list out;
+    out.reserve(grads.size() + 1);
+    out.emplace_back();  // no gradient for the unit pointer
+    for (auto& g : grads) out.push_back(std::move(g));
+    return out;
+  }
+};
+
+// Runs after a parameter's AccumulateGrad: counts the unit's parameters whose gradient is in.
+struct GradReadyHook : public torch::autograd::FunctionPostHook {
+  explicit GradReadyHook(Unit* u) : unit(u) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    unit->on_grad_accumulated();
+    return outputs;
+  }
+  Unit* unit;
+};
+
+}  // namespace
+
+Unit::Unit(int index, UnitSpec spec, ShardingStrategy strategy, bool reshard_after_forward,
+           std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
+           Runtime& runtime, const FlatParamConfig& flat_config)
+    : index_(index),
+      spec_(std::move(spec)),
+      strategy_(strategy),
+      reshard_after_forward_(reshard_after_forward && strategy == ShardingStrategy::kFullShard),
+      members_(std::move(members)),
+      rt_(runtime) {
+  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), rt_.comm(), flat_config);
+  state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
+  // After set_data (dtype may have changed), so these are the accumulators autograd will use.
+  for (const auto& p : flat_->params()) {
+    auto acc = torch::autograd::impl::grad_accumulator(p.param);
+    TORCH_INTERNAL_ASSERT(acc, "unit '", spec_.name, "': no grad accumulator for '", p.name, "'");
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this)));
+    grad_accumulators_.push_back(std::move(acc));
+  }
+}
+
+Unit::~Unit() {
+  for (size_t i = 0; i < grad_accumulators_.size(); ++i)
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+void Unit::unshard(bool for_backward) {
+  if (state_ == UnitState::kUnsharded) return;
+  flat_->unshard(rt_.all_gather_stream());
+  state_ = UnitState::kUnsharded;
+  if (has_collectives()) {
+    (for_backward ? counters_.backward_all_gathers : counters_.forward_all_gathers) += 1;
+    counters_.bytes += flat_->all_gather_bytes();
+  }
+}
+
+void Unit::reshard() {
+  if (strategy_ == ShardingStrategy::kNoShard || state_ == UnitState::kSharded) return;
+  flat_->reshard();
+  state_ = UnitState::kSharded;
+}
+
+void Unit::pre_forward(const torch::nn::Module*) {
+  if (is_root()) rt_.on_root_enter();
+  if (!called_in_forward_) {
+    called_in_forward_ = true;
+    rt_.on_pre_forward(*this);  // records order; may prefetch later units
+  }
+  if (strategy_ == ShardingStrategy::kNoShard) {
+    if (member_calls_ % static_cast<int64_t>(members_.size()) == 0)
+      flat_->unshard(rt_.all_gather_stream());  // re-cast master into the compute copy
+    state_ = UnitState::kUnsharded;
+  } else {
+    unshard(/*for_backward=*/false);
+  }
+}
+
+void Unit::post_forward(const torch::nn::Module*, std::vector<at::Tensor>& outputs) {
+  ++member_calls_;
+  const bool grad = at::GradMode::is_enabled();
+  if (grad) {
+    std::vector<size_t> idx;
+    std::vector<at::Tensor> diff;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad()) {
+        idx.push_back(i);
+        diff.push_back(outputs[i]);
+      }
+    }
+    if (!diff.empty()) {
+      auto wrapped = PreBackward::apply(reinterpret_cast<int64_t>(this), at::TensorList(diff));
+      for (size_t k = 0; k < idx.size(); ++k) outputs[idx[k]] = wrapped[k];
+      rt_.on_outputs_hooked();
+    }
+  }
+  const bool last_member = member_calls_ % static_cast<int64_t>(members_.size()) == 0;
+  if (last_member && (reshard_after_forward_ || !grad)) reshard();
+}
+
+void Unit::pre_backward() {
+  if (!pre_backward_done_) {
+    pre_backward_done_ = true;
+    rt_.on_pre_backward(*this);  // queues end-of-backward; prefetches the next units
+  }
+  unshard(/*for_backward=*/true);
+  flat_->prepare_grad();
+}
+
+void Unit::on_grad_accumulated() {
+  if (++grads_ready_ == static_cast<int64_t>(grad_accumulators_.size())) post_backward();
+}
+
+void Unit::post_backward() {
+  if (post_backward_done_) return;
+  post_backward_done_ = true;
+  if (rt_.requires_grad_sync()) {
+    if (has_collectives()) {
+      flat_->reduce_grad(rt_.reduce_scatter_stream());
+      if (strategy_ == ShardingStrategy::kNoShard) {
+        counters_.all_reduces += 1;
+      } else {
+        counters_.reduce_scatters += 1;
+      }
+      counters_.bytes += flat_->reduce_bytes();
+    } else {
+      flat_->drop_grad();
+    }
+  }
+  reshard();
+}
+
+void Unit::reset_step_state() {
+  member_calls_ = 0;
+  called_in_forward_ = false;
+  pre_backward_done_ = false;
+  grads_ready_ = 0;
+  post_backward_done_ = false;
+}
+
+}  // namespace flatshard
