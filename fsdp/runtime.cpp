@@ -84,11 +84,11 @@ void Runtime::on_pre_backward(Unit& unit) {
 }
 
 void Runtime::finalize_backward() {
-  // Units entered in forward whose gradients were not all produced (unused parameters, outputs
+  // Units whose gradients were not all produced (unused parameters, units not entered, outputs
   // that did not reach the loss) reduce now, in plan order, so every rank issues the same
-  // collectives in the same order.
+  // collectives in the same order and every planned parameter gets a (possibly zero) gradient.
   for (auto& u : units_) {
-    if (u->called_in_forward() && !u->post_backward_done()) u->post_backward();
+    if (!u->post_backward_done()) u->post_backward();
   }
   for (auto& u : units_) {
     u->reshard();

@@ -165,12 +165,21 @@ double ShardedModel::clip_grad_norm_(double max_norm) {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full_params() const {
+  return gather_full(/*grads=*/false);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full_grads() const {
+  return gather_full(/*grads=*/true);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool grads) const {
   at::NoGradGuard no_grad;
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& u : runtime_->units()) {
     const FlatParam& f = u->flat();
     const FlatLayout& l = f.layout();
     at::Tensor master = f.master().detach();
+    if (grads) master = f.master().grad().defined() ? f.master().grad() : at::zeros_like(master);
     at::Tensor full = master;
     if (f.config().sharded && l.padded_numel > 0) {
       full = at::empty({l.padded_numel}, master.options());

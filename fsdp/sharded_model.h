@@ -86,8 +86,12 @@ class ShardedModel {
   // Collective: the full fp32 value of every planned parameter, by original name, on every
   // rank (gathered from the master shards).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params() const;
+  // Collective: the same for the master gradients (zeros where a unit has none yet).
+  std::vector<std::pair<std::string, at::Tensor>> gather_full_grads() const;
 
  private:
+  std::vector<std::pair<std::string, at::Tensor>> gather_full(bool grads) const;
+
   std::shared_ptr<torch::nn::Module> model_;
   Plan plan_;
   Communicator& comm_;
