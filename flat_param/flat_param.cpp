@@ -133,7 +133,7 @@ void FlatParam::prepare_grad() {
   set_param_grads(true);
 }
 
-void FlatParam::reduce_grad(c10::Stream stream) {
+std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
@@ -155,7 +155,9 @@ void FlatParam::reduce_grad(c10::Stream stream) {
   } else {
     mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
   }
+  std::vector<at::Tensor> in_use = {full_grad_, send};
   drop_grad();
+  return in_use;
 }
 
 void FlatParam::drop_grad() {

@@ -71,9 +71,11 @@ class FlatParam {
   // Allocates and zeroes full_grad() and points the parameters' .grad at it. No-op if it is
   // already prepared (gradient accumulation across backward passes).
   void prepare_grad();
-  // One reduce-scatter / all-reduce (average over ranks) of full_grad() into master().grad.
-  // Frees full_grad() and clears the parameters' .grad.
-  void reduce_grad(c10::Stream stream);
+  // One reduce-scatter / all-reduce (average over ranks) of full_grad() into master().grad,
+  // enqueued on `stream`. Clears the parameters' .grad and drops full_grad(); returns the
+  // buffers `stream` still reads, which the caller must keep alive until work on the
+  // allocating (compute) stream is ordered after `stream` (Note [Reduce buffer lifetime]).
+  std::vector<at::Tensor> reduce_grad(c10::Stream stream);
   // Clears the parameters' .grad and frees full_grad() without reducing.
   void drop_grad();
 

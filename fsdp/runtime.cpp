@@ -26,9 +26,6 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options)
   TORCH_CHECK(options_.forward_prefetch >= 0 && options_.backward_prefetch >= 0,
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
-  // TODO(gpu pipeline): on CUDA, order the side streams against the compute stream with events.
-  TORCH_CHECK(comm.device().is_cpu(),
-              "flatshard: the CUDA pipeline is not implemented yet (device ", comm.device(), ")");
 }
 
 c10::Stream Runtime::compute_stream() const { return comm_.current_stream(); }
@@ -83,6 +80,18 @@ void Runtime::on_pre_backward(Unit& unit) {
   prefetch(backward_order_, from, options_.backward_prefetch, /*for_backward=*/true);
 }
 
+void Runtime::hold_reduce_buffers(std::vector<at::Tensor> buffers, const StreamEvent* done) {
+  TORCH_INTERNAL_ASSERT(reduce_buffers_.empty(), "release_reduce_buffers() not called first");
+  reduce_buffers_ = std::move(buffers);
+  reduce_buffers_done_ = done;
+}
+
+void Runtime::release_reduce_buffers() {
+  if (reduce_buffers_done_ != nullptr) reduce_buffers_done_->block(compute_stream());
+  reduce_buffers_.clear();
+  reduce_buffers_done_ = nullptr;
+}
+
 void Runtime::finalize_backward() {
   // Units whose gradients were not all produced (unused parameters, units not entered, outputs
   // that did not reach the loss) reduce now, in plan order, so every rank issues the same
@@ -90,6 +99,9 @@ void Runtime::finalize_backward() {
   for (auto& u : units_) {
     if (!u->post_backward_done()) u->post_backward();
   }
+  // The optimizer reads the master gradients on the compute stream: wait for the last
+  // reduction (reductions run in order on one stream, so the last one covers all).
+  release_reduce_buffers();
   for (auto& u : units_) {
     u->reshard();
     u->reset_step_state();

@@ -5,6 +5,7 @@
 // autograd thread never run flatshard code concurrently for one model).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/core/Stream.h>
 
 #include <memory>
@@ -52,6 +53,13 @@ class Runtime {
   void on_pre_forward(Unit& unit);   // first entry of `unit` in this forward
   void on_pre_backward(Unit& unit);  // first pre-backward of `unit` in this backward
 
+  // Note [Reduce buffer lifetime]: a reduction reads buffers allocated on the compute stream.
+  // They are held here until the next reduction is issued (or backward ends), when the compute
+  // stream first waits for `done`; only then are they released to the allocator. This bounds
+  // pending reduce buffers to one unit's worth without recordStream.
+  void hold_reduce_buffers(std::vector<at::Tensor> buffers, const StreamEvent* done);
+  void release_reduce_buffers();
+
   // Runs when the autograd engine finishes a backward pass that touched our units.
   void finalize_backward();
 
@@ -66,6 +74,8 @@ class Runtime {
   std::vector<Unit*> forward_order_;       // units in first-entry order, this step
   std::vector<Unit*> last_forward_order_;  // the previous step's, drives forward prefetch
   std::vector<Unit*> backward_order_;      // reverse forward order without the root, this step
+  std::vector<at::Tensor> reduce_buffers_;  // see Note [Reduce buffer lifetime]
+  const StreamEvent* reduce_buffers_done_ = nullptr;
   bool backward_active_ = false;
   bool pending_backward_ = false;  // this step's forward armed a pre-backward hook
   bool requires_grad_sync_ = true;

@@ -81,16 +81,32 @@ Unit::~Unit() {
 
 void Unit::unshard(bool for_backward) {
   if (state_ == UnitState::kUnsharded) return;
-  flat_->unshard(rt_.all_gather_stream());
+  const c10::Stream ag = rt_.all_gather_stream();
+  // The master shard may have just been updated by the optimizer on the compute stream.
+  stream_wait_stream(ag, rt_.compute_stream(), scratch_);
+  flat_->unshard(ag);
+  all_gather_done_.record(ag);
+  all_gather_pending_ = true;
   state_ = UnitState::kUnsharded;
-  if (has_collectives()) {
+  if (has_collectives() && strategy_ != ShardingStrategy::kNoShard) {
     (for_backward ? counters_.backward_all_gathers : counters_.forward_all_gathers) += 1;
     counters_.bytes += flat_->all_gather_bytes();
   }
 }
 
+void Unit::wait_unsharded() {
+  if (!all_gather_pending_) return;
+  all_gather_done_.block(rt_.compute_stream());
+  all_gather_pending_ = false;
+}
+
 void Unit::reshard() {
   if (strategy_ == ShardingStrategy::kNoShard || state_ == UnitState::kSharded) return;
+  // Note [Free by event ordering]: the gathered buffer came from the all-gather stream's pool.
+  // Making that stream wait for the compute work queued so far means any later all-gather that
+  // reuses the freed block runs after the last read of it. No recordStream, no host sync.
+  compute_done_.record(rt_.compute_stream());
+  compute_done_.block(rt_.all_gather_stream());
   flat_->reshard();
   state_ = UnitState::kSharded;
 }
@@ -102,12 +118,14 @@ void Unit::pre_forward(const torch::nn::Module*) {
     rt_.on_pre_forward(*this);  // records order; may prefetch later units
   }
   if (strategy_ == ShardingStrategy::kNoShard) {
-    if (member_calls_ % static_cast<int64_t>(members_.size()) == 0)
-      flat_->unshard(rt_.all_gather_stream());  // re-cast master into the compute copy
-    state_ = UnitState::kUnsharded;
+    if (member_calls_ % static_cast<int64_t>(members_.size()) == 0) {
+      state_ = UnitState::kSharded;  // re-cast the master into the compute copy (no collective)
+      unshard(/*for_backward=*/false);
+    }
   } else {
     unshard(/*for_backward=*/false);
   }
+  wait_unsharded();
 }
 
 void Unit::post_forward(const torch::nn::Module*, std::vector<at::Tensor>& outputs) {
@@ -138,6 +156,7 @@ void Unit::pre_backward() {
     rt_.on_pre_backward(*this);  // queues end-of-backward; prefetches the next units
   }
   unshard(/*for_backward=*/true);
+  wait_unsharded();
   flat_->prepare_grad();
 }
 
@@ -150,7 +169,12 @@ void Unit::post_backward() {
   post_backward_done_ = true;
   if (rt_.requires_grad_sync()) {
     if (has_collectives()) {
-      flat_->reduce_grad(rt_.reduce_scatter_stream());
+      const c10::Stream rs = rt_.reduce_scatter_stream();
+      rt_.release_reduce_buffers();
+      stream_wait_stream(rs, rt_.compute_stream(), scratch_);  // the gradients are computed
+      auto in_use = flat_->reduce_grad(rs);
+      reduce_done_.record(rs);
+      rt_.hold_reduce_buffers(std::move(in_use), &reduce_done_);
       if (strategy_ == ShardingStrategy::kNoShard) {
         counters_.all_reduces += 1;
       } else {

@@ -21,6 +21,7 @@
 
 #include "flat_param/flat_param.h"
 #include "fsdp/options.h"
+#include "fsdp/stream_event.h"
 #include "wrap_policies/plan.h"
 
 namespace torch {
@@ -80,6 +81,8 @@ class Unit {
   void post_backward();        // reduce (if syncing) + reshard; idempotent per backward
   // Gathers the parameters if sharded (counted as a forward or backward all-gather).
   void unshard(bool for_backward);
+  // Orders the compute stream after this unit's pending all-gather (no-op if none).
+  void wait_unsharded();
   void reshard();
   // End of a backward pass: clears per-step state.
   void reset_step_state();
@@ -99,6 +102,18 @@ class Unit {
   std::unique_ptr<FlatParam> flat_;
   UnitState state_ = UnitState::kSharded;
   UnitCounters counters_;
+
+  // Recorded on the all-gather stream after unshard(); the compute stream waits on it before
+  // the parameters are read.
+  StreamEvent all_gather_done_;
+  bool all_gather_pending_ = false;
+  // Recorded on the compute stream when the unit reshards; the all-gather stream waits on it
+  // so memory freed to its pool is not rewritten while compute still reads it.
+  StreamEvent compute_done_;
+  // Scratch: orders a side stream after the compute stream's queued work.
+  StreamEvent scratch_;
+  // Recorded on the reduce-scatter stream after this unit's reduction.
+  StreamEvent reduce_done_;
 
   // AccumulateGrad nodes of our parameters, held so the post hooks we add stay installed
   // (autograd caches them only weakly).
