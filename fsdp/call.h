@@ -87,15 +87,16 @@ struct OutputAdapter<std::tuple<Ts...>> {
 
 }  // namespace detail
 
-// Calls module->forward(args...) as a unit-aware call. `module` may be a ModuleHolder
-// (torch::nn::Linear, TORCH_MODULE types), a std::shared_ptr<Impl> or a raw Impl pointer.
-template <class M, class... Args>
-auto call(M& module, Args&&... args) {
+// Runs fn() as a unit-aware call of `module`: the unit (if `module` is one) is gathered before
+// and its outputs hooked after. Use it to enter a unit through a method other than forward,
+// e.g. the root:  auto loss = flatshard::enter(model, [&] { return model->loss(x, y); });
+template <class M, class Fn>
+auto enter(M& module, Fn&& fn) {
   const torch::nn::Module* m = detail::module_of(module);
   Unit* unit = detail::find_unit(m);
-  if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
+  if (unit == nullptr) return fn();
   detail::pre_forward(unit, m);
-  auto out = module->forward(std::forward<Args>(args)...);
+  auto out = fn();
   using Out = decltype(out);
   std::vector<at::Tensor> tensors;
   detail::OutputAdapter<Out>::collect(out, tensors);
@@ -103,6 +104,13 @@ auto call(M& module, Args&&... args) {
   size_t i = 0;
   detail::OutputAdapter<Out>::restore(out, tensors, i);
   return out;
+}
+
+// Calls module->forward(args...) as a unit-aware call. `module` may be a ModuleHolder
+// (torch::nn::Linear, TORCH_MODULE types), a std::shared_ptr<Impl> or a raw Impl pointer.
+template <class M, class... Args>
+auto call(M& module, Args&&... args) {
+  return enter(module, [&] { return module->forward(std::forward<Args>(args)...); });
 }
 
 }  // namespace flatshard
