@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/core/Stream.h>
 
 #include <optional>
 
@@ -34,6 +35,15 @@ struct ShardingOptions {
   bool sync_module_states = true;
   // Alignment of each parameter inside a flat parameter, in elements.
   int64_t align = 8;
+
+  // Race exposure for tests (GPU only; 0 = off): a device sleep of this many cycles is queued
+  // on the all-gather / reduce-scatter stream before every all-gather / reduction, so a
+  // missing event wait shows up as wrong numbers instead of passing by luck.
+  int64_t debug_sleep_before_all_gather_cycles = 0;
+  int64_t debug_sleep_before_reduce_cycles = 0;
 };
+
+// Queues a device sleep of `cycles` on `stream` (CUDA); a no-op on CPU.
+void device_sleep(const c10::Stream& stream, int64_t cycles);
 
 }  // namespace flatshard

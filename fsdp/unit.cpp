@@ -84,6 +84,7 @@ void Unit::unshard(bool for_backward) {
   const c10::Stream ag = rt_.all_gather_stream();
   // The master shard may have just been updated by the optimizer on the compute stream.
   stream_wait_stream(ag, rt_.compute_stream(), scratch_);
+  device_sleep(ag, rt_.options().debug_sleep_before_all_gather_cycles);
   flat_->unshard(ag);
   all_gather_done_.record(ag);
   all_gather_pending_ = true;
@@ -172,6 +173,7 @@ void Unit::post_backward() {
       const c10::Stream rs = rt_.reduce_scatter_stream();
       rt_.release_reduce_buffers();
       stream_wait_stream(rs, rt_.compute_stream(), scratch_);  // the gradients are computed
+      device_sleep(rs, rt_.options().debug_sleep_before_reduce_cycles);
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
       rt_.hold_reduce_buffers(std::move(in_use), &reduce_done_);
