@@ -189,6 +189,14 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool g
       out.emplace_back(f.params()[i].name,
                        full.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]).clone());
   }
+  // Tied parameters are stored once; list them under every name the model has for them.
+  for (const auto& [first, others] : plan_.tied) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (out[i].first != first) continue;
+      for (const auto& other : others) out.emplace_back(other, out[i].second);
+      break;
+    }
+  }
   return out;
 }
 
@@ -196,6 +204,13 @@ std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> mod
                                           const Plan& plan, Communicator& comm,
                                           ShardingOptions options) {
   return std::make_unique<ShardedModel>(std::move(model), plan, comm, std::move(options));
+}
+
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Policy& policy, Communicator& comm,
+                                          ShardingOptions options) {
+  TORCH_CHECK(model != nullptr, "fully_shard: model is null");
+  return fully_shard(model, make_plan(*model, policy), comm, std::move(options));
 }
 
 }  // namespace flatshard

@@ -29,6 +29,7 @@
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
 #include "wrap_policies/plan.h"
+#include "wrap_policies/policy.h"
 
 namespace torch {
 namespace nn {
@@ -84,7 +85,7 @@ class ShardedModel {
   double clip_grad_norm_(double max_norm);
 
   // Collective: the full fp32 value of every planned parameter, by original name, on every
-  // rank (gathered from the master shards).
+  // rank (gathered from the master shards). Tied parameters appear under each of their names.
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params() const;
   // Collective: the same for the master gradients (zeros where a unit has none yet).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_grads() const;
@@ -100,6 +101,10 @@ class ShardedModel {
 
 std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
                                           const Plan& plan, Communicator& comm,
+                                          ShardingOptions options = {});
+// Same, with the plan made from `policy` (make_plan).
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Policy& policy, Communicator& comm,
                                           ShardingOptions options = {});
 
 }  // namespace flatshard

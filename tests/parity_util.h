@@ -78,8 +78,14 @@ struct ParitySpec {
 
 inline ParityRun run_reference(const ParitySpec& s) {
   auto model = s.make_model();
+  // Each distinct tensor once: LibTorch lists a tied parameter under every name, and AdamW
+  // would update it twice per step.
   std::vector<at::Tensor> params;
-  for (auto& p : model->parameters()) params.push_back(p);
+  for (auto& p : model->parameters()) {
+    bool seen = false;
+    for (auto& q : params) seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+    if (!seen) params.push_back(p);
+  }
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
   ParityRun out;
   for (int step = 0; step < s.steps; ++step) {
