@@ -43,6 +43,12 @@ Unit* find_unit(const torch::nn::Module* m) {
 
 void pre_forward(Unit* unit, const torch::nn::Module* m) { unit->pre_forward(m); }
 
+at::Tensor cast_input(Unit* unit, const at::Tensor& t) {
+  const at::ScalarType dt = unit->flat().config().param_dtype;
+  if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.scalar_type() == dt) return t;
+  return t.to(dt);
+}
+
 void post_forward(Unit* unit, const torch::nn::Module* m, std::vector<at::Tensor>& outputs) {
   unit->post_forward(m, outputs);
 }
