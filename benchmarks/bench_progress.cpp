@@ -23,6 +23,9 @@ ProgressFn Progress::start(const std::string& label, int index, int count, int w
   warmup_ = warmup;
   last_len_ = 0;
   if (!live_) return nullptr;
+  const std::string first = prefix() + "  setting up (build, shard, optimizer)";
+  last_len_ = first.size();
+  out_ << first << std::flush;
   return [this](int step, int total, double ms) {
     char buf[160];
     std::snprintf(buf, sizeof(buf), "  step %d/%d%s  last %.1f ms", step + 1, total,
