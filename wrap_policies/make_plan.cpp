@@ -64,7 +64,8 @@ class Walker {
 
     on_path_.insert(&m);
     // named_children() rather than named_modules(): the latter needs the root in a shared_ptr.
-    for (const auto& kv : m.named_children()) walk(*kv.value(), join(path, kv.key()), kv.key(), index);
+    for (const auto& kv : m.named_children())
+      walk(*kv.value(), join(path, kv.key()), kv.key(), index);
     on_path_.erase(&m);
   }
 
@@ -159,7 +160,9 @@ std::vector<Group> group(const std::vector<Node>& nodes, const std::vector<int>&
       if (r < 0) continue;
       const int64_t k = policy.rules[r].every;
       auto it = open.find(r);
-      if (k > 1 && it != open.end() && static_cast<int64_t>(groups[it->second].members.size()) < k) {
+      const bool room =
+          it != open.end() && static_cast<int64_t>(groups[it->second].members.size()) < k;
+      if (k > 1 && room) {
         groups[it->second].members.push_back(c);
         continue;
       }
@@ -268,7 +271,8 @@ Plan make_plan(const torch::nn::Module& model, const Policy& policy) {
     else
       plan.units.push_back(std::move(u));
   }
-  plan.matched_modules = std::count_if(matched.begin(), matched.end(), [](int r) { return r >= 0; });
+  plan.matched_modules =
+      std::count_if(matched.begin(), matched.end(), [](int r) { return r >= 0; });
   return plan;
 }
 

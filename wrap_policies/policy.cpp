@@ -11,7 +11,8 @@ namespace flatshard {
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 Rule one_term(Term t) {
@@ -152,7 +153,8 @@ Policy single(Rule rule) { return any_of({std::move(rule)}); }
 void validate(const Policy& policy) {
   for (size_t i = 0; i < policy.rules.size(); ++i) {
     const Rule& r = policy.rules[i];
-    TORCH_CHECK(!r.terms.empty(), "policy rule ", i, ": no terms (a rule must say what it matches)");
+    TORCH_CHECK(!r.terms.empty(), "policy rule ", i,
+                ": no terms (a rule must say what it matches)");
     TORCH_CHECK(r.every >= 1, "policy rule ", i, ": every must be >= 1, got ", r.every);
     for (const Term& t : r.terms) {
       switch (t.kind) {

@@ -20,7 +20,8 @@
 //                   matched descendants left over. Each distinct tensor counts once.
 //   by_path(globs)  the module's dotted path ("blocks.3.mlp") matches one of the globs; the
 //                   syntax is in glob.h (notably '*' also matches across dots).
-//   by_predicate(f) f(path, module) returns true.
+//   by_predicate(f) f(path, module) returns true. Called at most once per module and rule, children
+//                   before parents, and only when the rule's earlier terms held.
 // A rule built by every(k, rule) groups, per parent module, the modules the rule matched, in
 // registration order, k at a time into ONE unit (the last group may be smaller). Siblings the
 // rule did not match are skipped, not run-breakers. A group's name is "<parent>.<first>-<last>"
@@ -78,8 +79,9 @@ struct Policy {
   std::vector<Rule> rules;   // any-of; the first matching rule wins for a module
   UnitOptions root_options;  // options of the root unit
 
-  // Text form in the grammar of spec.h; parse_policy(to_spec()) gives back an equal policy for
-  // every policy without predicate terms (those print as "<predicate LABEL>", unparseable).
+  // Text form in the grammar of spec.h. parse_policy(to_spec()) gives back an equal policy
+  // unless a rule has a predicate term (printed as "<predicate LABEL>") or options no prefix
+  // stands for (printed as "<options ...>"); both are deliberately unparseable.
   std::string to_spec() const;
   Policy& set_root_options(UnitOptions o) {
     root_options = o;

@@ -20,7 +20,9 @@ const char* const kOptions = "one of: noshard, grad_op, full, keep";
 const char* const kCountHelp = "a whole number such as 10000000, 1e7, 10M or 1.5k";
 constexpr int64_t kCountLimit = int64_t{1} << 62;
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 bool is_ident_start(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
 bool is_ident(char c) { return is_ident_start(c) || (c >= '0' && c <= '9'); }
 bool is_digit(char c) { return c >= '0' && c <= '9'; }
@@ -75,7 +77,9 @@ std::optional<int64_t> count_value(const std::string& t, std::string* why) {
     if (i < t.size() && (t[i] == '+' || t[i] == '-')) sign = t[i++] == '-' ? -1 : 1;
     const size_t start = i;
     int64_t e = 0;
-    for (; i < t.size() && is_digit(t[i]); ++i) e = std::min<int64_t>(e * 10 + (t[i] - '0'), 100000);
+    // Clamped: any exponent this large is "too large" or "not whole" anyway.
+    for (; i < t.size() && is_digit(t[i]); ++i)
+      e = std::min<int64_t>(e * 10 + (t[i] - '0'), 100000);
     if (i == start) {
       *why = "no digits in the exponent";
       return std::nullopt;
@@ -245,7 +249,8 @@ class Parser {
     const size_t pos = i_;
     for (const char* c = op; *c; ++c, ++i_)
       if (!peek_is(*c))
-        fail(pos, (at_end() ? std::string("missing '") + op + "'" : "unexpected " + quoted_token(pos)),
+        fail(pos,
+             at_end() ? std::string("missing '") + op + "'" : "unexpected " + quoted_token(pos),
              std::string("'") + op + "' after '" + key + "'");
     skip_ws();
   }
