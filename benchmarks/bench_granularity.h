@@ -7,7 +7,7 @@
 //   is a policy spec and the pieces after it that are not known names continue it (joined by
 //   ',' again), so "layer,every=2,type=Block" is ["layer", "every=2,type=Block"]. Empty pieces
 //   are errors. Pieces of different flags never join.
-// - resolve_granularity() maps a label to a Policy (names: see kGranularityHelp in
+// - resolve_granularity() maps a label to a Policy (names: see the --help footer in
 //   bench_options.cpp) and makes its plan on `model` (pure; runs nothing). It throws UsageError
 //   for an unknown name, a malformed spec (the parser's message, which names the column and the
 //   token) and a policy that matches no module — except `model` and `local`, which match

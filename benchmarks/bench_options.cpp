@@ -79,7 +79,8 @@ ParseResult parse_command_line(int argc, char** argv) {
   auto* o_preset = app.add_option("--preset", preset, "tiny | small | 1b (default: see below)")
                        ->check(CLI::IsMember({"tiny", "small", "1b"}))
                        ->group(g_model);
-  auto* o_layers = app.add_option("--layers", layers, "override: transformer blocks")->group(g_model);
+  auto* o_layers =
+      app.add_option("--layers", layers, "override: transformer blocks")->group(g_model);
   auto* o_dmodel = app.add_option("--d-model", d_model, "override: model width")->group(g_model);
   auto* o_heads = app.add_option("--heads", heads, "override: attention heads (divide d-model)")
                       ->group(g_model);

@@ -1,6 +1,8 @@
 // flatshard/benchmarks/bench_report.cpp — see bench_report.h for the contract.
 #include "benchmarks/bench_report.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -197,7 +199,8 @@ void print_table(const Report& rep, std::ostream& out) {
   out << "\n"
       << "fwd AG, bwd AG, RS, AR: all-gathers in forward / backward, reduce-scatters, all-reduces\n"
       << "  per step; MiB/step: bytes rank 0 sent into them (last measured step, rank 0).\n"
-      << "x local: median step time / local's.  tok/s/GPU: batch*seq / median step time, per rank.\n"
+      << "x local: median step time / local's.  tok/s/GPU: batch*seq / median step time, "
+         "per rank.\n"
       << "MFU: (6N + 12LdT) FLOPs/token * tok/s / peak"
       << (o.peak_tflops ? " (" + fixed(*o.peak_tflops, 0) + " TFLOP/s per rank)"
                         : "; give --peak-tflops to compute it")

@@ -1,6 +1,7 @@
 // flatshard/benchmarks/bench_run.cpp — see bench_run.h for the contract.
 #include "benchmarks/bench_run.h"
 
+#include <c10/util/Exception.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>

@@ -5,10 +5,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -20,8 +20,6 @@
 #error "FLATSHARD_BENCH_EXE (path of flatshard-bench) must be defined by CMake"
 #endif
 
-namespace fs = std::filesystem;
-
 namespace {
 
 struct Outcome {
@@ -29,7 +27,7 @@ struct Outcome {
   std::string out, err;
 };
 
-std::string read_file(const fs::path& p) {
+std::string read_file(const std::string& p) {
   std::ifstream f(p);
   std::stringstream ss;
   ss << f.rdbuf();
@@ -43,27 +41,42 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
-// A private temporary folder, removed at exit.
-const fs::path& scratch() {
-  struct Dir {
-    fs::path path;
-    Dir() : path(fs::temp_directory_path() / ("flatshard_bench_test_" + std::to_string(::getpid()))) {
-      fs::create_directories(path);
-    }
-    ~Dir() {
-      std::error_code ec;
-      fs::remove_all(path, ec);
-    }
-  };
-  static const Dir dir;
-  return dir.path;
+// A private temporary folder (mkdtemp under $TMPDIR or /tmp) and the files the tests put in it,
+// all removed at exit. POSIX calls rather than std::filesystem: libtorch.so exports its own
+// std::filesystem symbols, and calling those from a static destructor crashed at exit.
+class Scratch {
+ public:
+  Scratch() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/flatshard_bench_test_XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    dir_ = pattern;
+  }
+  ~Scratch() {
+    for (const auto& f : files_) ::unlink(f.c_str());
+    ::rmdir(dir_.c_str());
+  }
+  std::string file(const std::string& name) {
+    const std::string path = dir_ + "/" + name;
+    if (std::find(files_.begin(), files_.end(), path) == files_.end()) files_.push_back(path);
+    return path;
+  }
+
+ private:
+  std::string dir_;
+  std::vector<std::string> files_;
+};
+
+std::string scratch(const std::string& name) {
+  static Scratch dir;
+  return dir.file(name);
 }
 
 Outcome run_bench(const std::vector<std::string>& args) {
   std::string cmd = quote(FLATSHARD_BENCH_EXE);
   for (const auto& a : args) cmd += " " + quote(a);
-  const fs::path out = scratch() / "stdout.txt", err = scratch() / "stderr.txt";
-  cmd += " >" + quote(out.string()) + " 2>" + quote(err.string()) + " </dev/null";
+  const std::string out = scratch("stdout.txt"), err = scratch("stderr.txt");
+  cmd += " >" + quote(out) + " 2>" + quote(err) + " </dev/null";
   const int status = std::system(cmd.c_str());
   Outcome o;
   o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
@@ -82,10 +95,10 @@ const mini_json::Value& run_named(const mini_json::Value& doc, const std::string
 // tests below (one run of the binary).
 const mini_json::Value& default_run() {
   static const mini_json::Value doc = [] {
-    const fs::path json = scratch() / "default.json";
+    const std::string json = scratch("default.json");
     const Outcome o =
         run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1", "--json",
-                   json.string()});
+                   json});
     INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
     REQUIRE(o.exit_code == 0);
     return mini_json::parse(read_file(json));
@@ -188,29 +201,32 @@ TEST_CASE("bytes per step are consistent with the parameter count", "[bench]") {
 }
 
 TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
-  const fs::path json = scratch() / "bf16.json", csv = scratch() / "bf16.csv",
-                 svg = scratch() / "bf16.svg";
+  const std::string json = scratch("bf16.json"), csv = scratch("bf16.csv"),
+                    svg = scratch("bf16.svg");
   const Outcome o = run_bench({"--preset", "tiny", "--steps", "1", "--warmup", "0",
                                "--param-dtype", "bf16", "--granularity",
                                "layer,every=2,type=Block", "--granularity", "size>=1e4",
-                               "--json", json.string(), "--csv", csv.string(), "--plot",
-                               svg.string()});
+                               "--granularity", "path=lm_head|x\"y\\z",
+                               "--json", json, "--csv", csv, "--plot", svg});
   INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
   REQUIRE(o.exit_code == 0);
   const auto doc = mini_json::parse(read_file(json));
   CHECK(doc.str("param_dtype") == "bf16");
   std::vector<std::string> names;
   for (const auto& r : doc.at("runs").array) names.push_back(r.str("granularity"));
-  CHECK(names == std::vector<std::string>{"layer", "every=2,type=Block", "size>=1e4"});
+  // The last spec has a quote and a backslash: JSON and CSV must escape them.
+  CHECK(names == std::vector<std::string>{"layer", "every=2,type=Block", "size>=1e4",
+                                          "path=lm_head|x\"y\\z"});
   CHECK(doc.str("check_reference") == "layer");  // no local run: the first one
   for (const auto& r : doc.at("runs").array) CHECK(r.str("check") == "ok");
 
   std::vector<std::string> lines;
   std::istringstream in(read_file(csv));
   for (std::string line; std::getline(in, line);) lines.push_back(line);
-  REQUIRE(lines.size() == 4);
+  REQUIRE(lines.size() == 5);
   CHECK(lines[0].rfind("granularity,world_size,units,", 0) == 0);
   CHECK(lines[2].rfind("\"every=2,type=Block\",2,", 0) == 0);  // a comma in a field is quoted
+  CHECK(lines[4].rfind("\"path=lm_head|x\"\"y\\z\",2,", 0) == 0);  // quotes doubled
 
   const std::string s = read_file(svg);
   CHECK(s.find("<svg") != std::string::npos);
