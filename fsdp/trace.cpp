@@ -270,6 +270,11 @@ int Tracer::record_event(const c10::Stream& stream) {
 void Tracer::release_event(int id) { free_events_.push_back(id); }
 
 bool Tracer::ensure_step(TraceKind kind) {
+  if (records_.size() >= kMaxRecords) {  // e.g. an endless evaluation loop: no step ever ends
+    if (!full_warned_) TORCH_WARN("flatshard trace: ", kMaxRecords, " events recorded; stopping");
+    full_warned_ = true;
+    return false;
+  }
   if (kind == TraceKind::kOptimizer) return !steps_.empty();  // belongs to the last step
   if (step_open_) return true;
   if (static_cast<int>(steps_.size()) >= max_steps_) return false;
@@ -336,6 +341,11 @@ void Tracer::close(const Open& o) {
 
 void Tracer::begin_span(TraceKind kind, int unit) {
   if (unit < 0) return;
+  // A unit entered several times per forward gets several pre-backward hooks but reduces once:
+  // its backward is one span, from the first hook to the post-backward one.
+  if (kind == TraceKind::kBackward)
+    for (const auto& s : open_[unit])
+      if (s.kind == TraceKind::kBackward) return;
   OpenSpan span{kind, -1, 0};
   if (nvtx_) span.nvtx_range = nvtx_start(event_name(kind, unit));
   if (record_ && ensure_step(kind)) {

@@ -34,7 +34,8 @@
 // - A step ends at the end of a backward pass (finalize_backward); the next hook starts the next
 //   one. The optimizer scope after it belongs to the step that just ended. Forward passes
 //   without backward (evaluation) stay in the step that is open. Recording stops after
-//   TraceOptions::max_steps steps (memory stays bounded); hooks then cost a call each.
+//   TraceOptions::max_steps steps, or 2^20 events, so memory stays bounded; hooks then cost a
+//   call each.
 // - One tracer per ShardedModel per rank; driven by one thread at a time, like the runtime.
 // - The file is written by write() and when the tracer is destroyed (with the ShardedModel);
 //   the destructor never throws (a failed write is a warning).
@@ -167,6 +168,8 @@ class Tracer {
   std::vector<TraceRecord> records_;
   std::vector<Step> steps_;
   std::vector<std::vector<OpenSpan>> open_;  // per unit
+  static constexpr size_t kMaxRecords = size_t{1} << 20;  // ~100 MB: a bound, not a budget
+  bool full_warned_ = false;
   bool step_open_ = false;
   bool backward_ = false;
   int last_reduce_unit_ = -1;  // whose reduction a kWaitReduce waits for

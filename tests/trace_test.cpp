@@ -208,6 +208,27 @@ TEST_CASE("trace: CPU files are valid JSON with the expected events per unit",
   }
 }
 
+TEST_CASE("trace: a unit entered twice per forward has one backward span",
+          "[diagnostics][trace]") {
+  const auto dir = temp_dir("grouped");
+  const std::string path = (dir / "t.json").string();
+  train_tiny_traced(2, "every=2,type=Block", path, 2);
+  const json::Value doc = json::parse_file(trace_file_for_rank(path, 0, 2));
+  require_nested(doc);
+  const auto counts = count_events(doc);
+  REQUIRE(counts.size() == 2);
+  const Counts& c = counts.at(1);
+  const std::string u = "blocks.0-1";
+  CHECK(c.at({u, "pre_forward"}) == 2);  // one per member call
+  CHECK(c.at({u, "forward"}) == 2);
+  CHECK(c.at({u, "all_gather/forward"}) == 1);
+  CHECK(c.at({u, "all_gather/backward"}) == 1);
+  CHECK(c.at({u, "pre_backward"}) == 2);  // each member call's outputs are hooked
+  CHECK(c.at({u, "backward"}) == 1);
+  CHECK(c.at({u, "reduce"}) == 1);
+  CHECK(c.at({u, "reshard"}) == 2);
+}
+
 TEST_CASE("trace: max_steps bounds the recording; FLATSHARD_TRACE switches it on",
           "[diagnostics][trace]") {
   const auto dir = temp_dir("steps");
