@@ -494,8 +494,8 @@ void Tracer::write_json(std::ostream& os) const {
       if (r->unit >= 0 && static_cast<size_t>(r->unit) < units_.size()) {
         os << ",\"unit\":";
         write_string(os, units_[r->unit].name);
+        os << ",\"phase\":\"" << (r->backward ? "backward" : "forward") << "\"";
       }
-      os << ",\"phase\":\"" << (r->backward ? "backward" : "forward") << "\"";
       if (r->bytes) os << ",\"bytes\":" << r->bytes;
       if (tid != kHostTrack)
         os << ",\"host_ts\":" << fixed3(r->host_begin) << ",\"host_end\":" << fixed3(r->host_end);

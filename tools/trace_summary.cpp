@@ -18,6 +18,8 @@ constexpr int kHost = 0, kCompute = 1, kAllGatherStream = 2, kReduceStream = 3;
 constexpr int64_t kLatencyBoundBytes = int64_t{1} << 20;
 // An all-gather this many times slower than the median unit's is an outlier.
 constexpr double kOutlierFactor = 5.0;
+// ... or this many times slower than the slowest unit gathering 4x+ more bytes.
+constexpr double kLargerFactor = 1.5;
 
 std::string ms(double us) {
   char buf[32];
@@ -87,6 +89,18 @@ std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace
     return "host-bound: the GPU waited for the host before this unit; fewer, larger units "
            "(e.g. every=2) and less host work per unit";
   if (!s.gpu) {
+    // Slower than units gathering 4x+ more bytes: the size cannot explain it.
+    double larger_max = 0;
+    for (const auto& o : s.units)
+      if (o.all_gathers > 0 && o.gathered_bytes >= 4 * std::max<int64_t>(u.gathered_bytes, 1))
+        larger_max = std::max(larger_max, o.all_gather_call_us);
+    if (larger_max > 0 && u.all_gather_call_us > kLargerFactor * larger_max &&
+        !(median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us)) {
+      return "its all-gathers (" + bytes_text(u.gathered_bytes) + ") take " +
+             ms(u.all_gather_call_us) + " ms each, longer than those of units 4x its size or "
+             "more (at most " + ms(larger_max) + " ms): a delayed rank or slow link, not the "
+             "plan (synchronous CPU collectives cannot be hidden by prefetch)";
+    }
     if (median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us) {
       char buf[256];
       std::snprintf(buf, sizeof buf,
