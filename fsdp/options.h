@@ -6,6 +6,7 @@
 #include <c10/core/Stream.h>
 
 #include <optional>
+#include <string>
 
 #include "wrap_policies/plan.h"
 
@@ -17,6 +18,17 @@ struct MixedPrecision {
   c10::ScalarType param_dtype = c10::kFloat;
   // dtype of the gradient reduce-scatter / all-reduce. Default: param_dtype.
   std::optional<c10::ScalarType> reduce_dtype;
+};
+
+// Per-unit step traces (fsdp/trace.h). Off by default; off costs one null-pointer test per hook.
+struct TraceOptions {
+  // Where each rank writes its Chrome/Perfetto JSON trace (on ShardedModel::write_trace() and
+  // when the ShardedModel is destroyed). "{rank}" is replaced by the rank; without it, world
+  // sizes > 1 get ".rank<R>" before ".json". "nvtx": NVTX ranges only, no file. Empty: the
+  // FLATSHARD_TRACE environment variable decides (same syntax; unset = off).
+  std::string path;
+  // Steps recorded, from the first; later steps run untraced, so memory stays bounded.
+  int max_steps = 64;
 };
 
 struct ShardingOptions {
@@ -41,6 +53,8 @@ struct ShardingOptions {
   // missing event wait shows up as wrong numbers instead of passing by luck.
   int64_t debug_sleep_before_all_gather_cycles = 0;
   int64_t debug_sleep_before_reduce_cycles = 0;
+
+  TraceOptions trace;
 };
 
 // Queues a device sleep of `cycles` on `stream` (CUDA); a no-op on CPU.

@@ -26,6 +26,7 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options)
   TORCH_CHECK(options_.forward_prefetch >= 0 && options_.backward_prefetch >= 0,
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
+  tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
 }
 
 c10::Stream Runtime::compute_stream() const { return comm_.current_stream(); }
@@ -87,7 +88,10 @@ void Runtime::hold_reduce_buffers(std::vector<at::Tensor> buffers, const StreamE
 }
 
 void Runtime::release_reduce_buffers() {
-  if (reduce_buffers_done_ != nullptr) reduce_buffers_done_->block(compute_stream());
+  if (reduce_buffers_done_ != nullptr) {
+    TraceScope trace(tracer(), TraceKind::kWaitReduce, nullptr);
+    reduce_buffers_done_->block(compute_stream());
+  }
   reduce_buffers_.clear();
   reduce_buffers_done_ = nullptr;
 }
@@ -110,6 +114,7 @@ void Runtime::finalize_backward() {
   forward_order_.clear();
   backward_active_ = false;
   pending_backward_ = false;
+  trace_step_end(tracer());
 }
 
 }  // namespace flatshard

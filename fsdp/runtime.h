@@ -13,6 +13,7 @@
 
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
+#include "fsdp/trace.h"
 #include "fsdp/unit.h"
 
 namespace torch {
@@ -37,6 +38,7 @@ class Runtime {
   Communicator& comm() { return comm_; }
   const ShardingOptions& options() const { return options_; }
   std::vector<std::unique_ptr<Unit>>& units() { return units_; }
+  Tracer* tracer() const { return tracer_.get(); }  // nullptr unless tracing (fsdp/trace.h)
 
   // Streams. On CPU all three are the default CPU stream (collectives are synchronous).
   c10::Stream compute_stream() const;
@@ -79,6 +81,7 @@ class Runtime {
   bool backward_active_ = false;
   bool pending_backward_ = false;  // this step's forward armed a pre-backward hook
   bool requires_grad_sync_ = true;
+  std::unique_ptr<Tracer> tracer_;  // declared last: destroyed (and written) first
 };
 
 }  // namespace flatshard

@@ -164,6 +164,16 @@ double ShardedModel::clip_grad_norm_(double max_norm) {
   return total;
 }
 
+TraceScope ShardedModel::trace_optimizer_step() {
+  return TraceScope(runtime_->tracer(), TraceKind::kOptimizer, nullptr);
+}
+
+std::string ShardedModel::write_trace() {
+  return runtime_->tracer() ? runtime_->tracer()->write() : std::string();
+}
+
+Tracer* ShardedModel::tracer() const { return runtime_->tracer(); }
+
 std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full_params() const {
   return gather_full(/*grads=*/false);
 }

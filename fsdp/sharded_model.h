@@ -27,6 +27,7 @@
 
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
+#include "fsdp/trace.h"
 #include "fsdp/unit.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/policy.h"
@@ -89,6 +90,14 @@ class ShardedModel {
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params() const;
   // Collective: the same for the master gradients (zeros where a unit has none yet).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_grads() const;
+
+  // Tracing (fsdp/trace.h; ShardingOptions::trace or FLATSHARD_TRACE). All are no-ops when off.
+  // The optimizer step in the trace:  { auto t = fsdp->trace_optimizer_step(); opt.step(); }
+  TraceScope trace_optimizer_step();
+  // Writes the trace file now (it is also written when the ShardedModel is destroyed) and
+  // returns its path; "" when tracing to a file is off. Waits for pending GPU events.
+  std::string write_trace();
+  Tracer* tracer() const;  // nullptr when off
 
  private:
   std::vector<std::pair<std::string, at::Tensor>> gather_full(bool grads) const;

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "fsdp/runtime.h"
+#include "fsdp/trace.h"
 
 namespace flatshard {
 
@@ -84,6 +85,7 @@ void Unit::unshard(bool for_backward) {
   const c10::Stream ag = rt_.all_gather_stream();
   // The master shard may have just been updated by the optimizer on the compute stream.
   stream_wait_stream(ag, rt_.compute_stream(), scratch_);
+  TraceScope trace(rt_.tracer(), TraceKind::kAllGather, this);
   device_sleep(ag, rt_.options().debug_sleep_before_all_gather_cycles);
   flat_->unshard(ag);
   all_gather_done_.record(ag);
@@ -97,12 +99,14 @@ void Unit::unshard(bool for_backward) {
 
 void Unit::wait_unsharded() {
   if (!all_gather_pending_) return;
+  TraceScope trace(rt_.tracer(), TraceKind::kWaitAllGather, this);
   all_gather_done_.block(rt_.compute_stream());
   all_gather_pending_ = false;
 }
 
 void Unit::reshard() {
   if (strategy_ == ShardingStrategy::kNoShard || state_ == UnitState::kSharded) return;
+  TraceScope trace(rt_.tracer(), TraceKind::kReshard, this);
   // Note [Free by event ordering]: the gathered buffer came from the all-gather stream's pool.
   // Making that stream wait for the compute work queued so far means any later all-gather that
   // reuses the freed block runs after the last read of it. No recordStream, no host sync.
@@ -113,6 +117,7 @@ void Unit::reshard() {
 }
 
 void Unit::pre_forward(const torch::nn::Module*) {
+  TraceScope trace(rt_.tracer(), TraceKind::kPreForward, this);
   if (is_root()) rt_.on_root_enter();
   if (!called_in_forward_) {
     called_in_forward_ = true;
@@ -130,6 +135,7 @@ void Unit::pre_forward(const torch::nn::Module*) {
 }
 
 void Unit::post_forward(const torch::nn::Module*, std::vector<at::Tensor>& outputs) {
+  trace_end(rt_.tracer(), TraceKind::kForward, *this);
   ++member_calls_;
   const bool grad = at::GradMode::is_enabled();
   if (grad) {
@@ -152,6 +158,7 @@ void Unit::post_forward(const torch::nn::Module*, std::vector<at::Tensor>& outpu
 }
 
 void Unit::pre_backward() {
+  TraceScope trace(rt_.tracer(), TraceKind::kPreBackward, this);
   if (!pre_backward_done_) {
     pre_backward_done_ = true;
     rt_.on_pre_backward(*this);  // queues end-of-backward; prefetches the next units
@@ -168,11 +175,13 @@ void Unit::on_grad_accumulated() {
 void Unit::post_backward() {
   if (post_backward_done_) return;
   post_backward_done_ = true;
+  trace_end(rt_.tracer(), TraceKind::kBackward, *this);
   if (rt_.requires_grad_sync()) {
     if (has_collectives()) {
       const c10::Stream rs = rt_.reduce_scatter_stream();
       rt_.release_reduce_buffers();
       stream_wait_stream(rs, rt_.compute_stream(), scratch_);  // the gradients are computed
+      TraceScope trace(rt_.tracer(), TraceKind::kReduce, this);
       device_sleep(rs, rt_.options().debug_sleep_before_reduce_cycles);
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
