@@ -35,7 +35,9 @@ build: configure
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 900 -j $(JOBS) $(CTEST_ARGS)
 
-bench: build
+# Builds only the benchmark (not the test suite), then runs it; e.g. make bench BENCH_ARGS="--help".
+bench: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target flatshard-bench
 	$(BUILD_DIR)/benchmarks/flatshard-bench $(BENCH_ARGS)
 
 clean:

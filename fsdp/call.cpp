@@ -1,14 +1,60 @@
-// Placeholder until the runtime lands: no module is a unit.
 #include "fsdp/call.h"
 
-#include <c10/util/Exception.h>
+#include <absl/container/flat_hash_map.h>
+
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+
+#include "fsdp/runtime.h"
+#include "fsdp/unit.h"
 
 namespace flatshard {
 namespace detail {
-Unit* find_unit(const torch::nn::Module*) { return nullptr; }
-void pre_forward(Unit*, const torch::nn::Module*) { TORCH_INTERNAL_ASSERT(false); }
-void post_forward(Unit*, const torch::nn::Module*, std::vector<at::Tensor>&) {
-  TORCH_INTERNAL_ASSERT(false);
+
+namespace {
+// Ranks-as-threads tests drive several models from several threads, so the registry is shared
+// and locked; `g_count` keeps the unsharded case (no live ShardedModel) lock-free. This lookup
+// runs on every flatshard::call (hundreds per step for per-leaf plans): an open-addressing
+// absl::flat_hash_map keeps it to one cache line probe.
+std::shared_mutex g_mu;
+absl::flat_hash_map<const torch::nn::Module*, Unit*> g_units;
+std::atomic<size_t> g_count{0};
+}  // namespace
+
+void register_member(const torch::nn::Module* module, Unit* unit, const std::string& path) {
+  std::unique_lock<std::shared_mutex> lock(g_mu);
+  auto [it, inserted] = g_units.emplace(module, unit);
+  TORCH_CHECK(inserted, "flatshard: module '", path, "' is already a member of unit '",
+              it->second->name(), "'; cannot add it to unit '", unit->name(),
+              "' (was fully_shard applied twice to the same model?)");
+  g_count.store(g_units.size(), std::memory_order_release);
 }
+
+void unregister_member(const torch::nn::Module* module) {
+  std::unique_lock<std::shared_mutex> lock(g_mu);
+  g_units.erase(module);
+  g_count.store(g_units.size(), std::memory_order_release);
+}
+
+Unit* find_unit(const torch::nn::Module* m) {
+  if (g_count.load(std::memory_order_acquire) == 0) return nullptr;
+  std::shared_lock<std::shared_mutex> lock(g_mu);
+  auto it = g_units.find(m);
+  return it == g_units.end() ? nullptr : it->second;
+}
+
+void pre_forward(Unit* unit, const torch::nn::Module* m) { unit->pre_forward(m); }
+
+at::Tensor cast_input(Unit* unit, const at::Tensor& t) {
+  const at::ScalarType dt = unit->flat().config().param_dtype;
+  if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.scalar_type() == dt) return t;
+  return t.to(dt);
+}
+
+void post_forward(Unit* unit, const torch::nn::Module* m, std::vector<at::Tensor>& outputs) {
+  unit->post_forward(m, outputs);
+}
+
 }  // namespace detail
 }  // namespace flatshard

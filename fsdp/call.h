@@ -45,6 +45,18 @@ void pre_forward(Unit* unit, const torch::nn::Module* m);
 // whose backward unshards the unit) and reshards if this was the unit's last member call.
 void post_forward(Unit* unit, const torch::nn::Module* m, std::vector<at::Tensor>& outputs);
 
+// Mixed precision: a floating-point tensor argument of a unit's forward is cast to the unit's
+// compute dtype (FSDP's cast_forward_inputs); other arguments pass through untouched.
+at::Tensor cast_input(Unit* unit, const at::Tensor& t);
+template <class T>
+decltype(auto) cast_arg(Unit* unit, T&& v) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return cast_input(unit, v);
+  } else {
+    return std::forward<T>(v);
+  }
+}
+
 template <class M>
 const torch::nn::Module* module_of(const M& m) {
   if constexpr (std::is_pointer_v<M>) {
@@ -87,22 +99,44 @@ struct OutputAdapter<std::tuple<Ts...>> {
 
 }  // namespace detail
 
+namespace detail {
+template <class Fn>
+auto run_unit(Unit* unit, const torch::nn::Module* m, Fn&& fn) {
+  pre_forward(unit, m);
+  auto out = fn();
+  using Out = decltype(out);
+  std::vector<at::Tensor> tensors;
+  OutputAdapter<Out>::collect(out, tensors);
+  post_forward(unit, m, tensors);
+  size_t i = 0;
+  OutputAdapter<Out>::restore(out, tensors, i);
+  return out;
+}
+}  // namespace detail
+
+// Runs fn() as a unit-aware call of `module`: the unit (if `module` is one) is gathered before
+// and its outputs hooked after. Use it to enter a unit through a method other than forward,
+// e.g. the root:  auto loss = flatshard::enter(model, [&] { return model->loss(x, y); });
+// (fn's inputs are not cast for mixed precision: cast them yourself if they are floating point.)
+template <class M, class Fn>
+auto enter(M& module, Fn&& fn) {
+  const torch::nn::Module* m = detail::module_of(module);
+  Unit* unit = detail::find_unit(m);
+  if (unit == nullptr) return fn();
+  return detail::run_unit(unit, m, std::forward<Fn>(fn));
+}
+
 // Calls module->forward(args...) as a unit-aware call. `module` may be a ModuleHolder
 // (torch::nn::Linear, TORCH_MODULE types), a std::shared_ptr<Impl> or a raw Impl pointer.
+// With mixed precision, floating-point tensor arguments are cast to the compute dtype.
 template <class M, class... Args>
 auto call(M& module, Args&&... args) {
   const torch::nn::Module* m = detail::module_of(module);
   Unit* unit = detail::find_unit(m);
   if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
-  detail::pre_forward(unit, m);
-  auto out = module->forward(std::forward<Args>(args)...);
-  using Out = decltype(out);
-  std::vector<at::Tensor> tensors;
-  detail::OutputAdapter<Out>::collect(out, tensors);
-  detail::post_forward(unit, m, tensors);
-  size_t i = 0;
-  detail::OutputAdapter<Out>::restore(out, tensors, i);
-  return out;
+  return detail::run_unit(unit, m, [&] {
+    return module->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
+  });
 }
 
 }  // namespace flatshard

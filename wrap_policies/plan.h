@@ -27,6 +27,7 @@ struct UnitOptions {
   bool operator==(const UnitOptions& o) const {
     return strategy == o.strategy && reshard_after_forward == o.reshard_after_forward;
   }
+  bool operator!=(const UnitOptions& o) const { return !(*this == o); }
 };
 
 struct UnitSpec {
@@ -52,9 +53,22 @@ struct Plan {
   // They are owned by the innermost unit containing all their paths (often the root).
   std::vector<std::pair<std::string, std::vector<std::string>>> tied;
 
-  // Human-readable table: one line per unit (name, modules, params, numel, strategy).
+  // How many modules the policy matched (the root never counts), before grouping and before
+  // dropping empty units. 0 means the policy matches nothing in this model: the plan is still
+  // valid (the root unit owns everything) but a CLI may want to reject the policy.
+  int64_t matched_modules = 0;
+  // Display names of units the policy formed that own no parameter (a matched module without
+  // parameters, or one whose parameters all belong to units nested inside it). They are left out
+  // of `units`: a unit without a flat parameter would have nothing to gather.
+  std::vector<std::string> empty_units;
+
+  // Human-readable table: one line per unit (name, modules, params, numel, strategy), then a
+  // summary line (units, total numel, tied parameters).
   std::string to_string() const;
   int64_t total_numel() const;
+  int64_t match_count() const { return matched_modules; }
+  // The unit named `name`, or nullptr.
+  const UnitSpec* find(const std::string& name) const;
 };
 
 }  // namespace flatshard

@@ -1,0 +1,126 @@
+// flatshard/benchmarks/bench_granularity.cpp — see bench_granularity.h for the contract.
+#include "benchmarks/bench_granularity.h"
+
+#include <c10/util/Exception.h>
+
+#include <cctype>
+
+#include "benchmarks/bench_options.h"
+#include "wrap_policies/spec.h"
+
+namespace flatshard {
+namespace bench {
+
+namespace {
+
+std::string trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+// "every-K" -> K (0 when `s` is not of that form; K must be a positive decimal).
+int64_t every_k(const std::string& s) {
+  const std::string prefix = "every-";
+  if (s.rfind(prefix, 0) != 0 || s.size() == prefix.size() || s.size() > prefix.size() + 9)
+    return 0;
+  int64_t k = 0;
+  for (size_t i = prefix.size(); i < s.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(s[i]))) return 0;
+    k = k * 10 + (s[i] - '0');
+  }
+  return k;
+}
+
+bool is_known_name(const std::string& s) {
+  return s == "local" || s == "leaf" || s == "layer" || s == "model" || s == "noshard" ||
+         s.rfind("every-", 0) == 0;
+}
+
+Policy parse_spec(const std::string& label, const std::string& spec) {
+  try {
+    return parse_policy(spec);
+  } catch (const c10::Error& e) {
+    // The parser's message: first line names the column and token; the caret display below it
+    // does not survive a one-line error, so the spec is quoted in front instead.
+    const std::string msg = e.what_without_backtrace();
+    const std::string line = msg.substr(0, msg.find('\n'));
+    if (spec.find_first_of("=:>") == std::string::npos)  // a word: likely a mistyped name
+      throw UsageError("unknown granularity '" + label +
+                       "' (names: local, leaf, layer, every-K, model, noshard) and not a policy "
+                       "spec either: " + line);
+    throw UsageError("granularity '" + label + "': " + line);
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> split_granularities(const std::vector<std::string>& flags) {
+  std::vector<std::string> out;
+  for (const auto& flag : flags) {
+    bool spec_open = false;  // the last entry is a policy spec that may continue
+    size_t start = 0;
+    while (start <= flag.size()) {
+      size_t comma = flag.find(',', start);
+      if (comma == std::string::npos) comma = flag.size();
+      const std::string piece = trim(flag.substr(start, comma - start));
+      if (piece.empty())
+        throw UsageError("--granularity '" + flag + "': empty entry at character " +
+                         std::to_string(start + 1));
+      if (is_known_name(piece)) {
+        out.push_back(piece);
+        spec_open = false;
+      } else if (spec_open) {
+        out.back() += "," + piece;
+      } else {
+        out.push_back(piece);
+        spec_open = true;
+      }
+      start = comma + 1;
+    }
+  }
+  return out;
+}
+
+Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model) {
+  Granularity g;
+  g.label = label;
+  if (label == "local") {
+    g.local = true;
+    return g;
+  }
+  if (label == "model") {
+    g.plan = make_plan(model, g.policy);  // no rules: the root owns everything
+    return g;
+  }
+  if (label == "leaf") {
+    g.policy = parse_spec(label, "type=Linear|LayerNorm|Embedding");
+  } else if (label == "layer") {
+    g.policy = parse_spec(label, "type=Block");
+  } else if (label == "noshard") {
+    g.policy = parse_spec(label, "noshard:type=Block;root:noshard");
+  } else if (label.rfind("every-", 0) == 0) {
+    const int64_t k = every_k(label);
+    if (k < 1)
+      throw UsageError("granularity '" + label +
+                       "': expected every-K with K a positive integer, e.g. every-2");
+    g.policy = parse_spec(label, "every=" + std::to_string(k) + ",type=Block");
+  } else {
+    g.policy = parse_spec(label, label);
+  }
+  try {
+    g.plan = make_plan(model, g.policy);
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    throw UsageError("granularity '" + label + "': " + msg.substr(0, msg.find('\n')));
+  }
+  if (g.plan.matched_modules == 0)
+    throw UsageError("granularity '" + label + "' (policy '" + g.policy.to_spec() +
+                     "') matches no module of the model; the GPT's types are GPT, Block, "
+                     "CausalSelfAttention, MLP, Linear, LayerNorm, Embedding");
+  return g;
+}
+
+}  // namespace bench
+}  // namespace flatshard

@@ -1,0 +1,168 @@
+// flatshard/benchmarks/bench_main.cpp — flatshard-bench: command line, runs, report.
+//
+// Flow: parse and validate the flags; on cuda without a launcher, launch one process per GPU
+// and wait (bench_launch.h); build one planning model and resolve every granularity into a
+// plan (so a bad spec fails before anything runs); run the granularities one after another with
+// the same seed and data; rank 0 prints the table and writes JSON/CSV/SVG.
+//
+// Exit codes: 0 all runs ok; 1 a result check failed (loss differs from the reference run);
+// 2 usage error (one line "flatshard-bench: error: ..." on stderr); 3 runtime failure.
+#include <c10/util/Exception.h>
+
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_cuda.h"
+#include "benchmarks/bench_granularity.h"
+#include "benchmarks/bench_launch.h"
+#include "benchmarks/bench_options.h"
+#include "benchmarks/bench_plot.h"
+#include "benchmarks/bench_progress.h"
+#include "benchmarks/bench_report.h"
+#include "benchmarks/bench_run.h"
+
+namespace fb = flatshard::bench;
+
+namespace {
+
+constexpr int kExitCheckFailed = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitFailure = 3;
+
+std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
+  // One CPU model for planning only (plans are data); freed before the runs build their own.
+  flatshard::gpt::GPT planning(o.model, o.seed);
+  std::vector<fb::Granularity> out;
+  for (const auto& label : fb::split_granularities(o.granularity_flags))
+    out.push_back(fb::resolve_granularity(label, *planning));
+  return out;
+}
+
+fb::RunConfig run_config(const fb::BenchOptions& o) {
+  fb::RunConfig c;
+  c.model = o.model;
+  c.batch = o.batch;
+  c.seed = o.seed;
+  c.warmup = o.warmup;
+  c.steps = o.steps;
+  c.sharding = o.sharding;
+  c.time_collectives = o.device == fb::DeviceKind::kCpu;
+  return c;
+}
+
+int report(const fb::BenchOptions& o, int world, const std::string& device_description,
+           std::vector<std::string> notes, std::vector<fb::RunResult> results) {
+  fb::Report rep = fb::make_report(o, world, device_description, std::move(notes),
+                                   std::move(results));
+  fb::print_table(rep, std::cout);
+  std::cout.flush();
+  if (!o.json_path.empty()) fb::write_json(rep, o.json_path);
+  if (!o.csv_path.empty()) fb::write_csv(rep, o.csv_path);
+  if (!o.plot_path.empty()) fb::write_svg(rep, o.plot_path);
+  return rep.all_ok() ? 0 : kExitCheckFailed;
+}
+
+void check_outputs(const fb::BenchOptions& o) {
+  fb::check_writable("--json", o.json_path);
+  fb::check_writable("--csv", o.csv_path);
+  fb::check_writable("--plot", o.plot_path);
+}
+
+int run_cpu(const fb::BenchOptions& o) {
+  const auto grans = plan_granularities(o);
+  check_outputs(o);
+  const fb::RunConfig config = run_config(o);
+  fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());
+  std::vector<fb::RunResult> results;
+  for (size_t i = 0; i < grans.size(); ++i) {
+    auto fn = progress.start(grans[i].label, static_cast<int>(i), static_cast<int>(grans.size()),
+                             o.warmup);
+    results.push_back(fb::run_on_cpu_threads(config, grans[i], o.nproc, fn));
+    progress.finish(results.back());
+  }
+  return report(o, o.nproc,
+                "cpu, " + std::to_string(o.nproc) + " ranks as threads (1 compute thread each)",
+                {"local: one unsharded replica per rank thread, run concurrently without "
+                 "communication (same core contention as the sharded runs).",
+                 "exposed: host time inside collectives / step time, rank 0 (CPU collectives are "
+                 "synchronous: all of it is exposed).",
+                 "peak MiB: per-rank AVERAGE = process peak of live CPU tensor bytes during the "
+                 "steps (counting c10 CPU allocator, minus what was live before the run) / "
+                 "ranks, since ranks are threads of one process."},
+                std::move(results));
+}
+
+int run_cuda_rank(const fb::BenchOptions& o, const fb::LauncherEnv& env) {
+  const int gpus = fb::cuda_device_count();
+  if (env.local_rank >= gpus)
+    throw fb::UsageError("local rank " + std::to_string(env.local_rank) + " has no GPU: " +
+                         std::to_string(gpus) + " visible");
+  const auto grans = plan_granularities(o);
+  if (env.rank == 0) check_outputs(o);
+  fb::CudaRank rank = fb::open_cuda_rank(env.local_rank);
+  const fb::RunConfig config = run_config(o);
+  fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());
+  std::vector<fb::RunResult> results;
+  for (size_t i = 0; i < grans.size(); ++i) {
+    fb::ProgressFn fn;
+    if (env.rank == 0)
+      fn = progress.start(grans[i].label, static_cast<int>(i), static_cast<int>(grans.size()),
+                          o.warmup);
+    results.push_back(fb::run_on_cuda(config, grans[i], *rank.comm, rank.hooks, fn));
+    if (env.rank == 0) progress.finish(results.back());
+  }
+  const int world = rank.comm->world_size();
+  rank.close();
+  if (env.rank != 0) return 0;
+  return report(o, world,
+                "cuda, " + std::to_string(world) + " ranks (one process per GPU, NCCL), " +
+                    fb::cuda_device_name(env.local_rank),
+                {"exposed: not measured on CUDA yet (collectives are asynchronous; it needs "
+                 "CUDA-event timing of the communication streams).",
+                 "peak MiB: rank 0's CUDA caching-allocator peak of allocated bytes during the "
+                 "steps, minus what was live before the run."},
+                std::move(results));
+}
+
+int run(const fb::BenchOptions& o, char** argv, const std::optional<fb::LauncherEnv>& env) {
+  if (o.device == fb::DeviceKind::kCpu) return run_cpu(o);
+  const std::string why = fb::cuda_unavailable_reason();
+  if (!why.empty()) throw fb::UsageError(why);
+  if (env) return run_cuda_rank(o, *env);
+  const int gpus = fb::cuda_device_count();
+  const int n = o.nproc_given ? o.nproc : gpus;
+  if (n < 1) throw fb::UsageError("--device cuda: no CUDA device is visible");
+  if (n > gpus)
+    throw fb::UsageError("--nproc " + std::to_string(n) + " exceeds the " +
+                         std::to_string(gpus) + " visible GPUs (one rank per GPU)");
+  return fb::launch_local_ranks(n, argv);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int rank = 0;
+  bool launched = false;
+  try {
+    const std::optional<fb::LauncherEnv> env = fb::launcher_env();
+    launched = env.has_value();
+    rank = env ? env->rank : 0;
+    fb::ParseResult parsed = fb::parse_command_line(argc, argv);
+    if (parsed.exit_now) return 0;
+    // Launcher variables only matter for cuda: a cpu run under srun/torchrun is a plain run.
+    return run(parsed.options, argv,
+               parsed.options.device == fb::DeviceKind::kCuda ? env : std::nullopt);
+  } catch (const fb::UsageError& e) {
+    if (rank == 0) std::cerr << "flatshard-bench: error: " << e.what() << std::endl;
+    return kExitUsage;
+  } catch (const c10::Error& e) {
+    std::cerr << "flatshard-bench: " << (launched ? "rank " + std::to_string(rank) + ": " : "")
+              << "error: " << e.what_without_backtrace() << std::endl;
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    std::cerr << "flatshard-bench: " << (launched ? "rank " + std::to_string(rank) + ": " : "")
+              << "error: " << e.what() << std::endl;
+    return kExitFailure;
+  }
+}

@@ -1,0 +1,218 @@
+// flatshard/benchmarks/bench_options.cpp — see bench_options.h for the contract.
+#include "benchmarks/bench_options.h"
+
+#include <c10/util/Exception.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <iostream>
+#include <sstream>
+
+namespace flatshard {
+namespace bench {
+
+namespace {
+
+constexpr const char* kDefaultGranularities = "local,leaf,layer,every-2,model,noshard";
+
+const char* kFooter = R"(Granularities (comma list; default local,leaf,layer,every-2,model,noshard):
+  local     unsharded, no communication: the floor (plain GPT + AdamW). On cpu every rank
+            thread trains its own replica at once, so the floor shares the cores too
+  leaf      every Linear/LayerNorm/Embedding is a unit (the ZeRO-3-like extreme)
+  layer     one unit per transformer Block            (policy type=Block)
+  every-K   K consecutive Blocks per unit             (policy every=K,type=Block)
+  model     the whole model is one unit (the root only)
+  noshard   per-Block units and the root, all NO_SHARD (DDP-like: gradients all-reduced)
+  SPEC      any wrap-policy spec, e.g. 'size>=1e6' or 'noshard:path=lm_head;type=Block'.
+            A piece that is not one of the names above continues the spec before it, so
+            'every=2,type=Block' stays one spec; give two specs with commas in two flags.
+
+Defaults:  cpu: preset small with --seq 128, batch 2, 5 steps, fp32, 2 ranks as threads
+           cuda: preset 1b, batch 4, 20 steps, bf16 params, one process per visible GPU
+Every run uses the same seed and data; the step-0 loss of rank 0 must match `local` (or the
+first run) within 1e-4 relative (fp32) / 2e-2 (bf16), else check=FAIL and exit code 1.
+Exit codes: 0 ok, 1 a check failed, 2 usage error (one line on stderr), 3 runtime error.)";
+
+c10::ScalarType parse_dtype(const std::string& s) {
+  return s == "bf16" ? c10::kBFloat16 : c10::kFloat;
+}
+
+ShardingStrategy parse_strategy(const std::string& s) {
+  if (s == "grad_op") return ShardingStrategy::kShardGradOp;
+  if (s == "noshard") return ShardingStrategy::kNoShard;
+  return ShardingStrategy::kFullShard;
+}
+
+// c10::Error::what() carries a backtrace and sometimes several lines; a usage error is one line.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+template <class T>
+void require(bool ok, const std::string& flag, const char* what, T value) {
+  if (ok) return;
+  std::ostringstream os;
+  os << flag << " must be " << what << ", got " << value;
+  throw UsageError(os.str());
+}
+
+}  // namespace
+
+const char* to_string(DeviceKind d) { return d == DeviceKind::kCuda ? "cuda" : "cpu"; }
+
+const char* dtype_name(c10::ScalarType t) { return t == c10::kBFloat16 ? "bf16" : "fp32"; }
+
+ParseResult parse_command_line(int argc, char** argv) {
+  CLI::App app{
+      "flatshard-bench: trains a GPT for a few steps at several sharding granularities and "
+      "reports collectives, bytes, step time, throughput, MFU, exposed communication and peak "
+      "memory per granularity, checking that every run computes the same loss.",
+      "flatshard-bench"};
+  app.footer(kFooter);
+
+  std::string preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype;
+  int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
+  int nproc = 0, prefetch = 1, warmup = 2, steps = 0;
+  uint64_t seed = 0;
+  double peak_tflops = 0;
+  BenchOptions o;
+
+  auto* g_model = "Model";
+  auto* o_preset = app.add_option("--preset", preset, "tiny | small | 1b (default: see below)")
+                       ->check(CLI::IsMember({"tiny", "small", "1b"}))
+                       ->group(g_model);
+  auto* o_layers =
+      app.add_option("--layers", layers, "override: transformer blocks")->group(g_model);
+  auto* o_dmodel = app.add_option("--d-model", d_model, "override: model width")->group(g_model);
+  auto* o_heads = app.add_option("--heads", heads, "override: attention heads (divide d-model)")
+                      ->group(g_model);
+  auto* o_seq = app.add_option("--seq", seq, "override: sequence length")->group(g_model);
+  auto* o_vocab = app.add_option("--vocab", vocab, "override: vocabulary size")->group(g_model);
+  auto* o_batch = app.add_option("--batch", batch, "sequences per rank per step (cpu 2, cuda 4)")
+                      ->group(g_model);
+
+  auto* g_shard = "Sharding (applies to every run)";
+  app.add_option("--granularity", o.granularity_flags,
+                 "granularities / policy specs, comma list (below); repeatable")
+      ->type_name("LIST")
+      ->allow_extra_args(false)
+      ->group(g_shard);
+  app.add_option("--strategy", strategy, "default sharding strategy: full | grad_op | noshard")
+      ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
+      ->group(g_shard);
+  app.add_option("--prefetch", prefetch, "forward and backward prefetch depth (default 1)")
+      ->group(g_shard);
+  auto* o_pdt = app.add_option("--param-dtype", param_dtype,
+                               "fp32 | bf16: gathered params and compute (cpu fp32, cuda bf16)")
+                    ->check(CLI::IsMember({"fp32", "bf16"}))
+                    ->group(g_shard);
+  auto* o_rdt = app.add_option("--reduce-dtype", reduce_dtype,
+                               "fp32 | bf16: gradient reduction (default: the param dtype)")
+                    ->check(CLI::IsMember({"fp32", "bf16"}))
+                    ->group(g_shard);
+
+  auto* g_run = "Run";
+  app.add_option("--device", device, "cpu (ranks as threads) | cuda (one process per GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->group(g_run);
+  auto* o_nproc = app.add_option("--nproc", nproc,
+                                 "ranks. cpu: threads (default 2). cuda: processes to launch on "
+                                 "this host (default: one per visible GPU; under "
+                                 "torchrun/srun/mpirun the launcher decides)")
+                      ->group(g_run);
+  app.add_option("--warmup", warmup, "untimed steps per run (default 2)")->group(g_run);
+  auto* o_steps = app.add_option("--steps", steps, "timed steps per run (cpu 5, cuda 20)")
+                      ->group(g_run);
+  app.add_option("--seed", seed, "model init and data seed (default 0)")->group(g_run);
+  auto* o_peak = app.add_option("--peak-tflops", peak_tflops,
+                                "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 "
+                                "bf16 dense; cpu: MFU is - unless given)")
+                     ->group(g_run);
+
+  auto* g_out = "Output";
+  app.add_option("--json", o.json_path, "write the results as JSON to PATH")
+      ->type_name("PATH")
+      ->group(g_out);
+  app.add_option("--csv", o.csv_path, "write the results as CSV to PATH")
+      ->type_name("PATH")
+      ->group(g_out);
+  app.add_option("--plot", o.plot_path, "write an SVG bar chart (step time, peak memory) to PATH")
+      ->type_name("PATH")
+      ->group(g_out);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    ParseResult r;
+    r.exit_now = true;
+    return r;
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    throw UsageError(msg);
+  }
+
+  o.device = device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
+  const bool cuda = o.device == DeviceKind::kCuda;
+
+  o.preset = o_preset->count() ? preset : (cuda ? "1b" : "small");
+  try {
+    o.model = gpt::GPTConfig::preset(o.preset);
+  } catch (const c10::Error& e) {
+    throw UsageError(first_line(e.what_without_backtrace()));
+  }
+  if (!o_preset->count() && !cuda) o.model.seq_len = 128;
+  auto override_size = [](CLI::Option* opt, int64_t value, int64_t& field) {
+    if (!opt->count()) return;
+    require(value > 0, opt->get_name(), "> 0", value);
+    field = value;
+  };
+  override_size(o_layers, layers, o.model.n_layers);
+  override_size(o_dmodel, d_model, o.model.d_model);
+  override_size(o_heads, heads, o.model.n_heads);
+  override_size(o_seq, seq, o.model.seq_len);
+  override_size(o_vocab, vocab, o.model.vocab);
+  if (o.model.d_model % o.model.n_heads != 0) {
+    std::ostringstream os;
+    os << "--heads " << o.model.n_heads << " does not divide --d-model " << o.model.d_model;
+    throw UsageError(os.str());
+  }
+  try {
+    o.model.validate();
+  } catch (const c10::Error& e) {
+    throw UsageError(first_line(e.what_without_backtrace()));
+  }
+  o.batch = cuda ? 4 : 2;
+  override_size(o_batch, batch, o.batch);
+
+  if (o.granularity_flags.empty()) o.granularity_flags.push_back(kDefaultGranularities);
+
+  o.sharding.strategy = parse_strategy(strategy);
+  require(prefetch >= 0, "--prefetch", ">= 0", prefetch);
+  o.sharding.forward_prefetch = prefetch;
+  o.sharding.backward_prefetch = prefetch;
+  const c10::ScalarType pdt =
+      o_pdt->count() ? parse_dtype(param_dtype) : (cuda ? c10::kBFloat16 : c10::kFloat);
+  o.sharding.mixed_precision.param_dtype = pdt;
+  o.sharding.mixed_precision.reduce_dtype = o_rdt->count() ? parse_dtype(reduce_dtype) : pdt;
+
+  o.nproc_given = o_nproc->count() > 0;
+  o.nproc = o.nproc_given ? nproc : (cuda ? 0 : 2);  // cuda 0: resolved to the GPU count later
+  if (o.nproc_given) require(nproc >= 1, "--nproc", ">= 1", nproc);
+  require(warmup >= 0, "--warmup", ">= 0", warmup);
+  o.warmup = warmup;
+  o.steps = o_steps->count() ? steps : (cuda ? 20 : 5);
+  require(o.steps >= 1, "--steps", ">= 1", o.steps);
+  o.seed = seed;
+  if (o_peak->count()) {
+    require(peak_tflops > 0, "--peak-tflops", "> 0", peak_tflops);
+    o.peak_tflops = peak_tflops;
+  } else if (cuda) {
+    o.peak_tflops = 989.0;
+  }
+  ParseResult r;
+  r.options = std::move(o);
+  return r;
+}
+
+}  // namespace bench
+}  // namespace flatshard

@@ -1,0 +1,67 @@
+// flatshard/benchmarks/bench_options.h — what flatshard-bench runs, from its command line.
+//
+// Contract
+// - parse_command_line() reads argv with CLI11, applies the device-dependent defaults below and
+//   validates every plain value (sizes > 0, heads divide d_model, steps >= 1, ...). It does not
+//   look at the model tree: granularities are resolved into plans by bench_granularity.h.
+// - Every user error throws UsageError with a one-line message carrying the offending value;
+//   the caller prints "flatshard-bench: error: <message>" and exits with code 2.
+// - --help prints the help text on stdout and returns ParseResult::exit_now.
+//
+// Defaults (chosen so `make bench` — CPU, 2 ranks as threads — runs in well under a minute on
+// 2 cores while the granularities still differ):
+//            preset  overrides     batch  steps  param dtype  nproc
+//   cpu      small   seq 128       2      5      fp32         2 (threads)
+//   cuda     1b      -             4      20     bf16         visible GPUs (processes)
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "benchmarks/gpt.h"
+#include "fsdp/options.h"
+
+namespace flatshard {
+namespace bench {
+
+// A user error: bad flag, bad value, impossible configuration. One line, no "error:" prefix.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class DeviceKind { kCpu, kCuda };
+const char* to_string(DeviceKind d);
+
+struct BenchOptions {
+  std::string preset;     // the preset the model starts from
+  gpt::GPTConfig model;   // preset + overrides, validated
+  int64_t batch = 0;      // sequences per rank per step
+  // --granularity values as given, one entry per flag (split by bench_granularity.h).
+  std::vector<std::string> granularity_flags;
+  DeviceKind device = DeviceKind::kCpu;
+  int nproc = 0;              // ranks: threads on cpu; processes on cuda
+  bool nproc_given = false;   // cuda: --nproc asks to launch that many processes
+  ShardingOptions sharding;   // strategy, prefetch depth, mixed precision
+  int warmup = 2;             // untimed steps before the measured ones
+  int steps = 0;              // measured steps
+  uint64_t seed = 0;          // model init and data; every granularity uses the same
+  std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
+  std::string json_path, csv_path, plot_path;
+};
+
+struct ParseResult {
+  bool exit_now = false;  // --help was printed
+  BenchOptions options;
+};
+
+ParseResult parse_command_line(int argc, char** argv);
+
+// "fp32" / "bf16".
+const char* dtype_name(c10::ScalarType t);
+
+}  // namespace bench
+}  // namespace flatshard

@@ -1,0 +1,313 @@
+// flatshard/benchmarks/bench_report.cpp — see bench_report.h for the contract.
+#include "benchmarks/bench_report.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace flatshard {
+namespace bench {
+
+namespace {
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+// Word-wraps a footnote at `width` columns; continuation lines are indented by two spaces.
+std::string wrap(const std::string& text, size_t width) {
+  std::istringstream words(text);
+  std::string out, line, word;
+  while (words >> word) {
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      out += line + "\n";
+      line = "  ";
+    }
+    line += (line.empty() || line == "  " ? "" : " ") + word;
+  }
+  return out + line + "\n";
+}
+
+std::string mib(int64_t bytes) { return fixed(static_cast<double>(bytes) / (1 << 20), 2); }
+
+std::string percent(const std::optional<double>& v) {
+  return v ? fixed(100.0 * *v, 1) + "%" : "-";
+}
+
+// --- JSON/CSV scalars -------------------------------------------------------------------------
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);  // UTF-8 bytes pass through unchanged
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// Shortest text that reads back as the same double; JSON has no NaN/Infinity: those are null.
+std::string number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  for (int p = 6; p < 17; ++p) {
+    char shorter[64];
+    std::snprintf(shorter, sizeof(shorter), "%.*g", p, v);
+    if (std::strtod(shorter, nullptr) == v) return shorter;
+  }
+  return buf;
+}
+
+std::string number(const std::optional<double>& v) { return v ? number(*v) : "null"; }
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n\r") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+const char* strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kShardGradOp: return "grad_op";
+    case ShardingStrategy::kNoShard: return "noshard";
+    case ShardingStrategy::kFullShard: break;
+  }
+  return "full";
+}
+
+std::ofstream open_or_throw(const std::string& what, const std::string& path) {
+  std::ofstream f(path, std::ios::out | std::ios::trunc);
+  if (!f) throw std::runtime_error("cannot write " + what + " to '" + path + "': " +
+                                   std::strerror(errno));
+  return f;
+}
+
+void close_or_throw(std::ofstream& f, const std::string& what, const std::string& path) {
+  f.close();
+  if (!f) throw std::runtime_error("writing " + what + " to '" + path + "' failed");
+}
+
+}  // namespace
+
+bool Report::all_ok() const {
+  return std::all_of(rows.begin(), rows.end(), [](const ReportRow& r) { return r.ok; });
+}
+
+Report make_report(const BenchOptions& options, int world_size, std::string device_description,
+                   std::vector<std::string> notes, std::vector<RunResult> runs) {
+  Report rep;
+  rep.options = options;
+  rep.world_size = world_size;
+  rep.device_description = std::move(device_description);
+  rep.notes = std::move(notes);
+  rep.tolerance =
+      options.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2e-2 : 1e-4;
+
+  for (auto& run : runs) {
+    ReportRow row;
+    TORCH_CHECK(!run.step_ms.empty(), "make_report: run '", run.granularity,
+                "' has no measured steps");
+    row.median_ms = median(run.step_ms);
+    row.min_ms = *std::min_element(run.step_ms.begin(), run.step_ms.end());
+    row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
+    const double tokens = static_cast<double>(options.batch * options.model.seq_len);
+    row.tokens_per_s_per_gpu = tokens / (row.median_ms * 1e-3);
+    if (options.peak_tflops)
+      row.mfu = row.tokens_per_s_per_gpu * gpt::flops_per_token(options.model) /
+                (*options.peak_tflops * 1e12);
+    row.run = std::move(run);
+    rep.rows.push_back(std::move(row));
+  }
+
+  const ReportRow* ref = rep.rows.empty() ? nullptr : &rep.rows.front();
+  const ReportRow* local = nullptr;
+  for (const auto& row : rep.rows)
+    if (row.run.granularity == "local") local = &row;
+  if (local) ref = local;
+  if (ref) rep.reference = ref->run.granularity;
+  for (auto& row : rep.rows) {
+    if (local) row.ratio_to_local = row.median_ms / local->median_ms;
+    const double want = ref->run.loss_step0, got = row.run.loss_step0;
+    row.ok = std::isfinite(got) && std::abs(got - want) <= rep.tolerance * std::abs(want);
+  }
+  return rep;
+}
+
+void print_table(const Report& rep, std::ostream& out) {
+  const BenchOptions& o = rep.options;
+  const auto& m = o.model;
+  const auto& mp = o.sharding.mixed_precision;
+  out << "flatshard-bench: GPT preset " << o.preset << " (vocab " << m.vocab << ", d_model "
+      << m.d_model << ", heads " << m.n_heads << ", layers " << m.n_layers << ", seq "
+      << m.seq_len << "; " << fixed(gpt::num_parameters(m) / 1e6, 2) << " M params, "
+      << fixed(gpt::flops_per_token(m) / 1e6, 1) << " MFLOP/token)\n"
+      << "  " << rep.device_description << "; batch " << o.batch << " seq/rank/step; strategy "
+      << strategy_name(o.sharding.strategy) << "; params " << dtype_name(mp.param_dtype)
+      << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << "; prefetch "
+      << o.sharding.forward_prefetch << "; " << o.warmup << " warmup + " << o.steps
+      << " measured steps; seed " << o.seed << "\n\n";
+
+  std::vector<std::vector<std::string>> cells = {
+      {"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step", "median ms",
+       "min ms", "max ms", "x local", "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0",
+       "check"}};
+  for (const auto& r : rep.rows) {
+    const UnitCounters& c = r.run.per_step;
+    cells.push_back({r.run.granularity, std::to_string(r.run.units),
+                     std::to_string(c.forward_all_gathers), std::to_string(c.backward_all_gathers),
+                     std::to_string(c.reduce_scatters), std::to_string(c.all_reduces),
+                     mib(c.bytes), fixed(r.median_ms, 1), fixed(r.min_ms, 1), fixed(r.max_ms, 1),
+                     r.ratio_to_local ? fixed(*r.ratio_to_local, 2) : "-",
+                     fixed(r.tokens_per_s_per_gpu, 0), percent(r.mfu),
+                     percent(r.run.exposed_comm_share), mib(r.run.peak_memory_bytes),
+                     fixed(r.run.loss_step0, 5), r.ok ? "ok" : "FAIL"});
+  }
+  std::vector<size_t> width(cells.front().size(), 0);
+  for (const auto& row : cells)
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  for (const auto& row : cells) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      const std::string pad(width[i] - row[i].size(), ' ');
+      line += i == 0 ? row[i] + pad : "  " + pad + row[i];  // names left, numbers right
+    }
+    out << line << "\n";
+  }
+  out << "\n"
+      << "fwd AG, bwd AG, RS, AR: all-gathers in forward / backward, reduce-scatters, all-reduces\n"
+      << "  per step; MiB/step: bytes rank 0 sent into them (last measured step, rank 0).\n"
+      << "x local: median step time / local's.  tok/s/GPU: batch*seq / median step time, "
+         "per rank.\n"
+      << "MFU: (6N + 12LdT) FLOPs/token * tok/s / peak"
+      << (o.peak_tflops ? " (" + fixed(*o.peak_tflops, 0) + " TFLOP/s per rank)"
+                        : "; give --peak-tflops to compute it")
+      << ".\n";
+  for (const auto& note : rep.notes) out << wrap(note, 100);
+  out << "check: step-0 loss vs '" << rep.reference << "' within " << rep.tolerance
+      << " relative: " << (rep.all_ok() ? "all ok" : "FAILED") << "\n";
+}
+
+// Schema (every key always present; null where unknown):
+// { "tool": "flatshard-bench",
+//   "model": {"preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
+//             "flops_per_token"},
+//   "device", "device_description", "world_size", "batch" (sequences per rank per step),
+//   "strategy", "param_dtype", "reduce_dtype", "prefetch", "warmup", "steps", "seed",
+//   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance",
+//   "all_ok",
+//   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
+//               "backward_all_gathers", "reduce_scatters", "all_reduces", "bytes_per_step",
+//               "step_ms": {"median", "min", "max", "all": [...]}, "ratio_to_local",
+//               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
+//               "loss_step0", "check": "ok" | "FAIL" } ] }
+void write_json(const Report& rep, const std::string& path) {
+  const BenchOptions& o = rep.options;
+  const auto& m = o.model;
+  const auto& mp = o.sharding.mixed_precision;
+  std::ostringstream j;
+  j << "{\n  \"tool\": \"flatshard-bench\",\n"
+    << "  \"model\": {\"preset\": " << json_string(o.preset) << ", \"vocab\": " << m.vocab
+    << ", \"d_model\": " << m.d_model << ", \"n_heads\": " << m.n_heads
+    << ", \"n_layers\": " << m.n_layers << ", \"seq_len\": " << m.seq_len
+    << ", \"params\": " << gpt::num_parameters(m)
+    << ", \"flops_per_token\": " << number(gpt::flops_per_token(m)) << "},\n"
+    << "  \"device\": " << json_string(to_string(o.device)) << ",\n"
+    << "  \"device_description\": " << json_string(rep.device_description) << ",\n"
+    << "  \"world_size\": " << rep.world_size << ",\n"
+    << "  \"batch\": " << o.batch << ",\n"
+    << "  \"strategy\": " << json_string(strategy_name(o.sharding.strategy)) << ",\n"
+    << "  \"param_dtype\": " << json_string(dtype_name(mp.param_dtype)) << ",\n"
+    << "  \"reduce_dtype\": "
+    << json_string(dtype_name(mp.reduce_dtype.value_or(mp.param_dtype))) << ",\n"
+    << "  \"prefetch\": " << o.sharding.forward_prefetch << ",\n"
+    << "  \"warmup\": " << o.warmup << ",\n"
+    << "  \"steps\": " << o.steps << ",\n"
+    << "  \"seed\": " << o.seed << ",\n"
+    << "  \"peak_tflops\": " << number(o.peak_tflops) << ",\n"
+    << "  \"notes\": [";
+  for (size_t i = 0; i < rep.notes.size(); ++i) j << (i ? ", " : "") << json_string(rep.notes[i]);
+  j << "],\n"
+    << "  \"check_reference\": " << json_string(rep.reference) << ",\n"
+    << "  \"check_tolerance\": " << number(rep.tolerance) << ",\n"
+    << "  \"all_ok\": " << (rep.all_ok() ? "true" : "false") << ",\n"
+    << "  \"runs\": [";
+  for (size_t i = 0; i < rep.rows.size(); ++i) {
+    const ReportRow& r = rep.rows[i];
+    const UnitCounters& c = r.run.per_step;
+    j << (i ? ",\n" : "\n") << "    {\"granularity\": " << json_string(r.run.granularity)
+      << ", \"world_size\": " << r.run.world_size << ", \"units\": " << r.run.units
+      << ",\n     \"forward_all_gathers\": " << c.forward_all_gathers
+      << ", \"backward_all_gathers\": " << c.backward_all_gathers
+      << ", \"reduce_scatters\": " << c.reduce_scatters << ", \"all_reduces\": " << c.all_reduces
+      << ", \"bytes_per_step\": " << c.bytes << ",\n     \"step_ms\": {\"median\": "
+      << number(r.median_ms) << ", \"min\": " << number(r.min_ms)
+      << ", \"max\": " << number(r.max_ms) << ", \"all\": [";
+    for (size_t k = 0; k < r.run.step_ms.size(); ++k)
+      j << (k ? ", " : "") << number(r.run.step_ms[k]);
+    j << "]},\n     \"ratio_to_local\": " << number(r.ratio_to_local)
+      << ", \"tokens_per_s_per_gpu\": " << number(r.tokens_per_s_per_gpu)
+      << ", \"mfu\": " << number(r.mfu)
+      << ", \"exposed_comm_share\": " << number(r.run.exposed_comm_share)
+      << ",\n     \"peak_memory_bytes\": " << r.run.peak_memory_bytes
+      << ", \"loss_step0\": " << number(r.run.loss_step0)
+      << ", \"check\": " << json_string(r.ok ? "ok" : "FAIL") << "}";
+  }
+  j << "\n  ]\n}\n";
+  std::ofstream f = open_or_throw("JSON", path);
+  f << j.str();
+  close_or_throw(f, "JSON", path);
+}
+
+void write_csv(const Report& rep, const std::string& path) {
+  std::ostringstream s;
+  s << "granularity,world_size,units,forward_all_gathers,backward_all_gathers,reduce_scatters,"
+       "all_reduces,bytes_per_step,step_ms_median,step_ms_min,step_ms_max,ratio_to_local,"
+       "tokens_per_s_per_gpu,mfu,exposed_comm_share,peak_memory_bytes,loss_step0,check\n";
+  auto opt = [](const std::optional<double>& v) { return v ? number(*v) : std::string(); };
+  for (const auto& r : rep.rows) {
+    const UnitCounters& c = r.run.per_step;
+    s << csv_field(r.run.granularity) << ',' << r.run.world_size << ',' << r.run.units << ','
+      << c.forward_all_gathers << ',' << c.backward_all_gathers << ',' << c.reduce_scatters
+      << ',' << c.all_reduces << ',' << c.bytes << ',' << number(r.median_ms) << ','
+      << number(r.min_ms) << ',' << number(r.max_ms) << ',' << opt(r.ratio_to_local) << ','
+      << number(r.tokens_per_s_per_gpu) << ',' << opt(r.mfu) << ','
+      << opt(r.run.exposed_comm_share) << ',' << r.run.peak_memory_bytes << ','
+      << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << '\n';
+  }
+  std::ofstream f = open_or_throw("CSV", path);
+  f << s.str();
+  close_or_throw(f, "CSV", path);
+}
+
+void check_writable(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  std::ofstream f(path, std::ios::out | std::ios::trunc);
+  if (!f) throw UsageError(flag + " '" + path + "': cannot open for writing: " +
+                           std::strerror(errno));
+}
+
+}  // namespace bench
+}  // namespace flatshard

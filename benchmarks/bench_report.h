@@ -1,0 +1,60 @@
+// flatshard/benchmarks/bench_report.h — the results of all runs, derived numbers, the result
+// check, and their renderings: table (stdout), JSON, CSV. The SVG chart is bench_plot.h.
+//
+// Contract
+// - make_report() derives per run: step-time median/min/max, ratio to `local` (when a local run
+//   exists), tokens/s per rank (= batch * seq / median step time), MFU (when a peak is known),
+//   and the check: the step-0 loss must equal the reference run's — `local` if present, else
+//   the first run — within 1e-4 relative for fp32 params, 2e-2 for bf16. Every run starts from
+//   the same weights and data, so any larger difference is a sharding bug, not noise.
+// - JSON and CSV hold the same numbers as the table, unrounded; unknown values are null / empty.
+//   The JSON schema is written out in write_json's comment in bench_report.cpp.
+// - write_json/write_csv throw std::runtime_error naming the path when the file cannot be
+//   written.
+#pragma once
+
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_options.h"
+#include "benchmarks/bench_run.h"
+
+namespace flatshard {
+namespace bench {
+
+struct ReportRow {
+  RunResult run;
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  std::optional<double> ratio_to_local;
+  double tokens_per_s_per_gpu = 0;
+  std::optional<double> mfu;  // fraction of peak
+  bool ok = true;             // loss check
+};
+
+struct Report {
+  BenchOptions options;
+  int world_size = 1;
+  std::string device_description;  // e.g. "cpu, 2 ranks as threads"
+  // Device-specific footnotes, one table line each: what "exposed" and "peak MiB" mean here.
+  std::vector<std::string> notes;
+  std::string reference;           // label of the run the loss check compares against
+  double tolerance = 0;            // relative
+  std::vector<ReportRow> rows;
+  bool all_ok() const;
+};
+
+Report make_report(const BenchOptions& options, int world_size, std::string device_description,
+                   std::vector<std::string> notes, std::vector<RunResult> runs);
+
+void print_table(const Report& report, std::ostream& out);
+void write_json(const Report& report, const std::string& path);
+void write_csv(const Report& report, const std::string& path);
+
+// Opens `path` for writing (truncating it) and closes it again, so that an unwritable output
+// path fails before minutes of benchmarking; throws UsageError naming `flag` and the path.
+void check_writable(const std::string& flag, const std::string& path);
+
+}  // namespace bench
+}  // namespace flatshard

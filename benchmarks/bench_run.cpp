@@ -1,0 +1,143 @@
+// flatshard/benchmarks/bench_run.cpp — see bench_run.h for the contract.
+#include "benchmarks/bench_run.h"
+
+#include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <mutex>
+
+#include "benchmarks/counting_allocator.h"
+#include "benchmarks/timed_communicator.h"
+#include "collectives/thread_communicator.h"
+#include "fsdp/call.h"
+#include "fsdp/sharded_model.h"
+
+namespace flatshard {
+namespace bench {
+
+namespace {
+
+// The optimizer is part of what a step costs, but its settings do not matter: only the step-0
+// loss is compared, and that is computed before the first update.
+torch::optim::AdamWOptions adamw_options() {
+  return torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
+                     const DeviceHooks& hooks, const ProgressFn& progress) {
+  TORCH_CHECK(granularity.local || group != nullptr, "train_rank: granularity '",
+              granularity.label, "' needs a communicator");
+  const int rank = group ? group->rank() : 0;
+  const int total = config.warmup + config.steps;
+  const c10::ScalarType param_dtype = config.sharding.mixed_precision.param_dtype;
+
+  // The communicator sharding uses: none for local, else the group (timed when asked).
+  std::unique_ptr<TimedCommunicator> timed;
+  Communicator* comm = granularity.local ? nullptr : group;
+  if (comm && config.time_collectives) {
+    timed = std::make_unique<TimedCommunicator>(*comm);
+    comm = timed.get();
+  }
+
+  gpt::GPT model(config.model, config.seed);
+  std::unique_ptr<ShardedModel> fsdp;
+  std::vector<at::Tensor> params;
+  if (granularity.local) {
+    model->to(hooks.device, param_dtype);
+    params = gpt::unique_parameters(*model);
+  } else {
+    model->to(hooks.device);
+    fsdp = fully_shard(model.ptr(), granularity.plan, *comm, config.sharding);
+    params = fsdp->parameters();
+  }
+  torch::optim::AdamW opt(params, adamw_options());
+
+  std::vector<std::pair<at::Tensor, at::Tensor>> batches;
+  for (int s = 0; s < total; ++s) {
+    auto b = gpt::synthetic_batch(config.model, config.batch, static_cast<int64_t>(config.seed),
+                                  rank, s);
+    batches.emplace_back(b.first.to(hooks.device), b.second.to(hooks.device));
+  }
+
+  RunResult r;
+  r.granularity = granularity.label;
+  r.world_size = comm ? comm->world_size() : 1;
+  if (fsdp)
+    for (const auto& u : fsdp->units()) r.units += u.padded_numel > 0 ? 1 : 0;
+
+  // Reset the peak once every rank finished setup: the steps' peak is the steady state we want,
+  // not the full-size model every rank builds before sharding it.
+  hooks.synchronize();
+  if (group) group->barrier();
+  if (rank == 0 && hooks.memory_reset_peak) hooks.memory_reset_peak();
+  if (group) group->barrier();
+
+  double comm_ms = 0, step_ms_sum = 0;
+  for (int s = 0; s < total; ++s) {
+    if (fsdp) fsdp->reset_counters();
+    if (timed) timed->reset_time();
+    const auto t0 = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    const auto& batch = batches[static_cast<size_t>(s)];
+    at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
+    loss.backward();
+    opt.step();
+    hooks.synchronize();
+    const double ms = ms_since(t0);
+    if (s == 0) r.loss_step0 = loss.item<double>();
+    if (s >= config.warmup) {
+      r.step_ms.push_back(ms);
+      step_ms_sum += ms;
+      if (timed) comm_ms += static_cast<double>(timed->nanoseconds()) * 1e-6;
+    }
+    if (rank == 0 && progress) progress(s, total, ms);
+  }
+  if (fsdp) r.per_step = fsdp->counters().total;
+  if (timed && step_ms_sum > 0) r.exposed_comm_share = comm_ms / step_ms_sum;
+
+  if (group) group->barrier();  // every rank's steps are inside the peak
+  if (hooks.memory_peak) r.peak_memory_bytes = hooks.memory_peak();
+  return r;
+}
+
+RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granularity,
+                             int world_size, const ProgressFn& progress) {
+  CountingCpuAllocator& mem = CountingCpuAllocator::install();
+  DeviceHooks hooks;
+  hooks.memory_current = [&mem] { return mem.current_bytes(); };
+  hooks.memory_peak = [&mem] { return mem.peak_bytes(); };
+  hooks.memory_reset_peak = [&mem] { mem.reset_peak(); };
+
+  const int world = world_size;
+  const int64_t baseline = hooks.memory_current();
+  RunResult result;
+  std::mutex mu;
+  run_ranks(world, [&](Communicator& comm) {
+    RunResult r = train_rank(config, granularity, &comm, hooks, progress);
+    if (comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      result = std::move(r);
+    }
+  });
+  result.peak_memory_bytes = (result.peak_memory_bytes - baseline) / world;
+  return result;
+}
+
+}  // namespace bench
+}  // namespace flatshard

@@ -1,0 +1,90 @@
+// flatshard/benchmarks/bench_run.h — one granularity run: build the GPT, shard it per the plan,
+// train warmup + measured steps, and measure.
+//
+// Contract
+// - train_rank() is one rank's part of a run, collective over `group` (every rank calls it with
+//   the same config and granularity). Every rank builds GPT(model, seed) (bit-identical), moves
+//   it to hooks.device, shards it over `group` with the granularity's plan and trains it with
+//   AdamW on synthetic_batch(model, batch, seed, rank, step). Batches are made before timing.
+//   A local run never shards or communicates: the model is cast to the param dtype and trained
+//   as is; `group` (which may then be null: one rank alone) only aligns the memory
+//   measurement.
+// - A step's time covers zero_grad, forward, backward and the optimizer step, ended by
+//   hooks.synchronize() (device work included). Counters are those of the last measured step.
+// - Memory: after setup (model sharded, optimizer built) the peak is reset on rank 0 between
+//   two barriers; RunResult::peak_memory_bytes is the raw probe peak at the end (the caller
+//   subtracts its baseline and, for process-wide probes, divides by the ranks).
+// - Progress is reported on rank 0 only, after every step.
+// - The returned result is this rank's; callers use rank 0's.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_granularity.h"
+#include "benchmarks/gpt.h"
+#include "collectives/communicator.h"
+#include "fsdp/options.h"
+#include "fsdp/unit.h"
+
+namespace flatshard {
+namespace bench {
+
+// Everything a run needs besides the granularity; identical on every rank.
+struct RunConfig {
+  gpt::GPTConfig model;
+  int64_t batch = 1;  // sequences per rank per step
+  uint64_t seed = 0;
+  int warmup = 2;
+  int steps = 5;
+  ShardingOptions sharding;
+  // Wrap the communicator in a TimedCommunicator and report the exposed-communication share
+  // (meaningful on synchronous backends only: the CPU one).
+  bool time_collectives = false;
+};
+
+// The device side of a rank.
+struct DeviceHooks {
+  c10::Device device{c10::kCPU};
+  std::function<void()> synchronize = [] {};  // waits for queued device work
+  std::function<int64_t()> memory_current;    // live bytes; null: memory not measured
+  std::function<int64_t()> memory_peak;       // peak live bytes since the last reset
+  std::function<void()> memory_reset_peak;
+};
+
+// Called on rank 0 after each step: step index over warmup + measured, the total, its time.
+using ProgressFn = std::function<void(int step, int total, double ms)>;
+
+struct RunResult {
+  std::string granularity;
+  int world_size = 1;
+  int64_t units = 0;            // units that own parameters (0 for local)
+  UnitCounters per_step;        // collectives and bytes of the last measured step
+  std::vector<double> step_ms;  // measured steps
+  double loss_step0 = 0;        // loss of the first (warmup) step, before any update
+  std::optional<double> exposed_comm_share;  // host time inside collectives / step time
+  int64_t peak_memory_bytes = 0;
+};
+
+RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
+                     const DeviceHooks& hooks, const ProgressFn& progress);
+
+// A whole run on CPU: `world_size` ranks as threads with one compute thread each; memory from
+// the counting CPU allocator as the per-rank average (process peak minus the baseline before
+// the run, divided by the ranks). Returns rank 0's result.
+// `local` runs one unsharded replica per rank thread, concurrently and without communicating:
+// the threads share the machine's cores, so a floor measured on one thread alone would be
+// faster than any rank can be and the ratio would show core contention, not sharding cost.
+RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granularity,
+                             int world_size, const ProgressFn& progress);
+
+// Median of step times (mean of the middle two for an even count; 0 for none).
+double median(std::vector<double> v);
+
+}  // namespace bench
+}  // namespace flatshard

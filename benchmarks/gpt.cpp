@@ -1,0 +1,265 @@
+// flatshard/benchmarks/gpt.cpp — see gpt.h for the contract.
+#include "benchmarks/gpt.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <mutex>
+#include <sstream>
+#include <unordered_set>
+
+#include "fsdp/call.h"
+
+namespace flatshard {
+namespace gpt {
+
+namespace {
+
+// splitmix64 finalizer: spreads (seed, rank, step) over the whole 64-bit seed space so that
+// neighbouring ranks/steps get unrelated streams.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// torch::nn::Linear/Embedding draw their default init from the global CPU generator; we overwrite
+// those values anyway, and restoring the state keeps "build a reference model, then draw data
+// from the global RNG" reproducible whether or not a GPT was built in between.
+class GlobalRngRestorer {
+ public:
+  GlobalRngRestorer() : gen_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    state_ = gen_.get_state();
+  }
+  ~GlobalRngRestorer() {
+    try {
+      std::lock_guard<std::mutex> lock(gen_.mutex());
+      gen_.set_state(state_);
+    } catch (...) {  // never throw from a destructor; the RNG then merely stays advanced
+    }
+  }
+  GlobalRngRestorer(const GlobalRngRestorer&) = delete;
+  GlobalRngRestorer& operator=(const GlobalRngRestorer&) = delete;
+
+ private:
+  at::Generator gen_;
+  at::Tensor state_;
+};
+
+}  // namespace
+
+// --- config
+// ---------------------------------------------------------------------------------------
+
+GPTConfig GPTConfig::preset(const std::string& name) {
+  auto make = [](int64_t vocab, int64_t d_model, int64_t n_heads, int64_t n_layers,
+                 int64_t seq_len) {
+    GPTConfig c;
+    c.vocab = vocab;
+    c.d_model = d_model;
+    c.n_heads = n_heads;
+    c.n_layers = n_layers;
+    c.seq_len = seq_len;
+    return c;
+  };
+  if (name == "tiny") return make(512, 64, 4, 2, 32);
+  if (name == "small") return make(4096, 256, 8, 4, 256);
+  if (name == "1b") return make(32768, 2048, 16, 16, 2048);
+  TORCH_CHECK(false, "GPTConfig::preset: unknown preset '", name,
+              "'; known presets: tiny, small, 1b");
+}
+
+void GPTConfig::validate() const {
+  TORCH_CHECK(vocab > 0, "GPTConfig: vocab must be > 0, got ", vocab);
+  TORCH_CHECK(d_model > 0, "GPTConfig: d_model must be > 0, got ", d_model);
+  TORCH_CHECK(n_heads > 0, "GPTConfig: n_heads must be > 0, got ", n_heads);
+  TORCH_CHECK(n_layers > 0, "GPTConfig: n_layers must be > 0, got ", n_layers);
+  TORCH_CHECK(seq_len > 0, "GPTConfig: seq_len must be > 0, got ", seq_len);
+  TORCH_CHECK(d_model % n_heads == 0, "GPTConfig: n_heads (", n_heads, ") must divide d_model (",
+              d_model, ")");
+  TORCH_CHECK(std::isfinite(init_std) && init_std >= 0.0,
+              "GPTConfig: init_std must be finite and >= 0, got ", init_std);
+}
+
+std::string GPTConfig::to_string() const {
+  std::ostringstream os;
+  os << "vocab=" << vocab << " d_model=" << d_model << " n_heads=" << n_heads
+     << " n_layers=" << n_layers << " seq_len=" << seq_len << " tied=" << tie_embeddings;
+  return os.str();
+}
+
+// --- closed forms
+// -----------------------------------------------------------------------------------
+
+int64_t num_parameters(const GPTConfig& cfg) {
+  const int64_t d = cfg.d_model;
+  const int64_t embeddings = cfg.vocab * d * (cfg.tie_embeddings ? 1 : 2) + cfg.seq_len * d;
+  const int64_t per_block = 12 * d * d + 13 * d;
+  return embeddings + cfg.n_layers * per_block + 2 * d;
+}
+
+double flops_per_token(const GPTConfig& cfg) {
+  const double d = static_cast<double>(cfg.d_model);
+  const double L = static_cast<double>(cfg.n_layers);
+  const double matmul_params = L * 12.0 * d * d + static_cast<double>(cfg.vocab) * d;
+  return 6.0 * matmul_params + 12.0 * L * d * static_cast<double>(cfg.seq_len);
+}
+
+// --- data
+// ---------------------------------------------------------------------------------------------
+
+std::pair<at::Tensor, at::Tensor> synthetic_batch(const GPTConfig& cfg, int64_t batch, int64_t seed,
+                                                  int rank, int64_t step) {
+  cfg.validate();
+  TORCH_CHECK(batch > 0, "synthetic_batch: batch must be > 0, got ", batch);
+  const uint64_t s = mix64(mix64(mix64(static_cast<uint64_t>(seed)) ^ static_cast<uint64_t>(rank)) ^
+                           static_cast<uint64_t>(step));
+  at::Generator gen = at::detail::createCPUGenerator(s);
+  // No lock here: the ATen sampling kernels take the generator's mutex themselves.
+  const at::Tensor start = at::randint(0, cfg.vocab, {batch, 1}, gen, at::kLong);
+  const at::Tensor stride = at::randint(1, 17, {batch, 1}, gen, at::kLong);
+  const at::Tensor j = at::arange(cfg.seq_len + 1, at::kLong).unsqueeze(0);  // [1, T + 1]
+  const at::Tensor seq = (start + stride * j).remainder(cfg.vocab);          // [B, T + 1]
+  using at::indexing::Slice;
+  return {seq.index({Slice(), Slice(0, cfg.seq_len)}).contiguous(),
+          seq.index({Slice(), Slice(1, cfg.seq_len + 1)}).contiguous()};
+}
+
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
+
+// --- modules
+// --------------------------------------------------------------------------------------
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg)
+    : torch::nn::Module("CausalSelfAttention"), n_heads_(cfg.n_heads) {
+  qkv = register_module("qkv", torch::nn::Linear(cfg.d_model, 3 * cfg.d_model));
+  proj = register_module("proj", torch::nn::Linear(cfg.d_model, cfg.d_model));
+}
+
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
+  // [B, T, 3d] -> [3, B, H, T, hd]: q, k, v with heads as a batch dimension, as SDPA wants.
+  const at::Tensor qkv_heads =
+      flatshard::call(qkv, x).view({B, T, 3, n_heads_, d / n_heads_}).permute({2, 0, 3, 1, 4});
+  const at::Tensor y = at::scaled_dot_product_attention(qkv_heads[0], qkv_heads[1], qkv_heads[2],
+                                                        /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                        /*is_causal=*/true);
+  return flatshard::call(proj, y.transpose(1, 2).reshape({B, T, d}));
+}
+
+MLPImpl::MLPImpl(const GPTConfig& cfg) : torch::nn::Module("MLP") {
+  fc = register_module("fc", torch::nn::Linear(cfg.d_model, 4 * cfg.d_model));
+  proj = register_module("proj", torch::nn::Linear(4 * cfg.d_model, cfg.d_model));
+}
+
+at::Tensor MLPImpl::forward(const at::Tensor& x) {
+  return flatshard::call(proj, at::gelu(flatshard::call(fc, x), /*approximate=*/"tanh"));
+}
+
+BlockImpl::BlockImpl(const GPTConfig& cfg) : torch::nn::Module("Block") {
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.d_model})));
+  attn = register_module("attn", CausalSelfAttention(cfg));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.d_model})));
+  mlp = register_module("mlp", MLP(cfg));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  const at::Tensor h = x + flatshard::call(attn, flatshard::call(ln1, x));
+  return h + flatshard::call(mlp, flatshard::call(ln2, h));
+}
+
+GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed) : torch::nn::Module("GPT"), cfg_(cfg) {
+  cfg_.validate();
+  GlobalRngRestorer restore_global_rng;
+  const int64_t d = cfg_.d_model;
+
+  // Built before wte so that, when tied, wte can adopt lm_head's weight tensor itself (the
+  // Embedding registers a given _weight as is): one TensorImpl under both paths, so gradients
+  // of both uses accumulate into it and ->to() keeps them tied.
+  auto head = torch::nn::Linear(torch::nn::LinearOptions(d, cfg_.vocab).bias(false));
+  auto tok_opts = torch::nn::EmbeddingOptions(cfg_.vocab, d);
+  if (cfg_.tie_embeddings) tok_opts._weight(head->weight);
+
+  wte = register_module("wte", torch::nn::Embedding(tok_opts));
+  wpe = register_module("wpe", torch::nn::Embedding(cfg_.seq_len, d));
+  blocks_list = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg_.n_layers; ++i) {
+    blocks_.emplace_back(cfg_);
+    blocks_list->push_back(blocks_.back());
+  }
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+  lm_head = register_module("lm_head", head);
+  TORCH_INTERNAL_ASSERT(!cfg_.tie_embeddings ||
+                        wte->weight.unsafeGetTensorImpl() == lm_head->weight.unsafeGetTensorImpl());
+
+  init_parameters(seed);
+}
+
+void GPTImpl::init_parameters(uint64_t seed) {
+  // Private generator: no lock needed (the sampling kernels lock it themselves).
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  at::NoGradGuard no_grad;
+  const double residual_std =
+      cfg_.scaled_residual_init ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers) : cfg_.init_std;
+  std::unordered_set<const c10::TensorImpl*> done;  // a tied weight is drawn once, by wte
+  auto fresh = [&](const at::Tensor& t) { return done.insert(t.unsafeGetTensorImpl()).second; };
+
+  // named_modules() walks in registration order, which fixes the order of the draws. Not
+  // include_self: the model is not inside its shared_ptr yet while constructing.
+  for (const auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const std::string& path = item.key();
+    torch::nn::Module* m = item.value().get();
+    if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m)) {
+      const bool residual = ends_with(path, "attn.proj") || ends_with(path, "mlp.proj");
+      if (fresh(lin->weight))
+        lin->weight.normal_(0.0, residual ? residual_std : cfg_.init_std, gen);
+      if (lin->bias.defined() && fresh(lin->bias)) lin->bias.zero_();
+    } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m)) {
+      if (fresh(emb->weight)) emb->weight.normal_(0.0, cfg_.init_std, gen);
+    } else if (auto* ln = dynamic_cast<torch::nn::LayerNormImpl*>(m)) {
+      if (fresh(ln->weight)) ln->weight.fill_(1.0);
+      if (fresh(ln->bias)) ln->bias.zero_();
+    }
+  }
+  TORCH_INTERNAL_ASSERT(done.size() == unique_parameters(*this).size(),
+                        "GPT init: a parameter was left uninitialized");
+}
+
+at::Tensor GPTImpl::forward(const at::Tensor& idx) {
+  TORCH_CHECK(idx.dim() == 2, "GPT::forward: idx must be [B, T], got ", idx.sizes());
+  TORCH_CHECK(idx.scalar_type() == at::kLong, "GPT::forward: idx must be int64, got ",
+              idx.scalar_type());
+  const int64_t T = idx.size(1);
+  TORCH_CHECK(T >= 1 && T <= cfg_.seq_len, "GPT::forward: sequence length ", T,
+              " outside [1, seq_len=", cfg_.seq_len, "]");
+  const at::Tensor pos = at::arange(T, idx.options());
+  at::Tensor x = flatshard::call(wte, idx) + flatshard::call(wpe, pos);
+  for (auto& block : blocks_) x = flatshard::call(block, x);
+  return flatshard::call(lm_head, flatshard::call(ln_f, x));
+}
+
+at::Tensor GPTImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
+  TORCH_CHECK(targets.sizes() == idx.sizes(), "GPT::loss: targets ", targets.sizes(),
+              " must have the shape of idx ", idx.sizes());
+  const at::Tensor logits = forward(idx);
+  return at::cross_entropy_loss(logits.reshape({-1, cfg_.vocab}).to(at::kFloat),
+                                targets.reshape({-1}));
+}
+
+}  // namespace gpt
+}  // namespace flatshard

@@ -1,0 +1,168 @@
+// flatshard/benchmarks/gpt.h — the reference GPT decoder used by the tests and the benchmark.
+//
+// Contract
+//   * Architecture (pre-LayerNorm GPT-2 style, no dropout):
+//       x = wte(idx) + wpe(arange(T))
+//       for each Block:  x = x + attn(ln1(x));  x = x + mlp(ln2(x))
+//       logits = lm_head(ln_f(x))                       // [B, T, vocab], no bias
+//     attn: qkv Linear d->3d, causal scaled_dot_product_attention over n_heads, proj Linear d->d.
+//     mlp:  fc Linear d->4d, GELU (tanh approximation), proj Linear 4d->d.
+//   * Every parent->child call goes through flatshard::call (fsdp/call.h), so any module — a leaf
+//     Linear, a Block, the whole GPT — can be a sharding unit.
+//   * Module paths: wte, wpe, blocks.<i>, blocks.<i>.{ln1,attn,attn.qkv,attn.proj,ln2,mlp,
+//     mlp.fc,mlp.proj}, ln_f, lm_head. Module::name() is the short type name: "GPT", "Block",
+//     "CausalSelfAttention", "MLP" (the torch leaves keep LibTorch's names, e.g.
+//     "torch::nn::LinearImpl"), so wrap policies can match blocks by the type name "Block".
+//   * Deterministic init: GPT(cfg, seed) draws every parameter from a private CPU generator
+//     seeded with `seed`, in module registration order, so two constructions with the same
+//     (cfg, seed) are bit-identical whatever was built before and whatever the global RNG state.
+//     The model is built on CPU in fp32; move it with ->to(device, dtype) afterwards (that keeps
+//     the values). Construction leaves the global CPU RNG as it found it. Init values: weights
+//     of Linear/Embedding ~ N(0, init_std), the residual projections (attn.proj, mlp.proj) ~
+//     N(0, init_std / sqrt(2 * n_layers)) when scaled_residual_init (GPT-2), biases 0,
+//     LayerNorm weight 1 / bias 0.
+//   * tie_embeddings: lm_head.weight and wte.weight are the same tensor (one TensorImpl).
+//     LibTorch's parameters() does not deduplicate, so it lists that tensor twice; hand
+//     optimizers unique_parameters(model) instead.
+//   * Dtypes: parameters may be fp32 or bf16 (any floating dtype); loss() computes the
+//     cross-entropy in fp32 whatever the logits' dtype.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace flatshard {
+namespace gpt {
+
+struct GPTConfig {
+  int64_t vocab = 32768;
+  int64_t d_model = 2048;
+  int64_t n_heads = 16;
+  int64_t n_layers = 16;
+  int64_t seq_len = 2048;  // maximum sequence length (rows of wpe); also T in flops_per_token
+  bool tie_embeddings = false;
+  double init_std = 0.02;
+  bool scaled_residual_init = true;  // GPT-2: residual projections get init_std / sqrt(2 L)
+
+  // Named presets (each passes validate()):
+  //   "tiny"  vocab 512,   d 64,   heads 4,  layers 2,  seq 32     (~0.17 M params; CPU tests)
+  //   "small" vocab 4096,  d 256,  heads 8,  layers 4,  seq 256    (~5.3 M params; CPU bench)
+  //   "1b"    vocab 32768, d 2048, heads 16, layers 16, seq 2048   (~0.94 B params; GPU bench)
+  // Throws c10::Error naming the known presets for any other name.
+  static GPTConfig preset(const std::string& name);
+
+  // Throws c10::Error with the offending values: every size > 0, n_heads divides d_model,
+  // init_std finite and >= 0.
+  void validate() const;
+
+  int64_t head_dim() const { return d_model / n_heads; }
+  // One line, e.g. "vocab=512 d_model=64 n_heads=4 n_layers=2 seq_len=32 tied=0".
+  std::string to_string() const;
+};
+
+// Number of distinct parameter elements of GPT(cfg), in closed form:
+//   V·d·(tied ? 1 : 2) + T·d + L·(12·d² + 13·d) + 2·d
+// (per block: ln1 2d, qkv 3d²+3d, attn.proj d²+d, ln2 2d, fc 4d²+4d, mlp.proj 4d²+d; ln_f 2d).
+int64_t num_parameters(const GPTConfig& cfg);
+
+// Training FLOPs per token (forward + backward), PaLM appendix-B / Chinchilla convention:
+//   flops_per_token = 6·N + 12·L·d·T,   N = L·12·d² + V·d,   T = cfg.seq_len
+// N counts the weights of every matmul: the blocks' Linear weights and the output projection
+// (which runs whether or not it is tied). Left out as negligible or FLOP-free: the embedding
+// lookups (gathers), biases, LayerNorms, GELU, softmax. 12·L·d·T is the attention score and
+// value matmuls (QKᵀ and AV) at full T; causal kernels skip about half of that work, the
+// convention counts it anyway. MFU = tokens/s · flops_per_token / peak FLOP/s.
+double flops_per_token(const GPTConfig& cfg);
+
+// A deterministic batch of a learnable synthetic language, as int64 CPU tensors [batch, seq_len]:
+// each row is an arithmetic progression mod vocab, s_j = (start + stride·j) mod V, with start
+// uniform in [0, V) and stride uniform in [1, 16] drawn per row; idx = s[0..T), targets =
+// s[1..T] (next-token prediction). The next token is predictable from the two before it, so
+// the loss can fall towards ~0 on fresh batches (the first positions stay uncertain).
+// Deterministic per (seed, rank, step): the rows are drawn from a private generator seeded with
+// a hash of the three, independent of the global RNG, of the device and of other calls; ranks
+// (and steps) get different data.
+std::pair<at::Tensor, at::Tensor> synthetic_batch(const GPTConfig& cfg, int64_t batch, int64_t seed,
+                                                  int rank, int64_t step = 0);
+
+// The distinct parameters of `module` in registration order (first occurrence wins), i.e.
+// parameters() with tied tensors listed once. Use it for optimizers and parameter counts.
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
+
+// --- modules ------------------------------------------------------------------------------------
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  explicit CausalSelfAttentionImpl(const GPTConfig& cfg);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+
+  torch::nn::Linear qkv{nullptr};   // d -> 3d (q, k, v stacked along the output dim)
+  torch::nn::Linear proj{nullptr};  // d -> d
+ private:
+  int64_t n_heads_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const GPTConfig& cfg);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+
+  torch::nn::Linear fc{nullptr};    // d -> 4d
+  torch::nn::Linear proj{nullptr};  // 4d -> d
+};
+TORCH_MODULE(MLP);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  explicit BlockImpl(const GPTConfig& cfg);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+
+  torch::nn::LayerNorm ln1{nullptr};
+  CausalSelfAttention attn{nullptr};
+  torch::nn::LayerNorm ln2{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+class GPTImpl : public torch::nn::Module {
+ public:
+  // Validates cfg, builds on CPU in fp32 and initializes from `seed` (see the contract above).
+  explicit GPTImpl(const GPTConfig& cfg, uint64_t seed = 0);
+
+  // idx: int64 [B, T] with 1 <= T <= seq_len and tokens in [0, vocab) -> logits [B, T, vocab]
+  // in the parameters' dtype.
+  at::Tensor forward(const at::Tensor& idx);
+  // Mean next-token cross-entropy of forward(idx) against targets (int64 [B, T]), as an fp32
+  // scalar whatever the parameters' dtype.
+  at::Tensor loss(const at::Tensor& idx, const at::Tensor& targets);
+
+  const GPTConfig& config() const { return cfg_; }
+  // Typed holders of the blocks registered under "blocks" (flatshard::call needs the type).
+  const std::vector<Block>& blocks() const { return blocks_; }
+
+  torch::nn::Embedding wte{nullptr};           // token embedding [vocab, d]
+  torch::nn::Embedding wpe{nullptr};           // learned position embedding [seq_len, d]
+  torch::nn::ModuleList blocks_list{nullptr};  // registered as "blocks"
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // d -> vocab, no bias; weight is wte's when tied
+
+ private:
+  void init_parameters(uint64_t seed);
+
+  GPTConfig cfg_;
+  std::vector<Block> blocks_;  // same modules as blocks_list, kept typed for flatshard::call
+};
+TORCH_MODULE(GPT);
+
+}  // namespace gpt
+}  // namespace flatshard

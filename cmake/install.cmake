@@ -1,0 +1,35 @@
+# Install rules: `cmake --install <build> --prefix P` gives P/lib/cmake/flatshard with a package
+# config, so another project's `find_package(flatshard)` yields flatshard::flatshard (and
+# flatshard::gpt, the reference model) carrying LibTorch, NCCL and Abseil usage requirements.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(FLATSHARD_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/flatshard)
+
+install(TARGETS flatshard EXPORT flatshardTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+if(TARGET flatshard_gpt)
+  set_target_properties(flatshard_gpt PROPERTIES EXPORT_NAME gpt)
+  target_include_directories(flatshard_gpt INTERFACE $<INSTALL_INTERFACE:include/flatshard>)
+  install(TARGETS flatshard_gpt EXPORT flatshardTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(FILES benchmarks/gpt.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard/benchmarks)
+endif()
+# Public headers keep their repository paths under include/flatshard/, so both
+# #include "fsdp/call.h" and #include <flatshard/fsdp/call.h> work for consumers.
+foreach(dir collectives flat_param wrap_policies fsdp)
+  install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard/${dir}
+          FILES_MATCHING PATTERN "*.h")
+endforeach()
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/generated/flatshard/version.h
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard)
+
+install(EXPORT flatshardTargets NAMESPACE flatshard:: DESTINATION ${FLATSHARD_INSTALL_CMAKEDIR})
+configure_package_config_file(cmake/flatshardConfig.cmake.in
+  ${CMAKE_CURRENT_BINARY_DIR}/flatshardConfig.cmake
+  INSTALL_DESTINATION ${FLATSHARD_INSTALL_CMAKEDIR})
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/flatshardConfigVersion.cmake
+  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/flatshardConfig.cmake
+              ${CMAKE_CURRENT_BINARY_DIR}/flatshardConfigVersion.cmake
+        DESTINATION ${FLATSHARD_INSTALL_CMAKEDIR})

@@ -1,0 +1,176 @@
+#include "flat_param/flat_param.h"
+
+#include <ATen/native/Resize.h>
+#if FLATSHARD_WITH_CUDA
+#include <ATen/native/cuda/Resize.h>
+#endif
+#include <c10/core/StreamGuard.h>
+
+namespace flatshard {
+
+void resize_tensor_storage(const at::Tensor& t, int64_t numel) {
+  TORCH_INTERNAL_ASSERT(t.storage_offset() == 0, "resize_tensor_storage needs a base tensor");
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(numel) * t.element_size();
+  if (impl->nbytes() == bytes) return;
+#if FLATSHARD_WITH_CUDA
+  if (t.is_cuda()) {
+    at::native::resize_bytes_cuda(impl, bytes);
+    return;
+  }
+#endif
+  TORCH_CHECK(t.is_cpu(), "flatshard: cannot resize storage on device ", t.device(),
+              " (built without CUDA support?)");
+  at::native::resize_bytes_cpu(impl, bytes);
+}
+
+bool storage_is_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }
+
+namespace {
+
+// Allocates a tensor whose storage we may later resize (at::empty's is resizable).
+at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device device) {
+  return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+}
+
+}  // namespace
+
+FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
+                     const FlatParamConfig& config)
+    : unit_name_(std::move(unit_name)), params_(std::move(params)), comm_(comm), config_(config) {
+  at::NoGradGuard no_grad;
+  const int world = config_.sharded ? comm_.world_size() : 1;
+  const c10::Device device = comm_.device();
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : params_) {
+    TORCH_CHECK(p.param.defined(), "unit '", unit_name_, "': parameter '", p.name,
+                "' is undefined");
+    TORCH_CHECK(at::isFloatingType(p.param.scalar_type()), "unit '", unit_name_,
+                "': parameter '", p.name, "' has dtype ", p.param.scalar_type(),
+                "; flat parameters hold floating-point parameters only");
+    TORCH_CHECK(p.param.scalar_type() == params_.front().param.scalar_type(), "unit '",
+                unit_name_, "': parameters of one unit must share a dtype, but '",
+                params_.front().name, "' is ", params_.front().param.scalar_type(), " and '",
+                p.name, "' is ", p.param.scalar_type(), " (rank ", comm_.rank(), ")");
+    TORCH_CHECK(p.param.device() == params_.front().param.device(), "unit '", unit_name_,
+                "': parameters of one unit must share a device, but '", params_.front().name,
+                "' is on ", params_.front().param.device(), " and '", p.name, "' on ",
+                p.param.device(), " (rank ", comm_.rank(), ")");
+    TORCH_CHECK(p.param.is_leaf(), "unit '", unit_name_, "': parameter '", p.name,
+                "' is not a leaf tensor");
+    shapes.push_back(p.param.sizes().vec());
+  }
+  layout_ = FlatLayout::make(shapes, world, config_.align);
+
+  // The full fp32 values, padding zero, on the communicator's device.
+  at::Tensor init = at::zeros({layout_.padded_numel}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    init.narrow(0, layout_.offsets[i], layout_.numels[i])
+        .copy_(params_[i].param.detach().reshape({-1}));
+  }
+  if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
+    comm_.broadcast(init, 0, comm_.current_stream());
+  }
+
+  if (config_.sharded) {
+    master_ = init.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel).clone();
+  } else {
+    master_ = init;
+  }
+  master_.requires_grad_(true);
+
+  full_aliases_master_ = !config_.sharded && config_.param_dtype == at::kFloat;
+  if (full_aliases_master_) {
+    full_ = master_.detach();
+  } else {
+    full_ = resizable_empty(layout_.padded_numel, config_.param_dtype, device);
+    if (!config_.sharded) full_.copy_(master_.detach());
+  }
+  // Note [Unsharded buffer lifetime]: from here on the parameters are views of full_.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].param.set_data(
+        full_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]));
+  }
+  if (config_.sharded) resize_tensor_storage(full_, 0);
+}
+
+bool FlatParam::is_unsharded() const { return storage_is_allocated(full_) || layout_.padded_numel == 0; }
+bool FlatParam::has_full_grad() const { return full_grad_.defined(); }
+
+void FlatParam::unshard(c10::Stream stream) {
+  at::NoGradGuard no_grad;
+  c10::StreamGuard guard(stream);
+  const at::Tensor master = master_.detach();
+  if (!config_.sharded) {
+    if (!full_aliases_master_) full_.copy_(master);
+    return;
+  }
+  resize_tensor_storage(full_, layout_.padded_numel);
+  if (layout_.padded_numel == 0) return;
+  at::Tensor slot = full_.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel);
+  slot.copy_(master);
+  comm_.all_gather(slot, full_, stream);
+}
+
+void FlatParam::reshard() {
+  if (!config_.sharded) return;
+  resize_tensor_storage(full_, 0);
+}
+
+void FlatParam::set_param_grads(bool attach) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& g = params_[i].param.mutable_grad();
+    g = attach ? full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i])
+               : at::Tensor();
+  }
+}
+
+void FlatParam::prepare_grad() {
+  if (full_grad_.defined()) return;
+  at::NoGradGuard no_grad;
+  full_grad_ = at::zeros({layout_.padded_numel},
+                         at::TensorOptions().dtype(config_.param_dtype).device(comm_.device()));
+  set_param_grads(true);
+}
+
+std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
+  at::NoGradGuard no_grad;
+  c10::StreamGuard guard(stream);
+  prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
+  at::Tensor send = full_grad_.scalar_type() == config_.reduce_dtype
+                        ? full_grad_
+                        : full_grad_.to(config_.reduce_dtype);
+  at::Tensor reduced;
+  if (config_.sharded) {
+    reduced = at::empty({layout_.shard_numel}, send.options());
+    comm_.reduce_scatter(send, reduced, ReduceOp::kAvg, stream);
+  } else {
+    comm_.all_reduce(send, ReduceOp::kAvg, stream);
+    reduced = send;
+  }
+  at::Tensor g = reduced.to(at::kFloat);
+  at::Tensor& mg = master_.mutable_grad();
+  if (mg.defined()) {
+    mg.add_(g);
+  } else {
+    mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
+  }
+  std::vector<at::Tensor> in_use = {full_grad_, send};
+  drop_grad();
+  return in_use;
+}
+
+void FlatParam::drop_grad() {
+  set_param_grads(false);
+  full_grad_ = at::Tensor();
+}
+
+int64_t FlatParam::all_gather_bytes() const {
+  return config_.sharded ? layout_.shard_numel * c10::elementSize(config_.param_dtype) : 0;
+}
+
+int64_t FlatParam::reduce_bytes() const {
+  return layout_.padded_numel * c10::elementSize(config_.reduce_dtype);
+}
+
+}  // namespace flatshard

@@ -1,0 +1,106 @@
+// flatshard/flat_param/flat_param.h — one unit's parameters as one flat, sharded buffer.
+//
+// Contract
+// - Built once from the unit's original parameters (all floating point, one device). After
+//   construction every original parameter is a view (set_data) of `full()`, the unsharded
+//   buffer in the compute dtype; module code is unchanged and keeps reading its members.
+// - `master()` is the fp32 local shard ([shard_numel]; the whole padded buffer for replicated
+//   units). It is a leaf that requires grad: the optimizer's parameter. Padding is zero.
+// - unshard(): full() gets storage, this rank's slot gets cast(master), one all-gather fills the
+//   rest. reshard(): full()'s storage is resized to 0 bytes; the views stay valid objects.
+//   Note [Unsharded buffer lifetime]: views never change; only the storage behind full() is
+//   freed and re-created, so autograd's saved references to parameters stay usable as long as
+//   the buffer is regathered before they are read (pre-backward does that).
+// - Gradients: prepare_grad() gives full_grad() storage (zeroed) and points every original
+//   parameter's .grad at its view of it, so AccumulateGrad adds in place into one flat buffer;
+//   reduce_grad() turns it into master().grad with ONE reduce-scatter (sharded) or ONE
+//   all-reduce (replicated), averaged over ranks, accumulating into an existing master grad.
+// - All collectives go through the given Communicator on the given stream; the caller orders
+//   streams (fsdp/ does). No method here blocks the host on the device.
+// - Not thread-safe; one FlatParam per unit per rank.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "flat_param/layout.h"
+
+namespace flatshard {
+
+struct FlatParamConfig {
+  bool sharded = true;                          // false: replicated (NO_SHARD)
+  at::ScalarType param_dtype = at::kFloat;      // compute and all-gather dtype
+  at::ScalarType reduce_dtype = at::kFloat;     // gradient reduction dtype
+  int64_t align = 8;                            // elements; see FlatLayout
+  bool sync_module_states = true;               // broadcast rank 0's values at construction
+};
+
+struct ParamRef {
+  std::string name;  // fully qualified, for messages
+  at::Tensor param;  // the module's parameter handle (a leaf)
+};
+
+class FlatParam {
+ public:
+  FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
+            const FlatParamConfig& config);
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+
+  const std::string& unit_name() const { return unit_name_; }
+  const FlatLayout& layout() const { return layout_; }
+  const FlatParamConfig& config() const { return config_; }
+  const std::vector<ParamRef>& params() const { return params_; }
+  int64_t numel() const { return layout_.used_numel; }
+
+  at::Tensor& master() { return master_; }
+  const at::Tensor& master() const { return master_; }
+  const at::Tensor& full() const { return full_; }
+  const at::Tensor& full_grad() const { return full_grad_; }
+  bool is_unsharded() const;
+  bool has_full_grad() const;
+
+  // Gathers full() from the master shards (cast to param_dtype) on `stream`. For replicated
+  // units: recasts master into full() when they are separate buffers.
+  void unshard(c10::Stream stream);
+  // Frees full()'s storage (sharded units only; a no-op for replicated ones).
+  void reshard();
+  // Allocates and zeroes full_grad() and points the parameters' .grad at it. No-op if it is
+  // already prepared (gradient accumulation across backward passes).
+  void prepare_grad();
+  // One reduce-scatter / all-reduce (average over ranks) of full_grad() into master().grad,
+  // enqueued on `stream`. Clears the parameters' .grad and drops full_grad(); returns the
+  // buffers `stream` still reads, which the caller must keep alive until work on the
+  // allocating (compute) stream is ordered after `stream` (Note [Reduce buffer lifetime]).
+  std::vector<at::Tensor> reduce_grad(c10::Stream stream);
+  // Clears the parameters' .grad and frees full_grad() without reducing.
+  void drop_grad();
+
+  // Bytes one unshard() sends / one reduce_grad() sends on this rank.
+  int64_t all_gather_bytes() const;
+  int64_t reduce_bytes() const;
+
+ private:
+  void resize_storage(const at::Tensor& t, int64_t numel);
+  void set_param_grads(bool attach);
+
+  std::string unit_name_;
+  std::vector<ParamRef> params_;
+  Communicator& comm_;
+  FlatParamConfig config_;
+  FlatLayout layout_;
+  at::Tensor master_;     // fp32 local shard (optimizer's parameter)
+  at::Tensor full_;       // unsharded buffer in param_dtype; params are views of it
+  at::Tensor full_grad_;  // flat gradient in param_dtype; params' .grad are views of it
+  bool full_aliases_master_ = false;  // replicated fp32: no second copy
+};
+
+// Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold
+// `numel` elements of its dtype, on its device. numel == 0 frees it.
+void resize_tensor_storage(const at::Tensor& t, int64_t numel);
+bool storage_is_allocated(const at::Tensor& t);
+
+}  // namespace flatshard

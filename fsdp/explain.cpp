@@ -1,0 +1,430 @@
+// flatshard/fsdp/explain.cpp — see explain.h. Every rule here mirrors one in fully_shard()
+// (sharded_model.cpp), FlatParam (flat_param.cpp) or Unit (unit.cpp); tests/diagnostics_test.cpp
+// compares the result with the runtime's counters so the two cannot drift apart silently.
+#include "fsdp/explain.h"
+
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "flat_param/layout.h"
+
+namespace flatshard {
+
+namespace {
+
+// Thresholds of the warnings. DESIGN.md's measurements: an all-gather of 1 MiB takes about as
+// long as one of 16 MiB (~50 us of latency), so units below 1 MiB pay latency, not bandwidth.
+constexpr int64_t kTinyUnitBytes = int64_t{1} << 20;
+constexpr double kDominantUnitShare = 0.5;  // one unit holding more than this of the model
+constexpr double kRootShare = 0.10;         // the root unit holding more than this
+constexpr double kPaddingShare = 0.05;      // padding above this share of all elements
+
+int64_t elem_size(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat:
+      return "fp32";
+    case c10::kBFloat16:
+      return "bf16";
+    case c10::kHalf:
+      return "fp16";
+    default:
+      return c10::toString(t);
+  }
+}
+
+std::string parent_path(const std::string& param_name) {
+  const auto dot = param_name.rfind('.');
+  return dot == std::string::npos ? std::string("<model>") : param_name.substr(0, dot);
+}
+
+bool is_inside(const std::string& inner, const std::string& outer) {
+  return inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+         inner[outer.size()] == '.';
+}
+
+// Unit j encloses unit k when one of j's member modules contains one of k's (nested units).
+bool encloses(const UnitExplanation& j, const UnitExplanation& k) {
+  if (j.is_root) return !k.is_root;
+  if (k.is_root) return false;
+  for (const auto& outer : j.modules)
+    for (const auto& inner : k.modules)
+      if (is_inside(inner, outer)) return true;
+  return false;
+}
+
+std::string percent(double share) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(share < 0.1 ? 1 : 0) << share * 100 << "%";
+  return os.str();
+}
+
+std::string join(const std::vector<std::string>& v, size_t max_items) {
+  std::string s;
+  for (size_t i = 0; i < v.size() && i < max_items; ++i) s += (i ? "," : "") + v[i];
+  if (v.size() > max_items) s += ",+" + std::to_string(v.size() - max_items);
+  return s;
+}
+
+std::string strategy_text(const UnitExplanation& u) {
+  std::string s = to_string(u.strategy);
+  if (u.strategy == ShardingStrategy::kFullShard && !u.reshard_after_forward) s += " keep";
+  return s;
+}
+
+std::string collectives_text(const UnitCounters& c) {
+  if (c.all_reduces) return "AR " + std::to_string(c.all_reduces);
+  if (!c.forward_all_gathers && !c.reduce_scatters) return "-";
+  return "AG " + std::to_string(c.forward_all_gathers) + "+" +
+         std::to_string(c.backward_all_gathers) + ", RS " + std::to_string(c.reduce_scatters);
+}
+
+UnitCounters expected_counters(const UnitExplanation& u) {
+  UnitCounters c;
+  if (u.padded_numel == 0) return c;  // Unit::has_collectives() is false
+  if (u.strategy == ShardingStrategy::kNoShard) {
+    c.all_reduces = 1;
+    c.bytes = u.reduce_bytes;
+    return c;
+  }
+  c.forward_all_gathers = 1;
+  c.backward_all_gathers = u.reshard_after_forward ? 1 : 0;
+  c.reduce_scatters = 1;
+  c.bytes = (c.forward_all_gathers + c.backward_all_gathers) * u.all_gather_bytes + u.reduce_bytes;
+  return c;
+}
+
+// `root_owners`: the modules owning the root unit's parameters, with their numel.
+void add_warnings(Explanation& e,
+                  const std::vector<std::pair<std::string, int64_t>>& root_owners) {
+  const auto& units = e.units;
+  const double total = static_cast<double>(std::max<int64_t>(e.total_numel, 1));
+  std::vector<const UnitExplanation*> non_root;
+  for (const auto& u : units)
+    if (!u.is_root) non_root.push_back(&u);
+
+  if (e.matched_modules == 0 && units.size() == 1) {
+    e.warnings.push_back(
+        "the policy matched no module: the root unit holds the whole model, which is gathered at "
+        "once (no overlap, peak = the full model); check the type names and paths (the plan "
+        "lists none)");
+  }
+  // Many tiny units: latency-bound collectives.
+  std::vector<int64_t> tiny;  // bytes one gathered copy of each tiny unit has
+  for (const auto* u : non_root) {
+    const int64_t bytes = u->padded_numel * elem_size(e.options.mixed_precision.param_dtype);
+    if (u->padded_numel > 0 && bytes < kTinyUnitBytes) tiny.push_back(bytes);
+  }
+  if (tiny.size() >= 4 && tiny.size() * 2 >= non_root.size()) {
+    std::sort(tiny.begin(), tiny.end());
+    const int64_t median = tiny[tiny.size() / 2];
+    const int64_t k = (kTinyUnitBytes + median - 1) / std::max<int64_t>(median, 1);
+    e.warnings.push_back(
+        std::to_string(tiny.size()) + " of " + std::to_string(non_root.size()) +
+        " units gather less than 1 MiB each (median " + format_bytes(median) +
+        "): a collective costs ~50 us of latency whatever its size, so these pay latency, not "
+        "bandwidth; use larger units (whole layers, e.g. type=Block), or group matches with "
+        "every=k (k=" + std::to_string(std::min<int64_t>(k, 64)) + " reaches 1 MiB)");
+  }
+  // One unit holding most of the model.
+  for (const auto& u : units) {
+    const double share = u.numel / total;
+    if (units.size() > 1 && share > kDominantUnitShare) {
+      e.warnings.push_back("unit '" + u.name + "' holds " + percent(share) +
+                           " of the parameters: its all-gather cannot hide behind other units' "
+                           "compute and it alone sets the memory peak; split it into smaller "
+                           "units");
+    }
+  }
+  // Parameters left to the root.
+  if (!units.empty() && units[0].is_root && units.size() > 1) {
+    const auto& r = units[0];
+    const double share = r.numel / total;
+    if (share > kRootShare && share <= kDominantUnitShare) {
+      std::vector<std::pair<std::string, int64_t>> owners = root_owners;
+      std::stable_sort(owners.begin(), owners.end(),
+                       [](const auto& a, const auto& b) { return a.second > b.second; });
+      std::string biggest, globs;
+      for (size_t i = 0; i < owners.size() && i < 2; ++i) {
+        biggest += (i ? ", " : "") + owners[i].first + " " +
+                   percent(owners[i].second / total);
+        globs += (i ? "|" : "") + owners[i].first;
+      }
+      const std::string what =
+          r.reshard_after_forward
+              ? "are gathered for the whole forward (the root encloses every unit)"
+              : "stay gathered from the start of forward to the end of backward (the root keeps "
+                "its parameters by default), and its flat gradient lives through all of backward";
+      e.warnings.push_back("the root unit owns " + percent(share) + " of the parameters (" +
+                           biggest + "); they " + what +
+                           "; give the largest modules units of their own, e.g. add "
+                           "\"path=" + globs + "\" to the policy");
+    }
+  }
+  // Padding.
+  if (static_cast<double>(e.total_padding) > kPaddingShare * total) {
+    e.warnings.push_back("padding is " + percent(e.total_padding / total) +
+                         " of the parameters (each unit pads to a multiple of world_size * align "
+                         "= " + std::to_string(e.world_size * e.options.align) +
+                         " elements): many small units at this world size; use larger units");
+  }
+  if (!e.empty_units.empty()) {
+    e.warnings.push_back("the policy matched " + std::to_string(e.empty_units.size()) +
+                         " module(s) that own no parameter of their own (" +
+                         join(e.empty_units, 3) + "); they form no unit");
+  }
+  // Prefetch depth against a memory limit.
+  if (e.memory_limit_bytes && e.memory.total() > *e.memory_limit_bytes) {
+    const int fwd = e.options.forward_prefetch, bwd = e.options.backward_prefetch;
+    std::string msg = "predicted model-state memory " + format_bytes(e.memory.total()) +
+                      " exceeds the limit " + format_bytes(*e.memory_limit_bytes) +
+                      " with forward_prefetch=" + std::to_string(fwd) +
+                      ", backward_prefetch=" + std::to_string(bwd) + "; ";
+    if (e.fitting_prefetch && *e.fitting_prefetch >= 0) {
+      msg += "prefetch depth " + std::to_string(*e.fitting_prefetch) + " fits";
+    } else {
+      msg += "no prefetch depth fits (persistent state alone is " +
+             format_bytes(e.memory.persistent_bytes) + "): shard over more ranks, use smaller units" +
+             (e.options.mixed_precision.param_dtype == c10::kFloat ? " or bf16 param_dtype" : "");
+    }
+    e.warnings.push_back(msg);
+  }
+}
+
+}  // namespace
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int i = 0;
+  while (std::abs(v) >= 1024.0 && i < 4) {
+    v /= 1024.0;
+    ++i;
+  }
+  std::ostringstream os;
+  if (i == 0) {
+    os << bytes << " B";
+  } else {
+    os << std::fixed << std::setprecision(1) << v << ' ' << units[i];
+  }
+  return os.str();
+}
+
+MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int forward_prefetch,
+                               int backward_prefetch) {
+  MemoryEstimate m;
+  const int n = static_cast<int>(units.size());
+  for (const auto& u : units) {
+    m.persistent_bytes += 2 * u.master_bytes;  // master + its gradient
+    if (u.strategy == ShardingStrategy::kNoShard) m.persistent_bytes += u.gathered_bytes;
+    m.adamw_state_bytes += 2 * u.master_bytes;
+  }
+  auto transient = [&](int j) {
+    return units[j].strategy == ShardingStrategy::kNoShard ? int64_t{0} : units[j].gathered_bytes;
+  };
+  auto kept = [&](int j) {
+    return units[j].strategy != ShardingStrategy::kNoShard && !units[j].reshard_after_forward;
+  };
+  auto consider = [&](int64_t bytes, const std::string& where) {
+    if (bytes > m.peak_transient_bytes) {
+      m.peak_transient_bytes = bytes;
+      m.peak_at = where;
+    }
+  };
+  // Forward: unit k computing.
+  for (int k = 0; k < n; ++k) {
+    int64_t b = 0;
+    for (int j = 0; j < n; ++j) {
+      const bool gathered = j == k || (j < k && (kept(j) || encloses(units[j], units[k]))) ||
+                            (j > k && j <= k + forward_prefetch);
+      if (gathered) b += transient(j);
+    }
+    consider(b, "forward of " + units[k].name);
+  }
+  // Backward, reverse order, root last (its backward ends when the last gradient is in).
+  int root = -1;
+  for (int j = 0; j < n; ++j)
+    if (units[j].is_root) root = j;
+  int previous = -1;  // the unit reduced just before k: its buffers are still held
+  for (int k = n - 1; k >= 0; --k) {
+    if (k == root) continue;
+    int64_t b = 0;
+    int prefetched = 0;
+    for (int j = n - 1; j >= 0; --j) {
+      bool gathered = j == k || j == root || (j < k && kept(j)) || encloses(units[j], units[k]);
+      if (j < k && j != root && prefetched < backward_prefetch) {
+        ++prefetched;
+        gathered = true;
+      }
+      if (gathered) b += transient(j);
+      if (j == k || j == root || (j != root && encloses(units[j], units[k])))
+        b += units[j].grad_buffer_bytes;
+    }
+    if (previous >= 0) b += units[previous].grad_buffer_bytes;
+    consider(b, "backward of " + units[k].name);
+    previous = k;
+  }
+  if (root >= 0) {  // every other unit is reduced and resharded by now
+    int64_t b = transient(root) + units[root].grad_buffer_bytes;
+    if (previous >= 0) b += units[previous].grad_buffer_bytes;
+    consider(b, "backward of " + units[root].name);
+  }
+  return m;
+}
+
+Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
+                    const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes) {
+  TORCH_CHECK(world_size >= 1, "explain: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(options.forward_prefetch >= 0 && options.backward_prefetch >= 0,
+              "explain: prefetch depths must be >= 0 (forward_prefetch=", options.forward_prefetch,
+              ", backward_prefetch=", options.backward_prefetch, ")");
+  Explanation e;
+  e.world_size = world_size;
+  e.options = options;
+  e.memory_limit_bytes = memory_limit_bytes;
+  e.matched_modules = plan.matched_modules;
+  e.empty_units = plan.empty_units;
+  e.tied = plan.tied;
+
+  std::unordered_map<std::string, at::Tensor> params;
+  for (const auto& item : model.named_parameters(/*recurse=*/true))
+    params.emplace(item.key(), item.value());
+  const auto& mp = options.mixed_precision;
+  const c10::ScalarType param_dtype = mp.param_dtype;
+  const c10::ScalarType reduce_dtype = mp.reduce_dtype.value_or(param_dtype);
+  std::vector<std::pair<std::string, int64_t>> root_owners;
+
+  for (size_t i = 0; i < plan.units.size(); ++i) {
+    const UnitSpec& spec = plan.units[i];
+    UnitExplanation u;
+    u.index = static_cast<int>(i);
+    u.name = spec.name;
+    u.is_root = spec.is_root;
+    u.strategy = spec.options.strategy.value_or(options.strategy);
+    u.reshard_after_forward =
+        spec.options.reshard_after_forward.value_or(spec.is_root ? false
+                                                                 : options.reshard_after_forward) &&
+        u.strategy == ShardingStrategy::kFullShard;
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& name : spec.param_names) {
+      auto it = params.find(name);
+      TORCH_CHECK(it != params.end(), "explain: unit '", spec.name, "' names parameter '", name,
+                  "', which the model does not have; was the plan made for another model?");
+      shapes.push_back(it->second.sizes().vec());
+      if (spec.is_root) {
+        const std::string owner = parent_path(name);
+        auto o = std::find_if(root_owners.begin(), root_owners.end(),
+                              [&](const auto& p) { return p.first == owner; });
+        if (o == root_owners.end()) {
+          u.modules.push_back(owner);
+          root_owners.emplace_back(owner, it->second.numel());
+        } else {
+          o->second += it->second.numel();
+        }
+      }
+    }
+    if (!spec.is_root) u.modules = spec.module_paths;
+    const bool sharded = u.strategy != ShardingStrategy::kNoShard;
+    const FlatLayout layout = FlatLayout::make(shapes, sharded ? world_size : 1, options.align);
+    u.num_params = static_cast<int64_t>(shapes.size());
+    u.numel = layout.used_numel;
+    u.padded_numel = layout.padded_numel;
+    u.shard_numel = layout.shard_numel;
+    u.all_gather_bytes = sharded ? layout.shard_numel * elem_size(param_dtype) : 0;
+    u.reduce_bytes = layout.padded_numel * elem_size(reduce_dtype);
+    // A replicated fp32 unit computes on its master directly (FlatParam: full_aliases_master_).
+    u.gathered_bytes = (!sharded && param_dtype == c10::kFloat)
+                           ? 0
+                           : layout.padded_numel * elem_size(param_dtype);
+    u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +
+                          (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
+    u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
+    u.per_step = expected_counters(u);
+    e.per_step += u.per_step;
+    e.total_numel += u.numel;
+    e.total_padding += u.padding();
+    e.units.push_back(std::move(u));
+  }
+
+  e.memory = estimate_memory(e.units, options.forward_prefetch, options.backward_prefetch);
+  if (memory_limit_bytes) {
+    e.fitting_prefetch = -1;
+    const int max_depth = std::max(options.forward_prefetch, options.backward_prefetch);
+    for (int d = max_depth; d >= 0; --d) {
+      const MemoryEstimate m = estimate_memory(e.units, std::min(d, options.forward_prefetch),
+                                               std::min(d, options.backward_prefetch));
+      if (m.total() <= *memory_limit_bytes) {
+        e.fitting_prefetch = d;
+        break;
+      }
+    }
+  }
+  add_warnings(e, root_owners);
+  return e;
+}
+
+std::string Explanation::to_string() const {
+  const auto& mp = options.mixed_precision;
+  std::ostringstream os;
+  os << "world " << world_size << ", default strategy " << flatshard::to_string(options.strategy)
+     << ", param " << dtype_name(mp.param_dtype) << ", reduce "
+     << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << ", align " << options.align
+     << ", prefetch fwd " << options.forward_prefetch << " / bwd " << options.backward_prefetch
+     << "\n";
+
+  const std::vector<std::string> header = {"#",       "unit",  "strategy", "modules",
+                                           "params",  "numel", "padding",  "gathered",
+                                           "shard",   "collectives/step", "sent/step"};
+  const std::vector<bool> right = {true, false, false, false, true, true,
+                                   true, true,  true,  false, true};
+  std::vector<std::vector<std::string>> rows = {header};
+  for (const auto& u : units) {
+    rows.push_back({std::to_string(u.index), u.name, strategy_text(u), join(u.modules, 3),
+                    std::to_string(u.num_params), std::to_string(u.numel),
+                    std::to_string(u.padding()),
+                    format_bytes(u.padded_numel * elem_size(mp.param_dtype)),
+                    format_bytes(u.master_bytes), collectives_text(u.per_step),
+                    format_bytes(u.per_step.bytes)});
+  }
+  std::vector<size_t> width(header.size(), 0);
+  for (const auto& r : rows)
+    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
+  for (const auto& r : rows) {
+    for (size_t c = 0; c < r.size(); ++c) {
+      const size_t fill = width[c] - r[c].size();
+      if (c) os << "  ";
+      if (right[c]) os << std::string(fill, ' ');
+      os << r[c];
+      if (!right[c] && c + 1 < r.size()) os << std::string(fill, ' ');
+    }
+    os << '\n';
+  }
+  os << "gathered = unsharded flat buffer (" << dtype_name(mp.param_dtype)
+     << "); shard = fp32 master per rank; AG f+b = forward + backward all-gathers; sent/step = "
+        "bytes this rank sends (Unit counters)\n";
+  os << "units: " << units.size() << ", params numel: " << total_numel
+     << ", padding: " << total_padding << ", tied: " << tied.size() << "\n";
+  os << "per step and rank: " << per_step.forward_all_gathers + per_step.backward_all_gathers
+     << " all-gathers (" << per_step.forward_all_gathers << " forward, "
+     << per_step.backward_all_gathers << " backward), " << per_step.reduce_scatters
+     << " reduce-scatters, " << per_step.all_reduces << " all-reduces, "
+     << format_bytes(per_step.bytes) << " sent (" << per_step.bytes << " B)\n";
+  os << "memory per rank: persistent " << format_bytes(memory.persistent_bytes)
+     << " (fp32 master shards + grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
+     << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "
+     << format_bytes(memory.total()) << " (+ AdamW state " << format_bytes(memory.adamw_state_bytes)
+     << ", + activations)";
+  if (memory_limit_bytes) os << "; limit " << format_bytes(*memory_limit_bytes);
+  os << "\n";
+  for (const auto& w : warnings) os << "warning: " << w << "\n";
+  return os.str();
+}
+
+}  // namespace flatshard

@@ -1,0 +1,126 @@
+// flatshard/fsdp/explain.h — what a plan will cost, before anything runs.
+//
+//   auto plan = make_plan(*model, parse_policy("type=Block"));
+//   Explanation e = explain(*model, plan, /*world_size=*/8, options, /*memory_limit=*/40_GiB);
+//   std::cout << e.to_string();   // per-unit table, totals, predicted peak, warnings
+//
+// The model is only read (names, shapes, tensor identities): it may live on the meta device
+// (fsdp/meta_init.h), so a 1B-parameter model is explained without allocating it.
+//
+// Contract — exact numbers (they are what the runtime does, and tests hold them to it):
+// - Layouts come from FlatLayout::make with the real world size (1 for NO_SHARD units, which are
+//   replicated) and ShardingOptions::align, as FlatParam builds them.
+// - Strategy and reshard-after-forward are resolved as fully_shard() resolves them: the plan's
+//   unit options, else ShardingOptions; the root keeps its parameters from forward to backward
+//   unless its options say otherwise; only FULL_SHARD units reshard after forward.
+// - UnitExplanation::per_step equals Unit::counters() (ShardedModel::counters().per_unit) after
+//   one training step that enters every unit once in forward and reduces every unit once:
+//     FULL_SHARD, resharding   1 forward all-gather + 1 backward all-gather + 1 reduce-scatter
+//     FULL_SHARD keep (root)   1 forward all-gather                        + 1 reduce-scatter
+//     SHARD_GRAD_OP            1 forward all-gather                        + 1 reduce-scatter
+//     NO_SHARD                 1 all-reduce
+//   bytes: an all-gather sends shard_numel * sizeof(param_dtype), a reduction sends
+//   padded_numel * sizeof(reduce_dtype). A unit with no elements issues nothing. A unit entered
+//   twice per forward, or run without grad, differs; explain() cannot know that.
+// Estimates (a model of the runtime, stated in MemoryEstimate's comment):
+// - the predicted peak of unsharded memory, with the configured prefetch depths; the plan's
+//   unit order stands for the execution order (it is registration order; the runtime records the
+//   real one on the first step).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/options.h"
+#include "fsdp/unit.h"
+#include "wrap_policies/plan.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+struct UnitExplanation {
+  int index = 0;
+  std::string name;
+  bool is_root = false;
+  // Member module paths; for the root, the modules that own its parameters.
+  std::vector<std::string> modules;
+  int64_t num_params = 0;
+  int64_t numel = 0;         // real elements
+  int64_t padded_numel = 0;  // flat buffer elements, FlatLayout::make
+  int64_t shard_numel = 0;   // this rank's master shard (padded_numel for NO_SHARD)
+  int64_t padding() const { return padded_numel - numel; }
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  bool reshard_after_forward = false;
+
+  int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends (0 for NO_SHARD)
+  int64_t reduce_bytes = 0;      // one reduce-scatter / all-reduce: bytes this rank sends
+  // Bytes of the unsharded buffer while gathered (padded_numel * param dtype). For NO_SHARD it is
+  // the compute copy, held always (0 when it aliases the fp32 master).
+  int64_t gathered_bytes = 0;
+  // Bytes of the flat gradient during the unit's backward (padded_numel * param dtype), plus the
+  // cast copy sent to the reduction when reduce dtype != param dtype.
+  int64_t grad_buffer_bytes = 0;
+  int64_t master_bytes = 0;  // fp32 master: shard_numel * 4; its gradient is the same again
+  UnitCounters per_step;     // collectives and bytes of one step, as Unit::counters() shows
+};
+
+// Model-state memory per rank (activations and optimizer state are not included).
+//  persistent: fp32 master shards + their fp32 gradients + NO_SHARD compute copies.
+//  peak transient: the most unsharded memory alive at once, simulated unit by unit:
+//   forward, unit k computing: units kept gathered so far (root, keep, SHARD_GRAD_OP), k's
+//     enclosing units, k, and the next forward_prefetch units;
+//   backward, unit k computing: the root, kept units not yet reduced, k's enclosing units, k,
+//     the next backward_prefetch units in reverse order; plus the flat gradients of the root,
+//     the enclosing units and k, and the previous unit's reduction buffers (held until the next
+//     reduction is issued: Note [Reduce buffer lifetime] in runtime.h).
+//  Allocator caching and fragmentation are not modelled.
+struct MemoryEstimate {
+  int64_t persistent_bytes = 0;
+  int64_t peak_transient_bytes = 0;
+  std::string peak_at;  // e.g. "backward of blocks.15"
+  int64_t total() const { return persistent_bytes + peak_transient_bytes; }
+  // AdamW's two fp32 moments per master element, for reference (not in total()).
+  int64_t adamw_state_bytes = 0;
+};
+
+struct Explanation {
+  int world_size = 1;
+  ShardingOptions options;
+  std::vector<UnitExplanation> units;  // plan order
+  UnitCounters per_step;               // sum over units
+  int64_t total_numel = 0;
+  int64_t total_padding = 0;
+  int64_t matched_modules = 0;
+  std::vector<std::string> empty_units;
+  std::vector<std::pair<std::string, std::vector<std::string>>> tied;
+  MemoryEstimate memory;
+  std::optional<int64_t> memory_limit_bytes;
+  // The largest prefetch depth (applied to forward and backward, capped by the configured ones)
+  // whose estimate fits the limit; -1 if none, unset without a limit.
+  std::optional<int> fitting_prefetch;
+  std::vector<std::string> warnings;  // likely mistakes, one sentence each, with what to do
+
+  // Header line, per-unit table, totals, memory, warnings. Columns are described in the output.
+  std::string to_string() const;
+};
+
+// Throws c10::Error if the plan names parameters the model does not have, or world_size < 1.
+Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
+                    const ShardingOptions& options,
+                    std::optional<int64_t> memory_limit_bytes = std::nullopt);
+
+// The simulation behind MemoryEstimate, exposed so callers can try other prefetch depths.
+MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units,
+                               int forward_prefetch, int backward_prefetch);
+
+// "1.5 GiB", "512 B": binary units, one decimal.
+std::string format_bytes(int64_t bytes);
+
+}  // namespace flatshard

@@ -1,0 +1,63 @@
+// flatshard/fsdp/options.h — the knobs of fully_shard(), as plain structs with documented
+// defaults. Per-unit overrides come from the plan (wrap_policies/plan.h: UnitOptions).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/core/Stream.h>
+
+#include <optional>
+#include <string>
+
+#include "wrap_policies/plan.h"
+
+namespace flatshard {
+
+struct MixedPrecision {
+  // dtype of the gathered parameters, of compute and of the all-gather. The optimizer always
+  // sees fp32 master shards. Default: float32 (no mixed precision).
+  c10::ScalarType param_dtype = c10::kFloat;
+  // dtype of the gradient reduce-scatter / all-reduce. Default: param_dtype.
+  std::optional<c10::ScalarType> reduce_dtype;
+};
+
+// Per-unit step traces (fsdp/trace.h). Off by default; off costs one null-pointer test per hook.
+struct TraceOptions {
+  // Where each rank writes its Chrome/Perfetto JSON trace (on ShardedModel::write_trace() and
+  // when the ShardedModel is destroyed). "{rank}" is replaced by the rank; without it, world
+  // sizes > 1 get ".rank<R>" before ".json". "nvtx": NVTX ranges only, no file. Empty: the
+  // FLATSHARD_TRACE environment variable decides (same syntax; unset = off).
+  std::string path;
+  // Steps recorded, from the first; later steps run untraced, so memory stays bounded.
+  int max_steps = 64;
+};
+
+struct ShardingOptions {
+  // Strategy for units whose plan entry sets none.
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  // FULL_SHARD units free their gathered parameters after forward (true) or keep them until
+  // backward (false, i.e. SHARD_GRAD_OP behaviour). The root unit defaults to false because
+  // its backward starts right after the forward ends; a plan option overrides both.
+  bool reshard_after_forward = true;
+  MixedPrecision mixed_precision;
+  // Units whose all-gather is issued ahead of use: in forward, the next N units in the order
+  // recorded on the previous step; in backward, the next N in reverse forward order.
+  int forward_prefetch = 1;
+  int backward_prefetch = 1;
+  // Broadcast rank 0's initial parameter values at setup, so ranks need not initialise alike.
+  bool sync_module_states = true;
+  // Alignment of each parameter inside a flat parameter, in elements.
+  int64_t align = 8;
+
+  // Race exposure for tests (GPU only; 0 = off): a device sleep of this many cycles is queued
+  // on the all-gather / reduce-scatter stream before every all-gather / reduction, so a
+  // missing event wait shows up as wrong numbers instead of passing by luck.
+  int64_t debug_sleep_before_all_gather_cycles = 0;
+  int64_t debug_sleep_before_reduce_cycles = 0;
+
+  TraceOptions trace;
+};
+
+// Queues a device sleep of `cycles` on `stream` (CUDA); a no-op on CPU.
+void device_sleep(const c10::Stream& stream, int64_t cycles);
+
+}  // namespace flatshard

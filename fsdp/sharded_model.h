@@ -1,0 +1,119 @@
+// flatshard/fsdp/sharded_model.h — fully_shard(): turn a torch::nn::Module into sharded units.
+//
+//   auto plan  = flatshard::make_plan(*model, flatshard::Policy::by_type({"Block"}));
+//   auto fsdp  = flatshard::fully_shard(model, plan, comm);          // comm: Communicator&
+//   torch::optim::AdamW opt(fsdp->parameters(), ...);                  // fp32 master shards
+//   auto loss  = flatshard::call(model, x, y);  ... loss.backward();  opt.step();
+//
+// Contract
+// - Collective: every rank calls fully_shard with the same plan and options, on models with the
+//   same parameter shapes. Parameters must already be on comm.device().
+// - The model is changed in place: each planned parameter becomes a view of its unit's flat
+//   buffer (storage freed while sharded). Modules run unchanged; parents enter units through
+//   flatshard::call (fsdp/call.h), and the training loop enters the root the same way.
+// - The optimizer must be built on parameters() (fp32 master shards, one tensor per unit).
+//   Gradients arrive there averaged over ranks, after backward returns.
+// - Parameters unused in a step get zero gradients (like FSDP's flat parameters).
+// - The ShardedModel must outlive every forward/backward through the model and must be
+//   destroyed on every rank (it unregisters the units). Not copyable.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "fsdp/options.h"
+#include "fsdp/trace.h"
+#include "fsdp/unit.h"
+#include "wrap_policies/plan.h"
+#include "wrap_policies/policy.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+class Runtime;
+
+struct StepCounters {
+  UnitCounters total;
+  std::vector<UnitCounters> per_unit;  // in plan order
+};
+
+struct UnitInfo {
+  std::string name;
+  ShardingStrategy strategy;
+  bool reshard_after_forward;
+  int64_t numel;         // real parameter elements
+  int64_t padded_numel;  // flat buffer elements
+  int64_t shard_numel;   // elements of this rank's master shard
+  size_t num_params;
+};
+
+class ShardedModel {
+ public:
+  ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan, Communicator& comm,
+               ShardingOptions options);
+  ~ShardedModel();
+  ShardedModel(const ShardedModel&) = delete;
+  ShardedModel& operator=(const ShardedModel&) = delete;
+
+  // The optimizer's parameters: one fp32 master tensor per non-empty unit.
+  std::vector<at::Tensor> parameters() const;
+  const Plan& plan() const { return plan_; }
+  const ShardingOptions& options() const;
+  std::vector<UnitInfo> units() const;
+  Communicator& comm() const { return comm_; }
+
+  StepCounters counters() const;
+  void reset_counters();
+
+  // Gradient accumulation: with sync off, backward keeps accumulating into the units' flat
+  // gradients without communicating (SHARD/FULL units keep them unsharded-size in memory);
+  // the next backward with sync on reduces the sum.
+  void set_requires_gradient_sync(bool sync);
+
+  // Clips the global gradient norm across all shards and units (replicated units counted
+  // once) like torch.nn.utils.clip_grad_norm_; returns the total norm before clipping.
+  // Collective.
+  double clip_grad_norm_(double max_norm);
+
+  // Collective: the full fp32 value of every planned parameter, by original name, on every
+  // rank (gathered from the master shards). Tied parameters appear under each of their names.
+  std::vector<std::pair<std::string, at::Tensor>> gather_full_params() const;
+  // Collective: the same for the master gradients (zeros where a unit has none yet).
+  std::vector<std::pair<std::string, at::Tensor>> gather_full_grads() const;
+
+  // Tracing (fsdp/trace.h; ShardingOptions::trace or FLATSHARD_TRACE). All are no-ops when off.
+  // The optimizer step in the trace:  { auto t = fsdp->trace_optimizer_step(); opt.step(); }
+  TraceScope trace_optimizer_step();
+  // Writes the trace file now (it is also written when the ShardedModel is destroyed) and
+  // returns its path; "" when tracing to a file is off. Waits for pending GPU events.
+  std::string write_trace();
+  Tracer* tracer() const;  // nullptr when off
+
+ private:
+  std::vector<std::pair<std::string, at::Tensor>> gather_full(bool grads) const;
+
+  std::shared_ptr<torch::nn::Module> model_;
+  Plan plan_;
+  Communicator& comm_;
+  std::unique_ptr<Runtime> runtime_;
+};
+
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Plan& plan, Communicator& comm,
+                                          ShardingOptions options = {});
+// Same, with the plan made from `policy` (make_plan).
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Policy& policy, Communicator& comm,
+                                          ShardingOptions options = {});
+
+}  // namespace flatshard

@@ -1,0 +1,526 @@
+// flatshard/fsdp/trace.cpp — see trace.h. The JSON is written by hand (no JSON dependency in the
+// library); tools/json.h is an independent reader the tests use to check it.
+#include "fsdp/trace.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <ostream>
+
+#include "collectives/communicator.h"
+#include "fsdp/unit.h"
+#if FLATSHARD_WITH_CUDA
+#include <nvtx3/nvToolsExt.h>
+#endif
+
+namespace flatshard {
+
+namespace {
+
+enum Track { kHostTrack = 0, kComputeTrack = 1, kAllGatherTrack = 2, kReduceTrack = 3 };
+const char* const kTrackNames[] = {"host", "compute stream", "all-gather stream",
+                                   "reduce-scatter stream"};
+
+double now_us() {
+  return std::chrono::duration<double, std::micro>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Waits are stream operations: they exist on the GPU only.
+bool has_host_part(TraceKind k) {
+  return k != TraceKind::kWaitAllGather && k != TraceKind::kWaitReduce;
+}
+bool has_gpu_part(TraceKind k) {
+  return k != TraceKind::kPreForward && k != TraceKind::kReshard && k != TraceKind::kPreBackward;
+}
+
+Track track_for(TraceKind k) {
+  switch (k) {
+    case TraceKind::kAllGather:
+      return kAllGatherTrack;
+    case TraceKind::kReduce:
+      return kReduceTrack;
+    default:
+      return kComputeTrack;
+  }
+}
+
+void write_string(std::ostream& os, const std::string& s) {
+  os << '"';
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"':
+        os << "\\\"";
+        break;
+      case '\\':
+        os << "\\\\";
+        break;
+      case '\n':
+        os << "\\n";
+        break;
+      case '\t':
+        os << "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          os << buf;
+        } else {
+          os << static_cast<char>(c);
+        }
+    }
+  }
+  os << '"';
+}
+
+std::string fixed3(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3f", v);
+  return buf;
+}
+
+void nvtx_push(const std::string& name) {
+#if FLATSHARD_WITH_CUDA
+  nvtxRangePushA(name.c_str());
+#endif
+}
+void nvtx_pop() {
+#if FLATSHARD_WITH_CUDA
+  nvtxRangePop();
+#endif
+}
+uint64_t nvtx_start(const std::string& name) {
+#if FLATSHARD_WITH_CUDA
+  return nvtxRangeStartA(name.c_str());
+#else
+  return 0;
+#endif
+}
+void nvtx_end(uint64_t id) {
+#if FLATSHARD_WITH_CUDA
+  nvtxRangeEnd(id);
+#endif
+}
+
+}  // namespace
+
+const char* to_string(TraceKind kind) {
+  switch (kind) {
+    case TraceKind::kPreForward:
+      return "pre_forward";
+    case TraceKind::kForward:
+      return "forward";
+    case TraceKind::kAllGather:
+      return "all_gather";
+    case TraceKind::kWaitAllGather:
+      return "wait_all_gather";
+    case TraceKind::kReshard:
+      return "reshard";
+    case TraceKind::kPreBackward:
+      return "pre_backward";
+    case TraceKind::kBackward:
+      return "backward";
+    case TraceKind::kReduce:
+      return "reduce";
+    case TraceKind::kWaitReduce:
+      return "wait_reduce";
+    case TraceKind::kOptimizer:
+      return "optimizer";
+  }
+  return "?";
+}
+
+std::string trace_file_for_rank(const std::string& path, int rank, int world_size) {
+  const std::string key = "{rank}";
+  const auto at = path.find(key);
+  if (at != std::string::npos)
+    return path.substr(0, at) + std::to_string(rank) + path.substr(at + key.size());
+  if (world_size <= 1) return path;
+  const std::string ext = ".json";
+  const bool has_ext =
+      path.size() > ext.size() && path.compare(path.size() - ext.size(), ext.size(), ext) == 0;
+  const std::string stem = has_ext ? path.substr(0, path.size() - ext.size()) : path;
+  return stem + ".rank" + std::to_string(rank) + (has_ext ? ext : "");
+}
+
+std::unique_ptr<Tracer> Tracer::create(const ShardingOptions& options, Communicator& comm,
+                                       c10::Stream all_gather_stream,
+                                       c10::Stream reduce_scatter_stream) {
+  std::string path = options.trace.path;
+  int max_steps = options.trace.max_steps;
+  if (path.empty()) {
+    const char* env = std::getenv("FLATSHARD_TRACE");
+    if (env == nullptr || *env == '\0') return nullptr;
+    path = env;
+    if (const char* steps = std::getenv("FLATSHARD_TRACE_STEPS"); steps && *steps) {
+      char* end = nullptr;
+      const long v = std::strtol(steps, &end, 10);
+      TORCH_CHECK(end && *end == '\0' && v >= 0 && v <= 1000000, "FLATSHARD_TRACE_STEPS='",
+                  steps, "': expected a number of steps in [0, 1000000]");
+      max_steps = static_cast<int>(v);
+    }
+  }
+  TORCH_CHECK(max_steps >= 0, "TraceOptions::max_steps must be >= 0, got ", max_steps);
+  path = path == "nvtx" ? "" : trace_file_for_rank(path, comm.rank(), comm.world_size());
+  return std::make_unique<Tracer>(path, max_steps, options, comm, all_gather_stream,
+                                  reduce_scatter_stream);
+}
+
+Tracer::Tracer(std::string path, int max_steps, const ShardingOptions& options,
+               Communicator& comm, c10::Stream all_gather_stream,
+               c10::Stream reduce_scatter_stream)
+    : path_(std::move(path)),
+      record_(!path_.empty()),
+      max_steps_(max_steps),
+      forward_prefetch_(options.forward_prefetch),
+      backward_prefetch_(options.backward_prefetch),
+      comm_(comm),
+      all_gather_stream_(all_gather_stream),
+      reduce_scatter_stream_(reduce_scatter_stream) {
+  gpu_ = comm.device().type() == c10::DeviceType::CUDA;
+  nvtx_ = gpu_ && FLATSHARD_WITH_CUDA;
+}
+
+Tracer::~Tracer() {
+  try {
+    if (record_ && !records_.empty()) write();
+  } catch (const std::exception& e) {
+    try {
+      TORCH_WARN("flatshard: could not write the trace '", path_, "': ", e.what());
+    } catch (...) {
+    }
+  } catch (...) {
+  }
+}
+
+void Tracer::note_unit(const Unit& unit) {
+  const size_t i = static_cast<size_t>(unit.index());
+  if (i < units_.size() && !units_[i].name.empty()) return;
+  if (i >= units_.size()) {
+    units_.resize(i + 1);
+    open_.resize(i + 1);
+  }
+  UnitInfo& u = units_[i];
+  u.name = unit.name();
+  u.strategy = to_string(unit.strategy());
+  u.reshard_after_forward = unit.reshard_after_forward();
+  u.padded_numel = unit.flat().layout().padded_numel;
+  u.all_gather_bytes = unit.flat().all_gather_bytes();
+  u.reduce_bytes = unit.flat().reduce_bytes();
+}
+
+std::string Tracer::event_name(TraceKind kind, int unit) const {
+  std::string n;
+  switch (kind) {
+    case TraceKind::kForward:
+      n = "fwd";
+      break;
+    case TraceKind::kBackward:
+      n = "bwd";
+      break;
+    case TraceKind::kWaitAllGather:
+      n = "wait all_gather";
+      break;
+    case TraceKind::kWaitReduce:
+      n = "wait reduce";
+      break;
+    case TraceKind::kReduce:
+      n = unit >= 0 && units_[unit].strategy == to_string(ShardingStrategy::kNoShard)
+              ? "all_reduce"
+              : "reduce_scatter";
+      break;
+    default:
+      n = to_string(kind);
+  }
+  if (unit >= 0 && static_cast<size_t>(unit) < units_.size()) n += " " + units_[unit].name;
+  return n;
+}
+
+c10::Stream Tracer::stream_for(TraceKind kind) const {
+  switch (track_for(kind)) {
+    case kAllGatherTrack:
+      return all_gather_stream_;
+    case kReduceTrack:
+      return reduce_scatter_stream_;
+    default:
+      return comm_.current_stream();
+  }
+}
+
+int Tracer::record_event(const c10::Stream& stream) {
+  int id;
+  if (!free_events_.empty()) {
+    id = free_events_.back();
+    free_events_.pop_back();
+  } else {
+    events_.emplace_back(stream.device_type(), c10::EventFlag::BACKEND_DEFAULT);  // timed
+    id = static_cast<int>(events_.size()) - 1;
+  }
+  events_[id].record(stream);
+  return id;
+}
+
+void Tracer::release_event(int id) { free_events_.push_back(id); }
+
+bool Tracer::ensure_step(TraceKind kind) {
+  if (records_.size() >= kMaxRecords) {  // e.g. an endless evaluation loop: no step ever ends
+    if (!full_warned_) TORCH_WARN("flatshard trace: ", kMaxRecords, " events recorded; stopping");
+    full_warned_ = true;
+    return false;
+  }
+  if (kind == TraceKind::kOptimizer) return !steps_.empty();  // belongs to the last step
+  if (step_open_) return true;
+  if (static_cast<int>(steps_.size()) >= max_steps_) return false;
+  resolve(/*wait=*/false);
+  Step s;
+  s.host_begin = now_us();
+  if (gpu_) s.ref_event = record_event(comm_.current_stream());
+  steps_.push_back(s);
+  step_open_ = true;
+  backward_ = false;
+  return true;
+}
+
+Tracer::Open Tracer::open(TraceKind kind, const Unit* unit) {
+  Open o;
+  o.kind = kind;
+  if (unit != nullptr) {
+    // A replicated unit's "all-gather" is a local cast, not a collective.
+    if ((kind == TraceKind::kAllGather || kind == TraceKind::kWaitAllGather) &&
+        (unit->strategy() == ShardingStrategy::kNoShard ||
+         unit->flat().layout().padded_numel == 0))
+      return o;
+    note_unit(*unit);
+    o.unit = unit->index();
+  }
+  if (!gpu_ && !has_host_part(kind)) return o;
+  if (kind == TraceKind::kWaitReduce) o.unit = last_reduce_unit_;
+  if (kind == TraceKind::kPreBackward) backward_ = true;
+  o.active = true;
+  if (nvtx_ && has_host_part(kind)) {
+    nvtx_push(event_name(kind, o.unit));
+    o.nvtx = true;
+  }
+  if (!record_ || !ensure_step(kind)) return o;
+  TraceRecord r;
+  r.kind = kind;
+  r.unit = o.unit;
+  r.step = static_cast<int>(steps_.size()) - 1;
+  r.backward = backward_;
+  if (kind == TraceKind::kAllGather) r.bytes = unit->flat().all_gather_bytes();
+  if (kind == TraceKind::kReduce) {
+    r.bytes = unit->flat().reduce_bytes();
+    last_reduce_unit_ = o.unit;
+  }
+  r.host_begin = now_us();
+  if (gpu_ && has_gpu_part(kind)) r.gpu_begin_event = record_event(stream_for(kind));
+  o.record = static_cast<int>(records_.size());
+  records_.push_back(r);
+  return o;
+}
+
+void Tracer::close(const Open& o) {
+  if (!o.active) return;
+  if (o.nvtx) nvtx_pop();
+  if (o.record >= 0) {
+    TraceRecord& r = records_[o.record];
+    r.host_end = now_us();  // before the end event is recorded: the GPU cannot run it earlier
+    if (r.gpu_begin_event >= 0) r.gpu_end_event = record_event(stream_for(r.kind));
+  }
+  // The unit's parameters are ready: its forward / backward compute starts here.
+  if (o.kind == TraceKind::kPreForward) begin_span(TraceKind::kForward, o.unit);
+  if (o.kind == TraceKind::kPreBackward) begin_span(TraceKind::kBackward, o.unit);
+}
+
+void Tracer::begin_span(TraceKind kind, int unit) {
+  if (unit < 0) return;
+  // A unit entered several times per forward gets several pre-backward hooks but reduces once:
+  // its backward is one span, from the first hook to the post-backward one.
+  if (kind == TraceKind::kBackward)
+    for (const auto& s : open_[unit])
+      if (s.kind == TraceKind::kBackward) return;
+  OpenSpan span{kind, -1, 0};
+  if (nvtx_) span.nvtx_range = nvtx_start(event_name(kind, unit));
+  if (record_ && ensure_step(kind)) {
+    TraceRecord r;
+    r.kind = kind;
+    r.unit = unit;
+    r.step = static_cast<int>(steps_.size()) - 1;
+    r.backward = backward_;
+    r.host_begin = now_us();
+    if (gpu_) r.gpu_begin_event = record_event(stream_for(kind));
+    span.record = static_cast<int>(records_.size());
+    records_.push_back(r);
+  }
+  open_[unit].push_back(span);
+}
+
+void Tracer::end(TraceKind kind, const Unit& unit) {
+  const size_t u = static_cast<size_t>(unit.index());
+  if (u >= open_.size()) return;
+  auto& spans = open_[u];
+  // The innermost open span of this kind (a unit called recursively nests its spans).
+  for (size_t i = spans.size(); i-- > 0;) {
+    if (spans[i].kind != kind) continue;
+    if (nvtx_) nvtx_end(spans[i].nvtx_range);
+    if (spans[i].record >= 0) {
+      TraceRecord& r = records_[spans[i].record];
+      r.host_end = now_us();
+      if (r.gpu_begin_event >= 0) r.gpu_end_event = record_event(stream_for(kind));
+    }
+    spans.erase(spans.begin() + static_cast<std::ptrdiff_t>(i));
+    return;
+  }
+}
+
+void Tracer::step_end() {
+  if (record_ && step_open_) steps_.back().host_end = now_us();
+  step_open_ = false;
+  backward_ = false;
+}
+
+void Tracer::resolve(bool wait) {
+  if (!gpu_) return;
+  auto done = [&](int id) {
+    if (wait) events_[id].synchronize();
+    return wait || events_[id].query();
+  };
+  // Step references, in order: each is timed against the previous one (short intervals keep
+  // the float milliseconds of cudaEventElapsedTime precise over long runs).
+  for (size_t s = 0; s < steps_.size(); ++s) {
+    Step& st = steps_[s];
+    if (st.ref >= 0) continue;
+    if (!done(st.ref_event)) break;
+    if (s == 0) {
+      st.ref = 0;
+    } else {
+      const Step& prev = steps_[s - 1];
+      st.ref = prev.ref + events_[prev.ref_event].elapsedTime(events_[st.ref_event]) * 1000.0;
+    }
+  }
+  bool all_before_resolved = true;
+  for (size_t i = first_pending_; i < records_.size(); ++i) {
+    TraceRecord& r = records_[i];
+    const bool pending = r.gpu_begin_event >= 0 || r.gpu_end_event >= 0;
+    if (pending) {
+      const Step& st = steps_[r.step];
+      const bool closed = r.gpu_end_event >= 0;
+      if (st.ref >= 0 && closed && done(r.gpu_begin_event) && done(r.gpu_end_event)) {
+        const c10::Event& ref = events_[st.ref_event];
+        r.gpu_begin = st.ref + ref.elapsedTime(events_[r.gpu_begin_event]) * 1000.0;
+        r.gpu_end = st.ref + ref.elapsedTime(events_[r.gpu_end_event]) * 1000.0;
+        release_event(r.gpu_begin_event);
+        release_event(r.gpu_end_event);
+        r.gpu_begin_event = r.gpu_end_event = -1;
+      } else {
+        all_before_resolved = false;
+      }
+    }
+    if (all_before_resolved) first_pending_ = i + 1;
+  }
+}
+
+const std::vector<TraceRecord>& Tracer::records() {
+  resolve(/*wait=*/false);
+  return records_;
+}
+
+std::string Tracer::write() {
+  if (!record_) return "";
+  resolve(/*wait=*/true);
+  std::ofstream f(path_, std::ios::trunc);
+  TORCH_CHECK(f.good(), "flatshard trace: cannot open '", path_, "' for writing (rank ",
+              comm_.rank(), ")");
+  write_json(f);
+  f.close();
+  TORCH_CHECK(!f.fail(), "flatshard trace: writing '", path_, "' failed (rank ", comm_.rank(), ")");
+  return path_;
+}
+
+void Tracer::write_json(std::ostream& os) const {
+  const int rank = comm_.rank();
+  // GPU -> host clock: the smallest offset that puts no GPU event before its host record call.
+  double offset = -std::numeric_limits<double>::infinity();
+  for (const auto& r : records_) {
+    if (r.gpu_begin < 0 && r.gpu_end < 0) continue;
+    offset = std::max({offset, r.host_begin - r.gpu_begin, r.host_end - r.gpu_end});
+  }
+  for (const auto& s : steps_)
+    if (s.ref >= 0) offset = std::max(offset, s.host_begin - s.ref);
+  const bool have_gpu = offset > -std::numeric_limits<double>::infinity();
+
+  os << "{\"displayTimeUnit\":\"ns\",\"otherData\":{\"flatshard_trace\":1,\"rank\":" << rank
+     << ",\"world_size\":" << comm_.world_size() << ",\"device\":";
+  write_string(os, comm_.device().str());
+  os << ",\"forward_prefetch\":" << forward_prefetch_
+     << ",\"backward_prefetch\":" << backward_prefetch_ << ",\"units\":[";
+  bool first = true;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const UnitInfo& u = units_[i];
+    if (u.name.empty()) continue;
+    os << (first ? "" : ",") << "{\"index\":" << i << ",\"name\":";
+    write_string(os, u.name);
+    os << ",\"strategy\":\"" << u.strategy << "\",\"reshard_after_forward\":"
+       << (u.reshard_after_forward ? "true" : "false") << ",\"padded_numel\":" << u.padded_numel
+       << ",\"all_gather_bytes\":" << u.all_gather_bytes << ",\"reduce_bytes\":" << u.reduce_bytes
+       << "}";
+    first = false;
+  }
+  os << "]},\n\"traceEvents\":[\n";
+  os << "{\"ph\":\"M\",\"pid\":" << rank << ",\"name\":\"process_name\",\"args\":{\"name\":\"rank "
+     << rank << "\"}},\n{\"ph\":\"M\",\"pid\":" << rank
+     << ",\"name\":\"process_sort_index\",\"args\":{\"sort_index\":" << rank << "}}";
+  for (int t = 0; t < (gpu_ ? 4 : 1); ++t) {
+    os << ",\n{\"ph\":\"M\",\"pid\":" << rank << ",\"tid\":" << t
+       << ",\"name\":\"thread_name\",\"args\":{\"name\":\"" << kTrackNames[t]
+       << "\"}},\n{\"ph\":\"M\",\"pid\":" << rank << ",\"tid\":" << t
+       << ",\"name\":\"thread_sort_index\",\"args\":{\"sort_index\":" << t << "}}";
+  }
+  auto event = [&](const std::string& name, const char* cat, double ts, double dur, int tid,
+                   const TraceRecord* r, int step) {
+    os << ",\n{\"ph\":\"X\",\"name\":";
+    write_string(os, name);
+    os << ",\"cat\":\"" << cat << "\",\"ts\":" << fixed3(ts)
+       << ",\"dur\":" << fixed3(std::max(dur, 0.0)) << ",\"pid\":" << rank << ",\"tid\":" << tid
+       << ",\"args\":{\"step\":" << step;
+    if (r != nullptr) {
+      if (r->unit >= 0 && static_cast<size_t>(r->unit) < units_.size()) {
+        os << ",\"unit\":";
+        write_string(os, units_[r->unit].name);
+        os << ",\"phase\":\"" << (r->backward ? "backward" : "forward") << "\"";
+      }
+      if (r->bytes) os << ",\"bytes\":" << r->bytes;
+      if (tid != kHostTrack)
+        os << ",\"host_ts\":" << fixed3(r->host_begin) << ",\"host_end\":" << fixed3(r->host_end);
+    }
+    os << "}}";
+  };
+  double last_host = 0;
+  for (const auto& r : records_) last_host = std::max(last_host, r.host_end);
+  for (size_t s = 0; s < steps_.size(); ++s) {
+    const Step& st = steps_[s];
+    const double end = st.host_end >= st.host_begin ? st.host_end : last_host;
+    event("step " + std::to_string(s), "step", st.host_begin, end - st.host_begin, kHostTrack,
+          nullptr, static_cast<int>(s));
+  }
+  for (const auto& r : records_) {
+    if (r.host_end < r.host_begin) continue;  // never closed (the step was cut short)
+    const std::string name = event_name(r.kind, r.unit);
+    if (has_host_part(r.kind))
+      event(name, to_string(r.kind), r.host_begin, r.host_end - r.host_begin, kHostTrack, &r,
+            r.step);
+    if (have_gpu && r.gpu_begin >= 0 && r.gpu_end >= 0)
+      event(name, to_string(r.kind), r.gpu_begin + offset, r.gpu_end - r.gpu_begin,
+            track_for(r.kind), &r, r.step);
+  }
+  os << "\n]}\n";
+}
+
+}  // namespace flatshard

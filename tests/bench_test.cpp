@@ -1,0 +1,268 @@
+// flatshard-bench end to end (CPU, ranks as threads): runs the binary on the tiny preset, reads
+// its JSON back and checks the numbers against closed forms — collective counts per
+// granularity from the plan shape, bytes from the parameter count, timing sanity, the loss
+// check — plus CSV/SVG output and one-line usage errors with exit code 2.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "mini_json.h"
+
+#ifndef FLATSHARD_BENCH_EXE
+#error "FLATSHARD_BENCH_EXE (path of flatshard-bench) must be defined by CMake"
+#endif
+
+namespace {
+
+struct Outcome {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string read_file(const std::string& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Single-quotes `s` for /bin/sh.
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// A private temporary folder (mkdtemp under $TMPDIR or /tmp) and the files the tests put in it,
+// all removed at exit. POSIX calls rather than std::filesystem: libtorch.so exports its own
+// std::filesystem symbols, and calling those from a static destructor crashed at exit.
+class Scratch {
+ public:
+  Scratch() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/flatshard_bench_test_XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    dir_ = pattern;
+  }
+  ~Scratch() {
+    for (const auto& f : files_) ::unlink(f.c_str());
+    ::rmdir(dir_.c_str());
+  }
+  std::string file(const std::string& name) {
+    const std::string path = dir_ + "/" + name;
+    if (std::find(files_.begin(), files_.end(), path) == files_.end()) files_.push_back(path);
+    return path;
+  }
+
+ private:
+  std::string dir_;
+  std::vector<std::string> files_;
+};
+
+std::string scratch(const std::string& name) {
+  static Scratch dir;
+  return dir.file(name);
+}
+
+Outcome run_bench(const std::vector<std::string>& args) {
+  std::string cmd = quote(FLATSHARD_BENCH_EXE);
+  for (const auto& a : args) cmd += " " + quote(a);
+  const std::string out = scratch("stdout.txt"), err = scratch("stderr.txt");
+  cmd += " >" + quote(out) + " 2>" + quote(err) + " </dev/null";
+  const int status = std::system(cmd.c_str());
+  Outcome o;
+  o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  o.out = read_file(out);
+  o.err = read_file(err);
+  return o;
+}
+
+const mini_json::Value& run_named(const mini_json::Value& doc, const std::string& name) {
+  for (const auto& r : doc.at("runs").array)
+    if (r.str("granularity") == name) return r;
+  throw std::runtime_error("no run named '" + name + "' in the JSON");
+}
+
+// The default granularities on the tiny preset, 2 ranks, 2 measured steps — shared by the
+// tests below (one run of the binary).
+const mini_json::Value& default_run() {
+  static const mini_json::Value doc = [] {
+    const std::string json = scratch("default.json");
+    const Outcome o =
+        run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1", "--json",
+                   json});
+    INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+    REQUIRE(o.exit_code == 0);
+    return mini_json::parse(read_file(json));
+  }();
+  return doc;
+}
+
+}  // namespace
+
+TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]") {
+  const auto& doc = default_run();
+  const auto& model = doc.at("model");
+  CHECK(model.str("preset") == "tiny");
+  CHECK(model.num("n_layers") == 2);
+  CHECK(model.num("params") == 167680);
+  CHECK(doc.num("world_size") == 2);
+  CHECK(doc.at("all_ok").boolean);
+
+  std::vector<std::string> names;
+  for (const auto& r : doc.at("runs").array) names.push_back(r.str("granularity"));
+  CHECK(names == std::vector<std::string>{"local", "leaf", "layer", "every-2", "model", "noshard"});
+
+  const double tokens = doc.num("batch") * model.num("seq_len");
+  const double local_median = run_named(doc, "local").at("step_ms").num("median");
+  const double loss0 = run_named(doc, "local").num("loss_step0");
+  CHECK(loss0 > 0);
+  for (const auto& r : doc.at("runs").array) {
+    CAPTURE(r.str("granularity"));
+    for (const char* key : {"world_size", "units", "forward_all_gathers", "backward_all_gathers",
+                            "reduce_scatters", "all_reduces", "bytes_per_step",
+                            "tokens_per_s_per_gpu", "peak_memory_bytes", "loss_step0",
+                            "ratio_to_local"})
+      CHECK(r.num(key) >= 0);
+    const auto& t = r.at("step_ms");
+    CHECK(t.num("min") > 0);
+    CHECK(t.num("min") <= t.num("median"));
+    CHECK(t.num("median") <= t.num("max"));
+    CHECK(t.at("all").array.size() == 2);
+    CHECK(r.num("tokens_per_s_per_gpu") == Approx(tokens / (t.num("median") * 1e-3)));
+    CHECK(r.num("ratio_to_local") == Approx(t.num("median") / local_median));
+    CHECK(r.at("mfu").is_null());  // no --peak-tflops on CPU
+    CHECK(r.num("peak_memory_bytes") > 0);
+    CHECK(r.str("check") == "ok");
+    CHECK(std::abs(r.num("loss_step0") - loss0) <= 1e-4 * loss0);
+    const bool local = r.str("granularity") == "local";
+    CHECK(r.num("world_size") == (local ? 1 : 2));
+    if (local) {
+      CHECK(r.at("exposed_comm_share").is_null());
+    } else {
+      CHECK(r.num("exposed_comm_share") > 0);
+      CHECK(r.num("exposed_comm_share") <= 1);
+    }
+  }
+}
+
+TEST_CASE("collective counts per step follow the plan shape", "[bench]") {
+  const auto& doc = default_run();
+  const int64_t L = static_cast<int64_t>(doc.at("model").num("n_layers"));
+  struct Want {
+    const char* name;
+    int64_t units, fwd, bwd, rs, ar;
+  };
+  // The root keeps its parameters from forward to backward (no backward all-gather). `leaf`
+  // leaves the root without parameters: 6 leaves per Block + wte, wpe, ln_f, lm_head.
+  const int64_t leaves = 6 * L + 4;
+  const int64_t groups = (L + 1) / 2 + 1;
+  const std::vector<Want> want = {{"local", 0, 0, 0, 0, 0},
+                                  {"leaf", leaves, leaves, leaves, leaves, 0},
+                                  {"layer", L + 1, L + 1, L, L + 1, 0},
+                                  {"every-2", groups, groups, groups - 1, groups, 0},
+                                  {"model", 1, 1, 0, 1, 0},
+                                  {"noshard", L + 1, 0, 0, 0, L + 1}};
+  for (const auto& w : want) {
+    CAPTURE(w.name);
+    const auto& r = run_named(doc, w.name);
+    CHECK(r.num("units") == w.units);
+    CHECK(r.num("forward_all_gathers") == w.fwd);
+    CHECK(r.num("backward_all_gathers") == w.bwd);
+    CHECK(r.num("reduce_scatters") == w.rs);
+    CHECK(r.num("all_reduces") == w.ar);
+  }
+}
+
+TEST_CASE("bytes per step are consistent with the parameter count", "[bench]") {
+  const auto& doc = default_run();
+  const double N = doc.at("model").num("params");
+  const double f = 4.0;  // fp32 everywhere by default; world 2 halves an all-gather's input
+  auto bytes = [&](const char* name) { return run_named(doc, name).num("bytes_per_step"); };
+  // Padding (alignment to 8 elements per parameter, to the world size per unit) adds < 2%.
+  CHECK(bytes("local") == 0);
+  CHECK(bytes("noshard") >= f * N);                      // one all-reduce of every parameter
+  CHECK(bytes("noshard") <= f * N * 1.02);
+  CHECK(bytes("model") >= f * N * 1.5);                  // shard in forward + full reduce-scatter
+  CHECK(bytes("model") <= f * N * 1.5 * 1.02);
+  for (const char* name : {"leaf", "layer", "every-2"}) {  // + backward all-gathers but the root's
+    CAPTURE(name);
+    CHECK(bytes(name) > f * N * 1.5);
+    CHECK(bytes(name) <= f * N * 2.0 * 1.02);
+  }
+}
+
+TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
+  const std::string json = scratch("bf16.json"), csv = scratch("bf16.csv"),
+                    svg = scratch("bf16.svg");
+  const Outcome o = run_bench({"--preset", "tiny", "--steps", "1", "--warmup", "0",
+                               "--param-dtype", "bf16", "--granularity",
+                               "layer,every=2,type=Block", "--granularity", "size>=1e4",
+                               "--granularity", "path=lm_head|x\"y\\z",
+                               "--json", json, "--csv", csv, "--plot", svg});
+  INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+  REQUIRE(o.exit_code == 0);
+  const auto doc = mini_json::parse(read_file(json));
+  CHECK(doc.str("param_dtype") == "bf16");
+  std::vector<std::string> names;
+  for (const auto& r : doc.at("runs").array) names.push_back(r.str("granularity"));
+  // The last spec has a quote and a backslash: JSON and CSV must escape them.
+  CHECK(names == std::vector<std::string>{"layer", "every=2,type=Block", "size>=1e4",
+                                          "path=lm_head|x\"y\\z"});
+  CHECK(doc.str("check_reference") == "layer");  // no local run: the first one
+  for (const auto& r : doc.at("runs").array) CHECK(r.str("check") == "ok");
+
+  std::vector<std::string> lines;
+  std::istringstream in(read_file(csv));
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  REQUIRE(lines.size() == 5);
+  CHECK(lines[0].rfind("granularity,world_size,units,", 0) == 0);
+  CHECK(lines[2].rfind("\"every=2,type=Block\",2,", 0) == 0);  // a comma in a field is quoted
+  CHECK(lines[4].rfind("\"path=lm_head|x\"\"y\\z\",2,", 0) == 0);  // quotes doubled
+
+  const std::string s = read_file(svg);
+  CHECK(s.find("<svg") != std::string::npos);
+  CHECK(s.find("</svg>") != std::string::npos);
+  CHECK(s.find("size&gt;=1e4") != std::string::npos);  // labels are XML-escaped
+  CHECK(s.find("step time (ms)") != std::string::npos);
+  CHECK(s.find("peak memory (MiB)") != std::string::npos);
+}
+
+TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
+  struct Case {
+    std::vector<std::string> args;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {{"--bogus"}, "--bogus"},
+      {{"--heads", "5"}, "does not divide"},
+      {{"--granularity", "type=Blok"}, "matches no module"},
+      {{"--granularity", "type=Block;sise>=1e7"}, "column 12"},
+      {{"--granularity", "foo"}, "unknown granularity 'foo'"},
+      {{"--granularity", "every-0"}, "every-K"},
+      {{"--nproc", "0"}, "--nproc must be >= 1, got 0"},
+      {{"--preset", "huge"}, "huge"},
+      {{"--steps", "0"}, "--steps must be >= 1, got 0"},
+      {{"--device", "cuda", "--nproc", "4096"}, "cuda"},
+      {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {"--preset", "tiny"};  // every case fails before running
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    const Outcome o = run_bench(args);
+    CAPTURE(c.args, o.out, o.err);
+    CHECK(o.exit_code == 2);
+    CHECK(o.out.empty());
+    CHECK(o.err.rfind("flatshard-bench: error: ", 0) == 0);
+    CHECK(std::count(o.err.begin(), o.err.end(), '\n') == 1);
+    CHECK(o.err.find(c.says) != std::string::npos);
+  }
+}

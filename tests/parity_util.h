@@ -1,0 +1,168 @@
+// Parity harness: train the same model sharded on N ranks (threads) and unsharded on one rank
+// over the union of the ranks' batches, and compare losses and final parameters.
+//
+// Why these match: each rank's loss is a mean over its local batch of equal size, and flatshard
+// averages gradients over ranks, so the sharded gradient equals the gradient of the mean loss
+// over the union batch — the reference's. Only float summation order differs.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+
+#include <functional>
+#include <map>
+#include <mutex>
+
+#include "collectives/thread_communicator.h"
+#include "fsdp/call.h"
+#include "fsdp/sharded_model.h"
+
+namespace flatshard_test {
+
+// A hand-written plan: each listed module path is a unit; every parameter belongs to the unit
+// with the longest path prefixing its name, else to the root. An independent reference for
+// the policy code.
+inline flatshard::Plan manual_plan(
+    torch::nn::Module& model, const std::vector<std::vector<std::string>>& units,
+    const std::vector<flatshard::UnitOptions>& options = {}, flatshard::UnitOptions root = {}) {
+  flatshard::Plan plan;
+  flatshard::UnitSpec r;
+  r.name = "<root>";
+  r.is_root = true;
+  r.options = root;
+  plan.units.push_back(r);
+  for (size_t i = 0; i < units.size(); ++i) {
+    flatshard::UnitSpec u;
+    u.name = units[i].front();
+    u.module_paths = units[i];
+    if (i < options.size()) u.options = options[i];
+    plan.units.push_back(u);
+  }
+  for (auto& p : model.named_parameters()) {
+    size_t best = 0, best_len = 0;
+    for (size_t i = 1; i < plan.units.size(); ++i)
+      for (auto& path : plan.units[i].module_paths)
+        if (p.key().rfind(path + ".", 0) == 0 && path.size() + 1 > best_len) {
+          best = i;
+          best_len = path.size() + 1;
+        }
+    plan.units[best].param_names.push_back(p.key());
+    plan.units[best].numel += p.value().numel();
+  }
+  return plan;
+}
+
+struct ParityRun {
+  std::vector<double> losses;                  // per step: mean over ranks of local losses
+  std::map<std::string, at::Tensor> params;    // final full parameters
+  std::map<std::string, at::Tensor> grads;     // full gradients of step 0, before clipping
+  flatshard::StepCounters last_step_counters;  // rank 0, last step
+};
+
+struct ParitySpec {
+  int world = 2;
+  int steps = 5;
+  int micro_batches = 1;                 // gradient accumulation: micro-batches per step
+  bool no_sync_accumulation = false;     // sync only on the last micro-batch
+  double clip = 0.0;                     // > 0: clip_grad_norm_ before the step
+  double lr = 1e-2, weight_decay = 0.1;
+  flatshard::ShardingOptions options;
+  // Builds the model on CPU with deterministic parameters.
+  std::function<std::shared_ptr<torch::nn::Module>()> make_model;
+  // Plan for a freshly built model.
+  std::function<flatshard::Plan(torch::nn::Module&)> plan;
+  // Loss of `model` (entered through flatshard::call) on the batch of (rank, step, micro).
+  std::function<at::Tensor(const std::shared_ptr<torch::nn::Module>&, int rank, int step, int micro)> loss;
+};
+
+inline ParityRun run_reference(const ParitySpec& s) {
+  auto model = s.make_model();
+  // Each distinct tensor once: LibTorch lists a tied parameter under every name, and AdamW
+  // would update it twice per step.
+  std::vector<at::Tensor> params;
+  for (auto& p : model->parameters()) {
+    bool seen = false;
+    for (auto& q : params) seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+    if (!seen) params.push_back(p);
+  }
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
+  ParityRun out;
+  for (int step = 0; step < s.steps; ++step) {
+    opt.zero_grad();
+    double loss_sum = 0;
+    for (int m = 0; m < s.micro_batches; ++m) {
+      // The union batch: mean over ranks of the per-rank mean losses.
+      at::Tensor total;
+      for (int r = 0; r < s.world; ++r) {
+        at::Tensor l = s.loss(model, r, step, m);
+        total = total.defined() ? total + l : l;
+      }
+      total = total / s.world;
+      loss_sum += total.item<double>();
+      total.backward();
+    }
+    out.losses.push_back(loss_sum / s.micro_batches);
+    // Parameters that got no gradient get zeros, as flat parameters do.
+    for (auto& p : params)
+      if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    if (step == 0)
+      for (auto& p : model->named_parameters()) out.grads[p.key()] = p.value().grad().clone();
+    if (s.clip > 0) {
+      std::vector<at::Tensor> grads;
+      double sq = 0;
+      for (auto& p : params) sq += p.grad().pow(2).sum().item<double>();
+      const double coef = s.clip / (std::sqrt(sq) + 1e-6);
+      if (coef < 1)
+        for (auto& p : params) p.mutable_grad().mul_(coef);
+    }
+    opt.step();
+  }
+  for (auto& p : model->named_parameters()) out.params[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+inline ParityRun run_sharded(const ParitySpec& s) {
+  ParityRun out;
+  out.losses.assign(s.steps, 0.0);
+  std::mutex mu;
+  flatshard::run_ranks(s.world, [&](flatshard::Communicator& comm) {
+    auto model = s.make_model();
+    auto plan = s.plan(*model);
+    auto fsdp = flatshard::fully_shard(model, plan, comm, s.options);
+    torch::optim::AdamW opt(fsdp->parameters(),
+                            torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
+    for (int step = 0; step < s.steps; ++step) {
+      opt.zero_grad();
+      fsdp->reset_counters();
+      double loss_sum = 0;
+      for (int m = 0; m < s.micro_batches; ++m) {
+        const bool last = m + 1 == s.micro_batches;
+        if (s.no_sync_accumulation) fsdp->set_requires_gradient_sync(last);
+        at::Tensor l = s.loss(model, comm.rank(), step, m);
+        loss_sum += l.item<double>();
+        l.backward();
+      }
+      if (step == 0) {
+        auto g = fsdp->gather_full_grads();
+        if (comm.rank() == 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          for (auto& kv : g) out.grads[kv.first] = kv.second;
+        }
+      }
+      if (s.clip > 0) fsdp->clip_grad_norm_(s.clip);
+      opt.step();
+      std::lock_guard<std::mutex> lock(mu);
+      out.losses[step] += loss_sum / s.micro_batches / s.world;
+      if (comm.rank() == 0) out.last_step_counters = fsdp->counters();
+    }
+    auto full = fsdp->gather_full_params();
+    if (comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& kv : full) out.params[kv.first] = kv.second;
+    }
+  });
+  return out;
+}
+
+}  // namespace flatshard_test

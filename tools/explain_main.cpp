@@ -1,0 +1,137 @@
+// flatshard-explain — print what a wrap policy will do to a model at a world size, before any
+// GPU is involved: units, bytes, collectives per step, predicted peak memory, warnings.
+//
+//   flatshard-explain --preset 1b --policy type=Block --world 8
+//   flatshard-explain --preset small --n-layers 12 --policy "every=2,type=Block" --world 4
+//                     --param-dtype bf16 --prefetch 2 --memory-limit 2GiB    (one line)
+//
+// The reference GPT is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
+// allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <iostream>
+#include <map>
+
+#include "benchmarks/gpt.h"
+#include "fsdp/explain.h"
+#include "fsdp/meta_init.h"
+#include "wrap_policies/spec.h"
+
+namespace {
+
+// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "123456" (bytes).
+int64_t parse_bytes(const std::string& text) {
+  size_t pos = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    throw CLI::ValidationError("--memory-limit", "'" + text + "' is not a size such as 40GiB");
+  }
+  std::string suffix = text.substr(pos);
+  for (auto& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  static const std::map<std::string, double> scale = {
+      {"", 1},         {"B", 1},        {"K", 0x1p10},   {"KIB", 0x1p10}, {"KB", 1e3},
+      {"M", 0x1p20},   {"MIB", 0x1p20}, {"MB", 1e6},     {"G", 0x1p30},   {"GIB", 0x1p30},
+      {"GB", 1e9},     {"T", 0x1p40},   {"TIB", 0x1p40}, {"TB", 1e12}};
+  auto it = scale.find(suffix);
+  if (it == scale.end() || !(v >= 0) || !std::isfinite(v))
+    throw CLI::ValidationError("--memory-limit", "'" + text +
+                                                     "' is not a size (suffixes: K/M/G/T or "
+                                                     "KiB/MiB/GiB/TiB = binary, KB/MB/GB/TB = decimal)");
+  return static_cast<int64_t>(std::llround(v * it->second));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"flatshard-explain: what a wrap policy does to the reference GPT at a world size "
+               "(units, bytes, collectives per step, predicted peak memory, warnings). Builds "
+               "nothing but shapes."};
+  std::string preset = "small", policy = "type=Block", strategy = "full";
+  std::string param_dtype = "fp32", reduce_dtype, memory_limit;
+  int world = 0, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
+  int64_t align = 8;
+  bool keep = false, tied = false, show_plan = false;
+  std::map<std::string, int64_t> overrides;
+  app.add_option("--preset", preset, "GPT preset: tiny, small, 1b")
+      ->check(CLI::IsMember({"tiny", "small", "1b"}))
+      ->capture_default_str();
+  for (const char* key : {"vocab", "d-model", "n-heads", "n-layers", "seq-len"})
+    app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
+        ->check(CLI::PositiveNumber);
+  app.add_flag("--tied", tied, "tie lm_head.weight to wte.weight");
+  app.add_option("--policy", policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
+                                     "\"every=2,type=Block\"; \"none\": root only")
+      ->capture_default_str();
+  app.add_option("--world", world, "number of ranks")->required()->check(CLI::PositiveNumber);
+  app.add_option("--strategy", strategy, "default strategy: full, grad_op, noshard")
+      ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
+      ->capture_default_str();
+  app.add_flag("--keep", keep, "FULL_SHARD units keep parameters from forward to backward");
+  app.add_option("--prefetch", prefetch, "forward and backward prefetch depth")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--forward-prefetch", fwd_prefetch, "units all-gathered ahead in forward")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--backward-prefetch", bwd_prefetch, "units all-gathered ahead in backward")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--param-dtype", param_dtype, "all-gather / compute dtype: fp32, bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--reduce-dtype", reduce_dtype, "gradient reduction dtype (default: param dtype)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--align", align, "alignment of parameters in a flat buffer, in elements")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--memory-limit", memory_limit,
+                 "model-state memory per rank to check the prefetch depth against, e.g. 40GiB");
+  app.add_flag("--plan", show_plan, "also print the plan (Plan::to_string)");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    auto cfg = flatshard::gpt::GPTConfig::preset(preset);
+    if (overrides["vocab"]) cfg.vocab = overrides["vocab"];
+    if (overrides["d-model"]) cfg.d_model = overrides["d-model"];
+    if (overrides["n-heads"]) cfg.n_heads = overrides["n-heads"];
+    if (overrides["n-layers"]) cfg.n_layers = overrides["n-layers"];
+    if (overrides["seq-len"]) cfg.seq_len = overrides["seq-len"];
+    cfg.tie_embeddings = tied;
+
+    flatshard::gpt::GPT model{nullptr};
+    {
+      flatshard::MetaInit meta;  // shapes only: nothing is allocated or initialised
+      model = flatshard::gpt::GPT(cfg, /*seed=*/0);
+    }
+    flatshard::check_on_meta(*model);
+
+    flatshard::ShardingOptions opts;
+    opts.strategy = strategy == "full"      ? flatshard::ShardingStrategy::kFullShard
+                    : strategy == "grad_op" ? flatshard::ShardingStrategy::kShardGradOp
+                                            : flatshard::ShardingStrategy::kNoShard;
+    opts.reshard_after_forward = !keep;
+    opts.forward_prefetch = prefetch >= 0 ? prefetch : fwd_prefetch;
+    opts.backward_prefetch = prefetch >= 0 ? prefetch : bwd_prefetch;
+    auto dtype = [](const std::string& s) { return s == "bf16" ? c10::kBFloat16 : c10::kFloat; };
+    opts.mixed_precision.param_dtype = dtype(param_dtype);
+    if (!reduce_dtype.empty()) opts.mixed_precision.reduce_dtype = dtype(reduce_dtype);
+    opts.align = align;
+    std::optional<int64_t> limit;
+    if (!memory_limit.empty()) limit = parse_bytes(memory_limit);
+
+    const auto plan = flatshard::make_plan(*model, flatshard::parse_policy(policy));
+    std::cout << "model: GPT " << cfg.to_string() << " (" << flatshard::gpt::num_parameters(cfg)
+              << " params); policy: " << policy << "\n";
+    if (show_plan) std::cout << plan.to_string();
+    std::cout << flatshard::explain(*model, plan, world, opts, limit).to_string();
+  } catch (const CLI::Error& e) {
+    return app.exit(e);
+  } catch (const c10::Error& e) {
+    std::cerr << "flatshard-explain: " << e.what_without_backtrace() << "\n";
+    return 1;
+  }
+  return 0;
+}

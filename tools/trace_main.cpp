@@ -1,0 +1,52 @@
+// flatshard-trace — summarise flatshard traces (fsdp/trace.h): where each step's time goes, per
+// unit exposed communication, GPU idle gaps and their cause, top offenders with advice.
+//
+//   FLATSHARD_TRACE=/tmp/run.json ./train            # one file per rank: /tmp/run.rank<R>.json
+//   flatshard-trace /tmp/run.rank*.json
+//   flatshard-trace --merge /tmp/all.json /tmp/run.rank*.json   # one file for ui.perfetto.dev
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <fstream>
+#include <iostream>
+
+#include "tools/json.h"
+#include "tools/trace_summary.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"flatshard-trace: summarise flatshard trace files (one per rank, or merged)"};
+  std::vector<std::string> files;
+  std::string merge;
+  flatshard::SummaryOptions opts;
+  bool keep_first = false;
+  app.add_option("files", files, "trace files written by FLATSHARD_TRACE / TraceOptions::path")
+      ->required()
+      ->check(CLI::ExistingFile);
+  app.add_option("--top", opts.top, "offenders and gaps to list")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_flag("--keep-first-step", keep_first, "also count the first (warm-up) step");
+  app.add_option("--starved-us", opts.starved_us,
+                 "GPU ran an event within this many us of its host recording: it was starved")
+      ->capture_default_str();
+  app.add_option("--merge", merge, "also write all files as one trace (for ui.perfetto.dev)");
+  CLI11_PARSE(app, argc, argv);
+  opts.skip_first_step = !keep_first;
+  try {
+    if (!merge.empty()) {
+      std::vector<flatshard::json::Value> docs;
+      for (const auto& f : files) docs.push_back(flatshard::json::parse_file(f));
+      std::ofstream out(merge);
+      TORCH_CHECK(out.good(), "cannot write '", merge, "'");
+      flatshard::json::write(out, flatshard::merge_traces(docs));
+      out << "\n";
+      TORCH_CHECK(out.good(), "writing '", merge, "' failed");
+    }
+    const auto ranks = flatshard::read_trace_files(files);
+    std::cout << flatshard::summarize(ranks, opts).to_string();
+  } catch (const c10::Error& e) {
+    std::cerr << "flatshard-trace: " << e.what_without_backtrace() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,407 @@
+// flatshard/tools/trace_summary.cpp — see trace_summary.h.
+#include "tools/trace_summary.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace flatshard {
+
+namespace {
+
+constexpr int kHost = 0, kCompute = 1, kAllGatherStream = 2, kReduceStream = 3;
+// Below this, one all-gather is dominated by latency (DESIGN.md: 1 MiB ~ 16 MiB in time).
+constexpr int64_t kLatencyBoundBytes = int64_t{1} << 20;
+// An all-gather this many times slower than the median unit's is an outlier.
+constexpr double kOutlierFactor = 5.0;
+// ... or this many times slower than the slowest unit gathering 4x+ more bytes.
+constexpr double kLargerFactor = 1.5;
+
+std::string ms(double us) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", us / 1000.0);
+  return buf;
+}
+
+std::string bytes_text(int64_t b) {
+  char buf[32];
+  if (b >= (int64_t{1} << 20)) {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+  } else if (b >= 1024) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", static_cast<double>(b) / 1024);
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  }
+  return buf;
+}
+
+TraceUnitMeta unit_meta(const json::Value& u) {
+  TraceUnitMeta m;
+  m.name = u.at("name").as_string();
+  m.strategy = u.string_or("strategy", "");
+  const json::Value* r = u.find("reshard_after_forward");
+  m.reshard_after_forward = r && r->type() == json::Value::Type::kBool && r->as_bool();
+  m.padded_numel = static_cast<int64_t>(u.number_or("padded_numel", 0));
+  m.all_gather_bytes = static_cast<int64_t>(u.number_or("all_gather_bytes", 0));
+  m.reduce_bytes = static_cast<int64_t>(u.number_or("reduce_bytes", 0));
+  return m;
+}
+
+RankTrace rank_meta(const json::Value& other) {
+  RankTrace t;
+  t.rank = static_cast<int>(other.at("rank").as_number());
+  t.world_size = static_cast<int>(other.number_or("world_size", 1));
+  t.device = other.string_or("device", "?");
+  t.forward_prefetch = static_cast<int>(other.number_or("forward_prefetch", 1));
+  t.backward_prefetch = static_cast<int>(other.number_or("backward_prefetch", 1));
+  if (const json::Value* units = other.find("units"))
+    for (const auto& u : units->as_array()) t.units.push_back(unit_meta(u));
+  return t;
+}
+
+// Self time of each event on one track: its duration minus that of the events directly nested
+// in it (events sorted by begin, longer first on ties).
+std::vector<double> self_times(const std::vector<const TraceEvent*>& evs) {
+  std::vector<double> self(evs.size());
+  std::vector<size_t> stack;
+  for (size_t i = 0; i < evs.size(); ++i) {
+    self[i] = evs[i]->dur;
+    while (!stack.empty() && evs[stack.back()]->ts + evs[stack.back()]->dur <= evs[i]->ts)
+      stack.pop_back();
+    if (!stack.empty()) self[stack.back()] -= evs[i]->dur;
+    stack.push_back(i);
+  }
+  return self;
+}
+
+struct Acc {  // sums over the used steps of one rank
+  double fwd = 0, bwd = 0, ag_fwd = 0, ag_bwd = 0, rs = 0, gap = 0, ags = 0, rss = 0, ag_time = 0;
+};
+
+std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace& meta,
+                       double median_ag_call_us) {
+  const double ag = u.all_gather_forward_us + u.all_gather_backward_us;
+  if (u.host_gap_us >= ag && u.host_gap_us >= u.reduce_us)
+    return "host-bound: the GPU waited for the host before this unit; fewer, larger units "
+           "(e.g. every=2) and less host work per unit";
+  if (!s.gpu) {
+    // Slower than units gathering 4x+ more bytes: the size cannot explain it.
+    double larger_max = 0;
+    for (const auto& o : s.units)
+      if (o.all_gathers > 0 && o.gathered_bytes >= 4 * std::max<int64_t>(u.gathered_bytes, 1))
+        larger_max = std::max(larger_max, o.all_gather_call_us);
+    if (larger_max > 0 && u.all_gather_call_us > kLargerFactor * larger_max &&
+        !(median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us)) {
+      return "its all-gathers (" + bytes_text(u.gathered_bytes) + ") take " +
+             ms(u.all_gather_call_us) + " ms each, longer than those of units 4x its size or "
+             "more (at most " + ms(larger_max) + " ms): a delayed rank or slow link, not the "
+             "plan (synchronous CPU collectives cannot be hidden by prefetch)";
+    }
+    if (median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us) {
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "its all-gathers take %s ms each, %.0fx the median unit's %s ms: a delayed "
+                    "rank or slow link, not the plan (synchronous CPU collectives cannot be "
+                    "hidden by prefetch)",
+                    ms(u.all_gather_call_us).c_str(), u.all_gather_call_us / median_ag_call_us,
+                    ms(median_ag_call_us).c_str());
+      return buf;
+    }
+    return "CPU collectives are synchronous: fewer, larger units (e.g. every=2) issue fewer";
+  }
+  if (u.reduce_us > ag)
+    return "its reduction is not hidden by the next unit's backward: group layers (every=2) "
+           "or reduce in bf16 (MixedPrecision::reduce_dtype)";
+  if (u.gathered_bytes > 0 && u.gathered_bytes < kLatencyBoundBytes)
+    return "its all-gather (" + bytes_text(u.gathered_bytes) +
+           ") is latency-bound: group layers: every=2";
+  const bool forward = u.all_gather_forward_us >= u.all_gather_backward_us;
+  const int depth = forward ? meta.forward_prefetch : meta.backward_prefetch;
+  if (depth < 2)
+    return std::string("raise ") + (forward ? "forward_prefetch" : "backward_prefetch") +
+           " (now " + std::to_string(depth) + ")";
+  return "its all-gather (" + bytes_text(u.gathered_bytes) +
+         ") outlasts the compute it overlaps: group layers (every=2) or gather in bf16";
+}
+
+}  // namespace
+
+std::vector<RankTrace> read_traces(const json::Value& doc) {
+  TORCH_CHECK(doc.is_object() && doc.find("traceEvents"),
+              "not a Chrome trace: expected an object with 'traceEvents'");
+  const json::Value* other = doc.find("otherData");
+  std::vector<RankTrace> ranks;
+  if (other && other->find("flatshard_ranks")) {
+    for (const auto& o : other->at("flatshard_ranks").as_array()) ranks.push_back(rank_meta(o));
+  } else {
+    TORCH_CHECK(other && other->find("flatshard_trace"),
+                "not a flatshard trace: no otherData.flatshard_trace (written by fsdp/trace.h)");
+    ranks.push_back(rank_meta(*other));
+  }
+  std::map<int, size_t> by_rank;
+  for (size_t i = 0; i < ranks.size(); ++i) by_rank[ranks[i].rank] = i;
+  for (const auto& e : doc.at("traceEvents").as_array()) {
+    if (e.string_or("ph", "") != "X") continue;
+    TraceEvent ev;
+    ev.rank = static_cast<int>(e.at("pid").as_number());
+    auto it = by_rank.find(ev.rank);
+    TORCH_CHECK(it != by_rank.end(), "trace event of pid ", ev.rank, " without rank metadata");
+    ev.tid = static_cast<int>(e.number_or("tid", 0));
+    ev.name = e.string_or("name", "");
+    ev.cat = e.string_or("cat", "");
+    ev.ts = e.at("ts").as_number();
+    ev.dur = e.number_or("dur", 0);
+    if (const json::Value* a = e.find("args")) {
+      ev.unit = a->string_or("unit", "");
+      ev.phase = a->string_or("phase", "");
+      ev.step = static_cast<int>(a->number_or("step", -1));
+      ev.bytes = static_cast<int64_t>(a->number_or("bytes", 0));
+      ev.host_ts = a->number_or("host_ts", -1);
+    }
+    ranks[it->second].events.push_back(std::move(ev));
+  }
+  return ranks;
+}
+
+std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
+  std::vector<RankTrace> out;
+  for (const auto& p : paths) {
+    try {
+      for (auto& r : read_traces(json::parse_file(p))) out.push_back(std::move(r));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, p, ": ", e.what_without_backtrace());
+    }
+  }
+  return out;
+}
+
+json::Value merge_traces(const std::vector<json::Value>& docs) {
+  json::Value::Array events, metas;
+  for (const auto& d : docs) {
+    TORCH_CHECK(d.is_object() && d.find("traceEvents"), "merge: not a Chrome trace");
+    for (const auto& e : d.at("traceEvents").as_array()) events.push_back(e);
+    const json::Value* other = d.find("otherData");
+    if (other && other->find("flatshard_ranks")) {
+      for (const auto& m : other->at("flatshard_ranks").as_array()) metas.push_back(m);
+    } else if (other) {
+      metas.push_back(*other);
+    }
+  }
+  return json::Value::object(
+      {{"displayTimeUnit", json::Value::string("ns")},
+       {"otherData", json::Value::object({{"flatshard_ranks", json::Value::array(metas)}})},
+       {"traceEvents", json::Value::array(std::move(events))}});
+}
+
+TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions& opt) {
+  TORCH_CHECK(!ranks.empty(), "summarize: no trace");
+  TraceSummary s;
+  s.ranks = static_cast<int>(ranks.size());
+  s.device = ranks.front().device;
+  for (const auto& r : ranks)
+    for (const auto& e : r.events) s.gpu = s.gpu || e.tid != kHost;
+
+  // Unit order: the first rank's metadata (plan order), then any name only events mention.
+  std::vector<std::string> order;
+  std::map<std::string, TraceUnitMeta> meta;
+  for (const auto& r : ranks)
+    for (const auto& u : r.units)
+      if (meta.emplace(u.name, u).second) order.push_back(u.name);
+
+  std::map<std::string, Acc> total;  // summed over ranks of per-step means
+  std::vector<IdleGap> gaps;
+  double step_sum = 0;
+  int step_count = 0;
+  for (const auto& r : ranks) {
+    std::set<int> steps;
+    std::map<int, double> step_dur;
+    for (const auto& e : r.events)
+      if (e.cat == "step") {
+        steps.insert(e.step);
+        step_dur[e.step] = e.dur;
+      }
+    s.steps_total = std::max(s.steps_total, static_cast<int>(steps.size()));
+    if (opt.skip_first_step && steps.size() > 1) steps.erase(steps.begin());
+    if (&r == &ranks.front()) s.steps_used.assign(steps.begin(), steps.end());
+    const double n = std::max<size_t>(steps.size(), 1);
+    for (int st : steps) {
+      step_sum += step_dur[st];
+      ++step_count;
+    }
+
+    std::vector<const TraceEvent*> tracks[4];
+    for (const auto& e : r.events)
+      if (steps.count(e.step) && e.tid >= 0 && e.tid < 4 && e.cat != "step") tracks[e.tid].push_back(&e);
+    for (auto& t : tracks)
+      std::stable_sort(t.begin(), t.end(), [](const TraceEvent* a, const TraceEvent* b) {
+        return a->ts < b->ts || (a->ts == b->ts && a->dur > b->dur);
+      });
+    std::map<std::string, Acc> acc;
+    // Compute: self time of the forward / backward spans on the compute stream (GPU) or host.
+    const auto& compute = tracks[s.gpu ? kCompute : kHost];
+    const std::vector<double> self = self_times(compute);
+    for (size_t i = 0; i < compute.size(); ++i) {
+      if (compute[i]->cat == "forward") acc[compute[i]->unit].fwd += self[i];
+      if (compute[i]->cat == "backward") acc[compute[i]->unit].bwd += self[i];
+    }
+    // Collectives: counts and durations.
+    for (const auto* e : tracks[s.gpu ? kAllGatherStream : kHost])
+      if (e->cat == "all_gather") {
+        acc[e->unit].ags += 1;
+        acc[e->unit].ag_time += e->dur;
+        if (!s.gpu) (e->phase == "backward" ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
+      }
+    for (const auto* e : tracks[s.gpu ? kReduceStream : kHost])
+      if (e->cat == "reduce") {
+        acc[e->unit].rss += 1;
+        if (!s.gpu) acc[e->unit].rs += e->dur;
+      }
+    if (s.gpu) {
+      // Exposed waits, and idle gaps the host caused (see trace_summary.h).
+      std::vector<std::pair<double, double>> seen;  // this step's earlier [begin, end)
+      int cur_step = -1;
+      for (const auto* e : compute) {
+        if (e->step != cur_step) {
+          cur_step = e->step;
+          seen.clear();
+        }
+        double prev = -1;
+        for (const auto& [b, en] : seen) prev = std::max(prev, en <= e->ts ? en : b);
+        if (e->cat == "wait_all_gather" || e->cat == "wait_reduce") {
+          const bool ag = e->cat == "wait_all_gather";
+          if (ag) {
+            (e->phase == "backward" ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
+          } else {
+            acc[e->unit].rs += e->dur;
+          }
+          if (e->dur > 0)
+            gaps.push_back({r.rank, e->step, e->unit, e->phase, ag ? "all-gather" : "reduce", e->dur});
+        }
+        if (prev >= 0 && e->host_ts >= 0 && e->ts - e->host_ts < opt.starved_us &&
+            e->ts > prev && !e->unit.empty()) {
+          acc[e->unit].gap += e->ts - prev;
+          gaps.push_back({r.rank, e->step, e->unit, e->phase, "host", e->ts - prev});
+        }
+        seen.emplace_back(e->ts, e->ts + e->dur);
+      }
+    }
+    for (auto& [name, a] : acc) {
+      if (name.empty()) continue;
+      if (!meta.count(name)) {
+        meta[name].name = name;
+        order.push_back(name);
+      }
+      Acc& t = total[name];
+      t.fwd += a.fwd / n;
+      t.bwd += a.bwd / n;
+      t.ag_fwd += a.ag_fwd / n;
+      t.ag_bwd += a.ag_bwd / n;
+      t.rs += a.rs / n;
+      t.gap += a.gap / n;
+      t.ags += a.ags / n;
+      t.rss += a.rss / n;
+      t.ag_time += a.ag_time / n;
+    }
+  }
+  const double nr = static_cast<double>(ranks.size());
+  s.step_us = step_count ? step_sum / step_count : 0;
+  const int world = ranks.front().world_size;
+  for (const auto& name : order) {
+    const Acc& t = total[name];
+    UnitCost u;
+    u.unit = name;
+    u.forward_us = t.fwd / nr;
+    u.backward_us = t.bwd / nr;
+    u.all_gather_forward_us = t.ag_fwd / nr;
+    u.all_gather_backward_us = t.ag_bwd / nr;
+    u.reduce_us = t.rs / nr;
+    u.host_gap_us = t.gap / nr;
+    u.all_gathers = t.ags / nr;
+    u.reduces = t.rss / nr;
+    u.all_gather_call_us = t.ags > 0 ? t.ag_time / t.ags : 0;
+    u.gathered_bytes = meta[name].all_gather_bytes * world;
+    s.compute_us += u.forward_us + u.backward_us;
+    s.all_gather_us += u.all_gather_forward_us + u.all_gather_backward_us;
+    s.reduce_us += u.reduce_us;
+    s.host_gap_us += u.host_gap_us;
+    s.units.push_back(std::move(u));
+  }
+  for (size_t i = 0; i < s.units.size(); ++i)
+    if (s.units[i].exposed() > 0) s.offenders.push_back(i);
+  std::stable_sort(s.offenders.begin(), s.offenders.end(), [&](size_t a, size_t b) {
+    return s.units[a].exposed() > s.units[b].exposed();
+  });
+  if (static_cast<int>(s.offenders.size()) > opt.top) s.offenders.resize(opt.top);
+  std::vector<double> calls;
+  for (const auto& u : s.units)
+    if (u.all_gathers > 0) calls.push_back(u.all_gather_call_us);
+  std::sort(calls.begin(), calls.end());
+  const double median = calls.empty() ? 0 : calls[calls.size() / 2];
+  for (size_t i : s.offenders) s.units[i].advice = advice_for(s.units[i], s, ranks.front(), median);
+  std::stable_sort(gaps.begin(), gaps.end(),
+                   [](const IdleGap& a, const IdleGap& b) { return a.us > b.us; });
+  if (static_cast<int>(gaps.size()) > opt.top) gaps.resize(opt.top);
+  s.largest_gaps = std::move(gaps);
+  return s;
+}
+
+std::string TraceSummary::to_string() const {
+  std::ostringstream os;
+  os << "flatshard-trace: " << ranks << " rank(s), device " << device << ", steps used:";
+  for (int st : steps_used) os << ' ' << st;
+  os << " (of " << steps_total << (steps_total > static_cast<int>(steps_used.size())
+                                        ? "; the first is warm-up)"
+                                        : ")")
+     << "; timing from "
+     << (gpu ? "GPU stream events" : "host events (CPU: collectives are synchronous)") << "\n";
+  os << "per step (mean over ranks): " << ms(step_us) << " ms; compute " << ms(compute_us)
+     << " ms, exposed all-gather " << ms(all_gather_us) << " ms, exposed reduce " << ms(reduce_us)
+     << " ms";
+  if (gpu) os << ", GPU idle waiting for the host " << ms(host_gap_us) << " ms";
+  os << "\n";
+  const std::vector<std::string> header = {"unit",   "fwd ms", "bwd ms",  "AG fwd ms", "AG bwd ms",
+                                           "RS ms",  "host gap ms", "exposed ms", "AG/step", "AG size"};
+  std::vector<std::vector<std::string>> rows = {header};
+  for (const auto& u : units) {
+    char n[32];
+    std::snprintf(n, sizeof n, "%.1f", u.all_gathers);
+    rows.push_back({u.unit, ms(u.forward_us), ms(u.backward_us), ms(u.all_gather_forward_us),
+                    ms(u.all_gather_backward_us), ms(u.reduce_us), gpu ? ms(u.host_gap_us) : "-",
+                    ms(u.exposed()), n, u.gathered_bytes ? bytes_text(u.gathered_bytes) : "-"});
+  }
+  std::vector<size_t> w(header.size(), 0);
+  for (const auto& r : rows)
+    for (size_t c = 0; c < r.size(); ++c) w[c] = std::max(w[c], r[c].size());
+  for (const auto& r : rows) {
+    for (size_t c = 0; c < r.size(); ++c) {
+      const std::string fill(w[c] - r[c].size(), ' ');
+      os << (c ? "  " : "") << (c == 0 ? r[c] + fill : fill + r[c]);
+    }
+    os << "\n";
+  }
+  if (gpu) {
+    os << "largest GPU idle gaps:\n";
+    if (largest_gaps.empty()) os << "  none\n";
+    for (const auto& g : largest_gaps)
+      os << "  rank " << g.rank << " step " << g.step << " " << g.unit << " (" << g.phase
+         << "): " << ms(g.us) << " ms waiting for "
+         << (g.cause == "host" ? "the host" : "its " + g.cause) << "\n";
+  }
+  os << "top offenders (exposed time per step):\n";
+  if (offenders.empty()) os << "  none: no exposed communication\n";
+  for (size_t k = 0; k < offenders.size(); ++k) {
+    const UnitCost& u = units[offenders[k]];
+    os << "  " << k + 1 << ". " << u.unit << "  " << ms(u.exposed()) << " ms (AG fwd "
+       << ms(u.all_gather_forward_us) << ", AG bwd " << ms(u.all_gather_backward_us) << ", RS "
+       << ms(u.reduce_us);
+    if (gpu) os << ", host gap " << ms(u.host_gap_us);
+    os << "): " << u.advice << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace flatshard

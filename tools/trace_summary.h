@@ -1,0 +1,101 @@
+// flatshard/tools/trace_summary.h — read flatshard traces (fsdp/trace.h) and say where a step's
+// time goes: per unit exposed communication, GPU idle gaps with their cause, top offenders with
+// one line of advice each. flatshard-trace prints it; tests check it on planted delays.
+//
+// What counts as exposed (the compute waiting on communication):
+// - GPU traces: the compute stream's "wait all_gather" / "wait reduce" spans (the stream sat at
+//   the unit's event wait). An idle gap caused by the host is the time between a compute-stream
+//   event and the previous one when the GPU ran that event within `starved_us` of the host
+//   recording it (the GPU had no queued work: it was waiting for the host).
+// - CPU traces (host events only): collectives are synchronous, so the whole host all_gather /
+//   reduce span is exposed, and there are no idle gaps (the host is the compute).
+// Per-unit numbers are per step, averaged over the ranks and the steps used (the first step is
+// skipped when there are more: it has no forward prefetch and pays one-time allocations).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tools/json.h"
+
+namespace flatshard {
+
+struct TraceEvent {
+  int rank = 0;
+  int tid = 0;  // 0 host, 1 compute stream, 2 all-gather stream, 3 reduce-scatter stream
+  std::string name, cat, unit, phase;
+  int step = -1;
+  double ts = 0, dur = 0;  // microseconds
+  int64_t bytes = 0;
+  double host_ts = -1;  // GPU events: host time the event was recorded
+};
+
+struct TraceUnitMeta {
+  std::string name, strategy;
+  bool reshard_after_forward = false;
+  int64_t padded_numel = 0, all_gather_bytes = 0, reduce_bytes = 0;
+};
+
+struct RankTrace {
+  int rank = 0, world_size = 1;
+  std::string device;
+  int forward_prefetch = 1, backward_prefetch = 1;
+  std::vector<TraceUnitMeta> units;  // plan order (as far as the trace saw them)
+  std::vector<TraceEvent> events;    // complete ("X") events only
+};
+
+// One rank per flatshard trace document; a merged document (flatshard-trace --merge) yields one
+// per rank it holds. Throws c10::Error on JSON that is not a flatshard trace.
+std::vector<RankTrace> read_traces(const json::Value& doc);
+std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths);
+// Several per-rank documents as one Chrome trace (events concatenated, otherData of each rank
+// kept under "flatshard_ranks").
+json::Value merge_traces(const std::vector<json::Value>& docs);
+
+struct UnitCost {
+  std::string unit;
+  double forward_us = 0, backward_us = 0;   // compute (self time, per step)
+  double all_gather_forward_us = 0;         // exposed, per step
+  double all_gather_backward_us = 0;
+  double reduce_us = 0;                     // exposed, per step
+  double host_gap_us = 0;                   // GPU idle waiting for the host before this unit
+  double all_gathers = 0, reduces = 0;      // per step
+  double all_gather_call_us = 0;            // mean duration of one all-gather
+  int64_t gathered_bytes = 0;               // one all-gather's total payload (all ranks)
+  double exposed() const {
+    return all_gather_forward_us + all_gather_backward_us + reduce_us + host_gap_us;
+  }
+  std::string advice;  // one line, for offenders
+};
+
+struct IdleGap {
+  int rank = 0, step = 0;
+  std::string unit, phase;
+  std::string cause;  // "all-gather", "reduce", "host"
+  double us = 0;
+};
+
+struct TraceSummary {
+  bool gpu = false;  // GPU stream events present
+  int ranks = 0;
+  std::string device;
+  std::vector<int> steps_used;
+  int steps_total = 0;
+  double step_us = 0;  // mean step duration (host "step" spans)
+  double compute_us = 0, all_gather_us = 0, reduce_us = 0, host_gap_us = 0;  // per step
+  std::vector<UnitCost> units;     // plan order
+  std::vector<size_t> offenders;   // indices into units, most exposed first (exposed > 0)
+  std::vector<IdleGap> largest_gaps;  // GPU only, largest first
+  std::string to_string() const;
+};
+
+struct SummaryOptions {
+  bool skip_first_step = true;
+  double starved_us = 50;  // GPU ran an event this soon after the host recorded it: starved
+  int top = 5;             // offenders and gaps listed
+};
+
+TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions& options = {});
+
+}  // namespace flatshard

@@ -1,0 +1,47 @@
+// flatshard/wrap_policies/spec.h — the text form of a Policy, for command lines.
+//
+//   spec    := 'none' | item (';' item)*
+//   item    := 'root' ':' option                 options of the root unit (at most once)
+//            | [option ':'] term (',' term)*     one rule; terms are AND-ed
+//   option  := 'noshard' | 'grad_op' | 'full' | 'keep'
+//                noshard  NO_SHARD (replicated; gradients all-reduced)
+//                grad_op  SHARD_GRAD_OP
+//                full     FULL_SHARD
+//                keep     FULL_SHARD without reshard after forward
+//   term    := 'type'  '='  type  ('|' type)*    module type (see by_type in policy.h)
+//            | 'size'  '>=' count                unclaimed parameter numel (by_size)
+//            | 'path'  '='  glob  ('|' glob)*    module path glob (glob.h)
+//            | 'every' '='  count                group the rule's matches k at a time, k >= 1
+//                                                (at most once per rule, plus another term)
+//   type    := ident ('::' ident)*               ident := [A-Za-z_][A-Za-z0-9_]*
+//   glob    := one or more characters other than whitespace , ; |
+//   count   := digits ['.' digits] [('e'|'E') ['+'|'-'] digits] ['k'|'K'|'m'|'M'|'g'|'G'|'b'|'B']
+//              k = 1e3, M = 1e6, G = B = 1e9 (case-insensitive); the value must be a whole
+//              number below 2^62: "1e7", "10000000", "10M", "1.5k" are all fine, "1.5" is not.
+// Rules are tried in order; the first whose terms all match a module wins. Whitespace around
+// tokens is ignored; an empty rule (";;", a trailing ';') and a trailing ',' are errors.
+//
+// Examples: "type=Block"  "every=2,type=Block"  "size>=1e7"  "type=Linear|LayerNorm|Embedding"
+//           "noshard:path=lm_head;type=Block;root:grad_op"
+//
+// Errors throw c10::Error whose message names the column (1-based), the token, what was expected,
+// and repeats the spec with a caret under the token:
+//   policy spec: unknown key 'sise' at column 12 (expected one of: type, size, path, every)
+//     type=Block;sise>=1e7
+//                ^
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "wrap_policies/policy.h"
+
+namespace flatshard {
+
+Policy parse_policy(const std::string& spec);
+
+// A count as in the grammar above ("1.5k" -> 1500); throws c10::Error (without spec context)
+// when malformed. Exposed for command-line flags that take sizes.
+int64_t parse_count(const std::string& text);
+
+}  // namespace flatshard
