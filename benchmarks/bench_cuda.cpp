@@ -61,6 +61,8 @@ CudaRank open_cuda_rank(int local_rank) {
   r.close = [nccl] { nccl->shutdown(); };
   const auto index = static_cast<c10::DeviceIndex>(local_rank);
   r.hooks.device = c10::Device(c10::kCUDA, index);
+  // The caching allocator initialises on its first allocation; its stats calls assert before.
+  (void)at::empty({1}, at::TensorOptions().device(r.hooks.device));
   r.hooks.synchronize = [] { c10::cuda::device_synchronize(); };
   using c10::CachingDeviceAllocator::StatType;
   auto stat = [index] {
