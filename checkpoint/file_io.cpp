@@ -223,6 +223,7 @@ void publish(const std::string& dir, const IoHook& hook, bool durable, bool use_
                 "checkpoint: cannot exchange '", staging, "' and '", dir, "': ", os_error());
     // Two renames; see Note [Checkpoint publication].
     rename_or_throw(dir, retired);
+    call(hook, IoPoint::Kind::kPublish, dir);  // `dir` is missing until the next rename
     rename_or_throw(staging, dir);
     previous = retired;
   }

@@ -31,6 +31,7 @@ struct IoPoint {
     kWrite,    // after a write of `path`; `bytes` written to it so far
     kRename,   // before `path`.tmp is renamed to `path` (the file is complete and synced)
     kPublish,  // before the staging directory replaces the checkpoint directory `path`
+               // (and, in the two-rename fallback, again between the two renames)
     kCleanup,  // after publication, before the previous checkpoint is removed
   };
   Kind kind;

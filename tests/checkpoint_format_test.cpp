@@ -125,3 +125,25 @@ TEST_CASE("safetensors reader rejects overlapping, gapped and oversized data",
   CHECK_THROWS_WITH(SafetensorsHeader::read(file_with("[]", 0)),
                     Contains("does not start with '{'"));
 }
+
+TEST_CASE("a save never replaces a directory that is not a checkpoint", "[checkpoint][format]") {
+  flatshard_test::TempDir tmp;
+  const std::string dir = tmp / "mine";
+  make_dirs(dir);
+  begin_save(dir, kManifestName, false);  // empty: fine
+  abandon_save(dir);
+  CHECK(!path_exists(staging_dir(dir)));
+  flatshard_test::write_bytes(dir + "/notes.txt", "precious");
+  CHECK_THROWS_WITH(begin_save(dir, kManifestName, false),
+                    Contains("refusing to replace") && Contains(dir));
+  CHECK(flatshard_test::read_bytes(dir + "/notes.txt") == "precious");
+  // An interrupted two-rename publication left only <dir>.old: loads find it, saves restore it.
+  const std::string ckpt = tmp / "ckpt";
+  make_dirs(retired_dir(ckpt));
+  flatshard_test::write_bytes(retired_dir(ckpt) + "/" + kManifestName, "{}");
+  CHECK(resolve_checkpoint_dir(ckpt, kManifestName) == retired_dir(ckpt));
+  begin_save(ckpt, kManifestName, false);
+  CHECK(path_exists(ckpt + "/" + kManifestName));
+  CHECK(!path_exists(retired_dir(ckpt)));
+  CHECK(is_directory(staging_dir(ckpt)));
+}
