@@ -112,6 +112,20 @@ std::vector<at::Tensor> ShardedModel::parameters() const {
   return out;
 }
 
+size_t ShardedModel::num_units() const { return runtime_->units().size(); }
+
+const Unit& ShardedModel::unit(size_t i) const {
+  TORCH_CHECK(i < runtime_->units().size(), "ShardedModel::unit(", i, "): there are ",
+              runtime_->units().size(), " units");
+  return *runtime_->units()[i];
+}
+
+Unit& ShardedModel::unit(size_t i) {
+  TORCH_CHECK(i < runtime_->units().size(), "ShardedModel::unit(", i, "): there are ",
+              runtime_->units().size(), " units");
+  return *runtime_->units()[i];
+}
+
 std::vector<UnitInfo> ShardedModel::units() const {
   std::vector<UnitInfo> out;
   for (auto& u : runtime_->units()) {

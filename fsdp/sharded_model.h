@@ -71,6 +71,12 @@ class ShardedModel {
   const ShardingOptions& options() const;
   std::vector<UnitInfo> units() const;
   Communicator& comm() const { return comm_; }
+  // The wrapped module (checkpoints read its buffers and parameter order).
+  torch::nn::Module& module() const { return *model_; }
+  // The units in plan order, for code that walks their flat parameters (checkpoint/).
+  size_t num_units() const;
+  const Unit& unit(size_t i) const;
+  Unit& unit(size_t i);
 
   StepCounters counters() const;
   void reset_counters();

@@ -1,0 +1,105 @@
+// flatshard/checkpoint/checkpoint.h — save and resume sharded training, at any world size.
+//
+//   flatshard::save_checkpoint(*fsdp, &opt, "ckpt/step-1000");                // every rank
+//   ...
+//   auto fsdp = flatshard::fully_shard(model, other_plan, comm);           // any world size
+//   torch::optim::AdamW opt(fsdp->parameters(), same_options);
+//   flatshard::load_checkpoint(*fsdp, &opt, "ckpt/step-1000");             // every rank
+//   flatshard::load_full_into_module(*plain_model, "ckpt/step-1000");      // no flatshard needed
+//
+// Contract
+// - save_checkpoint / load_checkpoint are collective: every rank of the model's communicator
+//   calls them with the same arguments, between training steps (no forward or backward in
+//   flight). If any rank fails, every rank throws (no rank is left waiting).
+// - kSharded: each rank writes `shard-RRRRR-of-WWWWW.safetensors` holding, for every parameter,
+//   the part of it inside that rank's shard (tensor named after the parameter; optimizer state
+//   as `<name>.<field>`), in parallel. kFull: rank 0 writes `model.safetensors` (every
+//   parameter and buffer, fp32, original name and shape; a tied parameter under each of its
+//   names, as state_dict() lists it) and `optim.safetensors` (`<name>.exp_avg`, ...), gathering
+//   one unit at a time to CPU, so the model need not fit on one device. Both write
+//   `manifest.json` last (checkpoint/manifest.h) and are crash safe: the directory is replaced
+//   only once the new checkpoint is complete (Note [Checkpoint publication], file_io.h).
+// - Loads read either kind, at any world size, into any plan of the same model: parameters are
+//   matched by name (or tied alias) and each rank reads only the ranges its shards need.
+//   Everything it reads is checked: sizes, header and data CRC-32s, names, dtypes and shapes;
+//   errors name the file, the tensor, expected and actual values, and the rank.
+// - Optimizer: torch::optim::AdamW or Adam built on ShardedModel::parameters(). Their per-unit
+//   state (step, exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad) is saved per parameter and
+//   resharded like the parameters, so a resumed run continues exactly. A new unit whose
+//   parameters come with different step counts is an error. Hyperparameters (lr, betas, ...)
+//   are recorded in the manifest but not restored: they belong to the code that builds the
+//   optimizer (and its schedule). Pass nullptr to save or load the model alone.
+// - Buffers (module.named_buffers()) are saved from rank 0 and loaded on every rank.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/manifest.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+namespace optim {
+class Optimizer;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+class ShardedModel;
+
+enum class CheckpointKind { kSharded, kFull };
+
+struct CheckpointProgress {
+  int64_t units_done = 0;
+  int64_t units_total = 0;
+  int64_t bytes_done = 0;  // written or read by this rank so far
+  double seconds = 0;
+};
+using ProgressFn = std::function<void(const CheckpointProgress&)>;
+
+struct CheckpointOptions {
+  CheckpointKind kind = CheckpointKind::kSharded;
+  // fsync every file and directory before it is renamed into place, so that a power loss (not
+  // only a crashed process) cannot leave a published checkpoint with missing data.
+  bool durable = true;
+  // Data bytes covered by one CRC-32 in the manifest: a load verifies whole chunks, so smaller
+  // chunks mean less over-read when resharding and a larger manifest.
+  int64_t crc_chunk_bytes = int64_t{1} << 20;
+  // Called after every unit on every rank. Unset: rank 0 logs to stderr once the save has run
+  // longer than log_after_seconds (<= 0: never).
+  ProgressFn progress;
+  double log_after_seconds = 10;
+  // Test seam (Note [Checkpoint publication]): called on this rank before/after every write,
+  // rename and publication step; a throw aborts the save there.
+  IoHook fault_hook;
+  // false: publish with two renames even where RENAME_EXCHANGE works (tests that path).
+  bool use_rename_exchange = true;
+};
+
+struct LoadOptions {
+  ProgressFn progress;
+  double log_after_seconds = 10;
+};
+
+void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
+                     const std::string& dir, const CheckpointOptions& options = {});
+
+void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
+                     const std::string& dir, const LoadOptions& options = {});
+
+// Not collective: loads a checkpoint of either kind into an unwrapped module (e.g. for
+// inference). Strict: every parameter and buffer of `module` must be in the checkpoint with the
+// same shape (values are converted to the module's dtype), and the checkpoint must hold nothing
+// the module lacks.
+void load_full_into_module(torch::nn::Module& module, const std::string& dir,
+                           const LoadOptions& options = {});
+
+// The manifest of the checkpoint at `dir`, checked (e.g. to find its kind or step count).
+Manifest read_manifest(const std::string& dir);
+
+}  // namespace flatshard

@@ -1,0 +1,235 @@
+#include "checkpoint/manifest.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include "checkpoint/crc32.h"
+#include "checkpoint/json.h"
+
+namespace flatshard {
+
+namespace {
+
+constexpr const char* kFormatName = "flatshard-checkpoint";
+// The manifest ends with this member; its CRC covers every byte before it.
+constexpr const char* kCrcMember = ",\n\"manifest_crc32\": ";
+
+std::string ints(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+std::string strings(const std::vector<std::string>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + json_quote(v[i]);
+  return s + "]";
+}
+
+// The shortest decimal that reads back as the same double (0.9, not 0.90000000000000002).
+std::string number(double d) {
+  char buf[32];
+  for (int digits = 15; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, d);
+    if (std::strtod(buf, nullptr) == d) break;
+  }
+  return buf;
+}
+
+uint32_t parse_crc(const Json& j) {
+  const std::string& s = j.str();
+  char* end = nullptr;
+  const unsigned long v = std::strtoul(s.c_str(), &end, 16);
+  TORCH_CHECK(s.size() == 8 && end && *end == '\0', "bad crc32 '", s, "'");
+  return static_cast<uint32_t>(v);
+}
+
+std::vector<int64_t> parse_ints(const Json& j) {
+  std::vector<int64_t> v;
+  for (const auto& x : j.array()) v.push_back(x.as_int());
+  return v;
+}
+
+std::string value_json(const ValueRecord& v) {
+  std::string s = "{\"name\": " + json_quote(v.name) + ", \"dtype\": \"" +
+                  safetensors_dtype_name(v.dtype) + "\", \"shape\": " + ints(v.shape);
+  if (!v.aliases.empty()) s += ", \"tied\": " + strings(v.aliases);
+  if (!v.unit.empty()) s += ", \"unit\": " + json_quote(v.unit);
+  s += ", \"step\": " + std::to_string(v.step) + ", \"pieces\": [";
+  for (size_t i = 0; i < v.pieces.size(); ++i)
+    s += std::string(i ? ", " : "") + "{\"file\": " + json_quote(v.pieces[i].file) +
+         ", \"begin\": " + std::to_string(v.pieces[i].begin) +
+         ", \"end\": " + std::to_string(v.pieces[i].end) + "}";
+  return s + "]}";
+}
+
+ValueRecord parse_value(const Json& j) {
+  ValueRecord v;
+  v.name = j.at("name").str();
+  try {
+    v.dtype = safetensors_dtype(j.at("dtype").str(), "'" + v.name + "'");
+    v.shape = parse_ints(j.at("shape"));
+    if (const Json* t = j.find("tied"))
+      for (const auto& a : t->array()) v.aliases.push_back(a.str());
+    if (const Json* u = j.find("unit")) v.unit = u->str();
+    v.step = j.at("step").as_int();
+    for (const auto& p : j.at("pieces").array())
+      v.pieces.push_back(Piece{p.at("file").str(), p.at("begin").as_int(), p.at("end").as_int()});
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "entry '", v.name, "': ", e.msg());
+  }
+  return v;
+}
+
+}  // namespace
+
+int64_t ValueRecord::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const FileTensor* FileRecord::find(const std::string& tensor) const {
+  for (const auto& t : tensors)
+    if (t.entry.name == tensor) return &t;
+  return nullptr;
+}
+
+const FileRecord* Manifest::file(const std::string& name) const {
+  for (const auto& f : files)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+std::string file_record_json(const FileRecord& f) {
+  std::string s = "{\"name\": " + json_quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
+                  ", \"header_crc32\": \"" + crc32_hex(f.header_crc32) + "\", \"tensors\": [";
+  for (size_t i = 0; i < f.tensors.size(); ++i) {
+    const TensorEntry& e = f.tensors[i].entry;
+    s += std::string(i ? "," : "") + "\n  {\"name\": " + json_quote(e.name) + ", \"dtype\": \"" +
+         safetensors_dtype_name(e.dtype) + "\", \"shape\": " + ints(e.shape) +
+         ", \"data_offsets\": [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+         "], \"crc32\": [";
+    for (size_t k = 0; k < f.tensors[i].crc32.size(); ++k)
+      s += std::string(k ? "," : "") + "\"" + crc32_hex(f.tensors[i].crc32[k]) + "\"";
+    s += "]}";
+  }
+  return s + "]}";
+}
+
+FileRecord parse_file_record(const Json& j) {
+  FileRecord f;
+  f.name = j.at("name").str();
+  try {
+    f.bytes = j.at("bytes").as_int();
+    f.header_crc32 = parse_crc(j.at("header_crc32"));
+    for (const auto& t : j.at("tensors").array()) {
+      FileTensor ft;
+      ft.entry.name = t.at("name").str();
+      ft.entry.dtype = safetensors_dtype(t.at("dtype").str(), "tensor '" + ft.entry.name + "'");
+      ft.entry.shape = parse_ints(t.at("shape"));
+      const auto off = parse_ints(t.at("data_offsets"));
+      TORCH_CHECK(off.size() == 2, "tensor '", ft.entry.name, "': data_offsets needs 2 numbers");
+      ft.entry.begin = off[0];
+      ft.entry.end = off[1];
+      for (const auto& c : t.at("crc32").array()) ft.crc32.push_back(parse_crc(c));
+      f.tensors.push_back(std::move(ft));
+    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "file '", f.name, "': ", e.msg());
+  }
+  return f;
+}
+
+std::string Manifest::to_json() const {
+  std::ostringstream os;
+  os << "{\n\"format\": \"" << kFormatName << "\",\n\"version\": " << version
+     << ",\n\"kind\": " << json_quote(kind) << ",\n\"world_size\": " << world_size
+     << ",\n\"crc_chunk_bytes\": " << crc_chunk_bytes << ",\n\"optimizer\": ";
+  if (optimizer) {
+    const auto& o = *optimizer;
+    os << "{\"type\": " << json_quote(o.type) << ", \"fields\": " << strings(o.fields)
+       << ", \"file\": " << json_quote(o.file) << ", \"lr\": " << number(o.lr) << ", \"betas\": ["
+       << number(o.beta1) << ", " << number(o.beta2) << "], \"eps\": " << number(o.eps)
+       << ", \"weight_decay\": " << number(o.weight_decay)
+       << ", \"amsgrad\": " << (o.amsgrad ? "true" : "false") << "}";
+  } else {
+    os << "null";
+  }
+  os << ",\n\"units\": [";
+  for (size_t i = 0; i < units.size(); ++i)
+    os << (i ? "," : "") << "\n {\"name\": " << json_quote(units[i].name)
+       << ", \"strategy\": " << json_quote(units[i].strategy) << ", \"numel\": " << units[i].numel
+       << ", \"padded_numel\": " << units[i].padded_numel << "}";
+  os << "],\n\"params\": [";
+  for (size_t i = 0; i < params.size(); ++i) os << (i ? "," : "") << "\n " << value_json(params[i]);
+  os << "],\n\"buffers\": [";
+  for (size_t i = 0; i < buffers.size(); ++i)
+    os << (i ? "," : "") << "\n " << value_json(buffers[i]);
+  os << "],\n\"files\": [";
+  for (size_t i = 0; i < files.size(); ++i)
+    os << (i ? "," : "") << "\n " << file_record_json(files[i]);
+  os << "]";
+  std::string body = os.str();
+  return body + kCrcMember + "\"" + crc32_hex(crc32(body.data(), body.size())) + "\"\n}\n";
+}
+
+Manifest Manifest::parse(const std::string& text, const std::string& path) {
+  const size_t at = text.rfind(kCrcMember);
+  TORCH_CHECK(at != std::string::npos, path,
+              ": no manifest_crc32 at the end: the manifest is "
+              "truncated or was not written by flatshard");
+  const Json doc = Json::parse(text, path);
+  const uint32_t want = crc32(text.data(), at);
+  uint32_t got = 0;
+  try {
+    got = parse_crc(doc.at("manifest_crc32"));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.msg());
+  }
+  TORCH_CHECK(got == want, path, ": manifest checksum mismatch (stored ", crc32_hex(got),
+              ", computed ", crc32_hex(want), "): the manifest is corrupt");
+  Manifest m;
+  try {
+    TORCH_CHECK(doc.at("format").str() == kFormatName, "format is '", doc.at("format").str(),
+                "', expected '", kFormatName, "'");
+    m.version = static_cast<int>(doc.at("version").as_int());
+    TORCH_CHECK(m.version == kCheckpointFormatVersion, "format version ", m.version,
+                " is not supported (this build reads version ", kCheckpointFormatVersion, ")");
+    m.kind = doc.at("kind").str();
+    TORCH_CHECK(m.kind == "sharded" || m.kind == "full", "unknown kind '", m.kind, "'");
+    m.world_size = static_cast<int>(doc.at("world_size").as_int());
+    m.crc_chunk_bytes = doc.at("crc_chunk_bytes").as_int();
+    TORCH_CHECK(m.crc_chunk_bytes > 0, "crc_chunk_bytes must be positive");
+    const Json& o = doc.at("optimizer");
+    if (!o.is_null()) {
+      OptimizerRecord r;
+      r.type = o.at("type").str();
+      for (const auto& f : o.at("fields").array()) r.fields.push_back(f.str());
+      r.file = o.at("file").str();
+      r.lr = o.at("lr").as_double();
+      const auto& b = o.at("betas").array();
+      TORCH_CHECK(b.size() == 2, "optimizer betas must have two numbers");
+      r.beta1 = b[0].as_double();
+      r.beta2 = b[1].as_double();
+      r.eps = o.at("eps").as_double();
+      r.weight_decay = o.at("weight_decay").as_double();
+      r.amsgrad = o.at("amsgrad").as_bool();
+      m.optimizer = r;
+    }
+    for (const auto& u : doc.at("units").array())
+      m.units.push_back(UnitRecord{u.at("name").str(), u.at("strategy").str(),
+                                   u.at("numel").as_int(), u.at("padded_numel").as_int()});
+    for (const auto& p : doc.at("params").array()) m.params.push_back(parse_value(p));
+    for (const auto& b : doc.at("buffers").array()) m.buffers.push_back(parse_value(b));
+    for (const auto& f : doc.at("files").array()) m.files.push_back(parse_file_record(f));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.msg());
+  }
+  return m;
+}
+
+}  // namespace flatshard

@@ -1,0 +1,102 @@
+// flatshard/checkpoint/manifest.h — what a checkpoint directory holds: manifest.json.
+//
+// The manifest is the last file a save writes (Note [Checkpoint publication]) and the first a
+// load reads. It describes, independently of any plan or world size:
+// - every parameter and buffer by its original name: dtype, shape, tied aliases, the unit that
+//   owned it and its optimizer step count, and its *pieces*: which file holds which range
+//   [begin, end) of its flattened elements, as a tensor named after the parameter (optimizer
+//   state as `<name>.<field>`, e.g. `wte.weight.exp_avg`). A full checkpoint has one piece per
+//   value; a sharded one a piece per rank whose shard overlaps it. Loading at any world size and
+//   plan is then a matter of copying the overlapping ranges, by name (fsdp-independent);
+// - every file: its size, the CRC-32 of its header, and for each tensor in it dtype, shape,
+//   byte offsets and the CRC-32 of each `crc_chunk_bytes` chunk of its data (so a load that reads
+//   part of a tensor verifies only what it reads);
+// - the unit plan and world size it was written with (informational) and the optimizer's type,
+//   hyperparameters (informational) and state fields.
+// The manifest carries its own CRC-32 (`manifest_crc32`, over the text before it); parse()
+// checks it and every field, throwing with the path and the field at fault.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/safetensors.h"
+
+namespace flatshard {
+
+class Json;
+
+inline constexpr const char* kManifestName = "manifest.json";
+inline constexpr int kCheckpointFormatVersion = 1;
+
+struct Piece {
+  std::string file;
+  int64_t begin = 0;  // elements of the flattened value
+  int64_t end = 0;
+};
+
+struct ValueRecord {
+  std::string name;
+  std::vector<std::string> aliases;  // other names of the same (tied) tensor
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  std::string unit;  // parameters: the unit that owned it when saved
+  int64_t step = 0;  // parameters: optimizer steps taken (0: no optimizer state)
+  std::vector<Piece> pieces;
+  int64_t numel() const;
+};
+
+struct FileTensor {
+  TensorEntry entry;            // as in the file's safetensors header
+  std::vector<uint32_t> crc32;  // one per chunk of the data, in order
+};
+
+struct FileRecord {
+  std::string name;  // relative to the checkpoint directory
+  int64_t bytes = 0;
+  uint32_t header_crc32 = 0;
+  std::vector<FileTensor> tensors;
+  const FileTensor* find(const std::string& tensor) const;
+};
+
+struct OptimizerRecord {
+  std::string type;                 // "AdamW" or "Adam"
+  std::vector<std::string> fields;  // state tensors per parameter, e.g. exp_avg, exp_avg_sq
+  std::string file;                 // where `<name>.<field>` live; empty: next to each piece
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;  // of the first group
+  bool amsgrad = false;
+};
+
+struct UnitRecord {
+  std::string name;
+  std::string strategy;
+  int64_t numel = 0;
+  int64_t padded_numel = 0;
+};
+
+struct Manifest {
+  int version = kCheckpointFormatVersion;
+  std::string kind;  // "sharded" or "full"
+  int world_size = 1;
+  int64_t crc_chunk_bytes = 0;
+  std::vector<UnitRecord> units;
+  std::vector<ValueRecord> params;
+  std::vector<ValueRecord> buffers;
+  std::optional<OptimizerRecord> optimizer;
+  std::vector<FileRecord> files;
+
+  std::string to_json() const;
+  static Manifest parse(const std::string& text, const std::string& path);
+
+  const FileRecord* file(const std::string& name) const;
+};
+
+// One file's entry as JSON text and back (ranks send theirs to rank 0 as text).
+std::string file_record_json(const FileRecord& f);
+FileRecord parse_file_record(const Json& j);
+
+}  // namespace flatshard

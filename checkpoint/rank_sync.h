@@ -1,0 +1,26 @@
+// flatshard/checkpoint/rank_sync.h — how the ranks of a save or load agree (internal).
+//
+// Collective: every rank calls these in the same order. They use the Communicator only
+// (fp32 tensors on comm.device()), so they work on the threads backend and over NCCL alike.
+#pragma once
+
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+
+namespace flatshard {
+
+// Returns only if no rank failed. Otherwise every rank throws: a failed rank its own error
+// (prefixed with `what` and its rank), the others naming the ranks that failed and the first
+// one's error. Local errors
+// are deferred to these points so that no rank is left waiting in a collective for a rank
+// that stopped early.
+void agree(Communicator& comm, std::exception_ptr local_error, const std::string& what);
+
+// Every rank's `text` (bytes, encoded one per fp32 element), in rank order. Each text must be
+// shorter than 2^24 bytes (exact in fp32).
+std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
+
+}  // namespace flatshard

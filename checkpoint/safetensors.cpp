@@ -1,0 +1,175 @@
+#include "checkpoint/safetensors.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/json.h"
+
+namespace flatshard {
+
+namespace {
+
+// The reference implementation refuses larger headers; so do we (a flipped bit in the length
+// would otherwise ask for terabytes).
+constexpr uint64_t kMaxHeader = 100u << 20;
+
+const std::pair<at::ScalarType, const char*> kDtypes[] = {
+    {at::kFloat, "F32"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"},  {at::kDouble, "F64"},
+    {at::kLong, "I64"},  {at::kInt, "I32"},       {at::kShort, "I16"}, {at::kChar, "I8"},
+    {at::kByte, "U8"},   {at::kBool, "BOOL"},
+};
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  return os.str() + "]";
+}
+
+}  // namespace
+
+int64_t TensorEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const char* safetensors_dtype_name(at::ScalarType t) {
+  for (const auto& [st, name] : kDtypes)
+    if (st == t) return name;
+  TORCH_CHECK(false, "safetensors: dtype ", t, " has no safetensors name");
+}
+
+at::ScalarType safetensors_dtype(const std::string& name, const std::string& what) {
+  for (const auto& [st, n] : kDtypes)
+    if (name == n) return st;
+  TORCH_CHECK(false, what, ": unknown safetensors dtype '", name,
+              "' (known: F32 BF16 F16 F64 I64 I32 I16 I8 U8 BOOL)");
+}
+
+SafetensorsHeader SafetensorsHeader::make(std::vector<TensorEntry> entries, Metadata metadata) {
+  SafetensorsHeader h;
+  h.metadata_ = std::move(metadata);
+  std::string json = "{";
+  if (!h.metadata_.empty()) {
+    json += "\"__metadata__\":{";
+    for (size_t i = 0; i < h.metadata_.size(); ++i)
+      json += (i ? "," : "") + json_quote(h.metadata_[i].first) + ":" +
+              json_quote(h.metadata_[i].second);
+    json += "}";
+  }
+  int64_t off = 0;
+  for (auto& e : entries) {
+    e.begin = off;
+    e.end = off + e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
+    off = e.end;
+    if (json.size() > 1) json += ",";
+    json +=
+        json_quote(e.name) + ":{\"dtype\":\"" + safetensors_dtype_name(e.dtype) + "\",\"shape\":[";
+    for (size_t i = 0; i < e.shape.size(); ++i) json += (i ? "," : "") + std::to_string(e.shape[i]);
+    json += "],\"data_offsets\":[" + std::to_string(e.begin) + "," + std::to_string(e.end) + "]}";
+  }
+  json += "}";
+  json.append((8 - json.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  const uint64_t n = json.size();
+  h.bytes_.resize(8);
+  for (int i = 0; i < 8; ++i) h.bytes_[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  h.bytes_ += json;
+  h.tensors_ = std::move(entries);
+  h.data_bytes_ = off;
+  h.index();
+  return h;
+}
+
+std::string SafetensorsHeader::read_raw(const InputFile& file) {
+  TORCH_CHECK(file.size() >= 8, file.path(), ": not a safetensors file: only ", file.size(),
+              " bytes (truncated?)");
+  unsigned char len[8];
+  file.read(0, len, 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
+  TORCH_CHECK(n <= kMaxHeader, file.path(), ": corrupt safetensors header length ", n,
+              " (more than ", kMaxHeader, " bytes)");
+  TORCH_CHECK(static_cast<int64_t>(8 + n) <= file.size(), file.path(),
+              ": truncated inside the safetensors header: it needs ", 8 + n,
+              " bytes, the file has ", file.size());
+  std::string raw(8 + n, '\0');
+  file.read(0, raw.data(), raw.size());
+  return raw;
+}
+
+SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& path,
+                                           int64_t file_size) {
+  SafetensorsHeader h;
+  h.bytes_ = std::move(raw);
+  const std::string json = h.bytes_.substr(8);
+  TORCH_CHECK(!json.empty() && json[0] == '{', path,
+              ": safetensors header does not start with '{'");
+  const Json doc = Json::parse(json, path + " (safetensors header)");
+  try {
+    for (const auto& [key, value] : doc.object()) {
+      if (key == "__metadata__") {
+        for (const auto& [k, v] : value.object()) h.metadata_.emplace_back(k, v.str());
+        continue;
+      }
+      TensorEntry e;
+      e.name = key;
+      e.dtype = safetensors_dtype(value.at("dtype").str(), path + ", tensor '" + key + "'");
+      for (const auto& d : value.at("shape").array()) {
+        e.shape.push_back(d.as_int());
+        TORCH_CHECK(e.shape.back() >= 0, "negative dimension");
+      }
+      const auto& off = value.at("data_offsets").array();
+      TORCH_CHECK(off.size() == 2, "data_offsets must have two entries");
+      e.begin = off[0].as_int();
+      e.end = off[1].as_int();
+      h.tensors_.push_back(std::move(e));
+    }
+  } catch (const c10::Error& err) {
+    TORCH_CHECK(false, path, ": bad safetensors header: ", err.msg());
+  }
+  std::sort(h.tensors_.begin(), h.tensors_.end(),
+            [](const TensorEntry& a, const TensorEntry& b) { return a.begin < b.begin; });
+  int64_t expect = 0;
+  for (const auto& e : h.tensors_) {
+    const int64_t want = e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
+    TORCH_CHECK(e.begin == expect && e.end - e.begin == want, path, ": tensor '", e.name, "' (",
+                safetensors_dtype_name(e.dtype), " ", shape_string(e.shape), ", data_offsets [",
+                e.begin, ", ", e.end, "]) does not follow the previous tensor", " at ", expect,
+                " with ", want, " bytes");
+    expect = e.end;
+  }
+  h.data_bytes_ = expect;
+  const int64_t data_end = h.data_start() + h.data_bytes_;
+  if (data_end > file_size) {
+    for (const auto& e : h.tensors_) {
+      TORCH_CHECK(h.data_start() + e.end <= file_size, path, ": truncated: the file has ",
+                  file_size, " bytes but tensor '", e.name, "' needs bytes [",
+                  h.data_start() + e.begin, ", ", h.data_start() + e.end, ")");
+    }
+  }
+  TORCH_CHECK(data_end == file_size, path, ": ", file_size - data_end,
+              " unexpected bytes after the last tensor (the header accounts for ", data_end, ")");
+  h.index();
+  return h;
+}
+
+SafetensorsHeader SafetensorsHeader::read(const InputFile& file) {
+  return parse(read_raw(file), file.path(), file.size());
+}
+
+void SafetensorsHeader::index() {
+  by_name_.clear();
+  for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
+}
+
+const TensorEntry* SafetensorsHeader::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+}  // namespace flatshard

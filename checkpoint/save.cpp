@@ -1,0 +1,319 @@
+// save_checkpoint(): every rank writes its part into the staging directory, rank 0 writes the
+// manifest and publishes (Note [Checkpoint publication]). Errors are deferred to agree() points
+// so that every rank keeps issuing the same collectives.
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdio>
+#include <unordered_map>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/json.h"
+#include "checkpoint/optimizer_state.h"
+#include "checkpoint/progress.h"
+#include "checkpoint/rank_sync.h"
+#include "checkpoint/tensor_file.h"
+#include "checkpoint/unit_ranges.h"
+#include "fsdp/sharded_model.h"
+
+namespace flatshard {
+
+namespace {
+
+constexpr const char* kModelFile = "model.safetensors";
+constexpr const char* kOptimFile = "optim.safetensors";
+
+std::string shard_file(int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "shard-%05d-of-%05d.safetensors", rank, world);
+  return buf;
+}
+
+// What a save reads from the model, the same on every rank.
+struct SaveSource {
+  const ShardedModel& model;
+  std::optional<OptimizerRecord> optim;
+  std::vector<int64_t> steps;                   // per unit (0: no optimizer state)
+  std::vector<std::vector<at::Tensor>> fields;  // per unit: optimizer state, as optim->fields
+  std::unordered_map<std::string, std::vector<std::string>> aliases;  // owner -> tied names
+};
+
+SaveSource read_source(const ShardedModel& model, const torch::optim::Optimizer* opt) {
+  SaveSource s{model, std::nullopt, {}, {}, {}};
+  if (opt) s.optim = describe_optimizer(*opt);
+  for (size_t u = 0; u < model.num_units(); ++u) {
+    const FlatParam& f = model.unit(u).flat();
+    std::vector<at::Tensor> fields(s.optim ? s.optim->fields.size() : 0);  // undefined: none
+    int64_t step = 0;
+    if (s.optim && f.layout().padded_numel > 0) {
+      check_optimizer_holds(*opt, f.master(), f.unit_name());
+      step = get_optimizer_state(*opt, *s.optim, f.master(), fields);
+    }
+    s.steps.push_back(step);
+    s.fields.push_back(std::move(fields));
+  }
+  for (const auto& [first, others] : model.plan().tied) s.aliases[first] = others;
+  return s;
+}
+
+// Units, parameters with their pieces, buffers, optimizer: everything but the file records,
+// computed identically on every rank.
+Manifest describe(const SaveSource& s, CheckpointKind kind, int world, int64_t chunk) {
+  Manifest m;
+  m.kind = kind == CheckpointKind::kFull ? "full" : "sharded";
+  m.world_size = world;
+  m.crc_chunk_bytes = chunk;
+  m.optimizer = s.optim;
+  if (m.optimizer) m.optimizer->file = kind == CheckpointKind::kFull ? kOptimFile : "";
+  for (size_t u = 0; u < s.model.num_units(); ++u) {
+    const Unit& unit = s.model.unit(u);
+    const FlatParam& f = unit.flat();
+    const FlatLayout& l = f.layout();
+    m.units.push_back(
+        UnitRecord{unit.name(), to_string(unit.strategy()), l.used_numel, l.padded_numel});
+    for (size_t i = 0; i < f.params().size(); ++i) {
+      ValueRecord v;
+      v.name = f.params()[i].name;
+      auto it = s.aliases.find(v.name);
+      if (it != s.aliases.end()) v.aliases = it->second;
+      v.dtype = at::kFloat;
+      v.shape = l.shapes[i];
+      v.unit = unit.name();
+      v.step = s.steps[u];
+      const FlatRange param{l.offsets[i], l.offsets[i] + l.numels[i]};
+      if (kind == CheckpointKind::kFull) {
+        v.pieces.push_back(Piece{kModelFile, 0, l.numels[i]});
+      } else {
+        for (int r = 0; r < world; ++r) {
+          const FlatRange o = intersect(param, write_range(f, r, world));
+          if (o.size() > 0)
+            v.pieces.push_back(
+                Piece{shard_file(r, world), o.begin - param.begin, o.end - param.begin});
+        }
+      }
+      m.params.push_back(std::move(v));
+    }
+  }
+  for (const auto& b : s.model.module().named_buffers(/*recurse=*/true)) {
+    ValueRecord v;
+    v.name = b.key();
+    v.dtype = b.value().scalar_type();
+    v.shape = b.value().sizes().vec();
+    v.pieces.push_back(Piece{kind == CheckpointKind::kFull ? kModelFile : shard_file(0, world), 0,
+                             b.value().numel()});
+    m.buffers.push_back(std::move(v));
+  }
+  return m;
+}
+
+TensorEntry entry(const std::string& name, at::ScalarType dtype, std::vector<int64_t> shape) {
+  TensorEntry e;
+  e.name = name;
+  e.dtype = dtype;
+  e.shape = std::move(shape);
+  return e;
+}
+
+at::Tensor to_cpu(const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous(); }
+
+// kSharded: this rank's file, written without collectives.
+FileRecord write_shard(const SaveSource& s, const Manifest& m, const std::string& staging, int rank,
+                       int world, const CheckpointOptions& o, ProgressReporter& progress) {
+  const auto& fields = m.optimizer ? m.optimizer->fields : std::vector<std::string>{};
+  const std::string file = shard_file(rank, world);
+  // Pieces of this rank, per unit: (param index, range in the flat buffer).
+  std::vector<std::vector<std::pair<size_t, FlatRange>>> mine(s.model.num_units());
+  std::vector<std::string> suffixes{""};  // the parameter, then each optimizer field
+  for (const auto& fld : fields) suffixes.push_back("." + fld);
+  std::vector<TensorEntry> entries;
+  for (size_t u = 0; u < s.model.num_units(); ++u) {
+    const FlatParam& f = s.model.unit(u).flat();
+    const FlatLayout& l = f.layout();
+    for (size_t i = 0; i < f.params().size(); ++i) {
+      const FlatRange o =
+          intersect({l.offsets[i], l.offsets[i] + l.numels[i]}, write_range(f, rank, world));
+      if (o.size() > 0) mine[u].emplace_back(i, o);
+    }
+    for (const std::string& suffix : suffixes)
+      for (const auto& [i, o] : mine[u])
+        entries.push_back(entry(f.params()[i].name + suffix, at::kFloat, {o.size()}));
+  }
+  if (rank == 0)
+    for (const auto& b : m.buffers) entries.push_back(entry(b.name, b.dtype, b.shape));
+  TensorFileWriter writer(
+      staging, file, std::move(entries),
+      {{"format", "pt"},
+       {"flatshard", "shard " + std::to_string(rank) + " of " + std::to_string(world)}},
+      o.crc_chunk_bytes, o.fault_hook, o.durable);
+  for (size_t u = 0; u < s.model.num_units(); ++u) {
+    const FlatParam& f = s.model.unit(u).flat();
+    const FlatRange held = master_range(f, rank), written = write_range(f, rank, world);
+    auto write_from = [&](const at::Tensor& local, const std::string& suffix) {
+      if (mine[u].empty()) return;
+      // One device-to-host copy per unit and tensor kind, then views of it per parameter.
+      const at::Tensor cpu =
+          local.defined() ? to_cpu(local.narrow(0, written.begin - held.begin, written.size()))
+                          : at::zeros({written.size()}, at::kFloat);
+      for (const auto& [i, o] : mine[u])
+        writer.write(f.params()[i].name + suffix, cpu.narrow(0, o.begin - written.begin, o.size()));
+    };
+    write_from(f.master(), "");
+    for (size_t k = 0; k < fields.size(); ++k) write_from(s.fields[u][k], "." + fields[k]);
+    progress.update(static_cast<int64_t>(u + 1), writer.bytes_written());
+  }
+  if (rank == 0)
+    for (const auto& b : s.model.module().named_buffers(true))
+      writer.write(b.key(), to_cpu(b.value()));
+  return writer.finish();
+}
+
+// The whole flat buffer of `local` (a unit's master or one of its optimizer fields), on
+// comm's device. Collective for sharded units.
+at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local) {
+  at::Tensor src = local.defined() ? local.detach() : at::zeros_like(f.master().detach());
+  if (!f.config().sharded) return src;
+  at::Tensor full = at::empty({f.layout().padded_numel}, src.options());
+  comm.all_gather(src, full, comm.current_stream());
+  return full;
+}
+
+// kFull: every rank gathers unit by unit; rank 0 writes model.safetensors and optim.safetensors
+// in model order. Rank 0's write errors are recorded in `err` and stop its writing, never the
+// gathers the other ranks are in.
+std::vector<FileRecord> write_full(const SaveSource& s, const Manifest& m,
+                                   const std::string& staging, const CheckpointOptions& o,
+                                   ProgressReporter& progress, std::exception_ptr& err) {
+  Communicator& comm = s.model.comm();
+  const bool writer_rank = comm.rank() == 0;
+  const auto& fields = m.optimizer ? m.optimizer->fields : std::vector<std::string>{};
+  std::unique_ptr<TensorFileWriter> model_file, optim_file;
+  auto guarded = [&](const std::function<void()>& fn) {
+    if (!writer_rank || err) return;
+    try {
+      fn();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  };
+  guarded([&] {
+    std::unordered_map<std::string, const ValueRecord*> owners;
+    for (const auto& v : m.params) owners[v.name] = &v;
+    std::vector<TensorEntry> model_entries, optim_entries;
+    for (const auto& p : s.model.module().named_parameters(/*recurse=*/true)) {
+      model_entries.push_back(entry(p.key(), at::kFloat, p.value().sizes().vec()));
+      if (owners.count(p.key()))  // tied aliases carry no optimizer state of their own
+        for (const auto& fld : fields)
+          optim_entries.push_back(entry(p.key() + "." + fld, at::kFloat, p.value().sizes().vec()));
+    }
+    for (const auto& b : m.buffers) model_entries.push_back(entry(b.name, b.dtype, b.shape));
+    model_file = std::make_unique<TensorFileWriter>(staging, kModelFile, std::move(model_entries),
+                                                    Metadata{{"format", "pt"}}, o.crc_chunk_bytes,
+                                                    o.fault_hook, o.durable);
+    if (m.optimizer) {
+      Metadata md{{"format", "pt"}, {"optimizer", m.optimizer->type}};
+      bool uniform = true;
+      for (const auto& v : m.params) uniform = uniform && v.step == m.params.front().step;
+      if (uniform && !m.params.empty())
+        md.emplace_back("step", std::to_string(m.params.front().step));
+      optim_file = std::make_unique<TensorFileWriter>(staging, kOptimFile, std::move(optim_entries),
+                                                      std::move(md), o.crc_chunk_bytes,
+                                                      o.fault_hook, o.durable);
+    }
+  });
+  int64_t bytes = 0;
+  for (size_t u = 0; u < s.model.num_units(); ++u) {
+    const FlatParam& f = s.model.unit(u).flat();
+    const FlatLayout& l = f.layout();
+    for (size_t k = 0; k <= fields.size(); ++k) {
+      if (l.padded_numel == 0) break;
+      const at::Tensor full = gather_unit(comm, f, k == 0 ? f.master() : s.fields[u][k - 1]);
+      guarded([&] {
+        const at::Tensor cpu = to_cpu(full);
+        for (size_t i = 0; i < f.params().size(); ++i) {
+          const std::string& name = f.params()[i].name;
+          const at::Tensor t = cpu.narrow(0, l.offsets[i], l.numels[i]);
+          if (k > 0) {
+            optim_file->write(name + "." + fields[k - 1], t);
+            continue;
+          }
+          model_file->write(name, t);
+          auto it = s.aliases.find(name);
+          if (it != s.aliases.end())
+            for (const auto& alias : it->second) model_file->write(alias, t);
+        }
+        bytes += cpu.nbytes();
+      });
+    }
+    progress.update(static_cast<int64_t>(u + 1), bytes);
+  }
+  std::vector<FileRecord> records;
+  guarded([&] {
+    for (const auto& b : s.model.module().named_buffers(true))
+      model_file->write(b.key(), to_cpu(b.value()));
+    records.push_back(model_file->finish());
+    if (optim_file) records.push_back(optim_file->finish());
+  });
+  return records;
+}
+
+}  // namespace
+
+void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
+                     const std::string& dir_arg, const CheckpointOptions& o) {
+  at::NoGradGuard no_grad;
+  Communicator& comm = model.comm();
+  const int rank = comm.rank(), world = comm.world_size();
+  const std::string dir = normalize_dir(dir_arg);
+  const std::string staging = staging_dir(dir);
+  const std::string what = "save_checkpoint('" + dir + "')";
+  TORCH_CHECK(o.crc_chunk_bytes > 0, what, ": crc_chunk_bytes must be positive");
+
+  std::exception_ptr err;
+  std::optional<SaveSource> source;
+  Manifest manifest;
+  try {
+    source.emplace(read_source(model, optimizer));
+    manifest = describe(*source, o.kind, world, o.crc_chunk_bytes);
+    if (rank == 0) begin_save(dir, kManifestName, o.durable);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree(comm, err, what);
+
+  try {
+    ProgressReporter progress(o.progress, o.log_after_seconds, rank, what,
+                              static_cast<int64_t>(model.num_units()));
+    if (o.kind == CheckpointKind::kSharded) {
+      FileRecord mine;
+      try {
+        mine = write_shard(*source, manifest, staging, rank, world, o, progress);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      agree(comm, err, what);
+      for (const std::string& text : all_gather_text(comm, file_record_json(mine)))
+        manifest.files.push_back(parse_file_record(Json::parse(text, "file record")));
+    } else {
+      manifest.files = write_full(*source, manifest, staging, o, progress, err);
+      agree(comm, err, what);
+    }
+    progress.finish();
+    if (rank == 0) {
+      try {
+        write_text_file_atomic(join_path(staging, kManifestName), manifest.to_json(), o.fault_hook,
+                               o.durable);
+        publish(dir, o.fault_hook, o.durable, o.use_rename_exchange);
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    agree(comm, err, what);
+  } catch (...) {
+    // Whatever is in the staging directory now is incomplete, or the previous checkpoint
+    // displaced by publish(): never needed again.
+    if (rank == 0) abandon_save(dir);
+    throw;
+  }
+}
+
+}  // namespace flatshard
