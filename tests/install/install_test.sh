@@ -15,4 +15,4 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 run cmake -S "$src/tests/install/consumer" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$work/prefix" -DFLATSHARD_PYTHON="$python" "${launcher[@]}"
 run cmake --build "$work/build"
-"$work/build/consumer"
+"$work/build/consumer" "$work/ckpt"
