@@ -12,6 +12,9 @@
 #               to show what the per-collective completion event costs
 #   c10d        tools/c10d_reference.py via torchrun (same sizes and table)
 #   compare     side-by-side table: size, flatshard us, c10d us, ratio
+#   train       flatshard-bench on the 1B GPT, 4 and 1 sequences per GPU, every granularity and
+#               the unsharded floor (`local`); tables printed in the summary
+#               (GPU_CHECK_TRAIN_ARGS adds arguments, e.g. "--layers 4" for a quick look)
 # A summary of every step is printed last; the exit status is non-zero if any step failed.
 # Knobs: GPU_CHECK_BUILD (build dir, default /tmp/flatshard-gpu-build), GPU_CHECK_LOGDIR (logs,
 # default $GPU_CHECK_BUILD/gpu_check), GPU_CHECK_NPROC (processes/GPUs, default min(2, #GPUs)),
@@ -55,7 +58,8 @@ step_configure() {
 }
 
 step_build() {
-  local targets=(--target nccl_collectives_test flatshard-collectives-bench)
+  local targets=(--target nccl_collectives_test gpu_parity_test flatshard-collectives-bench
+                 flatshard-bench)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
@@ -124,8 +128,18 @@ print(f"# {slower} of {len([k for k in ours if k in ref])} rows slower than c10d
 EOF
 }
 
+step_train() {
+  local b
+  for b in 4 1; do
+    # shellcheck disable=SC2086
+    "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch "$b" \
+      --warmup 3 --steps 10 --granularity local,layer,leaf,every-2,model,noshard \
+      --json "$LOGDIR/train_b$b.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_b$b.txt" || return 1
+  done
+}
+
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests bench bench_nowd c10d compare)
+STEPS=(configure build gpu_tests bench bench_nowd c10d compare train)
 # A failed step in this list stops the run (later steps need its output).
 FATAL=(configure build)
 declare -A RESULT SECONDS_TAKEN
@@ -159,6 +173,11 @@ summary() {
     echo
     cat "$LOGDIR/compare.txt"
   fi
+  for s in "$LOGDIR"/train_b*.txt; do
+    [ -f "$s" ] || continue
+    echo
+    sed -n '/^granularity/,/^$/p' "$s"
+  done
   return $failed
 }
 
