@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "mini_json.h"
+#include "tools/json.h"
 
 #ifndef FLATSHARD_BENCH_EXE
 #error "FLATSHARD_BENCH_EXE (path of flatshard-bench) must be defined by CMake"
@@ -85,23 +85,23 @@ Outcome run_bench(const std::vector<std::string>& args) {
   return o;
 }
 
-const mini_json::Value& run_named(const mini_json::Value& doc, const std::string& name) {
-  for (const auto& r : doc.at("runs").array)
-    if (r.str("granularity") == name) return r;
+const flatshard::json::Value& run_named(const flatshard::json::Value& doc, const std::string& name) {
+  for (const auto& r : doc.at("runs").as_array())
+    if (r.at("granularity").as_string() == name) return r;
   throw std::runtime_error("no run named '" + name + "' in the JSON");
 }
 
 // The default granularities on the tiny preset, 2 ranks, 2 measured steps — shared by the
 // tests below (one run of the binary).
-const mini_json::Value& default_run() {
-  static const mini_json::Value doc = [] {
+const flatshard::json::Value& default_run() {
+  static const flatshard::json::Value doc = [] {
     const std::string json = scratch("default.json");
     const Outcome o =
         run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1", "--json",
                    json});
     INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
     REQUIRE(o.exit_code == 0);
-    return mini_json::parse(read_file(json));
+    return flatshard::json::parse(read_file(json));
   }();
   return doc;
 }
@@ -111,52 +111,52 @@ const mini_json::Value& default_run() {
 TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]") {
   const auto& doc = default_run();
   const auto& model = doc.at("model");
-  CHECK(model.str("preset") == "tiny");
-  CHECK(model.num("n_layers") == 2);
-  CHECK(model.num("params") == 167680);
-  CHECK(doc.num("world_size") == 2);
-  CHECK(doc.at("all_ok").boolean);
+  CHECK(model.at("preset").as_string() == "tiny");
+  CHECK(model.at("n_layers").as_number() == 2);
+  CHECK(model.at("params").as_number() == 167680);
+  CHECK(doc.at("world_size").as_number() == 2);
+  CHECK(doc.at("all_ok").as_bool());
 
   std::vector<std::string> names;
-  for (const auto& r : doc.at("runs").array) names.push_back(r.str("granularity"));
+  for (const auto& r : doc.at("runs").as_array()) names.push_back(r.at("granularity").as_string());
   CHECK(names == std::vector<std::string>{"local", "leaf", "layer", "every-2", "model", "noshard"});
 
-  const double tokens = doc.num("batch") * model.num("seq_len");
-  const double local_median = run_named(doc, "local").at("step_ms").num("median");
-  const double loss0 = run_named(doc, "local").num("loss_step0");
+  const double tokens = doc.at("batch").as_number() * model.at("seq_len").as_number();
+  const double local_median = run_named(doc, "local").at("step_ms").at("median").as_number();
+  const double loss0 = run_named(doc, "local").at("loss_step0").as_number();
   CHECK(loss0 > 0);
-  for (const auto& r : doc.at("runs").array) {
-    CAPTURE(r.str("granularity"));
+  for (const auto& r : doc.at("runs").as_array()) {
+    CAPTURE(r.at("granularity").as_string());
     for (const char* key : {"world_size", "units", "forward_all_gathers", "backward_all_gathers",
                             "reduce_scatters", "all_reduces", "bytes_per_step",
                             "tokens_per_s_per_gpu", "peak_memory_bytes", "loss_step0",
                             "ratio_to_local"})
-      CHECK(r.num(key) >= 0);
+      CHECK(r.at(key).as_number() >= 0);
     const auto& t = r.at("step_ms");
-    CHECK(t.num("min") > 0);
-    CHECK(t.num("min") <= t.num("median"));
-    CHECK(t.num("median") <= t.num("max"));
-    CHECK(t.at("all").array.size() == 2);
-    CHECK(r.num("tokens_per_s_per_gpu") == Approx(tokens / (t.num("median") * 1e-3)));
-    CHECK(r.num("ratio_to_local") == Approx(t.num("median") / local_median));
+    CHECK(t.at("min").as_number() > 0);
+    CHECK(t.at("min").as_number() <= t.at("median").as_number());
+    CHECK(t.at("median").as_number() <= t.at("max").as_number());
+    CHECK(t.at("all").as_array().size() == 2);
+    CHECK(r.at("tokens_per_s_per_gpu").as_number() == Approx(tokens / (t.at("median").as_number() * 1e-3)));
+    CHECK(r.at("ratio_to_local").as_number() == Approx(t.at("median").as_number() / local_median));
     CHECK(r.at("mfu").is_null());  // no --peak-tflops on CPU
-    CHECK(r.num("peak_memory_bytes") > 0);
-    CHECK(r.str("check") == "ok");
-    CHECK(std::abs(r.num("loss_step0") - loss0) <= 1e-4 * loss0);
-    const bool local = r.str("granularity") == "local";
-    CHECK(r.num("world_size") == (local ? 1 : 2));
+    CHECK(r.at("peak_memory_bytes").as_number() > 0);
+    CHECK(r.at("check").as_string() == "ok");
+    CHECK(std::abs(r.at("loss_step0").as_number() - loss0) <= 1e-4 * loss0);
+    const bool local = r.at("granularity").as_string() == "local";
+    CHECK(r.at("world_size").as_number() == (local ? 1 : 2));
     if (local) {
       CHECK(r.at("exposed_comm_share").is_null());
     } else {
-      CHECK(r.num("exposed_comm_share") > 0);
-      CHECK(r.num("exposed_comm_share") <= 1);
+      CHECK(r.at("exposed_comm_share").as_number() > 0);
+      CHECK(r.at("exposed_comm_share").as_number() <= 1);
     }
   }
 }
 
 TEST_CASE("collective counts per step follow the plan shape", "[bench]") {
   const auto& doc = default_run();
-  const int64_t L = static_cast<int64_t>(doc.at("model").num("n_layers"));
+  const int64_t L = static_cast<int64_t>(doc.at("model").at("n_layers").as_number());
   struct Want {
     const char* name;
     int64_t units, fwd, bwd, rs, ar;
@@ -174,19 +174,19 @@ TEST_CASE("collective counts per step follow the plan shape", "[bench]") {
   for (const auto& w : want) {
     CAPTURE(w.name);
     const auto& r = run_named(doc, w.name);
-    CHECK(r.num("units") == w.units);
-    CHECK(r.num("forward_all_gathers") == w.fwd);
-    CHECK(r.num("backward_all_gathers") == w.bwd);
-    CHECK(r.num("reduce_scatters") == w.rs);
-    CHECK(r.num("all_reduces") == w.ar);
+    CHECK(r.at("units").as_number() == w.units);
+    CHECK(r.at("forward_all_gathers").as_number() == w.fwd);
+    CHECK(r.at("backward_all_gathers").as_number() == w.bwd);
+    CHECK(r.at("reduce_scatters").as_number() == w.rs);
+    CHECK(r.at("all_reduces").as_number() == w.ar);
   }
 }
 
 TEST_CASE("bytes per step are consistent with the parameter count", "[bench]") {
   const auto& doc = default_run();
-  const double N = doc.at("model").num("params");
+  const double N = doc.at("model").at("params").as_number();
   const double f = 4.0;  // fp32 everywhere by default; world 2 halves an all-gather's input
-  auto bytes = [&](const char* name) { return run_named(doc, name).num("bytes_per_step"); };
+  auto bytes = [&](const char* name) { return run_named(doc, name).at("bytes_per_step").as_number(); };
   // Padding (alignment to 8 elements per parameter, to the world size per unit) adds < 2%.
   CHECK(bytes("local") == 0);
   CHECK(bytes("noshard") >= f * N);                      // one all-reduce of every parameter
@@ -210,15 +210,15 @@ TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
                                "--json", json, "--csv", csv, "--plot", svg});
   INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
   REQUIRE(o.exit_code == 0);
-  const auto doc = mini_json::parse(read_file(json));
-  CHECK(doc.str("param_dtype") == "bf16");
+  const auto doc = flatshard::json::parse(read_file(json));
+  CHECK(doc.at("param_dtype").as_string() == "bf16");
   std::vector<std::string> names;
-  for (const auto& r : doc.at("runs").array) names.push_back(r.str("granularity"));
+  for (const auto& r : doc.at("runs").as_array()) names.push_back(r.at("granularity").as_string());
   // The last spec has a quote and a backslash: JSON and CSV must escape them.
   CHECK(names == std::vector<std::string>{"layer", "every=2,type=Block", "size>=1e4",
                                           "path=lm_head|x\"y\\z"});
-  CHECK(doc.str("check_reference") == "layer");  // no local run: the first one
-  for (const auto& r : doc.at("runs").array) CHECK(r.str("check") == "ok");
+  CHECK(doc.at("check_reference").as_string() == "layer");  // no local run: the first one
+  for (const auto& r : doc.at("runs").as_array()) CHECK(r.at("check").as_string() == "ok");
 
   std::vector<std::string> lines;
   std::istringstream in(read_file(csv));
