@@ -14,7 +14,7 @@ void NcclMesh::shutdown() {
   if (shard) shard->shutdown();
 }
 
-NcclMesh make_hsdp_groups(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+NcclMesh make_hsdp_groups(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
                           int shard_size, c10::Device device, const NcclOptions& options,
                           const std::string& prefix) {
   TORCH_CHECK(rank >= 0 && rank < world_size, "make_hsdp_groups: rank ", rank,
@@ -43,7 +43,7 @@ NcclMesh make_hsdp_groups_from_env(int shard_size, const std::string& prefix) {
   const auto dev = static_cast<c10::DeviceIndex>(e.local_rank);
   c10::cuda::set_device(dev);
   auto store = create_store(e, env::store_timeout());
-  return make_hsdp_groups(std::move(store), e.rank, e.world_size, s, c10::Device(c10::kCUDA, dev),
+  return make_hsdp_groups(store, e.rank, e.world_size, s, c10::Device(c10::kCUDA, dev),
                           NcclOptions::from_env(), prefix);
 }
 

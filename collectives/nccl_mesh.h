@@ -33,7 +33,7 @@ struct NcclMesh {
   void shutdown();
 };
 
-NcclMesh make_hsdp_groups(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+NcclMesh make_hsdp_groups(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
                           int shard_size, c10::Device device, const NcclOptions& options,
                           const std::string& prefix = "flatshard");
 

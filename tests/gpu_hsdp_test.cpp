@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/optim/adamw.h>
 
 #include <map>
