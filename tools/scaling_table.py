@@ -8,7 +8,8 @@ Prints the table of README.md "Scaling: FULL_SHARD vs HSDP". Model (bandwidth on
   GPU (B_inter, one NIC per GPU, rail-aligned rings); inside a node at B_intra.
   Compute: forward = 1/3, backward = 2/3 of the measured step. Forward all-gathers hide behind
   forward compute, backward all-gathers and reductions behind backward compute; the last unit's
-  reductions (1/U of them) always trail the backward.
+  reductions (1/U of them) always trail the backward. HSDP: the replicate all-reduce runs after
+  each reduce-scatter on the same stream (serial with it), beside the all-gathers.
 Usage: tools/scaling_table.py [--params 944.15e6] [--compute-ms 108] [--gpus-per-node 8]
        [--inter-GBps 50] [--intra-GBps 270] [--units 17] [--reduce-bytes 4]
 """
@@ -51,8 +52,9 @@ def main():
             h_inter_bytes = 2 * (r - 1) / r * P * br / G
             h_ag, h_rs = ms(fg * P * bp, bn), ms(fg * P * br, bn)
             h_ar = ms(h_inter_bytes, bi)
-            # NVLink and the NICs are separate links: backward is bound by the busier one.
-            h_exposed = (max(0, h_ag - t_fwd) + max(0, max(h_ag + h_rs, h_ar) - t_bwd)
+            # Backward: all-gathers and reduce-scatters share NVLink; each replicate all-reduce
+            # follows its reduce-scatter on the one reduce-scatter stream, so those two add.
+            h_exposed = (max(0, h_ag - t_fwd) + max(0, max(h_ag + h_rs, h_rs + h_ar) - t_bwd)
                          + (h_rs + h_ar) / U)
             print(f"| {n} | {fs_inter_bytes / 1e9:.2f} | {2 * ag + rs:.1f} | {fs_exposed:.1f} "
                   f"| {h_inter_bytes / 1e9:.2f} | {2 * h_ag + h_rs:.1f} | {h_ar:.1f} "
