@@ -325,3 +325,29 @@ TEST_CASE("HSDP checkpoint: replicate rank 0's group writes, every rank loads", 
   CHECK(::stat((dir + "/shard-00001-of-00002.safetensors").c_str(), &st) == 0);
   CHECK(read_manifest(dir).world_size == 2);
 }
+
+TEST_CASE("HSDP sync_module_states: every rank starts from global rank 0's values", "[hsdp]") {
+  // Each rank builds its model from another seed; the broadcast within the shard group and then
+  // across replicas must leave all four holding rank 0's initial values.
+  auto s = gpt_spec(std::string(kMix) + "type=Block");
+  std::map<std::string, at::Tensor> want;
+  {
+    auto m0 = g::GPT(cfg(), 100);
+    for (auto& p : m0->named_parameters()) want[p.key()] = p.value().detach().clone();
+  }
+  std::vector<std::map<std::string, at::Tensor>> got(4);
+  std::mutex mu;
+  run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
+    const int rank = rep.rank() * 2 + shard.rank();
+    auto model = std::static_pointer_cast<torch::nn::Module>(g::GPT(cfg(), 100 + rank).ptr());
+    auto fsdp = fully_shard(model, s.plan(*model), ShardingMesh(shard, &rep));
+    auto full = fsdp->gather_full_params();
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& kv : full) got[rank][kv.first] = kv.second;
+  });
+  for (int r = 0; r < 4; ++r)
+    for (auto& kv : want) {
+      CAPTURE(r, kv.first);
+      REQUIRE(at::equal(got[r].at(kv.first), kv.second));
+    }
+}
