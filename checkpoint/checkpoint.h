@@ -30,6 +30,9 @@
 //   are recorded in the manifest but not restored: they belong to the code that builds the
 //   optimizer (and its schedule). Pass nullptr to save or load the model alone.
 // - Buffers (module.named_buffers()) are saved from rank 0 and loaded on every rank.
+// - HSDP (fully_shard with a ShardingMesh): collective over all R * S ranks. The shard group
+//   of replicate rank 0 writes a checkpoint of S shards; the other groups only join the final
+//   agreement (Note [HSDP checkpoints], save.cpp). Every rank loads (reads its own ranges).
 #pragma once
 
 #include <cstdint>

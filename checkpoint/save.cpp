@@ -258,8 +258,9 @@ std::vector<FileRecord> write_full(const SaveSource& s, const Manifest& m,
 
 }  // namespace
 
-void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
-                     const std::string& dir_arg, const CheckpointOptions& o) {
+// The save of one shard group: its ranks hold the whole model between them.
+static void save_in_group(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
+                   const std::string& dir_arg, const CheckpointOptions& o) {
   at::NoGradGuard no_grad;
   Communicator& comm = model.comm();
   const int rank = comm.rank(), world = comm.world_size();
@@ -314,6 +315,26 @@ void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* o
     if (rank == 0) abandon_save(dir);
     throw;
   }
+}
+
+// Note [HSDP checkpoints]: replicas hold identical shards, so only the shard group of
+// replicate rank 0 writes (a checkpoint of its S ranks, loadable at any world size); the other
+// groups wait for its outcome in the agreement across the replicate group, so every rank
+// returns after publication or throws the writing group's error. Loads need nothing special:
+// each shard group reads the ranges its own shards need.
+void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
+                     const std::string& dir, const CheckpointOptions& o) {
+  const ShardingMesh& mesh = model.mesh();
+  if (!mesh.hybrid()) return save_in_group(model, optimizer, dir, o);
+  std::exception_ptr err;
+  if (mesh.replicate->rank() == 0) {
+    try {
+      save_in_group(model, optimizer, dir, o);
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  agree(*mesh.replicate, err, "save_checkpoint('" + dir + "') (HSDP, replicate rank 0 writes)");
 }
 
 }  // namespace flatshard

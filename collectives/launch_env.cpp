@@ -80,6 +80,32 @@ class Reader {
 
 constexpr long kMaxRanks = 1L << 24;
 
+// SLURM_TASKS_PER_NODE lists tasks per node as "N" or "N(xK)" entries joined by commas, e.g.
+// "4(x2)" or "4,4" or "4,3". The per-node count if every node has the same, else -1 (unknown:
+// HSDP then needs an explicit shard-group size). Malformed text also gives -1: the variable is
+// only a hint here, never required.
+int uniform_tasks_per_node(const std::string& v, int world_size) {
+  long common = -1;
+  size_t pos = 0;
+  while (pos < v.size()) {
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(v.c_str() + pos, &end, 10);
+    if (errno != 0 || end == v.c_str() + pos || n < 1) return -1;
+    pos = static_cast<size_t>(end - v.c_str());
+    if (pos < v.size() && v[pos] == '(') {
+      const size_t close = v.find(')', pos);
+      if (close == std::string::npos || v.compare(pos, 2, "(x") != 0) return -1;
+      pos = close + 1;
+    }
+    if (pos < v.size() && v[pos] != ',') return -1;
+    if (pos < v.size()) ++pos;
+    if (common >= 0 && n != common) return -1;
+    common = n;
+  }
+  return common >= 1 && common <= world_size ? static_cast<int>(common) : -1;
+}
+
 }  // namespace
 
 std::string LaunchEnv::store_prefix() const {
@@ -131,6 +157,10 @@ LaunchEnv LaunchEnv::from_lookup(const Lookup& lookup) {
     e.rank = r.require_int("SLURM_PROCID", 0, e.world_size - 1);
     e.local_world_size =
         r.optional_int("SLURM_NTASKS_PER_NODE", -1, 1, e.world_size, /*prefix_only=*/true);
+    // SLURM_NTASKS_PER_NODE is only set with --ntasks-per-node; SLURM_TASKS_PER_NODE always is.
+    if (e.local_world_size < 0)
+      if (auto v = r.raw("SLURM_TASKS_PER_NODE"))
+        e.local_world_size = uniform_tasks_per_node(*v, e.world_size);
     e.local_rank = r.require_int("SLURM_LOCALID", 0, e.world_size - 1);
   } else {
     e.launcher = Launcher::kOpenMpi;

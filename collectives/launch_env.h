@@ -4,7 +4,8 @@
 // - LaunchEnv::from_env() reads the launcher's environment, in this order of precedence:
 //     1. torchrun / env:// style: RANK, WORLD_SIZE, LOCAL_RANK (+ LOCAL_WORLD_SIZE if set);
 //     2. SLURM (when RANK is unset): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
-//        (+ the leading number of SLURM_NTASKS_PER_NODE if set);
+//        (+ the leading number of SLURM_NTASKS_PER_NODE if set, else SLURM_TASKS_PER_NODE's
+//        count when it is the same on every node, e.g. "4(x2)");
 //     3. Open MPI (when RANK and SLURM_PROCID are unset): OMPI_COMM_WORLD_RANK,
 //        OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK (+ OMPI_COMM_WORLD_LOCAL_SIZE).
 //   MASTER_ADDR and MASTER_PORT are required in every case (the store's address).
@@ -28,7 +29,8 @@ struct LaunchEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
-  int local_world_size = -1;  // -1: the launcher did not say
+  int local_world_size = -1;  // ranks per node; -1: the launcher did not say (HSDP's default
+                              // shard-group size, collectives/sharding_mesh.h)
   std::string master_addr;
   int master_port = 0;
   Launcher launcher = Launcher::kTorchrun;

@@ -36,8 +36,12 @@ at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device devi
 }  // namespace
 
 FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
-                     const FlatParamConfig& config)
-    : unit_name_(std::move(unit_name)), params_(std::move(params)), comm_(comm), config_(config) {
+                     const FlatParamConfig& config, Communicator* replicate)
+    : unit_name_(std::move(unit_name)),
+      params_(std::move(params)),
+      comm_(comm),
+      replicate_(replicate),
+      config_(config) {
   at::NoGradGuard no_grad;
   const int world = config_.sharded ? comm_.world_size() : 1;
   const c10::Device device = comm_.device();
@@ -70,6 +74,10 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
   }
   if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
     comm_.broadcast(init, 0, comm_.current_stream());
+  }
+  // HSDP: every shard group now holds its rank 0's values; make them global rank 0's.
+  if (config_.sync_module_states && hybrid() && layout_.padded_numel > 0) {
+    replicate_->broadcast(init, 0, replicate_->current_stream());
   }
 
   if (config_.sharded) {
@@ -148,6 +156,12 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
     comm_.all_reduce(send, ReduceOp::kAvg, stream);
     reduced = send;
   }
+  // HSDP: the shard group's average, averaged across replicas = the mean over all ranks. Same
+  // stream, so it starts as soon as the reduce-scatter ends and overlaps the backward compute
+  // just as that does. It reads and writes only `reduced`, which is either allocated on
+  // `stream` (freed there, stream-ordered) or `send`, returned below: nothing new for
+  // Note [Reduce buffer lifetime].
+  if (hybrid()) replicate_->all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
   at::Tensor g = reduced.to(at::kFloat);
   at::Tensor& mg = master_.mutable_grad();
   if (mg.defined()) {
@@ -171,6 +185,12 @@ int64_t FlatParam::all_gather_bytes() const {
 
 int64_t FlatParam::reduce_bytes() const {
   return layout_.padded_numel * c10::elementSize(config_.reduce_dtype);
+}
+
+int64_t FlatParam::replicate_reduce_bytes() const {
+  if (!hybrid()) return 0;
+  const int64_t n = config_.sharded ? layout_.shard_numel : layout_.padded_numel;
+  return n * c10::elementSize(config_.reduce_dtype);
 }
 
 }  // namespace flatshard

@@ -15,6 +15,11 @@
 //   parameter's .grad at its view of it, so AccumulateGrad adds in place into one flat buffer;
 //   reduce_grad() turns it into master().grad with ONE reduce-scatter (sharded) or ONE
 //   all-reduce (replicated), averaged over ranks, accumulating into an existing master grad.
+// - HSDP (collectives/sharding_mesh.h): with a `replicate` communicator of more than one rank,
+//   `comm` is the shard group; reduce_grad() then also all-reduces (average) the reduced
+//   gradient across `replicate` on the same stream, right after the reduce-scatter (or the
+//   all-reduce of a replicated unit), so the result is the mean over all R * S ranks. At
+//   construction rank 0's values are broadcast within the shard group, then across replicas.
 // - All collectives go through the given Communicator on the given stream; the caller orders
 //   streams (fsdp/ does). No method here blocks the host on the device.
 // - Not thread-safe; one FlatParam per unit per rank.
@@ -46,7 +51,7 @@ struct ParamRef {
 class FlatParam {
  public:
   FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
-            const FlatParamConfig& config);
+            const FlatParamConfig& config, Communicator* replicate = nullptr);
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -79,9 +84,13 @@ class FlatParam {
   // Clears the parameters' .grad and frees full_grad() without reducing.
   void drop_grad();
 
-  // Bytes one unshard() sends / one reduce_grad() sends on this rank.
+  // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
+  // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP).
   int64_t all_gather_bytes() const;
   int64_t reduce_bytes() const;
+  int64_t replicate_reduce_bytes() const;
+  // True when reduce_grad() also all-reduces across replicas.
+  bool hybrid() const { return replicate_ != nullptr && replicate_->world_size() > 1; }
 
  private:
   void resize_storage(const at::Tensor& t, int64_t numel);
@@ -90,6 +99,7 @@ class FlatParam {
   std::string unit_name_;
   std::vector<ParamRef> params_;
   Communicator& comm_;
+  Communicator* replicate_;  // HSDP replicate group; nullptr without HSDP
   FlatParamConfig config_;
   FlatLayout layout_;
   at::Tensor master_;     // fp32 local shard (optimizer's parameter)

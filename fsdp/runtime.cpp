@@ -18,8 +18,9 @@ c10::Stream side_stream(c10::Device device) {
 
 }  // namespace
 
-Runtime::Runtime(Communicator& comm, ShardingOptions options)
+Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate)
     : comm_(comm),
+      replicate_(replicate),
       options_(std::move(options)),
       all_gather_stream_(side_stream(comm.device())),
       reduce_scatter_stream_(side_stream(comm.device())) {

@@ -33,9 +33,11 @@ void unregister_member(const torch::nn::Module* module);
 
 class Runtime {
  public:
-  Runtime(Communicator& comm, ShardingOptions options);
+  // `replicate`: the HSDP replicate group (collectives/sharding_mesh.h), or nullptr.
+  Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate = nullptr);
 
-  Communicator& comm() { return comm_; }
+  Communicator& comm() { return comm_; }  // the shard group
+  Communicator* replicate() const { return replicate_; }
   const ShardingOptions& options() const { return options_; }
   std::vector<std::unique_ptr<Unit>>& units() { return units_; }
   Tracer* tracer() const { return tracer_.get(); }  // nullptr unless tracing (fsdp/trace.h)
@@ -69,10 +71,13 @@ class Runtime {
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
   Communicator& comm_;
+  Communicator* replicate_;  // HSDP: gradients are also averaged across it; nullptr: no HSDP
   ShardingOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;
   c10::Stream all_gather_stream_;      // all-gathers, so they overlap compute (GPU)
-  c10::Stream reduce_scatter_stream_;  // gradient reductions, overlapping earlier layers' backward
+  // Gradient reductions (and, with HSDP, the replicate all-reduce right after each), overlapping
+  // earlier layers' backward.
+  c10::Stream reduce_scatter_stream_;
   std::vector<Unit*> forward_order_;       // units in first-entry order, this step
   std::vector<Unit*> last_forward_order_;  // the previous step's, drives forward prefetch
   std::vector<Unit*> backward_order_;      // reverse forward order without the root, this step

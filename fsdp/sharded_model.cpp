@@ -10,13 +10,24 @@
 
 namespace flatshard {
 
+namespace {
+Communicator& checked_shard(const ShardingMesh& mesh) {
+  mesh.check();
+  return *mesh.shard;
+}
+}  // namespace
+
 ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
                            Communicator& comm, ShardingOptions options)
-    : model_(std::move(model)), plan_(std::move(plan)), comm_(comm) {
+    : ShardedModel(std::move(model), std::move(plan), ShardingMesh(comm), std::move(options)) {}
+
+ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
+                           const ShardingMesh& mesh, ShardingOptions options)
+    : model_(std::move(model)), plan_(std::move(plan)), comm_(checked_shard(mesh)), mesh_(mesh) {
   TORCH_CHECK(model_ != nullptr, "fully_shard: model is null");
   TORCH_CHECK(!plan_.units.empty() && plan_.units.front().is_root,
               "fully_shard: the plan must start with the root unit (use make_plan)");
-  runtime_ = std::make_unique<Runtime>(comm_, options);
+  runtime_ = std::make_unique<Runtime>(comm_, options, mesh_.hybrid() ? mesh_.replicate : nullptr);
   const int rank = comm_.rank();
 
   std::unordered_map<std::string, at::Tensor> params_by_name;
@@ -95,6 +106,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
     throw;
   }
   comm_.reset_counters();
+  if (mesh_.replicate) mesh_.replicate->reset_counters();
 }
 
 ShardedModel::~ShardedModel() {
@@ -235,6 +247,19 @@ std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> mod
                                           ShardingOptions options) {
   TORCH_CHECK(model != nullptr, "fully_shard: model is null");
   return fully_shard(model, make_plan(*model, policy), comm, std::move(options));
+}
+
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Plan& plan, const ShardingMesh& mesh,
+                                          ShardingOptions options) {
+  return std::make_unique<ShardedModel>(std::move(model), plan, mesh, std::move(options));
+}
+
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Policy& policy, const ShardingMesh& mesh,
+                                          ShardingOptions options) {
+  TORCH_CHECK(model != nullptr, "fully_shard: model is null");
+  return fully_shard(model, make_plan(*model, policy), mesh, std::move(options));
 }
 
 }  // namespace flatshard

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "collectives/communicator.h"
+#include "collectives/sharding_mesh.h"
 #include "fsdp/options.h"
 #include "fsdp/trace.h"
 #include "fsdp/unit.h"
@@ -61,6 +62,9 @@ class ShardedModel {
  public:
   ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan, Communicator& comm,
                ShardingOptions options);
+  // HSDP: shard within mesh.shard, average gradients across mesh.replicate too.
+  ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan, const ShardingMesh& mesh,
+               ShardingOptions options);
   ~ShardedModel();
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
@@ -70,7 +74,9 @@ class ShardedModel {
   const Plan& plan() const { return plan_; }
   const ShardingOptions& options() const;
   std::vector<UnitInfo> units() const;
+  // The shard group (all ranks without HSDP): gathers, clipping and checkpoints use it.
   Communicator& comm() const { return comm_; }
+  const ShardingMesh& mesh() const { return mesh_; }
   // The wrapped module (checkpoints read its buffers and parameter order).
   torch::nn::Module& module() const { return *model_; }
   // The units in plan order, for code that walks their flat parameters (checkpoint/).
@@ -88,11 +94,13 @@ class ShardedModel {
 
   // Clips the global gradient norm across all shards and units (replicated units counted
   // once) like torch.nn.utils.clip_grad_norm_; returns the total norm before clipping.
-  // Collective.
+  // Collective. With HSDP over the shard group only: replicas hold identical gradients, so
+  // the shard group's norm already is the global one.
   double clip_grad_norm_(double max_norm);
 
   // Collective: the full fp32 value of every planned parameter, by original name, on every
-  // rank (gathered from the master shards). Tied parameters appear under each of their names.
+  // rank (gathered from the master shards; with HSDP within the shard group). Tied
+  // parameters appear under each of their names.
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params() const;
   // Collective: the same for the master gradients (zeros where a unit has none yet).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_grads() const;
@@ -111,6 +119,7 @@ class ShardedModel {
   std::shared_ptr<torch::nn::Module> model_;
   Plan plan_;
   Communicator& comm_;
+  ShardingMesh mesh_;
   std::unique_ptr<Runtime> runtime_;
 };
 
@@ -120,6 +129,17 @@ std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> mod
 // Same, with the plan made from `policy` (make_plan).
 std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
                                           const Policy& policy, Communicator& comm,
+                                          ShardingOptions options = {});
+// Hybrid sharding (HSDP, collectives/sharding_mesh.h): every unit is sharded within
+// mesh.shard (all-gather, reduce-scatter) and its gradient shard averaged across
+// mesh.replicate (one all-reduce per unit per step, on the reduce-scatter stream); NO_SHARD
+// units all-reduce over both groups. Gradients are the mean over all R * S ranks. Collective
+// over all of them; plan and options as above.
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Plan& plan, const ShardingMesh& mesh,
+                                          ShardingOptions options = {});
+std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
+                                          const Policy& policy, const ShardingMesh& mesh,
                                           ShardingOptions options = {});
 
 }  // namespace flatshard

@@ -15,7 +15,9 @@ UnitCounters& UnitCounters::operator+=(const UnitCounters& o) {
   backward_all_gathers += o.backward_all_gathers;
   reduce_scatters += o.reduce_scatters;
   all_reduces += o.all_reduces;
+  replicate_all_reduces += o.replicate_all_reduces;
   bytes += o.bytes;
+  replicate_bytes += o.replicate_bytes;
   return *this;
 }
 
@@ -64,7 +66,8 @@ Unit::Unit(int index, UnitSpec spec, ShardingStrategy strategy, bool reshard_aft
       reshard_after_forward_(reshard_after_forward && strategy == ShardingStrategy::kFullShard),
       members_(std::move(members)),
       rt_(runtime) {
-  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), rt_.comm(), flat_config);
+  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), rt_.comm(), flat_config,
+                                      rt_.replicate());
   state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
   // After set_data (dtype may have changed), so these are the accumulators autograd will use.
   for (const auto& p : flat_->params()) {
@@ -187,11 +190,13 @@ void Unit::post_backward() {
       reduce_done_.record(rs);
       rt_.hold_reduce_buffers(std::move(in_use), &reduce_done_);
       if (strategy_ == ShardingStrategy::kNoShard) {
-        counters_.all_reduces += 1;
+        counters_.all_reduces += 1;  // one all-ranks all-reduce, in two hops with HSDP
       } else {
         counters_.reduce_scatters += 1;
+        if (flat_->hybrid()) counters_.replicate_all_reduces += 1;
       }
-      counters_.bytes += flat_->reduce_bytes();
+      counters_.bytes += flat_->reduce_bytes() + flat_->replicate_reduce_bytes();
+      counters_.replicate_bytes += flat_->replicate_reduce_bytes();
     } else {
       flat_->drop_grad();
     }

@@ -44,8 +44,12 @@ struct UnitCounters {
   int64_t forward_all_gathers = 0;
   int64_t backward_all_gathers = 0;
   int64_t reduce_scatters = 0;
-  int64_t all_reduces = 0;
-  int64_t bytes = 0;  // bytes this rank sent into those collectives
+  int64_t all_reduces = 0;     // NO_SHARD units (with HSDP: over the shard, then replicate group)
+  // HSDP: all-reduces of sharded units' gradient shards across the replicate group (one per
+  // reduce-scatter when there are replicas; 0 without HSDP).
+  int64_t replicate_all_reduces = 0;
+  int64_t bytes = 0;  // bytes this rank sent into those collectives (replicate ones included)
+  int64_t replicate_bytes = 0;  // of which across the replicate group (inter-node with HSDP)
   UnitCounters& operator+=(const UnitCounters& o);
 };
 

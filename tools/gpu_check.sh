@@ -6,7 +6,8 @@
 #               .device-deps/ (Abseil, Catch2 v2; see ../shared/tools/stage-device-deps.sh) if
 #               present, -DFLATSHARD_GPU_TESTS=ON
 #   build       the GPU targets (GPU_CHECK_BUILD_ALL=1: every target)
-#   gpu_tests   ctest -L gpu (each test launches itself with torchrun on min(2, #GPUs) GPUs)
+#   gpu_tests   ctest -L gpu -LE hsdp (each launches itself with torchrun on min(2, #GPUs) GPUs)
+#   hsdp        gpu_hsdp_test: HSDP on 2 GPUs as 2x1 and 1x2 (replicate x shard; needs 2 GPUs)
 #   bench       flatshard-collectives-bench via torchrun
 #   bench_nowd  the same for all_gather:bf16 with the watchdog off (FLATSHARD_NCCL_WATCHDOG=0),
 #               to show what the per-collective completion event costs
@@ -58,15 +59,23 @@ step_configure() {
 }
 
 step_build() {
-  local targets=(--target nccl_collectives_test gpu_parity_test flatshard-collectives-bench
-                 flatshard-bench)
+  local targets=(--target nccl_collectives_test gpu_parity_test gpu_hsdp_test
+                 flatshard-collectives-bench flatshard-bench)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
 
 step_gpu_tests() {
   log "(the timeout test logs one expected 'ERROR ... timed out' line from rank 0)"
-  ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600
+  ctest --test-dir "$BUILD" -L gpu -LE hsdp --output-on-failure --timeout 600
+}
+
+step_hsdp() {
+  if [ "$NGPU" -lt 2 ]; then
+    log "hsdp: needs 2 GPUs, $NGPU visible"
+    return 1
+  fi
+  ctest --test-dir "$BUILD" -R '^gpu_hsdp_test$' --output-on-failure -V --timeout 600
 }
 
 step_bench() {
@@ -139,7 +148,7 @@ step_train() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests bench bench_nowd c10d compare train)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train)
 # A failed step in this list stops the run (later steps need its output).
 FATAL=(configure build)
 declare -A RESULT SECONDS_TAKEN
