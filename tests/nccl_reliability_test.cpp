@@ -7,6 +7,7 @@
 // The CPU counterparts are tests/reliability_fault_test.cpp and reliability_memory_test.cpp.
 // Run: python3 -m torch.distributed.run --standalone --nproc-per-node 2 --no-python \
 //        build/tests/nccl_reliability_test
+#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <ATen/ATen.h>
