@@ -74,7 +74,7 @@ TEST_CASE("a stalled rank: the others fail with the timeout error in time", "[re
   CHECK_THAT(o.rank0_error, Catch::Contains("rank 0 timed out after 300 ms") &&
                                 Catch::Contains("ranks that have not reached it: 1"));
   CHECK(o.rank0_seconds >= 0.3);
-  CHECK(o.rank0_seconds < 0.3 + 1.0);  // slack: scheduling on a loaded 2-core machine
+  CHECK(o.rank0_seconds < 0.3 + 2.0);  // slack: scheduling on a loaded 2-core CI machine
   CHECK_THAT(o.run_error, Catch::Contains("timed out"));
 }
 
@@ -83,7 +83,7 @@ TEST_CASE("a dead rank (returns mid-step): the others time out", "[reliability][
   CAPTURE(o.rank0_error, o.run_error, o.rank0_seconds);
   CHECK_THAT(o.rank0_error, Catch::Contains("timed out after 300 ms"));
   CHECK(o.rank0_seconds >= 0.3);
-  CHECK(o.rank0_seconds < 0.3 + 1.0);
+  CHECK(o.rank0_seconds < 0.3 + 2.0);
 }
 
 TEST_CASE("a rank that throws mid-backward makes the others fail fast", "[reliability][timeout]") {
