@@ -163,6 +163,10 @@ void run_collective(ThreadWorld::Impl& w, int rank, Post post, Compute compute, 
   for (int r = 0; r < w.world; ++r) inputs[r] = w.posts[r].input;
   lock.unlock();
   at::Tensor result = compute(inputs);
+  // Drop our references to the other ranks' inputs before they may leave the collective, so
+  // every rank releases its own tensors (a last reference dropped on another thread would
+  // free that rank's tensor here, racing with its owner's use of the allocator's state).
+  inputs.clear();
   lock.lock();
   w.sync_point(lock, rank, what.c_str(), op_seq);
   w.posts[rank].input = at::Tensor();
