@@ -11,7 +11,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime,locale
 
-.PHONY: all setup configure build test bench clean
+.PHONY: all setup configure build test bench clean test-asan test-tsan
 
 all: build
 
@@ -39,6 +39,26 @@ test: build
 bench: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target flatshard-bench
 	$(BUILD_DIR)/benchmarks/flatshard-bench $(BENCH_ARGS)
+
+# Sanitizer runs of the CPU suite (README "Sanitizers"): separate build folders, LibTorch itself
+# uninstrumented; tools/sanitizers/ holds the options and suppressions, each with its reason.
+# Narrow with SAN_TARGETS (default: every target) and SAN_CTEST_ARGS (e.g. -L reliability).
+SAN_TARGETS ?= all
+SAN_CTEST_ARGS ?=
+SAN_CMAKE = cmake -S . -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLATSHARD_WITH_CUDA=OFF \
+	  -DFLATSHARD_BUILD_BENCHMARKS=ON -DFLATSHARD_PYTHON="$$(cat $(BUILD_DIR)/.python)"
+
+test-asan: setup
+	@[ -f build-asan/build.ninja ] || $(SAN_CMAKE) -B build-asan -DFLATSHARD_SANITIZE=address,undefined
+	cmake --build build-asan -j $(JOBS) --target $(SAN_TARGETS)
+	cd build-asan && . ../tools/sanitizers/asan.env && \
+	  ctest --output-on-failure --timeout 1800 -j $(JOBS) -LE install $(SAN_CTEST_ARGS)
+
+test-tsan: setup
+	@[ -f build-tsan/build.ninja ] || $(SAN_CMAKE) -B build-tsan -DFLATSHARD_SANITIZE=thread
+	cmake --build build-tsan -j $(JOBS) --target $(SAN_TARGETS)
+	cd build-tsan && . ../tools/sanitizers/tsan.env && \
+	  ctest --output-on-failure --timeout 1800 -j $(JOBS) -LE install $(SAN_CTEST_ARGS)
 
 clean:
 	rm -rf $(BUILD_DIR)

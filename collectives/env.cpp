@@ -24,6 +24,9 @@ const std::vector<Knob>& knobs() {
       {kNcclEagerConnect, "1",
        "1: set NCCL_RUNTIME_CONNECT=0 (unless set) so NCCL connects peers at communicator "
        "creation, never inside a collective launch"},
+      {kDebug, "0",
+       "1: before each unit's first collective per pass, check all ranks enter the same unit "
+       "(one extra collective + host sync each)"},
   };
   return table;
 }
@@ -68,6 +71,7 @@ std::chrono::milliseconds watchdog_poll() {
 }
 bool nccl_terminate_on_error() { return get_bool(kNcclTerminateOnError, false); }
 bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
+bool debug() { return get_bool(kDebug, false); }
 
 }  // namespace env
 }  // namespace flatshard

@@ -49,6 +49,12 @@ inline constexpr const char* kNcclTerminateOnError = "FLATSHARD_NCCL_TERMINATE_O
 // algorithm, where a host thread would wait for a peer without any bound (Note [Watchdog]).
 inline constexpr const char* kNcclEagerConnect = "FLATSHARD_NCCL_EAGER_CONNECT";
 
+// FLATSHARD_DEBUG (default 0): 1 = extra cross-rank checks that cost a collective and a host
+// sync each: before each unit's first collective in a forward or backward pass, all ranks
+// compare which unit they are entering, and fail naming both units if they differ (ranks
+// calling units in different orders would otherwise mix unrelated parameters or hang).
+inline constexpr const char* kDebug = "FLATSHARD_DEBUG";
+
 // The table of all knobs above (name, default, meaning), in declaration order.
 const std::vector<Knob>& knobs();
 
@@ -66,6 +72,7 @@ bool nccl_watchdog();
 std::chrono::milliseconds watchdog_poll();
 bool nccl_terminate_on_error();
 bool nccl_eager_connect();
+bool debug();
 
 }  // namespace env
 }  // namespace flatshard

@@ -151,7 +151,10 @@ void run_collective(ThreadWorld::Impl& w, int rank, Post post, Compute compute, 
     if (pr.kind != p0.kind || pr.dtype != p0.dtype || pr.numel != p0.numel || pr.extra != p0.extra) {
       std::ostringstream os;
       os << "flatshard threads backend: ranks disagree in collective #" << op_seq << ": rank 0 called "
-         << describe(p0) << " but rank " << r << " called " << describe(pr);
+         << describe(p0) << " but rank " << r << " called " << describe(pr)
+         << ". Every rank must issue the same collectives in the same order: check that all "
+            "ranks run the same model, plan and options and call the same units in the same "
+            "order (FLATSHARD_DEBUG=1 names the units)";
       lock.unlock();
       TORCH_CHECK(false, os.str(), " (reported by rank ", rank, ")");
     }
@@ -160,6 +163,10 @@ void run_collective(ThreadWorld::Impl& w, int rank, Post post, Compute compute, 
   for (int r = 0; r < w.world; ++r) inputs[r] = w.posts[r].input;
   lock.unlock();
   at::Tensor result = compute(inputs);
+  // Drop our references to the other ranks' inputs before they may leave the collective, so
+  // every rank releases its own tensors (a last reference dropped on another thread would
+  // free that rank's tensor here, racing with its owner's use of the allocator's state).
+  inputs.clear();
   lock.lock();
   w.sync_point(lock, rank, what.c_str(), op_seq);
   w.posts[rank].input = at::Tensor();

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 
+#include "collectives/env.h"
+#include "fsdp/order_check.h"
+
 namespace flatshard {
 
 namespace {
@@ -28,6 +31,7 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* repl
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
+  debug_order_ = env::debug();
 }
 
 c10::Stream Runtime::compute_stream() const { return comm_.current_stream(); }
@@ -38,6 +42,7 @@ void Runtime::prefetch(const std::vector<Unit*>& order, size_t from, int depth,
 }
 
 void Runtime::on_pre_forward(Unit& unit) {
+  if (debug_order_) check_unit_order(comm_, unit_names(), unit.index(), "forward", forward_order_.size());
   forward_order_.push_back(&unit);
   if (options_.forward_prefetch == 0 || last_forward_order_.empty()) return;
   auto it = std::find(last_forward_order_.begin(), last_forward_order_.end(), &unit);
@@ -53,6 +58,8 @@ void Runtime::on_pre_forward(Unit& unit) {
 }
 
 void Runtime::on_root_enter() {
+  if (!backward_active_ && !pending_backward_ && forward_order_.empty())
+    step_guard_.on_step_start(units_, comm_.rank());
   // A forward that armed no backward (eval, no_grad) left its step state behind: close it, so
   // this forward starts a fresh step. Two forwards before one backward keep accumulating.
   if (backward_active_ || pending_backward_ || forward_order_.empty()) return;
@@ -80,6 +87,12 @@ void Runtime::on_pre_backward(Unit& unit) {
     from = static_cast<size_t>(it - backward_order_.begin()) + 1;
   }
   prefetch(backward_order_, from, options_.backward_prefetch, /*for_backward=*/true);
+}
+
+std::vector<std::string> Runtime::unit_names() const {
+  std::vector<std::string> names;
+  for (const auto& u : units_) names.push_back(u->name());
+  return names;
 }
 
 void Runtime::hold_reduce_buffers(std::vector<at::Tensor> buffers, const StreamEvent* done) {
@@ -115,6 +128,7 @@ void Runtime::finalize_backward() {
   forward_order_.clear();
   backward_active_ = false;
   pending_backward_ = false;
+  step_guard_.on_backward_end(units_, requires_grad_sync_, comm_.rank());
   trace_step_end(tracer());
 }
 

@@ -13,6 +13,7 @@
 
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
+#include "fsdp/step_guard.h"
 #include "fsdp/trace.h"
 #include "fsdp/unit.h"
 
@@ -68,6 +69,7 @@ class Runtime {
   void finalize_backward();
 
  private:
+  std::vector<std::string> unit_names() const;
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
   Communicator& comm_;
@@ -86,6 +88,8 @@ class Runtime {
   bool backward_active_ = false;
   bool pending_backward_ = false;  // this step's forward armed a pre-backward hook
   bool requires_grad_sync_ = true;
+  StepGuard step_guard_;  // optimizer misuse checks between steps (fsdp/step_guard.h)
+  bool debug_order_ = false;  // FLATSHARD_DEBUG: cross-rank unit order check (fsdp/order_check.h)
   std::unique_ptr<Tracer> tracer_;  // declared last: destroyed (and written) first
 };
 

@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "fsdp/fingerprint.h"
 #include "fsdp/runtime.h"
 
 namespace flatshard {
@@ -28,6 +29,8 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
   TORCH_CHECK(!plan_.units.empty() && plan_.units.front().is_root,
               "fully_shard: the plan must start with the root unit (use make_plan)");
   runtime_ = std::make_unique<Runtime>(comm_, options, mesh_.hybrid() ? mesh_.replicate : nullptr);
+  // Before any other collective: ranks that disagree fail here, naming the difference.
+  check_ranks_agree(setup_fingerprint(*model_, plan_, runtime_->options(), comm_), comm_);
   const int rank = comm_.rank();
 
   std::unordered_map<std::string, at::Tensor> params_by_name;

@@ -37,6 +37,9 @@ namespace torch {
 namespace nn {
 class Module;
 }
+namespace optim {
+class Optimizer;
+}
 }  // namespace torch
 
 namespace flatshard {
@@ -71,6 +74,11 @@ class ShardedModel {
 
   // The optimizer's parameters: one fp32 master tensor per non-empty unit.
   std::vector<at::Tensor> parameters() const;
+  // Throws if `opt` holds a tensor that is not one of parameters() (naming it: the model's
+  // original parameter by name, or its group/index); warns (TORCH_WARN) naming the units whose
+  // master it lacks. Local, no collectives (fsdp/optimizer_check.cpp). Without this call, a
+  // StepGuard warns after many reduced steps that changed no master (fsdp/step_guard.h).
+  void check_optimizer(const torch::optim::Optimizer& opt) const;
   const Plan& plan() const { return plan_; }
   const ShardingOptions& options() const;
   std::vector<UnitInfo> units() const;

@@ -16,10 +16,15 @@
 #   train       flatshard-bench on the 1B GPT, 4 and 1 sequences per GPU, every granularity and
 #               the unsharded floor (`local`); tables printed in the summary
 #               (GPU_CHECK_TRAIN_ARGS adds arguments, e.g. "--layers 4" for a quick look)
+#   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
+#               every rank of nccl_reliability_test's GPT memory case and gpu_parity_test
+#               (NCCL's own kernels are excluded from racecheck: they synchronise through
+#               memory flags the tool cannot see and are not ours to fix)
 # A summary of every step is printed last; the exit status is non-zero if any step failed.
 # Knobs: GPU_CHECK_BUILD (build dir, default /tmp/flatshard-gpu-build), GPU_CHECK_LOGDIR (logs,
 # default $GPU_CHECK_BUILD/gpu_check), GPU_CHECK_NPROC (processes/GPUs, default min(2, #GPUs)),
-# GPU_CHECK_BENCH_ARGS (extra arguments for both benchmarks), PYTHON (default python3).
+# GPU_CHECK_BENCH_ARGS (extra arguments for both benchmarks), PYTHON (default python3),
+# GPU_CHECK_SANITIZE=1 (add the compute-sanitizer step; slow: minutes per tool).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -59,8 +64,8 @@ step_configure() {
 }
 
 step_build() {
-  local targets=(--target nccl_collectives_test gpu_parity_test gpu_hsdp_test
-                 flatshard-collectives-bench flatshard-bench)
+  local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
+                 gpu_hsdp_test flatshard-collectives-bench flatshard-bench)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
@@ -147,8 +152,27 @@ step_train() {
   done
 }
 
+
+step_sanitize() {
+  local cs tool rc=0
+  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  [ -x "$cs" ] || { log "compute-sanitizer not found"; return 1; }
+  for tool in memcheck racecheck; do
+    local extra=()
+    [ "$tool" = racecheck ] && extra=(--kernel-name-exclude kns=nccl)
+    log "compute-sanitizer --tool $tool: nccl_reliability_test [memory]"
+    FLATSHARD_TIMEOUT_MS=600000 "${TORCHRUN[@]}" --no-python "$cs" --tool "$tool" \
+      --error-exitcode 99 "${extra[@]}" "$BUILD/tests/nccl_reliability_test" "[memory]" || rc=1
+    log "compute-sanitizer --tool $tool: gpu_parity_test"
+    FLATSHARD_TIMEOUT_MS=600000 "${TORCHRUN[@]}" --no-python "$cs" --tool "$tool" \
+      --error-exitcode 99 "${extra[@]}" "$BUILD/tests/gpu_parity_test" || rc=1
+  done
+  return $rc
+}
+
 # ------------------------------------------------------------------------------------------------
 STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train)
+[ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 # A failed step in this list stops the run (later steps need its output).
 FATAL=(configure build)
 declare -A RESULT SECONDS_TAKEN

@@ -1,0 +1,210 @@
+#include "fsdp/fingerprint.h"
+
+#include <torch/nn/module.h>
+
+#include <sstream>
+#include <unordered_map>
+
+#include "collectives/communicator.h"
+
+namespace flatshard {
+
+namespace {
+
+constexpr char kFieldSep = '\x1f';
+constexpr char kEntrySep = '\x1e';
+
+std::string str(const std::optional<ShardingStrategy>& s) {
+  return s ? to_string(*s) : "default";
+}
+std::string str(const std::optional<bool>& b) { return b ? (*b ? "true" : "false") : "default"; }
+template <class T>
+std::string str(const T& v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+std::string serialize(const std::vector<FingerprintEntry>& entries) {
+  std::string s;
+  for (const auto& e : entries) {
+    s += e.where;
+    s += kFieldSep;
+    s += e.what;
+    s += kFieldSep;
+    s += e.value;
+    s += kEntrySep;
+  }
+  return s;
+}
+
+std::vector<FingerprintEntry> deserialize(const std::string& s) {
+  std::vector<FingerprintEntry> out;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(kEntrySep, pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string rec = s.substr(pos, end - pos);
+    FingerprintEntry e;
+    const size_t a = rec.find(kFieldSep);
+    const size_t b = a == std::string::npos ? a : rec.find(kFieldSep, a + 1);
+    e.where = rec.substr(0, a);
+    if (a != std::string::npos) e.what = rec.substr(a + 1, b == std::string::npos ? b : b - a - 1);
+    if (b != std::string::npos) e.value = rec.substr(b + 1);
+    out.push_back(std::move(e));
+    pos = end + 1;
+  }
+  return out;
+}
+
+// FNV-1a, 64 bits: a collision between two different setups is not a practical concern.
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, const Plan& plan,
+                                                const ShardingOptions& options,
+                                                const Communicator& comm) {
+  std::vector<FingerprintEntry> fp;
+  const std::string setup = "setup";
+  fp.push_back({setup, "world size", str(comm.world_size())});
+  fp.push_back({setup, "backend", comm.backend_name()});
+  fp.push_back({setup, "device type", str(comm.device().type())});
+  fp.push_back({setup, "option strategy", to_string(options.strategy)});
+  fp.push_back({setup, "option reshard_after_forward", options.reshard_after_forward ? "true" : "false"});
+  fp.push_back({setup, "option mixed_precision.param_dtype", str(options.mixed_precision.param_dtype)});
+  fp.push_back({setup, "option mixed_precision.reduce_dtype",
+                options.mixed_precision.reduce_dtype ? str(*options.mixed_precision.reduce_dtype)
+                                                     : "default"});
+  fp.push_back({setup, "option align", str(options.align)});
+  fp.push_back({setup, "option sync_module_states", options.sync_module_states ? "true" : "false"});
+  fp.push_back({setup, "plan units", str(plan.units.size())});
+  for (const auto& [first, others] : plan.tied) {
+    std::string v;
+    for (const auto& o : others) v += (v.empty() ? "" : ", ") + o;
+    fp.push_back({setup, "tied parameter '" + first + "'", "[" + v + "]"});
+  }
+
+  std::unordered_map<std::string, at::Tensor> params;
+  for (const auto& item : model.named_parameters(/*recurse=*/true))
+    params.emplace(item.key(), item.value());
+  for (size_t i = 0; i < plan.units.size(); ++i) {
+    const UnitSpec& u = plan.units[i];
+    const std::string where = "unit " + std::to_string(i) + " '" + u.name + "'";
+    fp.push_back({where, "name", u.name});
+    fp.push_back({where, "is root", u.is_root ? "true" : "false"});
+    fp.push_back({where, "strategy", str(u.options.strategy)});
+    fp.push_back({where, "reshard_after_forward", str(u.options.reshard_after_forward)});
+    fp.push_back({where, "modules", str(u.module_paths.size())});
+    for (size_t k = 0; k < u.module_paths.size(); ++k)
+      fp.push_back({where, "module " + std::to_string(k), u.module_paths[k]});
+    fp.push_back({where, "params", str(u.param_names.size())});
+    for (const auto& name : u.param_names) {
+      const std::string what = "param '" + name + "'";
+      auto it = params.find(name);
+      if (it == params.end()) {
+        fp.push_back({where, what, "missing from the model"});
+        continue;
+      }
+      const at::Tensor& p = it->second;
+      fp.push_back({where, what + " shape", str(p.sizes())});
+      fp.push_back({where, what + " dtype", str(p.scalar_type())});
+      fp.push_back({where, what + " device type", str(p.device().type())});
+    }
+  }
+  return fp;
+}
+
+std::string describe_difference(const std::vector<FingerprintEntry>& base, int base_rank,
+                                const std::vector<FingerprintEntry>& other, int other_rank) {
+  std::ostringstream os;
+  os << "rank " << other_rank << " differs from rank " << base_rank << " at ";
+  const size_t n = std::min(base.size(), other.size());
+  for (size_t i = 0; i < n; ++i) {
+    const FingerprintEntry& b = base[i];
+    const FingerprintEntry& o = other[i];
+    if (b.where == o.where && b.what == o.what && b.value == o.value) continue;
+    if (b.where == o.where && b.what == o.what) {
+      os << o.where << ": " << o.what << " " << o.value << " vs " << b.value;
+    } else {
+      os << o.where << ": it has " << o.what << " " << o.value << " where rank " << base_rank
+         << " has " << b.where << ": " << b.what << " " << b.value;
+    }
+    return os.str();
+  }
+  if (base.size() == other.size()) return "";
+  const bool other_longer = other.size() > base.size();
+  const FingerprintEntry& extra = other_longer ? other[n] : base[n];
+  os << extra.where << ": rank " << (other_longer ? other_rank : base_rank) << " has "
+     << extra.what << " " << extra.value << ", which rank "
+     << (other_longer ? base_rank : other_rank) << " lacks";
+  return os.str();
+}
+
+void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm) {
+  const int world = comm.world_size();
+  if (world == 1) return;
+  at::NoGradGuard no_grad;
+  const std::string text = serialize(mine);
+  const uint64_t h = fnv1a(text);
+  const int64_t len = static_cast<int64_t>(text.size());
+  TORCH_CHECK(len < (int64_t{1} << 32), "fully_shard: setup fingerprint too long (", len,
+              " bytes)");
+  // Six 16-bit pieces: exact in float32 (see the header's note on encoding).
+  const auto cpu_f = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor summary = at::empty({6}, cpu_f);
+  auto* s = summary.data_ptr<float>();
+  for (int k = 0; k < 4; ++k) s[k] = static_cast<float>((h >> (16 * k)) & 0xffff);
+  s[4] = static_cast<float>(len & 0xffff);
+  s[5] = static_cast<float>((len >> 16) & 0xffff);
+  const c10::Device dev = comm.device();
+  const c10::Stream stream = comm.current_stream();
+  at::Tensor all = at::empty({6 * world}, cpu_f.device(dev));
+  comm.all_gather(summary.to(dev), all, stream);
+  all = all.cpu();  // waits for the collective on GPUs
+  const float* a = all.data_ptr<float>();
+  bool same = true;
+  int64_t max_len = 0;
+  std::vector<int64_t> lens(world);
+  for (int r = 0; r < world; ++r) {
+    for (int k = 0; k < 6; ++k) same = same && a[6 * r + k] == a[k];
+    lens[r] = static_cast<int64_t>(a[6 * r + 4]) + (static_cast<int64_t>(a[6 * r + 5]) << 16);
+    max_len = std::max(max_len, lens[r]);
+  }
+  if (same) return;
+
+  // Some rank differs (every rank sees the same summaries, so every rank gets here): exchange
+  // the full texts, one float per byte, padded to the longest.
+  at::Tensor bytes = at::zeros({max_len}, cpu_f);
+  auto* b = bytes.data_ptr<float>();
+  for (int64_t i = 0; i < len; ++i) b[i] = static_cast<float>(static_cast<unsigned char>(text[i]));
+  at::Tensor texts = at::empty({max_len * world}, cpu_f.device(dev));
+  comm.all_gather(bytes.to(dev), texts, stream);
+  texts = texts.cpu();
+  const float* t = texts.data_ptr<float>();
+  std::vector<std::vector<FingerprintEntry>> per_rank(world);
+  for (int r = 0; r < world; ++r) {
+    std::string sr(static_cast<size_t>(lens[r]), '\0');
+    for (int64_t i = 0; i < lens[r]; ++i)
+      sr[i] = static_cast<char>(static_cast<unsigned char>(t[r * max_len + i]));
+    per_rank[r] = deserialize(sr);
+  }
+  for (int r = 1; r < world; ++r) {
+    const std::string diff = describe_difference(per_rank[0], 0, per_rank[r], r);
+    if (!diff.empty())
+      TORCH_CHECK(false, "fully_shard: ", diff, " (reported by rank ", comm.rank(),
+                  "); every rank must call fully_shard with the same plan, options and model "
+                  "shapes");
+  }
+  TORCH_CHECK(false, "fully_shard: the ranks' setup fingerprints differ (hash or length) but no "
+              "entry does (rank ", comm.rank(), ")");
+}
+
+}  // namespace flatshard

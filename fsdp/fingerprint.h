@@ -1,0 +1,59 @@
+// flatshard/fsdp/fingerprint.h — check at setup that every rank shards the same thing the same way.
+//
+// Why: ranks that disagree on the plan, the parameter shapes or dtypes, or the options issue
+// collectives of different sizes or in a different order. NCCL then hangs or silently mixes
+// unrelated bytes; the threads backend reports an all_gather size mismatch that names no
+// parameter. Exchanging a description first turns that into one clear error on every rank.
+//
+// Contract
+// - setup_fingerprint() describes, as ordered entries {where, what, value}, everything ranks must
+//   agree on: world size, backend, the options that change collectives (strategy, reshard,
+//   mixed-precision dtypes, alignment, sync_module_states), and per unit its name, kind,
+//   strategy options, module paths, and each parameter's name, shape, dtype and device type.
+//   Local-only things (device index, trace path, prefetch depths) are left out.
+// - check_ranks_agree() is collective (every rank must call it, before any other collective of
+//   the ShardedModel). Cost when ranks agree: one all_gather of 4 floats. When any rank differs,
+//   ranks exchange their full descriptions and EVERY rank throws the same c10::Error, naming the
+//   lowest differing rank and its first differing entry, e.g.
+//     "fully_shard: rank 1 differs from rank 0 at unit 3 'blocks.2': param
+//      'blocks.2.mlp.fc.weight' shape [256, 64] vs [128, 64] (reported by rank 0)"
+// - Encoding (why floats): the Communicator moves only float32/bfloat16, and its reductions are
+//   float. Bytes 0..255 and 16-bit hash pieces are integers below 2^24, exact in float32, so the
+//   text travels through all_gather unchanged without widening the Communicator's dtypes.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fsdp/options.h"
+#include "wrap_policies/plan.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+class Communicator;
+
+struct FingerprintEntry {
+  std::string where;  // "setup" or "unit 3 'blocks.2'"
+  std::string what;   // "param 'blocks.2.mlp.fc.weight' shape"
+  std::string value;  // "[256, 64]"
+};
+
+std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, const Plan& plan,
+                                                const ShardingOptions& options,
+                                                const Communicator& comm);
+
+// Throws (on every rank) when the ranks' fingerprints differ. Collective.
+void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm);
+
+// The message for the first difference between `base` (rank `base_rank`) and `other` (rank
+// `other_rank`); "" when they are equal. Exposed for tests.
+std::string describe_difference(const std::vector<FingerprintEntry>& base, int base_rank,
+                                const std::vector<FingerprintEntry>& other, int other_rank);
+
+}  // namespace flatshard
