@@ -53,21 +53,6 @@ ParitySpec gpt_spec(int world, const std::string& policy_spec, ShardingStrategy 
   return s;
 }
 
-void require_parity(const ParityRun& ref, const ParityRun& got) {
-  REQUIRE(ref.grads.size() == got.grads.size());
-  for (auto& kv : ref.grads) {
-    CAPTURE(kv.first, (got.grads.at(kv.first) - kv.second).abs().max().item<double>());
-    REQUIRE(at::allclose(got.grads.at(kv.first), kv.second, 1e-4, 1e-6));
-  }
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    CAPTURE(i, ref.losses[i], got.losses[i]);
-    REQUIRE(std::abs(ref.losses[i] - got.losses[i]) <= 1e-5 * (1 + std::abs(ref.losses[i])));
-  }
-  for (auto& kv : ref.params) {
-    CAPTURE(kv.first, (got.params.at(kv.first) - kv.second).abs().max().item<double>());
-    REQUIRE(at::allclose(got.params.at(kv.first), kv.second, 1e-4, 2e-4));
-  }
-}
 
 }  // namespace
 

@@ -6,6 +6,8 @@
 // over the union batch — the reference's. Only float summation order differs.
 #pragma once
 
+#include <catch2/catch.hpp>
+
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
@@ -163,6 +165,39 @@ inline ParityRun run_sharded(const ParitySpec& s) {
     }
   });
   return out;
+}
+
+// fp32 tolerances of a parity comparison; each test states why its values are right for it.
+struct ParityTolerance {
+  double loss_rel = 1e-5;                     // |dloss| <= loss_rel * (1 + |loss|)
+  double grad_rtol = 1e-4, grad_atol = 1e-6;  // step-0 gradients
+  double param_rtol = 1e-4, param_atol = 2e-4;  // final parameters
+};
+
+// Losses per step, step-0 gradients (first: AdamW is invariant to a constant gradient scale, so
+// a wrong average would hide in the parameters) and final parameters, by name.
+inline void require_parity(const ParityRun& ref, const ParityRun& got, const ParityTolerance& tol = {}) {
+  REQUIRE(ref.losses.size() == got.losses.size());
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    CAPTURE(i, ref.losses[i], got.losses[i]);
+    REQUIRE(std::abs(ref.losses[i] - got.losses[i]) <= tol.loss_rel * (1 + std::abs(ref.losses[i])));
+  }
+  REQUIRE(ref.grads.size() == got.grads.size());
+  for (auto& kv : ref.grads) {
+    CAPTURE(kv.first);
+    REQUIRE(got.grads.count(kv.first));
+    CAPTURE((got.grads.at(kv.first) - kv.second).abs().max().item<double>());
+    REQUIRE(at::allclose(got.grads.at(kv.first), kv.second, tol.grad_rtol, tol.grad_atol));
+  }
+  REQUIRE(ref.params.size() == got.params.size());
+  for (auto& kv : ref.params) {
+    CAPTURE(kv.first);
+    REQUIRE(got.params.count(kv.first));
+    const at::Tensor& g = got.params.at(kv.first);
+    REQUIRE(g.sizes() == kv.second.sizes());
+    CAPTURE((g - kv.second).abs().max().item<double>());
+    REQUIRE(at::allclose(g, kv.second, tol.param_rtol, tol.param_atol));
+  }
 }
 
 }  // namespace flatshard_test
