@@ -26,7 +26,8 @@ const std::vector<Knob>& knobs() {
        "creation, never inside a collective launch"},
       {kDebug, "0",
        "1: before each unit's first collective per pass, check all ranks enter the same unit "
-       "(one extra collective + host sync each)"},
+       "(one extra collective + host sync each); fill the padding of gathered flat parameters "
+       "with NaN"},
   };
   return table;
 }

@@ -52,7 +52,8 @@ inline constexpr const char* kNcclEagerConnect = "FLATSHARD_NCCL_EAGER_CONNECT";
 // FLATSHARD_DEBUG (default 0): 1 = extra cross-rank checks that cost a collective and a host
 // sync each: before each unit's first collective in a forward or backward pass, all ranks
 // compare which unit they are entering, and fail naming both units if they differ (ranks
-// calling units in different orders would otherwise mix unrelated parameters or hang).
+// calling units in different orders would otherwise mix unrelated parameters or hang); and the
+// padding of every gathered flat parameter is filled with NaN, so a read of padding shows up.
 inline constexpr const char* kDebug = "FLATSHARD_DEBUG";
 
 // The table of all knobs above (name, default, meaning), in declaration order.

@@ -6,6 +6,8 @@
 #endif
 #include <c10/core/StreamGuard.h>
 
+#include <cmath>
+
 namespace flatshard {
 
 void resize_tensor_storage(const at::Tensor& t, int64_t numel) {
@@ -65,6 +67,12 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     shapes.push_back(p.param.sizes().vec());
   }
   layout_ = FlatLayout::make(shapes, world, config_.align);
+  int64_t end = 0;
+  for (size_t i = 0; i <= layout_.numels.size(); ++i) {
+    const int64_t next = i < layout_.numels.size() ? layout_.offsets[i] : layout_.padded_numel;
+    if (next > end) padding_.emplace_back(end, next);
+    if (i < layout_.numels.size()) end = layout_.offsets[i] + layout_.numels[i];
+  }
 
   // The full fp32 values, padding zero, on the communicator's device.
   at::Tensor init = at::zeros({layout_.padded_numel}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -111,13 +119,16 @@ void FlatParam::unshard(c10::Stream stream) {
   const at::Tensor master = master_.detach();
   if (!config_.sharded) {
     if (!full_aliases_master_) full_.copy_(master);
-    return;
+  } else {
+    resize_tensor_storage(full_, layout_.padded_numel);
+    if (layout_.padded_numel == 0) return;
+    at::Tensor slot = full_.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel);
+    slot.copy_(master);
+    comm_.all_gather(slot, full_, stream);
   }
-  resize_tensor_storage(full_, layout_.padded_numel);
-  if (layout_.padded_numel == 0) return;
-  at::Tensor slot = full_.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel);
-  slot.copy_(master);
-  comm_.all_gather(slot, full_, stream);
+  // (Not for the replicated fp32 buffer: it is the optimizer's master, whose padding must stay 0.)
+  if (config_.poison_padding && !full_aliases_master_)
+    for (const auto& [b, e] : padding_) full_.narrow(0, b, e - b).fill_(NAN);
 }
 
 void FlatParam::reshard() {

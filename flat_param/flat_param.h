@@ -41,6 +41,9 @@ struct FlatParamConfig {
   at::ScalarType reduce_dtype = at::kFloat;     // gradient reduction dtype
   int64_t align = 8;                            // elements; see FlatLayout
   bool sync_module_states = true;               // broadcast rank 0's values at construction
+  // Debugging (FLATSHARD_DEBUG=1): after every unshard the padding of the gathered buffer is
+  // filled with NaN, so code that reads padding produces NaN instead of silently using zeros.
+  bool poison_padding = false;
 };
 
 struct ParamRef {
@@ -106,6 +109,7 @@ class FlatParam {
   at::Tensor full_;       // unsharded buffer in param_dtype; params are views of it
   at::Tensor full_grad_;  // flat gradient in param_dtype; params' .grad are views of it
   bool full_aliases_master_ = false;  // replicated fp32: no second copy
+  std::vector<std::pair<int64_t, int64_t>> padding_;  // [begin, end) gaps of the flat buffer
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "fsdp/fingerprint.h"
+#include "collectives/env.h"
 #include "fsdp/runtime.h"
 
 namespace flatshard {
@@ -84,6 +85,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
     cfg.reduce_dtype = mp.reduce_dtype.value_or(mp.param_dtype);
     cfg.align = runtime_->options().align;
     cfg.sync_module_states = runtime_->options().sync_module_states;
+    cfg.poison_padding = env::debug();
     runtime_->units().push_back(std::make_unique<Unit>(static_cast<int>(i), spec, strategy,
                                                        reshard, std::move(members),
                                                        std::move(params), *runtime_, cfg));

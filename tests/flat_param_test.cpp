@@ -139,3 +139,34 @@ TEST_CASE("flat parameters refuse mixed dtypes and devices with a clear error", 
                         Catch::Contains("floating-point parameters only"));
   });
 }
+
+TEST_CASE("debug padding poison: gathered padding is NaN, values and gradients unaffected",
+          "[flat_param]") {
+  for (int world : {1, 2, 3}) {
+    CAPTURE(world);
+    run_ranks(world, [&](Communicator& c) {
+      auto ps = make_params(5);
+      std::vector<at::Tensor> orig;
+      for (auto& p : ps) orig.push_back(p.detach().clone());
+      FlatParamConfig cfg;
+      cfg.poison_padding = true;
+      FlatParam fp("unit", refs(ps), c, cfg);
+      const auto& l = fp.layout();
+      fp.unshard(c.current_stream());
+      // Every element outside a parameter's range is NaN; every parameter is intact.
+      auto is_param = at::zeros({l.padded_numel}, at::kBool);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        is_param.narrow(0, l.offsets[i], l.numels[i]).fill_(true);
+        REQUIRE(at::equal(ps[i].detach(), orig[i]));
+      }
+      REQUIRE(l.padding() > 0);
+      REQUIRE(fp.full().masked_select(is_param.logical_not()).isnan().all().item<bool>());
+      REQUIRE_FALSE(fp.full().masked_select(is_param).isnan().any().item<bool>());
+      // Gradients live in their own buffer: the reduced master gradient has no NaN.
+      fp.prepare_grad();
+      for (auto& p : ps) p.mutable_grad().add_(1.0);
+      fp.reduce_grad(c.current_stream());
+      REQUIRE_FALSE(fp.master().grad().isnan().any().item<bool>());
+    });
+  }
+}

@@ -239,3 +239,17 @@ TEST_CASE("mixed precision: bf16 parameters and compute, fp32 or bf16 reduction"
     }
   }
 }
+
+TEST_CASE("FLATSHARD_DEBUG: NaN padding and the order check leave parity intact", "[fsdp][parity]") {
+  // With padding poisoned, any read of padding (a view off by a few elements, a reduction over
+  // the whole flat buffer) would turn losses or parameters into NaN.
+  setenv("FLATSHARD_DEBUG", "1", 1);
+  auto s = tiny_spec(3);
+  s.plan = [](torch::nn::Module& m) {
+    return manual_plan(m, leaf_units(), {{}, {ShardingStrategy::kNoShard, {}}});
+  };
+  s.options.mixed_precision.param_dtype = at::kFloat;
+  auto got = run_sharded(s);
+  unsetenv("FLATSHARD_DEBUG");
+  require_parity(run_reference(s), got, kTol);
+}
