@@ -17,7 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include "benchmarks/gpt.h"
-#include "parity_util.h"
+#include "gpt_parity_spec.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 
@@ -27,32 +27,13 @@ namespace g = flatshard::gpt;
 
 namespace {
 
-g::GPTConfig cfg() {
-  g::GPTConfig c;
-  c.vocab = 97;
-  c.d_model = 36;
-  c.n_heads = 3;
-  c.n_layers = 3;
-  c.seq_len = 11;
-  return c;
-}
+g::GPTConfig cfg() { return parity_gpt_config(); }
 
 ParitySpec gpt_spec(int world, const std::string& policy_spec, ShardingStrategy strategy) {
-  ParitySpec s;
-  s.world = world;
+  ParitySpec s = gpt_parity_spec(world, policy_spec);
   s.options.strategy = strategy;
-  s.make_model = [] { return std::static_pointer_cast<torch::nn::Module>(g::GPT(cfg(), 11).ptr()); };
-  s.plan = [policy_spec](torch::nn::Module& m) {
-    return make_plan(m, policy_spec.empty() ? Policy{} : parse_policy(policy_spec));
-  };
-  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
-    auto model = std::static_pointer_cast<g::GPTImpl>(m);
-    auto [x, y] = g::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
-    return flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
-  };
   return s;
 }
-
 
 }  // namespace
 

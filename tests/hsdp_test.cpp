@@ -19,7 +19,7 @@
 #include "checkpoint/checkpoint.h"
 #include "collectives/sharding_mesh.h"
 #include "collectives/thread_mesh.h"
-#include "parity_util.h"
+#include "gpt_parity_spec.h"
 #include "temp_dir.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
@@ -38,30 +38,9 @@ LaunchEnv parse(const std::map<std::string, std::string>& vars) {
   });
 }
 
-g::GPTConfig cfg() {
-  g::GPTConfig c;
-  c.vocab = 97;
-  c.d_model = 36;
-  c.n_heads = 3;
-  c.n_layers = 3;
-  c.seq_len = 11;
-  return c;
-}
+g::GPTConfig cfg() { return parity_gpt_config(); }
 
-ParitySpec gpt_spec(const std::string& policy_spec) {
-  ParitySpec s;
-  s.world = 4;
-  s.make_model = [] { return std::static_pointer_cast<torch::nn::Module>(g::GPT(cfg(), 11).ptr()); };
-  s.plan = [policy_spec](torch::nn::Module& m) {
-    return make_plan(m, policy_spec.empty() ? Policy{} : parse_policy(policy_spec));
-  };
-  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
-    auto model = std::static_pointer_cast<g::GPTImpl>(m);
-    auto [x, y] = g::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
-    return flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
-  };
-  return s;
-}
+ParitySpec gpt_spec(const std::string& policy_spec) { return gpt_parity_spec(4, policy_spec); }
 
 struct HsdpRun {
   ParityRun run;                                         // global rank 0's view
