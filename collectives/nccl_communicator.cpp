@@ -331,6 +331,24 @@ void NcclCommunicator::track_locked(int64_t seq, Op op, Lane lane, at::ScalarTyp
                        std::chrono::steady_clock::now()});
 }
 
+// Note [One-rank NCCL]
+// A one-rank communicator (the shard group of HSDP with one GPU per replica, a 1-GPU run)
+// never calls NCCL for data: NCCL before 2.29.7 drops the last count % blocks elements of a
+// one-rank reduction with ncclAvg (NVIDIA/nccl#1950; torch 2.11's wheel ships 2.28.9). Seen
+// here as one zero at the end of each Block's flat gradient on a 2x1 HSDP mesh, which
+// gpu_hsdp_test caught. With one rank every collective is the identity, so a copy (or nothing,
+// in place) on the caller's stream is exact and cheaper; the work is still counted and tracked
+// by the watchdog like any other collective. The barrier keeps its NCCL call (its value is
+// unused).
+void NcclCommunicator::one_rank_copy(const at::Tensor& dst, const at::Tensor& src,
+                                     cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(dst.nbytes() == src.nbytes(), "rank ", rank_, ": one-rank copy of ",
+                        src.nbytes(), " bytes into ", dst.nbytes());
+  if (dst.data_ptr() == src.data_ptr() || dst.nbytes() == 0) return;
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.const_data_ptr(), src.nbytes(),
+                                 cudaMemcpyDeviceToDevice, stream));
+}
+
 void NcclCommunicator::all_gather(const at::Tensor& input, const at::Tensor& output,
                                   c10::Stream stream) {
   detail::check_all_gather("all_gather", rank_, world_, input, output, device_);
@@ -339,6 +357,7 @@ void NcclCommunicator::all_gather(const at::Tensor& input, const at::Tensor& out
   if (n > 0) check_alias("all_gather", rank_, "input", input, "output", output, rank_);
   launch(Op::kAllGather, Lane::kAllGather, input, input.nbytes(), s, true,
          [&](ncclComm* comm, cudaStream_t st) {
+           if (world_ == 1) return one_rank_copy(output, input, st);  // Note [One-rank NCCL]
            FLATSHARD_NCCL_CHECK(ncclAllGather(input.const_data_ptr(), output.data_ptr(),
                                                      static_cast<size_t>(n),
                                                      nccl_dtype(input.scalar_type()), comm, st),
@@ -354,6 +373,7 @@ void NcclCommunicator::reduce_scatter(const at::Tensor& input, const at::Tensor&
   if (n > 0) check_alias("reduce_scatter", rank_, "output", output, "input", input, rank_);
   launch(Op::kReduceScatter, Lane::kReduceScatter, output, input.nbytes(), s, true,
          [&](ncclComm* comm, cudaStream_t st) {
+           if (world_ == 1) return one_rank_copy(output, input, st);  // Note [One-rank NCCL]
            FLATSHARD_NCCL_CHECK(
                ncclReduceScatter(input.const_data_ptr(), output.data_ptr(), static_cast<size_t>(n),
                                  nccl_dtype(input.scalar_type()), nccl_op(op), comm, st),
@@ -367,6 +387,7 @@ void NcclCommunicator::all_reduce(const at::Tensor& tensor, ReduceOp op, c10::St
   const cudaStream_t s = cuda_stream("all_reduce", stream);
   launch(Op::kAllReduce, lane, tensor, tensor.nbytes(), s, true,
          [&](ncclComm* comm, cudaStream_t st) {
+           if (world_ == 1) return;  // in place: already the result (Note [One-rank NCCL])
            FLATSHARD_NCCL_CHECK(
                ncclAllReduce(tensor.const_data_ptr(), tensor.data_ptr(),
                              static_cast<size_t>(tensor.numel()), nccl_dtype(tensor.scalar_type()),
@@ -382,6 +403,7 @@ void NcclCommunicator::broadcast(const at::Tensor& tensor, int root, c10::Stream
   const cudaStream_t s = cuda_stream("broadcast", stream);
   launch(Op::kBroadcast, Lane::kAllGather, tensor, tensor.nbytes(), s, true,
          [&](ncclComm* comm, cudaStream_t st) {
+           if (world_ == 1) return;  // in place, root 0 is this rank (Note [One-rank NCCL])
            FLATSHARD_NCCL_CHECK(
                ncclBroadcast(tensor.const_data_ptr(), tensor.data_ptr(),
                              static_cast<size_t>(tensor.numel()), nccl_dtype(tensor.scalar_type()),

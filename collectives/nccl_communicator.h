@@ -171,6 +171,8 @@ class NcclCommunicator final : public Communicator {
   template <class Enqueue>
   void launch(Op op, Lane lane, const at::Tensor& t, int64_t bytes, cudaStream_t stream,
               bool count, Enqueue&& enqueue);
+  // One rank: the collective is a copy of src into dst on `stream` (Note [One-rank NCCL]).
+  void one_rank_copy(const at::Tensor& dst, const at::Tensor& src, cudaStream_t stream);
   void track_locked(int64_t seq, Op op, Lane lane, at::ScalarType dtype, int64_t numel,
                     int64_t group_ops, cudaStream_t stream);
   cudaEvent_t take_event_locked();

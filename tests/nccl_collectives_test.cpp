@@ -258,6 +258,39 @@ TEST_CASE("bad arguments give clear errors naming call and rank", "[nccl][errors
   CHECK_FALSE(c.failed());
 }
 
+TEST_CASE("a one-rank communicator: every collective is exact to the last element", "[nccl]") {
+  // Each rank alone in its own communicator, as the shard group of a 2x1 HSDP mesh. NCCL before
+  // 2.29.7 leaves the tail of a one-rank ncclAvg reduction unwritten (Note [One-rank NCCL]);
+  // outputs start as NaN so that any element left unwritten fails.
+  auto& c = comm();
+  auto solo = NcclCommunicator::create(c.store(), 0, 1, c.device(),
+                                       std::chrono::milliseconds(60000),
+                                       "solo_" + std::to_string(c.rank()));
+  const auto st = solo->current_stream();
+  for (at::ScalarType dt : kDtypes)
+    for (int64_t n : {int64_t{1}, int64_t{43984}, int64_t{1000003}}) {
+      CAPTURE(dt, n);
+      const at::Tensor in = rank_tensor(c.rank(), n, dt).to(c.device());
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        auto out = at::full({n}, NAN, gpu(dt));
+        solo->reduce_scatter(in, out, op, st);
+        CHECK(at::equal(out.cpu(), in.cpu()));
+        auto t = in.clone();
+        solo->all_reduce(t, op, st, Lane::kAllGather);
+        CHECK(at::equal(t.cpu(), in.cpu()));
+      }
+      auto out = at::full({n}, NAN, gpu(dt));
+      solo->all_gather(in, out, st);
+      CHECK(at::equal(out.cpu(), in.cpu()));
+      auto b = in.clone();
+      solo->broadcast(b, 0, st);
+      CHECK(at::equal(b.cpu(), in.cpu()));
+    }
+  CHECK(solo->counters().reduce_scatters == 12);
+  solo->barrier();
+  solo->shutdown();
+}
+
 TEST_CASE("shutdown is collective; later calls throw", "[nccl]") {
   auto& c = comm();
   auto other = NcclCommunicator::create(c.store(), c.rank(), c.world_size(), c.device(),
