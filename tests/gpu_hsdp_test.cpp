@@ -117,21 +117,22 @@ Run sharded(NcclMesh& m, const std::string& spec, const ShardingOptions& opts, i
 }
 
 void require_fp32_parity(const Run& ref, const Run& got) {
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    CAPTURE(i, ref.losses[i], got.losses[i]);
-    REQUIRE(std::abs(ref.losses[i] - got.losses[i]) <= 1e-4 * (1 + std::abs(ref.losses[i])));
-  }
+  // Step-0 gradients first: a wrong reduction shows there before AdamW blurs it into the losses.
   for (auto& kv : ref.grads0) {
     CAPTURE(kv.first, (got.grads0.at(kv.first) - kv.second).abs().max().item<double>());
-    REQUIRE(at::allclose(got.grads0.at(kv.first), kv.second, 1e-3, 1e-5));
+    CHECK(at::allclose(got.grads0.at(kv.first), kv.second, 1e-3, 1e-5));
+  }
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    CAPTURE(i, ref.losses[i], got.losses[i]);
+    CHECK(std::abs(ref.losses[i] - got.losses[i]) <= 1e-4 * (1 + std::abs(ref.losses[i])));
   }
   for (auto& kv : ref.params) {
     CAPTURE(kv.first, (got.params.at(kv.first) - kv.second).abs().max().item<double>());
-    REQUIRE(at::allclose(got.params.at(kv.first), kv.second, 1e-3, 2e-4));
+    CHECK(at::allclose(got.params.at(kv.first), kv.second, 1e-3, 2e-4));
   }
 }
 
-const char* kPlans[] = {"noshard:path=lm_head|blocks.1*;type=Block",
+const char* kPlans[] = {"type=Block", "noshard:path=lm_head|blocks.1*;type=Block",
                         "noshard:path=lm_head|blocks.1*;type=Linear|LayerNorm|Embedding"};
 
 }  // namespace
@@ -164,7 +165,7 @@ TEST_CASE("GPU HSDP parity under injected device sleeps", "[gpu][hsdp][stress]")
   opts.backward_prefetch = 2;
   for (NcclMesh* m : {g_2x1, g_1x2}) {
     CAPTURE(m->layout.replicate, m->layout.shard);
-    require_fp32_parity(ref, sharded(*m, kPlans[0], opts, 20'000'000));
+    require_fp32_parity(ref, sharded(*m, kPlans[1], opts, 20'000'000));
   }
 }
 
