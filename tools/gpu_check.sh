@@ -16,15 +16,22 @@
 #   train       flatshard-bench on the 1B GPT, 4 and 1 sequences per GPU, every granularity and
 #               the unsharded floor (`local`); tables printed in the summary
 #               (GPU_CHECK_TRAIN_ARGS adds arguments, e.g. "--layers 4" for a quick look)
+#   trace       flatshard-bench, per-layer units, 4 sequences per GPU, with FLATSHARD_TRACE (host
+#               and CUDA-event timestamps per unit) and NVTX ranges, then flatshard-trace's summary:
+#               exposed communication per unit, GPU idle gaps and their cause, host issue time vs
+#               GPU time per step
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
-#               every rank of nccl_reliability_test's GPT memory case and gpu_parity_test
+#               every rank of nccl_reliability_test's GPT memory case (100 steps) and
+#               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
 #               (NCCL's own kernels are excluded from racecheck: they synchronise through
 #               memory flags the tool cannot see and are not ours to fix)
 # A summary of every step is printed last; the exit status is non-zero if any step failed.
 # Knobs: GPU_CHECK_BUILD (build dir, default /tmp/flatshard-gpu-build), GPU_CHECK_LOGDIR (logs,
 # default $GPU_CHECK_BUILD/gpu_check), GPU_CHECK_NPROC (processes/GPUs, default min(2, #GPUs)),
 # GPU_CHECK_BENCH_ARGS (extra arguments for both benchmarks), PYTHON (default python3),
-# GPU_CHECK_SANITIZE=1 (add the compute-sanitizer step; slow: minutes per tool).
+# GPU_CHECK_SANITIZE=1 (add the compute-sanitizer step; slow: minutes per tool),
+# GPU_CHECK_STEPS (space-separated subset of the steps, in order; e.g. "configure build gpu_tests"),
+# GPU_CHECK_TEST_TIMEOUT (seconds per GPU ctest test, default 300: a hang fails, it does not stall).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -33,6 +40,7 @@ PYTHON=${PYTHON:-python3}
 BUILD=${GPU_CHECK_BUILD:-/tmp/flatshard-gpu-build}
 LOGDIR=${GPU_CHECK_LOGDIR:-$BUILD/gpu_check}
 BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:-}
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-300}
 mkdir -p "$LOGDIR"
 
 log() { echo "[gpu_check $(date +%H:%M:%S)] $*"; }
@@ -60,19 +68,20 @@ step_configure() {
   rm -rf "$BUILD/CMakeCache.txt" "$BUILD/CMakeFiles"
   cmake -S . -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$prefix" -DNCCL_ROOT="$nr" -DFLATSHARD_PYTHON="$PYTHON" \
-    -DFLATSHARD_WITH_CUDA=ON -DFLATSHARD_GPU_TESTS=ON -DFLATSHARD_GPU_TEST_NPROC="$NPROC"
+    -DFLATSHARD_WITH_CUDA=ON -DFLATSHARD_GPU_TESTS=ON -DFLATSHARD_GPU_TEST_NPROC="$NPROC" \
+    -DFLATSHARD_GPU_TEST_TIMEOUT="$TEST_TIMEOUT"
 }
 
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
-                 gpu_hsdp_test flatshard-collectives-bench flatshard-bench)
+                 gpu_hsdp_test flatshard-collectives-bench flatshard-bench flatshard-trace)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
 
 step_gpu_tests() {
   log "(the timeout test logs one expected 'ERROR ... timed out' line from rank 0)"
-  ctest --test-dir "$BUILD" -L gpu -LE hsdp --output-on-failure --timeout 600
+  ctest --test-dir "$BUILD" -L gpu -LE hsdp --output-on-failure --timeout "$TEST_TIMEOUT"
 }
 
 step_hsdp() {
@@ -80,7 +89,7 @@ step_hsdp() {
     log "hsdp: needs 2 GPUs, $NGPU visible"
     return 1
   fi
-  ctest --test-dir "$BUILD" -R '^gpu_hsdp_test$' --output-on-failure -V --timeout 600
+  ctest --test-dir "$BUILD" -R '^gpu_hsdp_test$' --output-on-failure -V --timeout "$TEST_TIMEOUT"
 }
 
 step_bench() {
@@ -152,6 +161,17 @@ step_train() {
   done
 }
 
+step_trace() {
+  rm -f "$LOGDIR"/trace*.json "$LOGDIR/merged_trace.json"
+  # shellcheck disable=SC2086
+  FLATSHARD_TRACE="$LOGDIR/trace.json" FLATSHARD_TRACE_STEPS=4 \
+    "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch 4 \
+      --warmup 2 --steps 3 --granularity layer ${GPU_CHECK_TRAIN_ARGS:-} || return 1
+  local files=("$LOGDIR"/trace*.json)
+  [ -e "${files[0]}" ] || { log "trace: no trace files in $LOGDIR"; return 1; }
+  "$BUILD/tools/flatshard-trace" --merge "$LOGDIR/merged_trace.json" "${files[@]}" \
+    | tee "$LOGDIR/trace_summary.txt"
+}
 
 step_sanitize() {
   local cs tool rc=0
@@ -163,16 +183,22 @@ step_sanitize() {
     log "compute-sanitizer --tool $tool: nccl_reliability_test [memory]"
     FLATSHARD_TIMEOUT_MS=600000 "${TORCHRUN[@]}" --no-python "$cs" --tool "$tool" \
       --error-exitcode 99 "${extra[@]}" "$BUILD/tests/nccl_reliability_test" "[memory]" || rc=1
-    log "compute-sanitizer --tool $tool: gpu_parity_test"
+    log "compute-sanitizer --tool $tool: gpu_parity_test [counters] (per-layer FULL_SHARD, 5 steps)"
     FLATSHARD_TIMEOUT_MS=600000 "${TORCHRUN[@]}" --no-python "$cs" --tool "$tool" \
-      --error-exitcode 99 "${extra[@]}" "$BUILD/tests/gpu_parity_test" || rc=1
+      --error-exitcode 99 "${extra[@]}" "$BUILD/tests/gpu_parity_test" "[counters]" || rc=1
   done
   return $rc
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train trace)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
+if [ -n "${GPU_CHECK_STEPS:-}" ]; then
+  read -r -a STEPS <<<"$GPU_CHECK_STEPS"
+  for s in "${STEPS[@]}"; do
+    declare -F "step_$s" >/dev/null || { log "GPU_CHECK_STEPS: no step '$s'"; exit 2; }
+  done
+fi
 # A failed step in this list stops the run (later steps need its output).
 FATAL=(configure build)
 declare -A RESULT SECONDS_TAKEN
