@@ -333,6 +333,9 @@ TEST_CASE("trace summary: GPU waits and host-starved gaps", "[diagnostics][trace
       ev("fwd u1", "forward", 1, 3000, 1000, "u1", 600),
       ev("all_gather u1", "all_gather", 2, 800, 2200, "u1", 400),
       ev("fwd u2", "forward", 1, 6000, 1000, "u2", 5990),
+      // Host track: the host issued u0 at -450 and finished issuing u2 at 6000.
+      ev("fwd u0", "forward", 0, -450, 60, "u0", -1),
+      ev("fwd u2", "forward", 0, 5980, 20, "u2", -1),
   };
   json::Value::Array units;
   for (const char* n : {"u0", "u1", "u2"})
@@ -359,6 +362,9 @@ TEST_CASE("trace summary: GPU waits and host-starved gaps", "[diagnostics][trace
   CHECK(s.units[s.offenders[1]].advice.find("host-bound") != std::string::npos);
   REQUIRE(s.largest_gaps.size() == 2);
   CHECK(s.largest_gaps[0].us == Approx(2000));
+  CHECK(s.host_issue_us == Approx(6450));  // -450 .. 6000
+  CHECK(s.gpu_span_us == Approx(7000));    // 0 .. 7000 (u2's forward ends last)
+  CHECK_THAT(s.to_string(), Catch::Contains("host issue time per step 6.45 ms vs GPU time per step 7.00 ms"));
 }
 
 TEST_CASE("json reader: strict RFC 8259", "[diagnostics][json]") {

@@ -214,8 +214,9 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
 
   std::map<std::string, Acc> total;  // summed over ranks of per-step means
   std::vector<IdleGap> gaps;
-  double step_sum = 0;
+  double step_sum = 0, issue_sum = 0, span_sum = 0;
   int step_count = 0;
+  size_t issue_n = 0, span_n = 0;
   for (const auto& r : ranks) {
     std::set<int> steps;
     std::map<int, double> step_dur;
@@ -231,6 +232,22 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
     for (int st : steps) {
       step_sum += step_dur[st];
       ++step_count;
+    }
+
+    // Host issue span vs GPU span of each used step.
+    std::map<int, std::pair<double, double>> host_span, gpu_span;
+    for (const auto& e : r.events) {
+      if (!steps.count(e.step) || e.cat == "step") continue;
+      auto& sp = (e.tid == kHost ? host_span : gpu_span)[e.step];
+      if (sp.first == 0 && sp.second == 0) sp = {e.ts, e.ts + e.dur};
+      sp.first = std::min(sp.first, e.ts);
+      sp.second = std::max(sp.second, e.ts + e.dur);
+    }
+    if (s.gpu) {
+      for (const auto& [st, sp] : host_span) issue_sum += sp.second - sp.first;
+      for (const auto& [st, sp] : gpu_span) span_sum += sp.second - sp.first;
+      issue_n += host_span.size();
+      span_n += gpu_span.size();
     }
 
     std::vector<const TraceEvent*> tracks[4];
@@ -309,6 +326,8 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
   }
   const double nr = static_cast<double>(ranks.size());
   s.step_us = step_count ? step_sum / step_count : 0;
+  s.host_issue_us = issue_n ? issue_sum / issue_n : 0;
+  s.gpu_span_us = span_n ? span_sum / span_n : 0;
   const int world = ranks.front().world_size;
   for (const auto& name : order) {
     const Acc& t = total[name];
@@ -363,6 +382,12 @@ std::string TraceSummary::to_string() const {
      << " ms";
   if (gpu) os << ", GPU idle waiting for the host " << ms(host_gap_us) << " ms";
   os << "\n";
+  if (gpu)
+    os << "host issue time per step " << ms(host_issue_us) << " ms vs GPU time per step "
+       << ms(gpu_span_us) << " ms"
+       << (host_issue_us < gpu_span_us ? " (the host runs ahead of the GPU)"
+                                       : " (host-bound: the host issues slower than the GPU runs)")
+       << "\n";
   const std::vector<std::string> header = {"unit",   "fwd ms", "bwd ms",  "AG fwd ms", "AG bwd ms",
                                            "RS ms",  "host gap ms", "exposed ms", "AG/step", "AG size"};
   std::vector<std::vector<std::string>> rows = {header};

@@ -84,6 +84,10 @@ struct TraceSummary {
   int steps_total = 0;
   double step_us = 0;  // mean step duration (host "step" spans)
   double compute_us = 0, all_gather_us = 0, reduce_us = 0, host_gap_us = 0;  // per step
+  // GPU only, per step: how long the host took to issue the step's unit work (first to last host
+  // record call) and how long the GPU streams took to run it (first to last GPU event). Issue
+  // well below GPU span: the host runs ahead and cannot starve the GPU.
+  double host_issue_us = 0, gpu_span_us = 0;
   std::vector<UnitCost> units;     // plan order
   std::vector<size_t> offenders;   // indices into units, most exposed first (exposed > 0)
   std::vector<IdleGap> largest_gaps;  // GPU only, largest first
