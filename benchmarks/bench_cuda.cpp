@@ -4,10 +4,14 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
+#include <memory>
 
 #if FLATSHARD_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -68,6 +72,28 @@ CudaRank open_cuda_rank(int local_rank) {
   auto stat = [index] {
     return c10::cuda::CUDACachingAllocator::getDeviceStats(index)
         .allocated_bytes[static_cast<size_t>(StatType::AGGREGATE)];
+  };
+  // Phase marks: timing events on the current (compute) stream. Work on flatshard's side
+  // streams is included where the compute stream waits for it (the end of backward does).
+  struct Marks {
+    std::array<cudaEvent_t, DeviceHooks::kMarks> ev{};
+    Marks() {
+      for (auto& e : ev) C10_CUDA_CHECK(cudaEventCreate(&e));
+    }
+    ~Marks() {
+      for (auto& e : ev) (void)cudaEventDestroy(e);
+    }
+  };
+  auto marks = std::make_shared<Marks>();
+  r.hooks.mark = [marks, index](int i) {
+    C10_CUDA_CHECK(cudaEventRecord(marks->ev.at(static_cast<size_t>(i)),
+                                   c10::cuda::getCurrentCUDAStream(index).stream()));
+  };
+  r.hooks.elapsed_ms = [marks](int a, int b) {
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, marks->ev.at(static_cast<size_t>(a)),
+                                        marks->ev.at(static_cast<size_t>(b))));
+    return static_cast<double>(ms);
   };
   r.hooks.memory_current = [stat] { return stat().current; };
   r.hooks.memory_peak = [stat] { return stat().peak; };

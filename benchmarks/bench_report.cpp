@@ -131,6 +131,8 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     TORCH_CHECK(!run.step_ms.empty(), "make_report: run '", run.granularity,
                 "' has no measured steps");
     row.median_ms = median(run.step_ms);
+    row.fwd_bwd_ms = median(run.fwd_bwd_ms);
+    row.optimizer_ms = median(run.optimizer_ms);
     row.min_ms = *std::min_element(run.step_ms.begin(), run.step_ms.end());
     row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
     const double tokens = static_cast<double>(options.batch * options.model.seq_len);
@@ -172,7 +174,7 @@ void print_table(const Report& rep, std::ostream& out) {
 
   std::vector<std::vector<std::string>> cells = {
       {"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step", "median ms",
-       "min ms", "max ms", "x local", "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0",
+       "min ms", "max ms", "fwd+bwd", "opt ms", "x local", "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0",
        "check"}};
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
@@ -180,6 +182,7 @@ void print_table(const Report& rep, std::ostream& out) {
                      std::to_string(c.forward_all_gathers), std::to_string(c.backward_all_gathers),
                      std::to_string(c.reduce_scatters), std::to_string(c.all_reduces),
                      mib(c.bytes), fixed(r.median_ms, 1), fixed(r.min_ms, 1), fixed(r.max_ms, 1),
+                     fixed(r.fwd_bwd_ms, 1), fixed(r.optimizer_ms, 1),
                      r.ratio_to_local ? fixed(*r.ratio_to_local, 2) : "-",
                      fixed(r.tokens_per_s_per_gpu, 0), percent(r.mfu),
                      percent(r.run.exposed_comm_share), mib(r.run.peak_memory_bytes),
@@ -199,6 +202,8 @@ void print_table(const Report& rep, std::ostream& out) {
   out << "\n"
       << "fwd AG, bwd AG, RS, AR: all-gathers in forward / backward, reduce-scatters, all-reduces\n"
       << "  per step; MiB/step: bytes rank 0 sent into them (last measured step, rank 0).\n"
+      << "fwd+bwd, opt ms: median device time of zero_grad + forward + backward (every "
+         "reduction done) and of the optimizer step.\n"
       << "x local: median step time / local's.  tok/s/GPU: batch*seq / median step time, "
          "per rank.\n"
       << "MFU: (6N + 12LdT) FLOPs/token * tok/s / peak"
@@ -220,7 +225,8 @@ void print_table(const Report& rep, std::ostream& out) {
 //   "all_ok",
 //   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
 //               "backward_all_gathers", "reduce_scatters", "all_reduces", "bytes_per_step",
-//               "step_ms": {"median", "min", "max", "all": [...]}, "ratio_to_local",
+//               "step_ms": {"median", "min", "max", "all": [...]},
+//               "fwd_bwd_ms_median", "optimizer_ms_median", "ratio_to_local",
 //               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
 //               "loss_step0", "check": "ok" | "FAIL" } ] }
 void write_json(const Report& rep, const std::string& path) {
@@ -267,7 +273,9 @@ void write_json(const Report& rep, const std::string& path) {
       << ", \"max\": " << number(r.max_ms) << ", \"all\": [";
     for (size_t k = 0; k < r.run.step_ms.size(); ++k)
       j << (k ? ", " : "") << number(r.run.step_ms[k]);
-    j << "]},\n     \"ratio_to_local\": " << number(r.ratio_to_local)
+    j << "]},\n     \"fwd_bwd_ms_median\": " << number(r.fwd_bwd_ms)
+      << ", \"optimizer_ms_median\": " << number(r.optimizer_ms)
+      << ", \"ratio_to_local\": " << number(r.ratio_to_local)
       << ", \"tokens_per_s_per_gpu\": " << number(r.tokens_per_s_per_gpu)
       << ", \"mfu\": " << number(r.mfu)
       << ", \"exposed_comm_share\": " << number(r.run.exposed_comm_share)
@@ -284,7 +292,8 @@ void write_json(const Report& rep, const std::string& path) {
 void write_csv(const Report& rep, const std::string& path) {
   std::ostringstream s;
   s << "granularity,world_size,units,forward_all_gathers,backward_all_gathers,reduce_scatters,"
-       "all_reduces,bytes_per_step,step_ms_median,step_ms_min,step_ms_max,ratio_to_local,"
+       "all_reduces,bytes_per_step,step_ms_median,step_ms_min,step_ms_max,fwd_bwd_ms_median,"
+       "optimizer_ms_median,ratio_to_local,"
        "tokens_per_s_per_gpu,mfu,exposed_comm_share,peak_memory_bytes,loss_step0,check\n";
   auto opt = [](const std::optional<double>& v) { return v ? number(*v) : std::string(); };
   for (const auto& r : rep.rows) {
@@ -292,7 +301,8 @@ void write_csv(const Report& rep, const std::string& path) {
     s << csv_field(r.run.granularity) << ',' << r.run.world_size << ',' << r.run.units << ','
       << c.forward_all_gathers << ',' << c.backward_all_gathers << ',' << c.reduce_scatters
       << ',' << c.all_reduces << ',' << c.bytes << ',' << number(r.median_ms) << ','
-      << number(r.min_ms) << ',' << number(r.max_ms) << ',' << opt(r.ratio_to_local) << ','
+      << number(r.min_ms) << ',' << number(r.max_ms) << ',' << number(r.fwd_bwd_ms) << ','
+      << number(r.optimizer_ms) << ',' << opt(r.ratio_to_local) << ','
       << number(r.tokens_per_s_per_gpu) << ',' << opt(r.mfu) << ','
       << opt(r.run.exposed_comm_share) << ',' << r.run.peak_memory_bytes << ','
       << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << '\n';

@@ -27,6 +27,7 @@ namespace bench {
 struct ReportRow {
   RunResult run;
   double median_ms = 0, min_ms = 0, max_ms = 0;
+  double fwd_bwd_ms = 0, optimizer_ms = 0;  // medians of the step's two phases
   std::optional<double> ratio_to_local;
   double tokens_per_s_per_gpu = 0;
   std::optional<double> mfu;  // fraction of peak

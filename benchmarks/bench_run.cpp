@@ -5,6 +5,7 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -88,21 +89,42 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (rank == 0 && hooks.memory_reset_peak) hooks.memory_reset_peak();
   if (group) group->barrier();
 
+  // Host-clock marks unless the device brings its own (CPU work is synchronous).
+  std::array<std::chrono::steady_clock::time_point, DeviceHooks::kMarks> host_marks;
+  auto mark = [&](int i) {
+    if (hooks.mark) {
+      hooks.mark(i);
+    } else {
+      host_marks[static_cast<size_t>(i)] = std::chrono::steady_clock::now();
+    }
+  };
+  auto elapsed = [&](int a, int b) {
+    if (hooks.elapsed_ms) return hooks.elapsed_ms(a, b);
+    return std::chrono::duration<double, std::milli>(host_marks[static_cast<size_t>(b)] -
+                                                     host_marks[static_cast<size_t>(a)])
+        .count();
+  };
+
   double comm_ms = 0, step_ms_sum = 0;
   for (int s = 0; s < total; ++s) {
     if (fsdp) fsdp->reset_counters();
     if (timed) timed->reset_time();
     const auto t0 = std::chrono::steady_clock::now();
+    mark(0);
     opt.zero_grad();
     const auto& batch = batches[static_cast<size_t>(s)];
     at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
     loss.backward();
+    mark(1);
     opt.step();
+    mark(2);
     hooks.synchronize();
     const double ms = ms_since(t0);
     if (s == 0) r.loss_step0 = loss.item<double>();
     if (s >= config.warmup) {
       r.step_ms.push_back(ms);
+      r.fwd_bwd_ms.push_back(elapsed(0, 1));
+      r.optimizer_ms.push_back(elapsed(1, 2));
       step_ms_sum += ms;
       if (timed) comm_ms += static_cast<double>(timed->nanoseconds()) * 1e-6;
     }

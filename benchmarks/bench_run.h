@@ -10,7 +10,9 @@
 //   as is; `group` (which may then be null: one rank alone) only aligns the memory
 //   measurement.
 // - A step's time covers zero_grad, forward, backward and the optimizer step, ended by
-//   hooks.synchronize() (device work included). Counters are those of the last measured step.
+//   hooks.synchronize() (device work included); marks split it at the end of backward (after
+//   flatshard's end-of-backward wait for the reductions) into fwd_bwd_ms and optimizer_ms.
+//   Counters are those of the last measured step.
 // - Memory: after setup (model sharded, optimizer built) the peak is reset on rank 0 between
 //   two barriers; RunResult::peak_memory_bytes is the raw probe peak at the end (the caller
 //   subtracts its baseline and, for process-wide probes, divides by the ranks).
@@ -55,6 +57,12 @@ struct DeviceHooks {
   std::function<int64_t()> memory_current;    // live bytes; null: memory not measured
   std::function<int64_t()> memory_peak;       // peak live bytes since the last reset
   std::function<void()> memory_reset_peak;
+  // Phase marks on the device's work queue: mark(i), i in [0, kMarks), notes when the device
+  // reaches this point of the queued work; after synchronize(), elapsed_ms(a, b) is the time
+  // from mark a to mark b. Null: host clock (right for CPU, where work is synchronous).
+  static constexpr int kMarks = 3;
+  std::function<void(int)> mark;
+  std::function<double(int, int)> elapsed_ms;
 };
 
 // Called on rank 0 after each step: step index over warmup + measured, the total, its time.
@@ -66,6 +74,9 @@ struct RunResult {
   int64_t units = 0;            // units that own parameters (0 for local)
   UnitCounters per_step;        // collectives and bytes of the last measured step
   std::vector<double> step_ms;  // measured steps
+  // The same steps split at the end of backward (device time, from DeviceHooks marks): zero_grad
+  // + forward + backward with every reduction done, and the optimizer step.
+  std::vector<double> fwd_bwd_ms, optimizer_ms;
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
   std::optional<double> exposed_comm_share;  // host time inside collectives / step time
   int64_t peak_memory_bytes = 0;

@@ -137,6 +137,12 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
     CHECK(t.at("min").as_number() <= t.at("median").as_number());
     CHECK(t.at("median").as_number() <= t.at("max").as_number());
     CHECK(t.at("all").as_array().size() == 2);
+    // The two phases are parts of a step: positive, and together no longer than the step.
+    const double fb = r.at("fwd_bwd_ms_median").as_number();
+    const double op = r.at("optimizer_ms_median").as_number();
+    CHECK(fb > 0);
+    CHECK(op > 0);
+    CHECK(fb + op <= t.at("max").as_number() * 1.001);
     CHECK(r.at("tokens_per_s_per_gpu").as_number() == Approx(tokens / (t.at("median").as_number() * 1e-3)));
     CHECK(r.at("ratio_to_local").as_number() == Approx(t.at("median").as_number() / local_median));
     CHECK(r.at("mfu").is_null());  // no --peak-tflops on CPU
