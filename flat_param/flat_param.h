@@ -11,9 +11,10 @@
 //   Note [Unsharded buffer lifetime]: views never change; only the storage behind full() is
 //   freed and re-created, so autograd's saved references to parameters stay usable as long as
 //   the buffer is regathered before they are read (pre-backward does that).
-// - Gradients: prepare_grad() gives full_grad() storage (zeroed) and points every original
-//   parameter's .grad at its view of it, so AccumulateGrad adds in place into one flat buffer;
-//   reduce_grad() turns it into master().grad with ONE reduce-scatter (sharded) or ONE
+// - Gradients: prepare_grad() gives full_grad() storage (not zeroed); after each parameter's
+//   AccumulateGrad, accept_grad(i) moves its .grad into the flat buffer and points .grad at its
+//   view there, so further backward passes add in place (Note [Flat gradient without
+//   zero-fill]); reduce_grad() zeroes what no gradient wrote and turns the buffer into master().grad with ONE reduce-scatter (sharded) or ONE
 //   all-reduce (replicated), averaged over ranks, accumulating into an existing master grad.
 // - HSDP (collectives/sharding_mesh.h): with a `replicate` communicator of more than one rank,
 //   `comm` is the shard group; reduce_grad() then also all-reduces (average) the reduced
@@ -42,7 +43,8 @@ struct FlatParamConfig {
   int64_t align = 8;                            // elements; see FlatLayout
   bool sync_module_states = true;               // broadcast rank 0's values at construction
   // Debugging (FLATSHARD_DEBUG=1): after every unshard the padding of the gathered buffer is
-  // filled with NaN, so code that reads padding produces NaN instead of silently using zeros.
+  // filled with NaN, so code that reads padding produces NaN instead of silently using zeros;
+  // a fresh flat gradient starts as NaN, so a region neither written nor zeroed shows.
   bool poison_padding = false;
 };
 
@@ -76,9 +78,12 @@ class FlatParam {
   void unshard(c10::Stream stream);
   // Frees full()'s storage (sharded units only; a no-op for replicated ones).
   void reshard();
-  // Allocates and zeroes full_grad() and points the parameters' .grad at it. No-op if it is
-  // already prepared (gradient accumulation across backward passes).
+  // Allocates full_grad() (uninitialised; NaN with poison_padding). No-op if it is already
+  // prepared (gradient accumulation across backward passes).
   void prepare_grad();
+  // After parameter i's AccumulateGrad: its .grad, if not already its view of full_grad(), is
+  // copied there (added, if the region was written before) and replaced by that view.
+  void accept_grad(size_t i);
   // One reduce-scatter / all-reduce (average over ranks) of full_grad() into master().grad,
   // enqueued on `stream`. Clears the parameters' .grad and drops full_grad(); returns the
   // buffers `stream` still reads, which the caller must keep alive until work on the
@@ -97,7 +102,7 @@ class FlatParam {
 
  private:
   void resize_storage(const at::Tensor& t, int64_t numel);
-  void set_param_grads(bool attach);
+  void clear_param_grads();
 
   std::string unit_name_;
   std::vector<ParamRef> params_;
@@ -108,6 +113,7 @@ class FlatParam {
   at::Tensor master_;     // fp32 local shard (optimizer's parameter)
   at::Tensor full_;       // unsharded buffer in param_dtype; params are views of it
   at::Tensor full_grad_;  // flat gradient in param_dtype; params' .grad are views of it
+  std::vector<bool> grad_written_;  // per parameter: its region of full_grad_ holds a gradient
   bool full_aliases_master_ = false;  // replicated fp32: no second copy
   std::vector<std::pair<int64_t, int64_t>> padding_;  // [begin, end) gaps of the flat buffer
 };

@@ -44,15 +44,17 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   }
 };
 
-// Runs after a parameter's AccumulateGrad: counts the unit's parameters whose gradient is in.
+// Runs after parameter `index`'s AccumulateGrad: moves its gradient into the flat buffer and
+// counts the unit's parameters whose gradient is in.
 struct GradReadyHook : public torch::autograd::FunctionPostHook {
-  explicit GradReadyHook(Unit* u) : unit(u) {}
+  GradReadyHook(Unit* u, size_t i) : unit(u), index(i) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
-    unit->on_grad_accumulated();
+    unit->on_grad_accumulated(index);
     return outputs;
   }
   Unit* unit;
+  size_t index;
 };
 
 }  // namespace
@@ -70,10 +72,11 @@ Unit::Unit(int index, UnitSpec spec, ShardingStrategy strategy, bool reshard_aft
                                       rt_.replicate());
   state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
   // After set_data (dtype may have changed), so these are the accumulators autograd will use.
-  for (const auto& p : flat_->params()) {
+  for (size_t i = 0; i < flat_->params().size(); ++i) {
+    const ParamRef& p = flat_->params()[i];
     auto acc = torch::autograd::impl::grad_accumulator(p.param);
     TORCH_INTERNAL_ASSERT(acc, "unit '", spec_.name, "': no grad accumulator for '", p.name, "'");
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this)));
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
     grad_accumulators_.push_back(std::move(acc));
   }
 }
@@ -171,7 +174,8 @@ void Unit::pre_backward() {
   flat_->prepare_grad();
 }
 
-void Unit::on_grad_accumulated() {
+void Unit::on_grad_accumulated(size_t param_index) {
+  flat_->accept_grad(param_index);
   if (++grads_ready_ == static_cast<int64_t>(grad_accumulators_.size())) post_backward();
 }
 

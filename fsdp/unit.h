@@ -81,7 +81,7 @@ class Unit {
 
   // --- driven by autograd and the runtime -----------------------------------------------
   void pre_backward();
-  void on_grad_accumulated();  // one parameter's AccumulateGrad finished
+  void on_grad_accumulated(size_t param_index);  // one parameter's AccumulateGrad finished
   void post_backward();        // reduce (if syncing) + reshard; idempotent per backward
   // Gathers the parameters if sharded (counted as a forward or backward all-gather).
   void unshard(bool for_backward);

@@ -97,25 +97,41 @@ TEST_CASE("one reduce-scatter averages flat gradients; padding stays zero", "[fl
         const auto& l = fp.layout();
         fp.unshard(c.current_stream());
         fp.prepare_grad();
-        // Rank r's gradient of parameter i, element j: (r + 1) * (i + 1) + j.
+        // Rank r's gradient of parameter i, element j: (r + 1) * (i + 1) + j, delivered as
+        // AccumulateGrad does: a fresh .grad the first time, in place into .grad afterwards.
         auto add_grads = [&] {
           for (size_t i = 0; i < ps.size(); ++i) {
-            REQUIRE(ps[i].grad().defined());
             auto g = at::arange(ps[i].numel(), at::kFloat).add_((c.rank() + 1.0) * (i + 1.0));
-            ps[i].mutable_grad().add_(g.view(ps[i].sizes()));  // in place, like AccumulateGrad
+            at::Tensor& pg = ps[i].mutable_grad();
+            if (pg.defined()) {
+              pg.add_(g.view(ps[i].sizes()));
+            } else {
+              pg = g.view(ps[i].sizes());
+            }
+            fp.accept_grad(i);
           }
         };
-        add_grads();
-        // The parameters' .grad are views of the flat gradient.
-        REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() == (c.rank() + 1.0f) * 2);
-        fp.reduce_grad(c.current_stream());
-        REQUIRE_FALSE(ps[0].grad().defined());  // cleared after the reduction
         const double mean_r1 = (world + 1) / 2.0;  // mean over ranks of (r + 1)
         auto expect = at::zeros({l.padded_numel});  // padding stays zero
         for (size_t i = 0; i < ps.size(); ++i)
           expect.narrow(0, l.offsets[i], l.numels[i])
               .copy_(at::arange(l.numels[i], at::kFloat).add_(mean_r1 * (i + 1.0)));
         at::Tensor mine = sharded ? expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel) : expect;
+        add_grads();
+        // The parameters' .grad are now views of the flat gradient.
+        REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() == (c.rank() + 1.0f) * 2);
+        REQUIRE(ps[1].grad().data_ptr() == fp.full_grad().narrow(0, l.offsets[1], 1).data_ptr());
+        // A second backward before the reduction (accumulation without sync) adds in place.
+        add_grads();
+        REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() == (c.rank() + 1.0f) * 4);
+        fp.reduce_grad(c.current_stream());
+        REQUIRE_FALSE(ps[0].grad().defined());  // cleared after the reduction
+        REQUIRE(at::allclose(fp.master().grad(), mine * 2, 1e-6, 1e-6));
+        fp.master().mutable_grad() = at::Tensor();
+        // One backward, one reduction.
+        fp.prepare_grad();
+        add_grads();
+        fp.reduce_grad(c.current_stream());
         REQUIRE(fp.master().grad().sizes() == mine.sizes());
         REQUIRE(at::allclose(fp.master().grad(), mine, 1e-6, 1e-6));
         // A second backward's reduction accumulates into the master gradient.
@@ -164,9 +180,19 @@ TEST_CASE("debug padding poison: gathered padding is NaN, values and gradients u
       REQUIRE_FALSE(fp.full().masked_select(is_param).isnan().any().item<bool>());
       // Gradients live in their own buffer: the reduced master gradient has no NaN.
       fp.prepare_grad();
-      for (auto& p : ps) p.mutable_grad().add_(1.0);
+      // The fresh flat gradient is NaN; parameter 0 gets no gradient: reduce_grad() must zero
+      // it and the padding, and overwrite the rest.
+      REQUIRE(fp.full_grad().isnan().all().item<bool>());
+      for (size_t i = 1; i < ps.size(); ++i) {
+        ps[i].mutable_grad() = at::ones_like(ps[i]);
+        fp.accept_grad(i);
+      }
       fp.reduce_grad(c.current_stream());
       REQUIRE_FALSE(fp.master().grad().isnan().any().item<bool>());
+      auto expect = at::zeros({l.padded_numel});
+      for (size_t i = 1; i < ps.size(); ++i) expect.narrow(0, l.offsets[i], l.numels[i]).fill_(1.0);
+      REQUIRE(at::equal(fp.master().grad(),
+                        expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel)));
     });
   }
 }
