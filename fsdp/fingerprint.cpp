@@ -148,9 +148,11 @@ std::string describe_difference(const std::vector<FingerprintEntry>& base, int b
   return os.str();
 }
 
-void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm) {
+void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm,
+                       const std::function<int(int)>& global_rank) {
   const int world = comm.world_size();
   if (world == 1) return;
+  auto name = [&](int r) { return global_rank ? global_rank(r) : r; };
   at::NoGradGuard no_grad;
   const std::string text = serialize(mine);
   const uint64_t h = fnv1a(text);
@@ -197,14 +199,14 @@ void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& 
     per_rank[r] = deserialize(sr);
   }
   for (int r = 1; r < world; ++r) {
-    const std::string diff = describe_difference(per_rank[0], 0, per_rank[r], r);
+    const std::string diff = describe_difference(per_rank[0], name(0), per_rank[r], name(r));
     if (!diff.empty())
-      TORCH_CHECK(false, "fully_shard: ", diff, " (reported by rank ", comm.rank(),
+      TORCH_CHECK(false, "fully_shard: ", diff, " (reported by rank ", name(comm.rank()),
                   "); every rank must call fully_shard with the same plan, options and model "
                   "shapes");
   }
   TORCH_CHECK(false, "fully_shard: the ranks' setup fingerprints differ (hash or length) but no "
-              "entry does (rank ", comm.rank(), ")");
+              "entry does (rank ", name(comm.rank()), ")");
 }
 
 }  // namespace flatshard

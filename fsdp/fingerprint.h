@@ -12,7 +12,9 @@
 //   strategy options, module paths, and each parameter's name, shape, dtype and device type.
 //   Local-only things (device index, trace path, prefetch depths) are left out.
 // - check_ranks_agree() is collective (every rank must call it, before any other collective of
-//   the ShardedModel). Cost when ranks agree: one all_gather of 4 floats. When any rank differs,
+//   the ShardedModel). With HSDP, ShardedModel runs it over the shard group and then over the
+//   replicate group, so every rank of every replica is compared (a replica with another plan
+//   would otherwise all-reduce gradients of different sizes across replicas). Cost when ranks agree: one all_gather of 4 floats. When any rank differs,
 //   ranks exchange their full descriptions and EVERY rank throws the same c10::Error, naming the
 //   lowest differing rank and its first differing entry, e.g.
 //     "fully_shard: rank 1 differs from rank 0 at unit 3 'blocks.2': param
@@ -22,6 +24,7 @@
 //   text travels through all_gather unchanged without widening the Communicator's dtypes.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -48,8 +51,11 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
                                                 const ShardingOptions& options,
                                                 const Communicator& comm);
 
-// Throws (on every rank) when the ranks' fingerprints differ. Collective.
-void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm);
+// Throws (on every rank of `comm`) when the ranks' fingerprints differ. Collective over `comm`.
+// Messages name rank r of `comm` as global_rank(r) (default: r itself); with HSDP the check runs
+// over the shard group, then over the replicate group, whose rank i is global rank i * S + j.
+void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm,
+                       const std::function<int(int)>& global_rank = {});
 
 // The message for the first difference between `base` (rank `base_rank`) and `other` (rank
 // `other_rank`); "" when they are equal. Exposed for tests.

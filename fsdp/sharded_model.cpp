@@ -30,8 +30,14 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
   TORCH_CHECK(!plan_.units.empty() && plan_.units.front().is_root,
               "fully_shard: the plan must start with the root unit (use make_plan)");
   runtime_ = std::make_unique<Runtime>(comm_, options, mesh_.hybrid() ? mesh_.replicate : nullptr);
-  // Before any other collective: ranks that disagree fail here, naming the difference.
-  check_ranks_agree(setup_fingerprint(*model_, plan_, runtime_->options(), comm_), comm_);
+  // Before any other collective: ranks that disagree fail here, naming the difference. With
+  // HSDP, also across replicas (rank j of replica i is global rank i * S + j).
+  const auto fingerprint = setup_fingerprint(*model_, plan_, runtime_->options(), comm_);
+  check_ranks_agree(fingerprint, comm_);
+  if (mesh_.hybrid()) {
+    const int S = comm_.world_size(), j = comm_.rank();
+    check_ranks_agree(fingerprint, *mesh_.replicate, [S, j](int i) { return i * S + j; });
+  }
   const int rank = comm_.rank();
 
   std::unordered_map<std::string, at::Tensor> params_by_name;

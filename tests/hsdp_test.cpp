@@ -315,3 +315,30 @@ TEST_CASE("HSDP sync_module_states: every rank starts from global rank 0's value
       REQUIRE(at::equal(got[r].at(kv.first), kv.second));
     }
 }
+
+TEST_CASE("HSDP: a replica with another plan fails at setup on every rank, naming global ranks",
+          "[hsdp][reliability][fingerprint]") {
+  // 2x2: the shard groups {0,1} and {2,3} each agree within themselves, so only the check across
+  // replicas can see that replica 1 groups the blocks differently (its replicate all-reduces
+  // would have other sizes).
+  std::vector<std::string> errors(4);
+  std::mutex mu;
+  run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
+    const int rank = rep.rank() * 2 + shard.rank();
+    auto spec = gpt_spec(rep.rank() == 0 ? "type=Block" : "every=2,type=Block");
+    auto model = spec.make_model();
+    try {
+      auto fsdp = fully_shard(model, spec.plan(*model), ShardingMesh(shard, &rep), spec.options);
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r, errors[r]);
+    // Replicate group {0, 2} compares global rank 2 with 0; {1, 3} compares 3 with 1.
+    const std::string pair = r % 2 == 0 ? "rank 2 differs from rank 0" : "rank 3 differs from rank 1";
+    CHECK_THAT(errors[r], Catch::Contains(pair + " at setup: plan units 3 vs 4"));
+    CHECK_THAT(errors[r], Catch::Contains("reported by rank " + std::to_string(r)));
+  }
+}
