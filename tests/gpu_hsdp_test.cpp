@@ -4,132 +4,45 @@
 // keep matching with device sleeps queued before every all-gather, every reduction (so the
 // replicate all-reduce is late too) and the optimizer step. One process per GPU under torchrun
 // (tests/CMakeLists.txt, FLATSHARD_GPU_TESTS); both meshes come from one store with distinct
-// prefixes (collectives/nccl_mesh.h). Tolerances as gpu_parity_test (fp32, no TF32).
+// prefixes (collectives/nccl_mesh.h). Model, reference and tolerances: gpu_gpt_parity.h.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/optim/adamw.h>
 
-#include <map>
-
-#include "benchmarks/gpt.h"
 #include "collectives/env.h"
 #include "collectives/nccl_mesh.h"
 #include "collectives/rendezvous.h"
-#include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "gpu_gpt_parity.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
-namespace g = flatshard::gpt;
 
 namespace {
 
 NcclMesh* g_2x1 = nullptr;  // 2 replicas of one GPU
 NcclMesh* g_1x2 = nullptr;  // one shard group of 2 GPUs
 
-struct Run {
-  std::vector<double> losses;
-  std::map<std::string, at::Tensor> grads0, params;
-  StepCounters counters;
-  std::vector<UnitInfo> units;
-};
+using Run = flatshard_test::GpuRun;
+using flatshard_test::require_fp32_parity;
 
-g::GPTConfig config() {
-  auto c = g::GPTConfig::preset("tiny");
-  c.n_layers = 3;
-  c.vocab = 301;
-  c.d_model = 60;
-  c.n_heads = 4;
-  return c;
-}
-constexpr int kSteps = 5, kBatch = 2;
-constexpr double kLr = 1e-2;
-
-at::Tensor loss_on(g::GPT& model, int rank, int step, const c10::Device& dev) {
-  auto [x, y] = g::synthetic_batch(model->config(), kBatch, /*seed=*/7, rank, step);
-  x = x.to(dev);
-  y = y.to(dev);
-  return flatshard::enter(model, [&] { return model->loss(x, y); });
-}
-
-std::map<std::string, at::Tensor> to_cpu(const std::vector<std::pair<std::string, at::Tensor>>& v) {
-  std::map<std::string, at::Tensor> m;
-  for (auto& kv : v) m[kv.first] = kv.second.to(at::kCPU, at::kFloat);
-  return m;
-}
-
-Run reference(int world, c10::Device dev) {
-  auto model = g::GPT(config(), 3);
-  model->to(dev);
-  torch::optim::AdamW opt(g::unique_parameters(*model), torch::optim::AdamWOptions(kLr));
-  Run r;
-  for (int step = 0; step < kSteps; ++step) {
-    opt.zero_grad();
-    at::Tensor total;
-    for (int q = 0; q < world; ++q) {
-      auto l = loss_on(model, q, step, dev);
-      total = total.defined() ? total + l : l;
-    }
-    total = total / world;
-    r.losses.push_back(total.item<double>());
-    total.backward();
-    if (step == 0)
-      for (auto& p : model->named_parameters())
-        r.grads0[p.key()] = p.value().grad().defined() ? p.value().grad().cpu()
-                                                       : at::zeros_like(p.value()).cpu();
-    opt.step();
-  }
-  for (auto& p : model->named_parameters()) r.params[p.key()] = p.value().detach().cpu();
-  return r;
-}
+Run reference(int world, c10::Device dev) { return flatshard_test::gpu_parity_reference(world, dev); }
 
 Run sharded(NcclMesh& m, const std::string& spec, const ShardingOptions& opts, int64_t sleep) {
   const ShardingMesh mesh = m.mesh();
   const c10::Device dev = mesh.shard->device();
-  auto model = g::GPT(config(), 3);
-  model->to(dev);
+  auto model = flatshard_test::gpu_parity_model(dev);
   auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), mesh, opts);
-  torch::optim::AdamW opt(fsdp->parameters(), torch::optim::AdamWOptions(kLr));
-  Run r;
-  for (int step = 0; step < kSteps; ++step) {
-    opt.zero_grad();
-    fsdp->reset_counters();
-    auto l = loss_on(model, mesh.global_rank(), step, dev);
-    l.backward();
-    auto lt = l.detach().reshape({1}).to(at::kFloat).contiguous();  // mean over all ranks
-    mesh.shard->all_reduce(lt, ReduceOp::kAvg, mesh.shard->current_stream());
-    if (mesh.replicate) mesh.replicate->all_reduce(lt, ReduceOp::kAvg, mesh.replicate->current_stream());
-    r.losses.push_back(lt.item<double>());
-    if (step == 0) r.grads0 = to_cpu(fsdp->gather_full_grads());
-    if (sleep > 0) at::cuda::sleep(sleep);
-    opt.step();
-    r.counters = fsdp->counters();
-  }
-  r.params = to_cpu(fsdp->gather_full_params());
-  r.units = fsdp->units();
-  return r;
-}
-
-void require_fp32_parity(const Run& ref, const Run& got) {
-  // Step-0 gradients first: a wrong reduction shows there before AdamW blurs it into the losses.
-  for (auto& kv : ref.grads0) {
-    CAPTURE(kv.first, (got.grads0.at(kv.first) - kv.second).abs().max().item<double>());
-    CHECK(at::allclose(got.grads0.at(kv.first), kv.second, 1e-3, 1e-5));
-  }
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    CAPTURE(i, ref.losses[i], got.losses[i]);
-    CHECK(std::abs(ref.losses[i] - got.losses[i]) <= 1e-4 * (1 + std::abs(ref.losses[i])));
-  }
-  for (auto& kv : ref.params) {
-    CAPTURE(kv.first, (got.params.at(kv.first) - kv.second).abs().max().item<double>());
-    CHECK(at::allclose(got.params.at(kv.first), kv.second, 1e-3, 2e-4));
-  }
+  auto mean_over_all_ranks = [&mesh](at::Tensor& t) {
+    mesh.shard->all_reduce(t, ReduceOp::kAvg, mesh.shard->current_stream());
+    if (mesh.replicate) mesh.replicate->all_reduce(t, ReduceOp::kAvg, mesh.replicate->current_stream());
+  };
+  return flatshard_test::train_sharded(model, *fsdp, mesh.global_rank(), dev, mean_over_all_ranks,
+                                       sleep);
 }
 
 const char* kPlans[] = {"type=Block", "noshard:path=lm_head|blocks.1*;type=Block",

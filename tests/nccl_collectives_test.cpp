@@ -24,6 +24,7 @@
 
 #include "collectives/launch_env.h"
 #include "collectives/nccl_communicator.h"
+#include "nccl_test_main.h"
 
 using flatshard::Lane;
 using flatshard::NcclCommunicator;
@@ -406,30 +407,5 @@ TEST_CASE("a rank that skips the first collective of a communicator: same, no ho
 }
 
 int main(int argc, char** argv) {
-  // A failing check on one rank can desynchronise the ranks; fail in minutes, not 10.
-  setenv("FLATSHARD_TIMEOUT_MS", "120000", /*overwrite=*/0);
-  setenv("FLATSHARD_STORE_TIMEOUT_MS", "120000", /*overwrite=*/0);
-  std::unique_ptr<NcclCommunicator> owner;
-  try {
-    owner = NcclCommunicator::from_env("nccl_collectives_test");
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "nccl_collectives_test: cannot create the NCCL communicator: %s\n",
-                 e.what_without_backtrace());
-    return 2;
-  }
-  g_comm = owner.get();
-  std::fprintf(stderr, "nccl_collectives_test: %s on %s\n",
-               flatshard::LaunchEnv::from_env().describe().c_str(),
-               g_comm->device().str().c_str());
-  const int rc = Catch::Session().run(argc, argv);
-  try {
-    if (!g_comm->failed()) {
-      g_comm->barrier();
-      g_comm->shutdown();
-    }
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "nccl_collectives_test: shutdown failed: %s\n", e.what_without_backtrace());
-    return rc ? rc : 3;
-  }
-  return rc;
+  return flatshard_test::nccl_test_main("nccl_collectives_test", argc, argv, g_comm);
 }

@@ -23,6 +23,7 @@
 #include "benchmarks/gpt.h"
 #include "collectives/launch_env.h"
 #include "collectives/nccl_communicator.h"
+#include "nccl_test_main.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "wrap_policies/spec.h"
@@ -174,28 +175,5 @@ TEST_CASE("NCCL: 100 GPT steps, no growth of CUDA allocated memory after warm-up
 }
 
 int main(int argc, char** argv) {
-  setenv("FLATSHARD_TIMEOUT_MS", "120000", /*overwrite=*/0);
-  setenv("FLATSHARD_STORE_TIMEOUT_MS", "120000", /*overwrite=*/0);
-  std::unique_ptr<NcclCommunicator> owner;
-  try {
-    owner = NcclCommunicator::from_env("nccl_reliability_test");
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "nccl_reliability_test: cannot create the NCCL communicator: %s\n",
-                 e.what_without_backtrace());
-    return 2;
-  }
-  g_comm = owner.get();
-  std::fprintf(stderr, "nccl_reliability_test: %s on %s\n",
-               LaunchEnv::from_env().describe().c_str(), g_comm->device().str().c_str());
-  const int rc = Catch::Session().run(argc, argv);
-  try {
-    if (!g_comm->failed()) {
-      g_comm->barrier();
-      g_comm->shutdown();
-    }
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "nccl_reliability_test: shutdown failed: %s\n", e.what_without_backtrace());
-    return rc ? rc : 3;
-  }
-  return rc;
+  return flatshard_test::nccl_test_main("nccl_reliability_test", argc, argv, g_comm);
 }
