@@ -333,16 +333,8 @@ void skip_collective_scenario(bool warm, const std::string& name) {
   auto& store = *c.store();
   const std::string done_key = name + "/rank0_done";
   if (c.rank() == 0) {
-    struct Release {  // whatever happens below, release the other ranks
-      c10d::Store& store;
-      std::string key;
-      ~Release() {
-        try {
-          store.set(key, std::vector<uint8_t>{1});
-        } catch (...) {
-        }
-      }
-    } release{store, done_key};
+    // Whatever happens below, release the other ranks.
+    flatshard_test::SetKeyOnExit release{store, done_key};
     const auto t0 = std::chrono::steady_clock::now();
     std::string first_error;
     try {

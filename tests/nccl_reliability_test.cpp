@@ -86,16 +86,8 @@ void fault_scenario(Fault fault, const std::string& name) {
       store.wait({done_key});  // stalled (or dead after the throw) until rank 0 is done
       tc->abort("rank 0 finished " + name);
     } else if (tc->rank() == 0) {
-      struct Release {  // whatever happens below, release rank 1
-        c10d::Store& store;
-        std::string key;
-        ~Release() {
-          try {
-            store.set(key, std::vector<uint8_t>{1});
-          } catch (...) {
-          }
-        }
-      } release{store, done_key};
+      // Whatever happens below, release rank 1.
+      flatshard_test::SetKeyOnExit release{store, done_key};
       const auto t0 = std::chrono::steady_clock::now();
       std::string first_error;
       try {

@@ -15,14 +15,31 @@
 
 #include <catch2/catch.hpp>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "collectives/launch_env.h"
 #include "collectives/nccl_communicator.h"
 
 namespace flatshard_test {
+
+// Sets `key` in `store` when it goes out of scope, however the scope is left: ranks waiting for
+// the key are released even when a check on this rank fails.
+struct SetKeyOnExit {
+  c10d::Store& store;
+  std::string key;
+  ~SetKeyOnExit() {
+    try {
+      store.set(key, std::vector<uint8_t>{1});
+    } catch (...) {
+    }
+  }
+};
 
 inline int nccl_test_main(const char* name, int argc, char** argv,
                           flatshard::NcclCommunicator*& comm) {
