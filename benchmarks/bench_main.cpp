@@ -47,6 +47,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.warmup = o.warmup;
   c.steps = o.steps;
   c.sharding = o.sharding;
+  c.fused_optimizer = o.fused_optimizer;
   c.time_collectives = o.device == fb::DeviceKind::kCpu;
   return c;
 }

@@ -68,7 +68,8 @@ ParseResult parse_command_line(int argc, char** argv) {
       "flatshard-bench"};
   app.footer(kFooter);
 
-  std::string preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype;
+  std::string preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
+      optimizer = "adamw";
   int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
   int nproc = 0, prefetch = 1, warmup = 2, steps = 0;
   uint64_t seed = 0;
@@ -122,6 +123,11 @@ ParseResult parse_command_line(int argc, char** argv) {
   auto* o_steps = app.add_option("--steps", steps, "timed steps per run (cpu 5, cuda 20)")
                       ->group(g_run);
   app.add_option("--seed", seed, "model init and data seed (default 0)")->group(g_run);
+  app.add_option("--optimizer", optimizer,
+                 "adamw: torch::optim::AdamW (default) | fused: flatshard::FusedAdamW (one fused "
+                 "ATen kernel per device and dtype); every run, local included, uses it")
+      ->check(CLI::IsMember({"adamw", "fused"}))
+      ->group(g_run);
   auto* o_peak = app.add_option("--peak-tflops", peak_tflops,
                                 "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 "
                                 "bf16 dense; cpu: MFU is - unless given)")
@@ -188,6 +194,7 @@ ParseResult parse_command_line(int argc, char** argv) {
 
   o.sharding.strategy = parse_strategy(strategy);
   require(prefetch >= 0, "--prefetch", ">= 0", prefetch);
+  o.fused_optimizer = optimizer == "fused";
   o.sharding.forward_prefetch = prefetch;
   o.sharding.backward_prefetch = prefetch;
   const c10::ScalarType pdt =

@@ -49,6 +49,7 @@ struct BenchOptions {
   int warmup = 2;             // untimed steps before the measured ones
   int steps = 0;              // measured steps
   uint64_t seed = 0;          // model init and data; every granularity uses the same
+  bool fused_optimizer = false;  // --optimizer fused: flatshard::FusedAdamW for every run
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;
 };

@@ -169,7 +169,8 @@ void print_table(const Report& rep, std::ostream& out) {
       << "  " << rep.device_description << "; batch " << o.batch << " seq/rank/step; strategy "
       << strategy_name(o.sharding.strategy) << "; params " << dtype_name(mp.param_dtype)
       << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << "; prefetch "
-      << o.sharding.forward_prefetch << "; " << o.warmup << " warmup + " << o.steps
+      << o.sharding.forward_prefetch << "; optimizer "
+      << (o.fused_optimizer ? "FusedAdamW" : "AdamW") << "; " << o.warmup << " warmup + " << o.steps
       << " measured steps; seed " << o.seed << "\n\n";
 
   std::vector<std::vector<std::string>> cells = {
@@ -220,7 +221,7 @@ void print_table(const Report& rep, std::ostream& out) {
 //   "model": {"preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
 //             "flops_per_token"},
 //   "device", "device_description", "world_size", "batch" (sequences per rank per step),
-//   "strategy", "param_dtype", "reduce_dtype", "prefetch", "warmup", "steps", "seed",
+//   "strategy", "param_dtype", "reduce_dtype", "prefetch", "optimizer", "warmup", "steps", "seed",
 //   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance",
 //   "all_ok",
 //   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
@@ -249,6 +250,7 @@ void write_json(const Report& rep, const std::string& path) {
     << "  \"reduce_dtype\": "
     << json_string(dtype_name(mp.reduce_dtype.value_or(mp.param_dtype))) << ",\n"
     << "  \"prefetch\": " << o.sharding.forward_prefetch << ",\n"
+    << "  \"optimizer\": " << json_string(o.fused_optimizer ? "fused" : "adamw") << ",\n"
     << "  \"warmup\": " << o.warmup << ",\n"
     << "  \"steps\": " << o.steps << ",\n"
     << "  \"seed\": " << o.seed << ",\n"

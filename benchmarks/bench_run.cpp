@@ -14,6 +14,7 @@
 #include "benchmarks/timed_communicator.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
+#include "fsdp/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 
 namespace flatshard {
@@ -67,7 +68,10 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     fsdp = fully_shard(model.ptr(), granularity.plan, *comm, config.sharding);
     params = fsdp->parameters();
   }
-  torch::optim::AdamW opt(params, adamw_options());
+  std::unique_ptr<torch::optim::AdamW> optimizer =
+      config.fused_optimizer ? std::make_unique<FusedAdamW>(params, adamw_options())
+                             : std::make_unique<torch::optim::AdamW>(params, adamw_options());
+  torch::optim::AdamW& opt = *optimizer;
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
   for (int s = 0; s < total; ++s) {

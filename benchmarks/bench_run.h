@@ -45,6 +45,7 @@ struct RunConfig {
   int warmup = 2;
   int steps = 5;
   ShardingOptions sharding;
+  bool fused_optimizer = false;  // flatshard::FusedAdamW instead of torch::optim::AdamW
   // Wrap the communicator in a TimedCommunicator and report the exposed-communication share
   // (meaningful on synchronous backends only: the CPU one).
   bool time_collectives = false;

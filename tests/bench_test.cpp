@@ -116,6 +116,7 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
   CHECK(model.at("params").as_number() == 167680);
   CHECK(doc.at("world_size").as_number() == 2);
   CHECK(doc.at("all_ok").as_bool());
+  CHECK(doc.at("optimizer").as_string() == "adamw");
 
   std::vector<std::string> names;
   for (const auto& r : doc.at("runs").as_array()) names.push_back(r.at("granularity").as_string());
@@ -242,6 +243,20 @@ TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
   CHECK(s.find("peak memory (MiB)") != std::string::npos);
 }
 
+TEST_CASE("--optimizer fused: every run uses FusedAdamW; losses still agree", "[bench]") {
+  const std::string json = scratch("fused.json");
+  const Outcome o = run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
+                               "--granularity", "local,layer", "--optimizer", "fused", "--json",
+                               json});
+  INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+  REQUIRE(o.exit_code == 0);
+  CHECK(o.out.find("optimizer FusedAdamW") != std::string::npos);
+  const auto doc = flatshard::json::parse(read_file(json));
+  CHECK(doc.at("optimizer").as_string() == "fused");
+  CHECK(doc.at("all_ok").as_bool());
+  for (const auto& r : doc.at("runs").as_array()) CHECK(r.at("optimizer_ms_median").as_number() > 0);
+}
+
 TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   struct Case {
     std::vector<std::string> args;
@@ -257,6 +272,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--nproc", "0"}, "--nproc must be >= 1, got 0"},
       {{"--preset", "huge"}, "huge"},
       {{"--steps", "0"}, "--steps must be >= 1, got 0"},
+      {{"--optimizer", "sgd"}, "sgd"},
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--nproc", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
