@@ -80,24 +80,29 @@ std::string strategy_text(const UnitExplanation& u) {
 }
 
 std::string collectives_text(const UnitCounters& c) {
-  if (c.all_reduces) return "AR " + std::to_string(c.all_reduces);
+  if (c.all_reduces) return "AR " + std::to_string(c.all_reduces) + (c.replicate_bytes ? "x2" : "");
   if (!c.forward_all_gathers && !c.reduce_scatters) return "-";
   return "AG " + std::to_string(c.forward_all_gathers) + "+" +
-         std::to_string(c.backward_all_gathers) + ", RS " + std::to_string(c.reduce_scatters);
+         std::to_string(c.backward_all_gathers) + ", RS " + std::to_string(c.reduce_scatters) +
+         (c.replicate_all_reduces ? ", rAR " + std::to_string(c.replicate_all_reduces) : "");
 }
 
-UnitCounters expected_counters(const UnitExplanation& u) {
+// `replicate_bytes`: what one reduction sends across the replicas (0 without HSDP).
+UnitCounters expected_counters(const UnitExplanation& u, int64_t replicate_bytes) {
   UnitCounters c;
   if (u.padded_numel == 0) return c;  // Unit::has_collectives() is false
+  c.replicate_bytes = replicate_bytes;
   if (u.strategy == ShardingStrategy::kNoShard) {
     c.all_reduces = 1;
-    c.bytes = u.reduce_bytes;
+    c.bytes = u.reduce_bytes + replicate_bytes;
     return c;
   }
   c.forward_all_gathers = 1;
   c.backward_all_gathers = u.reshard_after_forward ? 1 : 0;
   c.reduce_scatters = 1;
-  c.bytes = (c.forward_all_gathers + c.backward_all_gathers) * u.all_gather_bytes + u.reduce_bytes;
+  c.replicate_all_reduces = replicate_bytes > 0 ? 1 : 0;
+  c.bytes = (c.forward_all_gathers + c.backward_all_gathers) * u.all_gather_bytes + u.reduce_bytes +
+            replicate_bytes;
   return c;
 }
 
@@ -280,13 +285,16 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
 }
 
 Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
-                    const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes) {
+                    const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes,
+                    int replicate_size) {
   TORCH_CHECK(world_size >= 1, "explain: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(replicate_size >= 1, "explain: replicate_size must be >= 1, got ", replicate_size);
   TORCH_CHECK(options.forward_prefetch >= 0 && options.backward_prefetch >= 0,
               "explain: prefetch depths must be >= 0 (forward_prefetch=", options.forward_prefetch,
               ", backward_prefetch=", options.backward_prefetch, ")");
   Explanation e;
   e.world_size = world_size;
+  e.replicate_size = replicate_size;
   e.options = options;
   e.memory_limit_bytes = memory_limit_bytes;
   e.matched_modules = plan.matched_modules;
@@ -346,7 +354,11 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +
                           (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
     u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
-    u.per_step = expected_counters(u);
+    const int64_t replicate_bytes =
+        replicate_size > 1 ? (sharded ? layout.shard_numel : layout.padded_numel) *
+                                 elem_size(reduce_dtype)
+                           : 0;
+    u.per_step = expected_counters(u, replicate_bytes);
     e.per_step += u.per_step;
     e.total_numel += u.numel;
     e.total_padding += u.padding();
@@ -373,7 +385,11 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
 std::string Explanation::to_string() const {
   const auto& mp = options.mixed_precision;
   std::ostringstream os;
-  os << "world " << world_size << ", default strategy " << flatshard::to_string(options.strategy)
+  os << "world " << world_size;
+  if (replicate_size > 1)
+    os << " per shard group x " << replicate_size << " replicas (HSDP: " << world_size * replicate_size
+       << " ranks)";
+  os << ", default strategy " << flatshard::to_string(options.strategy)
      << ", param " << dtype_name(mp.param_dtype) << ", reduce "
      << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << ", align " << options.align
      << ", prefetch fwd " << options.forward_prefetch << " / bwd " << options.backward_prefetch
@@ -408,14 +424,23 @@ std::string Explanation::to_string() const {
   }
   os << "gathered = unsharded flat buffer (" << dtype_name(mp.param_dtype)
      << "); shard = fp32 master per rank; AG f+b = forward + backward all-gathers; sent/step = "
-        "bytes this rank sends (Unit counters)\n";
+        "bytes this rank sends (Unit counters)";
+  if (replicate_size > 1)
+    os << "; rAR = all-reduce of the reduced shard across the replicas; AR x2 = over the shard "
+          "group, then across the replicas";
+  os << "\n";
   os << "units: " << units.size() << ", params numel: " << total_numel
      << ", padding: " << total_padding << ", tied: " << tied.size() << "\n";
   os << "per step and rank: " << per_step.forward_all_gathers + per_step.backward_all_gathers
      << " all-gathers (" << per_step.forward_all_gathers << " forward, "
      << per_step.backward_all_gathers << " backward), " << per_step.reduce_scatters
      << " reduce-scatters, " << per_step.all_reduces << " all-reduces, "
-     << format_bytes(per_step.bytes) << " sent (" << per_step.bytes << " B)\n";
+     << format_bytes(per_step.bytes) << " sent (" << per_step.bytes << " B)";
+  if (replicate_size > 1)
+    os << ", of which " << format_bytes(per_step.replicate_bytes) << " across replicas ("
+       << per_step.replicate_all_reduces << " replicate all-reduces"
+       << (per_step.all_reduces ? ", plus the replica hop of each all-reduce" : "") << ")";
+  os << "\n";
   os << "memory per rank: persistent " << format_bytes(memory.persistent_bytes)
      << " (fp32 master shards + grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
      << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "

@@ -20,7 +20,11 @@
 //     SHARD_GRAD_OP            1 forward all-gather                        + 1 reduce-scatter
 //     NO_SHARD                 1 all-reduce
 //   bytes: an all-gather sends shard_numel * sizeof(param_dtype), a reduction sends
-//   padded_numel * sizeof(reduce_dtype). A unit with no elements issues nothing. A unit entered
+//   padded_numel * sizeof(reduce_dtype). HSDP (replicate_size R > 1; world_size is then the
+//   shard group's size S): each reduction is followed by an all-reduce across the R replicas of
+//   the reduced gradient — shard_numel (NO_SHARD: padded_numel) * sizeof(reduce_dtype) bytes,
+//   counted in bytes and replicate_bytes; sharded units also count it in replicate_all_reduces
+//   (NO_SHARD units count their two-hop all-reduce once, in all_reduces). A unit with no elements issues nothing. A unit entered
 //   twice per forward, or run without grad, differs; explain() cannot know that.
 // Estimates (a model of the runtime, stated in MemoryEstimate's comment):
 // - the predicted peak of unsharded memory, with the configured prefetch depths; the plan's
@@ -91,7 +95,8 @@ struct MemoryEstimate {
 };
 
 struct Explanation {
-  int world_size = 1;
+  int world_size = 1;      // ranks of a shard group (all ranks without HSDP)
+  int replicate_size = 1;  // HSDP replicas (1: plain sharding)
   ShardingOptions options;
   std::vector<UnitExplanation> units;  // plan order
   UnitCounters per_step;               // sum over units
@@ -111,10 +116,13 @@ struct Explanation {
   std::string to_string() const;
 };
 
-// Throws c10::Error if the plan names parameters the model does not have, or world_size < 1.
+// Throws c10::Error if the plan names parameters the model does not have, or world_size or
+// replicate_size < 1. With HSDP, world_size is the shard group's size and replicate_size the
+// number of replicas (collectives/sharding_mesh.h).
 Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
                     const ShardingOptions& options,
-                    std::optional<int64_t> memory_limit_bytes = std::nullopt);
+                    std::optional<int64_t> memory_limit_bytes = std::nullopt,
+                    int replicate_size = 1);
 
 // The simulation behind MemoryEstimate, exposed so callers can try other prefetch depths.
 MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units,

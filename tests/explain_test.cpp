@@ -10,6 +10,7 @@
 
 #include "benchmarks/gpt.h"
 #include "collectives/thread_communicator.h"
+#include "collectives/thread_mesh.h"
 #include "fsdp/call.h"
 #include "fsdp/explain.h"
 #include "fsdp/meta_init.h"
@@ -205,6 +206,57 @@ TEST_CASE("explain agrees with the runtime's counters", "[diagnostics][explain]"
     CHECK(run.comm.all_reduces == e.per_step.all_reduces);
     CHECK(run.comm.bytes == e.per_step.bytes);
   }
+}
+
+TEST_CASE("explain with HSDP agrees with the runtime's counters on a 2x2 mesh",
+          "[diagnostics][explain][hsdp]") {
+  // Per-layer with a NO_SHARD head and bf16 compute / fp32 reduction: every kind of unit.
+  const std::string spec = "noshard:path=lm_head;type=Block";
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = c10::kBFloat16;
+  o.mixed_precision.reduce_dtype = c10::kFloat;
+  auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
+  const auto e = explain(*model, make_plan(*model, parse_policy(spec)), /*world_size=*/2, o,
+                         std::nullopt, /*replicate_size=*/2);
+  StepCounters got;
+  std::mutex mu;
+  run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
+    auto m = g::GPT(g::GPTConfig::preset("tiny"), 0);
+    auto fsdp = fully_shard(m.ptr(), make_plan(*m, parse_policy(spec)), ShardingMesh(shard, &rep), o);
+    for (int step = 0; step < 2; ++step) {
+      fsdp->reset_counters();
+      auto [x, y] = g::synthetic_batch(m->config(), 2, 3, rep.rank() * 2 + shard.rank(), step);
+      auto loss = flatshard::enter(m, [&, &x = x, &y = y] { return m->loss(x, y); });
+      loss.backward();
+    }
+    if (rep.rank() == 0 && shard.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      got = fsdp->counters();
+    }
+  });
+  REQUIRE(got.per_unit.size() == e.units.size());
+  int64_t replicated = 0;
+  for (size_t i = 0; i < e.units.size(); ++i) {
+    const auto& want = e.units[i].per_step;
+    const auto& have = got.per_unit[i];
+    CAPTURE(e.units[i].name);
+    CHECK(have.forward_all_gathers == want.forward_all_gathers);
+    CHECK(have.backward_all_gathers == want.backward_all_gathers);
+    CHECK(have.reduce_scatters == want.reduce_scatters);
+    CHECK(have.all_reduces == want.all_reduces);
+    CHECK(have.replicate_all_reduces == want.replicate_all_reduces);
+    CHECK(have.replicate_bytes == want.replicate_bytes);
+    CHECK(have.bytes == want.bytes);
+    replicated += want.replicate_bytes > 0;
+  }
+  CHECK(replicated == static_cast<int64_t>(e.units.size()));  // every unit has elements here
+  CHECK(e.per_step.replicate_all_reduces == static_cast<int64_t>(e.units.size()) - 1);  // not lm_head
+  const std::string text = e.to_string();
+  CHECK_THAT(text, Catch::Contains("world 2 per shard group x 2 replicas (HSDP: 4 ranks)"));
+  CHECK_THAT(text, Catch::Contains("rAR 1"));
+  CHECK_THAT(text, Catch::Contains("AR 1x2"));
+  CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(spec)), 2, o, std::nullopt, 0),
+                    Catch::Contains("replicate_size must be >= 1, got 0"));
 }
 
 TEST_CASE("explain: memory estimate by hand", "[diagnostics][explain]") {

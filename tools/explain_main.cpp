@@ -4,6 +4,7 @@
 //   flatshard-explain --preset 1b --policy type=Block --world 8
 //   flatshard-explain --preset small --n-layers 12 --policy "every=2,type=Block" --world 4
 //                     --param-dtype bf16 --prefetch 2 --memory-limit 2GiB    (one line)
+//   flatshard-explain --preset 1b --policy type=Block --world 8 --replicate 16   (HSDP)
 //
 // The reference GPT is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
@@ -52,7 +53,7 @@ int main(int argc, char** argv) {
                "nothing but shapes."};
   std::string preset = "small", policy = "type=Block", strategy = "full";
   std::string param_dtype = "fp32", reduce_dtype, memory_limit;
-  int world = 0, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
+  int world = 0, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
   int64_t align = 8;
   bool keep = false, tied = false, show_plan = false;
   std::map<std::string, int64_t> overrides;
@@ -66,7 +67,12 @@ int main(int argc, char** argv) {
   app.add_option("--policy", policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
                                      "\"every=2,type=Block\"; \"none\": root only")
       ->capture_default_str();
-  app.add_option("--world", world, "number of ranks")->required()->check(CLI::PositiveNumber);
+  app.add_option("--world", world, "number of ranks (with --replicate: ranks per shard group)")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--replicate", replicate,
+                 "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--strategy", strategy, "default strategy: full, grad_op, noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->capture_default_str();
@@ -126,7 +132,7 @@ int main(int argc, char** argv) {
     std::cout << "model: GPT " << cfg.to_string() << " (" << flatshard::gpt::num_parameters(cfg)
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();
-    std::cout << flatshard::explain(*model, plan, world, opts, limit).to_string();
+    std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate).to_string();
   } catch (const CLI::Error& e) {
     return app.exit(e);
   } catch (const c10::Error& e) {
