@@ -45,6 +45,22 @@ int64_t parse_bytes(const std::string& text) {
   return static_cast<int64_t>(std::llround(v * it->second));
 }
 
+// Integer options: "--world: must be >= 1, got 0" instead of CLI11's range with 300 digits.
+CLI::Validator at_least(int64_t lo) {
+  return CLI::Validator(
+      [lo](std::string& text) -> std::string {
+        try {
+          size_t used = 0;
+          const long long v = std::stoll(text, &used);
+          if (used == text.size() && v >= lo) return "";
+          if (used == text.size()) return "must be >= " + std::to_string(lo) + ", got " + text;
+        } catch (const std::exception&) {
+        }
+        return "expected an integer, got '" + text + "'";
+      },
+      "INT>=" + std::to_string(lo));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -62,28 +78,28 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   for (const char* key : {"vocab", "d-model", "n-heads", "n-layers", "seq-len"})
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
-        ->check(CLI::PositiveNumber);
+        ->check(at_least(1));
   app.add_flag("--tied", tied, "tie lm_head.weight to wte.weight");
   app.add_option("--policy", policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
                                      "\"every=2,type=Block\"; \"none\": root only")
       ->capture_default_str();
   app.add_option("--world", world, "number of ranks (with --replicate: ranks per shard group)")
       ->required()
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app.add_option("--replicate", replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
-      ->check(CLI::PositiveNumber);
+      ->check(at_least(1));
   app.add_option("--strategy", strategy, "default strategy: full, grad_op, noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->capture_default_str();
   app.add_flag("--keep", keep, "FULL_SHARD units keep parameters from forward to backward");
   app.add_option("--prefetch", prefetch, "forward and backward prefetch depth")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app.add_option("--forward-prefetch", fwd_prefetch, "units all-gathered ahead in forward")
-      ->check(CLI::NonNegativeNumber)
+      ->check(at_least(0))
       ->capture_default_str();
   app.add_option("--backward-prefetch", bwd_prefetch, "units all-gathered ahead in backward")
-      ->check(CLI::NonNegativeNumber)
+      ->check(at_least(0))
       ->capture_default_str();
   app.add_option("--param-dtype", param_dtype, "all-gather / compute dtype: fp32, bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))
@@ -91,7 +107,7 @@ int main(int argc, char** argv) {
   app.add_option("--reduce-dtype", reduce_dtype, "gradient reduction dtype (default: param dtype)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--align", align, "alignment of parameters in a flat buffer, in elements")
-      ->check(CLI::PositiveNumber)
+      ->check(at_least(1))
       ->capture_default_str();
   app.add_option("--memory-limit", memory_limit,
                  "model-state memory per rank to check the prefetch depth against, e.g. 40GiB");
