@@ -25,7 +25,7 @@ std::string ints(const std::vector<int64_t>& v) {
 
 std::string strings(const std::vector<std::string>& v) {
   std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + json_quote(v[i]);
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + json::quote(v[i]);
   return s + "]";
 }
 
@@ -39,45 +39,46 @@ std::string number(double d) {
   return buf;
 }
 
-uint32_t parse_crc(const Json& j) {
-  const std::string& s = j.str();
+uint32_t parse_crc(const json::Value& j) {
+  const std::string& s = j.as_string();
   char* end = nullptr;
   const unsigned long v = std::strtoul(s.c_str(), &end, 16);
   TORCH_CHECK(s.size() == 8 && end && *end == '\0', "bad crc32 '", s, "'");
   return static_cast<uint32_t>(v);
 }
 
-std::vector<int64_t> parse_ints(const Json& j) {
+std::vector<int64_t> parse_ints(const json::Value& j) {
   std::vector<int64_t> v;
-  for (const auto& x : j.array()) v.push_back(x.as_int());
+  for (const auto& x : j.as_array()) v.push_back(x.as_int());
   return v;
 }
 
 std::string value_json(const ValueRecord& v) {
-  std::string s = "{\"name\": " + json_quote(v.name) + ", \"dtype\": \"" +
+  std::string s = "{\"name\": " + json::quote(v.name) + ", \"dtype\": \"" +
                   safetensors_dtype_name(v.dtype) + "\", \"shape\": " + ints(v.shape);
   if (!v.aliases.empty()) s += ", \"tied\": " + strings(v.aliases);
-  if (!v.unit.empty()) s += ", \"unit\": " + json_quote(v.unit);
+  if (!v.unit.empty()) s += ", \"unit\": " + json::quote(v.unit);
   s += ", \"step\": " + std::to_string(v.step) + ", \"pieces\": [";
   for (size_t i = 0; i < v.pieces.size(); ++i)
-    s += std::string(i ? ", " : "") + "{\"file\": " + json_quote(v.pieces[i].file) +
+    s += std::string(i ? ", " : "") + "{\"file\": " + json::quote(v.pieces[i].file) +
          ", \"begin\": " + std::to_string(v.pieces[i].begin) +
          ", \"end\": " + std::to_string(v.pieces[i].end) + "}";
   return s + "]}";
 }
 
-ValueRecord parse_value(const Json& j) {
+ValueRecord parse_value(const json::Value& j) {
   ValueRecord v;
-  v.name = j.at("name").str();
+  v.name = j.at("name").as_string();
   try {
-    v.dtype = safetensors_dtype(j.at("dtype").str(), "'" + v.name + "'");
+    v.dtype = safetensors_dtype(j.at("dtype").as_string(), "'" + v.name + "'");
     v.shape = parse_ints(j.at("shape"));
-    if (const Json* t = j.find("tied"))
-      for (const auto& a : t->array()) v.aliases.push_back(a.str());
-    if (const Json* u = j.find("unit")) v.unit = u->str();
+    if (const json::Value* t = j.find("tied"))
+      for (const auto& a : t->as_array()) v.aliases.push_back(a.as_string());
+    if (const json::Value* u = j.find("unit")) v.unit = u->as_string();
     v.step = j.at("step").as_int();
-    for (const auto& p : j.at("pieces").array())
-      v.pieces.push_back(Piece{p.at("file").str(), p.at("begin").as_int(), p.at("end").as_int()});
+    for (const auto& p : j.at("pieces").as_array())
+      v.pieces.push_back(
+          Piece{p.at("file").as_string(), p.at("begin").as_int(), p.at("end").as_int()});
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "entry '", v.name, "': ", e.msg());
   }
@@ -105,11 +106,11 @@ const FileRecord* Manifest::file(const std::string& name) const {
 }
 
 std::string file_record_json(const FileRecord& f) {
-  std::string s = "{\"name\": " + json_quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
+  std::string s = "{\"name\": " + json::quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
                   ", \"header_crc32\": \"" + crc32_hex(f.header_crc32) + "\", \"tensors\": [";
   for (size_t i = 0; i < f.tensors.size(); ++i) {
     const TensorEntry& e = f.tensors[i].entry;
-    s += std::string(i ? "," : "") + "\n  {\"name\": " + json_quote(e.name) + ", \"dtype\": \"" +
+    s += std::string(i ? "," : "") + "\n  {\"name\": " + json::quote(e.name) + ", \"dtype\": \"" +
          safetensors_dtype_name(e.dtype) + "\", \"shape\": " + ints(e.shape) +
          ", \"data_offsets\": [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
          "], \"crc32\": [";
@@ -120,22 +121,23 @@ std::string file_record_json(const FileRecord& f) {
   return s + "]}";
 }
 
-FileRecord parse_file_record(const Json& j) {
+FileRecord parse_file_record(const json::Value& j) {
   FileRecord f;
-  f.name = j.at("name").str();
+  f.name = j.at("name").as_string();
   try {
     f.bytes = j.at("bytes").as_int();
     f.header_crc32 = parse_crc(j.at("header_crc32"));
-    for (const auto& t : j.at("tensors").array()) {
+    for (const auto& t : j.at("tensors").as_array()) {
       FileTensor ft;
-      ft.entry.name = t.at("name").str();
-      ft.entry.dtype = safetensors_dtype(t.at("dtype").str(), "tensor '" + ft.entry.name + "'");
+      ft.entry.name = t.at("name").as_string();
+      ft.entry.dtype =
+          safetensors_dtype(t.at("dtype").as_string(), "tensor '" + ft.entry.name + "'");
       ft.entry.shape = parse_ints(t.at("shape"));
       const auto off = parse_ints(t.at("data_offsets"));
       TORCH_CHECK(off.size() == 2, "tensor '", ft.entry.name, "': data_offsets needs 2 numbers");
       ft.entry.begin = off[0];
       ft.entry.end = off[1];
-      for (const auto& c : t.at("crc32").array()) ft.crc32.push_back(parse_crc(c));
+      for (const auto& c : t.at("crc32").as_array()) ft.crc32.push_back(parse_crc(c));
       f.tensors.push_back(std::move(ft));
     }
   } catch (const c10::Error& e) {
@@ -147,12 +149,12 @@ FileRecord parse_file_record(const Json& j) {
 std::string Manifest::to_json() const {
   std::ostringstream os;
   os << "{\n\"format\": \"" << kFormatName << "\",\n\"version\": " << version
-     << ",\n\"kind\": " << json_quote(kind) << ",\n\"world_size\": " << world_size
+     << ",\n\"kind\": " << json::quote(kind) << ",\n\"world_size\": " << world_size
      << ",\n\"crc_chunk_bytes\": " << crc_chunk_bytes << ",\n\"optimizer\": ";
   if (optimizer) {
     const auto& o = *optimizer;
-    os << "{\"type\": " << json_quote(o.type) << ", \"fields\": " << strings(o.fields)
-       << ", \"file\": " << json_quote(o.file) << ", \"lr\": " << number(o.lr) << ", \"betas\": ["
+    os << "{\"type\": " << json::quote(o.type) << ", \"fields\": " << strings(o.fields)
+       << ", \"file\": " << json::quote(o.file) << ", \"lr\": " << number(o.lr) << ", \"betas\": ["
        << number(o.beta1) << ", " << number(o.beta2) << "], \"eps\": " << number(o.eps)
        << ", \"weight_decay\": " << number(o.weight_decay)
        << ", \"amsgrad\": " << (o.amsgrad ? "true" : "false") << "}";
@@ -161,8 +163,8 @@ std::string Manifest::to_json() const {
   }
   os << ",\n\"units\": [";
   for (size_t i = 0; i < units.size(); ++i)
-    os << (i ? "," : "") << "\n {\"name\": " << json_quote(units[i].name)
-       << ", \"strategy\": " << json_quote(units[i].strategy) << ", \"numel\": " << units[i].numel
+    os << (i ? "," : "") << "\n {\"name\": " << json::quote(units[i].name)
+       << ", \"strategy\": " << json::quote(units[i].strategy) << ", \"numel\": " << units[i].numel
        << ", \"padded_numel\": " << units[i].padded_numel << "}";
   os << "],\n\"params\": [";
   for (size_t i = 0; i < params.size(); ++i) os << (i ? "," : "") << "\n " << value_json(params[i]);
@@ -182,7 +184,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   TORCH_CHECK(at != std::string::npos, path,
               ": no manifest_crc32 at the end: the manifest is "
               "truncated or was not written by flatshard");
-  const Json doc = Json::parse(text, path);
+  const json::Value doc = json::parse(text, path);
   const uint32_t want = crc32(text.data(), at);
   uint32_t got = 0;
   try {
@@ -194,38 +196,38 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
               ", computed ", crc32_hex(want), "): the manifest is corrupt");
   Manifest m;
   try {
-    TORCH_CHECK(doc.at("format").str() == kFormatName, "format is '", doc.at("format").str(),
-                "', expected '", kFormatName, "'");
+    TORCH_CHECK(doc.at("format").as_string() == kFormatName, "format is '",
+                doc.at("format").as_string(), "', expected '", kFormatName, "'");
     m.version = static_cast<int>(doc.at("version").as_int());
     TORCH_CHECK(m.version == kCheckpointFormatVersion, "format version ", m.version,
                 " is not supported (this build reads version ", kCheckpointFormatVersion, ")");
-    m.kind = doc.at("kind").str();
+    m.kind = doc.at("kind").as_string();
     TORCH_CHECK(m.kind == "sharded" || m.kind == "full", "unknown kind '", m.kind, "'");
     m.world_size = static_cast<int>(doc.at("world_size").as_int());
     m.crc_chunk_bytes = doc.at("crc_chunk_bytes").as_int();
     TORCH_CHECK(m.crc_chunk_bytes > 0, "crc_chunk_bytes must be positive");
-    const Json& o = doc.at("optimizer");
+    const json::Value& o = doc.at("optimizer");
     if (!o.is_null()) {
       OptimizerRecord r;
-      r.type = o.at("type").str();
-      for (const auto& f : o.at("fields").array()) r.fields.push_back(f.str());
-      r.file = o.at("file").str();
-      r.lr = o.at("lr").as_double();
-      const auto& b = o.at("betas").array();
+      r.type = o.at("type").as_string();
+      for (const auto& f : o.at("fields").as_array()) r.fields.push_back(f.as_string());
+      r.file = o.at("file").as_string();
+      r.lr = o.at("lr").as_number();
+      const auto& b = o.at("betas").as_array();
       TORCH_CHECK(b.size() == 2, "optimizer betas must have two numbers");
-      r.beta1 = b[0].as_double();
-      r.beta2 = b[1].as_double();
-      r.eps = o.at("eps").as_double();
-      r.weight_decay = o.at("weight_decay").as_double();
+      r.beta1 = b[0].as_number();
+      r.beta2 = b[1].as_number();
+      r.eps = o.at("eps").as_number();
+      r.weight_decay = o.at("weight_decay").as_number();
       r.amsgrad = o.at("amsgrad").as_bool();
       m.optimizer = r;
     }
-    for (const auto& u : doc.at("units").array())
-      m.units.push_back(UnitRecord{u.at("name").str(), u.at("strategy").str(),
+    for (const auto& u : doc.at("units").as_array())
+      m.units.push_back(UnitRecord{u.at("name").as_string(), u.at("strategy").as_string(),
                                    u.at("numel").as_int(), u.at("padded_numel").as_int()});
-    for (const auto& p : doc.at("params").array()) m.params.push_back(parse_value(p));
-    for (const auto& b : doc.at("buffers").array()) m.buffers.push_back(parse_value(b));
-    for (const auto& f : doc.at("files").array()) m.files.push_back(parse_file_record(f));
+    for (const auto& p : doc.at("params").as_array()) m.params.push_back(parse_value(p));
+    for (const auto& b : doc.at("buffers").as_array()) m.buffers.push_back(parse_value(b));
+    for (const auto& f : doc.at("files").as_array()) m.files.push_back(parse_file_record(f));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, path, ": ", e.msg());
   }

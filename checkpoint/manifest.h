@@ -28,7 +28,9 @@
 
 namespace flatshard {
 
-class Json;
+namespace json {
+class Value;
+}  // namespace json
 
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr int kCheckpointFormatVersion = 1;
@@ -97,6 +99,6 @@ struct Manifest {
 
 // One file's entry as JSON text and back (ranks send theirs to rank 0 as text).
 std::string file_record_json(const FileRecord& f);
-FileRecord parse_file_record(const Json& j);
+FileRecord parse_file_record(const json::Value& j);
 
 }  // namespace flatshard

@@ -58,8 +58,8 @@ SafetensorsHeader SafetensorsHeader::make(std::vector<TensorEntry> entries, Meta
   if (!h.metadata_.empty()) {
     json += "\"__metadata__\":{";
     for (size_t i = 0; i < h.metadata_.size(); ++i)
-      json += (i ? "," : "") + json_quote(h.metadata_[i].first) + ":" +
-              json_quote(h.metadata_[i].second);
+      json += (i ? "," : "") + json::quote(h.metadata_[i].first) + ":" +
+              json::quote(h.metadata_[i].second);
     json += "}";
   }
   int64_t off = 0;
@@ -69,7 +69,7 @@ SafetensorsHeader SafetensorsHeader::make(std::vector<TensorEntry> entries, Meta
     off = e.end;
     if (json.size() > 1) json += ",";
     json +=
-        json_quote(e.name) + ":{\"dtype\":\"" + safetensors_dtype_name(e.dtype) + "\",\"shape\":[";
+        json::quote(e.name) + ":{\"dtype\":\"" + safetensors_dtype_name(e.dtype) + "\",\"shape\":[";
     for (size_t i = 0; i < e.shape.size(); ++i) json += (i ? "," : "") + std::to_string(e.shape[i]);
     json += "],\"data_offsets\":[" + std::to_string(e.begin) + "," + std::to_string(e.end) + "]}";
   }
@@ -109,21 +109,21 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
   const std::string json = h.bytes_.substr(8);
   TORCH_CHECK(!json.empty() && json[0] == '{', path,
               ": safetensors header does not start with '{'");
-  const Json doc = Json::parse(json, path + " (safetensors header)");
+  const json::Value doc = json::parse(json, path + " (safetensors header)");
   try {
-    for (const auto& [key, value] : doc.object()) {
+    for (const auto& [key, value] : doc.as_object()) {
       if (key == "__metadata__") {
-        for (const auto& [k, v] : value.object()) h.metadata_.emplace_back(k, v.str());
+        for (const auto& [k, v] : value.as_object()) h.metadata_.emplace_back(k, v.as_string());
         continue;
       }
       TensorEntry e;
       e.name = key;
-      e.dtype = safetensors_dtype(value.at("dtype").str(), path + ", tensor '" + key + "'");
-      for (const auto& d : value.at("shape").array()) {
+      e.dtype = safetensors_dtype(value.at("dtype").as_string(), path + ", tensor '" + key + "'");
+      for (const auto& d : value.at("shape").as_array()) {
         e.shape.push_back(d.as_int());
         TORCH_CHECK(e.shape.back() >= 0, "negative dimension");
       }
-      const auto& off = value.at("data_offsets").array();
+      const auto& off = value.at("data_offsets").as_array();
       TORCH_CHECK(off.size() == 2, "data_offsets must have two entries");
       e.begin = off[0].as_int();
       e.end = off[1].as_int();

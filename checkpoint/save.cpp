@@ -293,7 +293,7 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
       }
       agree(comm, err, what);
       for (const std::string& text : all_gather_text(comm, file_record_json(mine)))
-        manifest.files.push_back(parse_file_record(Json::parse(text, "file record")));
+        manifest.files.push_back(parse_file_record(json::parse(text, "file record")));
     } else {
       manifest.files = write_full(*source, manifest, staging, o, progress, err);
       agree(comm, err, what);

@@ -1,5 +1,6 @@
-// flatshard/fsdp/trace.cpp — see trace.h. The JSON is written by hand (no JSON dependency in the
-// library); tools/json.h is an independent reader the tests use to check it.
+// flatshard/fsdp/trace.cpp — see trace.h. The JSON is written by hand on purpose, not with
+// checkpoint/json.h's writer: the tests read traces with that module's reader, which then checks
+// this writer independently instead of agreeing with it.
 #include "fsdp/trace.h"
 
 #include <c10/util/Exception.h>

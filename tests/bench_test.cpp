@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/json.h"
+#include "checkpoint/json.h"
 
 #ifndef FLATSHARD_BENCH_EXE
 #error "FLATSHARD_BENCH_EXE (path of flatshard-bench) must be defined by CMake"

@@ -1,8 +1,11 @@
 // The checkpoint's building blocks against independent references: CRC-32 check values (the
-// ones zlib and the IEEE standard publish), JSON per RFC 8259, safetensors per its spec.
+// ones zlib and the IEEE standard publish), JSON per RFC 8259 (checkpoint/json.h, which the
+// diagnostics tools share), safetensors per its spec.
 #include <ATen/ATen.h>
 
 #include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdint>
 
 #include "checkpoint/crc32.h"
 #include "checkpoint/file_io.h"
@@ -28,30 +31,95 @@ TEST_CASE("crc32 matches zlib's check values, incrementally too", "[checkpoint][
 }
 
 TEST_CASE("json reader: values, escapes, exact integers, errors with positions",
-          "[checkpoint][format]") {
-  const Json j =
-      Json::parse(R"({"a": [1, -2, 3.5e2, true, false, null], "s": "q\"\\\/\n\u00e9\ud83d\ude00", )"
+          "[checkpoint][format][json]") {
+  const json::Value j =
+      json::parse(R"({"a": [1, -2, 3.5e2, true, false, null], "s": "q\"\\\/\n\u00e9\ud83d\ude00", )"
                   R"("big": 9007199254740993, "o": {}})",
                   "test");
-  REQUIRE(j.at("a").array().size() == 6);
-  CHECK(j.at("a").array()[1].as_int() == -2);
-  CHECK(j.at("a").array()[2].as_double() == 350.0);
-  CHECK(j.at("a").array()[3].as_bool());
-  CHECK(j.at("a").array()[5].is_null());
-  CHECK(j.at("s").str() == "q\"\\/\n\xc3\xa9\xf0\x9f\x98\x80");
+  REQUIRE(j.at("a").as_array().size() == 6);
+  CHECK(j.at("a").as_array()[1].as_int() == -2);
+  CHECK(j.at("a").as_array()[2].as_number() == 350.0);
+  CHECK(j.at("a").as_array()[3].as_bool());
+  CHECK(j.at("a").as_array()[5].is_null());
+  CHECK(j.at("s").as_string() == "q\"\\/\n\xc3\xa9\xf0\x9f\x98\x80");
   CHECK(j.at("big").as_int() == 9007199254740993LL);  // not representable as a double
-  CHECK(j.at("o").object().empty());
+  CHECK(j.at("o").as_object().empty());
   CHECK(j.find("missing") == nullptr);
   CHECK_THROWS_WITH(j.at("missing"), Contains("missing key 'missing'"));
-  CHECK_THROWS_WITH(j.at("a").array()[2].as_int(), Contains("expected an integer"));
-  CHECK_THROWS_WITH(Json::parse("{\"a\": 1,}", "f.json"), Contains("f.json") && Contains("byte 8"));
-  CHECK_THROWS_WITH(Json::parse("[1] x", "t"), Contains("after the JSON value"));
-  CHECK_THROWS_WITH(Json::parse("\"abc", "t"), Contains("unterminated string"));
-  CHECK_THROWS_WITH(Json::parse("\"\\ud800\"", "t"), Contains("surrogate"));
-  CHECK_THROWS_WITH(Json::parse(std::string(100, '['), "t"), Contains("deeper than 64"));
-  CHECK_THROWS_WITH(Json::parse("01", "t"), Contains("after the JSON value"));
+  CHECK_THROWS_WITH(j.at("a").as_array()[2].as_int(), Contains("expected an integer"));
+  CHECK_THROWS_WITH(j.at("s").as_array(), Contains("expected an array, got a string"));
+  CHECK_THROWS_WITH(json::parse("{\"a\": 1,}", "f.json"), Contains("f.json") && Contains("byte 8"));
+  CHECK_THROWS_WITH(json::parse("[1] x", "t"), Contains("after the JSON value"));
+  CHECK_THROWS_WITH(json::parse("\"abc", "t"), Contains("unterminated string"));
+  CHECK_THROWS_WITH(json::parse("\"\\ud800\"", "t"), Contains("surrogate"));
+  CHECK_THROWS_WITH(json::parse(std::string(100, '['), "t"), Contains("deeper than 64"));
+  CHECK_THROWS_WITH(json::parse("01", "t"), Contains("after the JSON value"));
   const std::string odd = "a\"b\\c\n\x01/\xc3\xa9";
-  CHECK(Json::parse(json_quote(odd), "t").str() == odd);
+  CHECK(json::parse(json::quote(odd), "t").as_string() == odd);
+}
+
+TEST_CASE("json reader: 64-bit integers stay exact, through the writer too",
+          "[checkpoint][format][json]") {
+  const json::Value v = json::parse("[9223372036854775807, -9223372036854775808, 0, -0, 1e2, 1.0]");
+  const auto& a = v.as_array();
+  CHECK(a[0].as_int() == INT64_MAX);
+  CHECK(a[1].as_int() == INT64_MIN);
+  CHECK(a[2].as_int() == 0);
+  CHECK(a[3].as_int() == 0);
+  CHECK_THROWS_WITH(a[4].as_int(), Contains("expected an integer, got 1e2"));
+  CHECK_THROWS_WITH(a[5].as_int(), Contains("expected an integer, got 1.0"));
+  CHECK(a[4] == json::Value::number(100));  // numbers compare by value
+  CHECK_THROWS_WITH(json::parse("9223372036854775808").as_int(), Contains("does not fit in 64"));
+  CHECK_THROWS_WITH(json::parse("\"7\"").as_int(), Contains("expected an integer, got a string"));
+  // Parsed and built integers write back their exact text.
+  CHECK(json::write(v) == "[9223372036854775807,-9223372036854775808,0,-0,1e2,1.0]");
+  const json::Value big = json::Value::integer((int64_t{1} << 53) + 1);
+  CHECK(json::write(big) == "9007199254740993");
+  CHECK(json::parse(json::write(big)).as_int() == (int64_t{1} << 53) + 1);
+  CHECK(json::Value::number(12).as_int() == 12);
+  CHECK_THROWS_WITH(json::Value::number(0.5).as_int(), Contains("expected an integer"));
+  // Equal doubles, different integers.
+  CHECK(json::parse("9007199254740993") != json::parse("9007199254740992"));
+  CHECK(json::parse("9007199254740993") == big);
+}
+
+TEST_CASE("json reader: strict RFC 8259, positions, depth, duplicate keys",
+          "[checkpoint][format][json]") {
+  const auto v =
+      json::parse(R"( {"a": [1, -2.5e3, true, false, null], "s": "q\"\\\/\n\u00e9\ud83d\ude00"} )");
+  CHECK(v.at("a").as_array().size() == 5);
+  CHECK(v.at("a").as_array()[1].as_number() == -2500);
+  CHECK(v.at("s").as_string() == "q\"\\/\n\xc3\xa9\xf0\x9f\x98\x80");
+  CHECK(json::parse(json::write(v)) == v);
+  CHECK(json::parse(json::write(json::Value::number(0.1))).as_number() == 0.1);
+  CHECK_THROWS(json::write(json::Value::number(std::nan(""))));
+  for (const char* bad :
+       {"",         " ",       "{",   "[1,]",     "{\"a\":1,}",  "01",          "[01]",
+        "1.",       ".5",      "-",   "+1",       "1e",          "nul",         "\"\\x\"",
+        "\"\x01\"", "[1] 2",   "NaN", "Infinity", "\"\\ud83d\"", "\"\\udc00\"", "{a:1}",
+        "[1 2]",    "// c\n1", "'a'"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(json::parse(bad), c10::Error);
+  }
+  CHECK_THROWS_WITH(json::parse("[1,\n  x]", "f"),
+                    Contains("f: invalid JSON at byte 6 (line 2, column 3)"));
+  CHECK_THROWS_WITH(json::parse("[1,\n  x]"), Catch::StartsWith("invalid JSON at byte 6"));
+  // Depth: 64 nested containers are fine, 65 are not.
+  CHECK_NOTHROW(json::parse(std::string(64, '[') + std::string(64, ']')));
+  CHECK_THROWS_WITH(json::parse(std::string(65, '[') + std::string(65, ']')),
+                    Contains("deeper than 64"));
+  CHECK_THROWS(json::parse(std::string(300, '[') + std::string(300, ']')));
+  // Duplicate keys are kept; lookups see the first.
+  const auto d = json::parse(R"({"k": 1, "k": 2})");
+  CHECK(d.as_object().size() == 2);
+  CHECK(d.at("k").as_int() == 1);
+  // Files: errors name the path.
+  flatshard_test::TempDir tmp;
+  flatshard_test::write_bytes(tmp / "bad.json", "{\"a\": tru}");
+  CHECK_THROWS_WITH(json::parse_file(tmp / "bad.json"),
+                    Contains("bad.json: invalid JSON at byte 6") && Contains("expected 'true'"));
+  CHECK_THROWS_WITH(json::parse_file(tmp / "none.json"),
+                    Contains("cannot open") && Contains("none.json"));
 }
 
 TEST_CASE("safetensors: written files parse back, dtypes, alignment, metadata",

@@ -10,7 +10,7 @@
 #include <fstream>
 #include <iostream>
 
-#include "tools/json.h"
+#include "checkpoint/json.h"
 #include "tools/trace_summary.h"
 
 int main(int argc, char** argv) {

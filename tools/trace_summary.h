@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/json.h"
+#include "checkpoint/json.h"
 
 namespace flatshard {
 
