@@ -15,8 +15,8 @@
 #include <cuda_runtime_api.h>
 #endif
 
-// The NCCL backend is being written on another branch; until its header is in this tree the CUDA
-// path builds without it and --device cuda reports why it cannot run. This is the one switch.
+// The NCCL backend is compiled only with the CUDA path (FLATSHARD_WITH_CUDA); without it the
+// benchmark still builds and --device cuda reports why it cannot run. This is the one switch.
 #if FLATSHARD_WITH_CUDA && __has_include("collectives/nccl_communicator.h")
 #define FLATSHARD_BENCH_HAS_NCCL 1
 #include "collectives/nccl_communicator.h"
