@@ -16,6 +16,8 @@
 #   train       flatshard-bench on the 1B GPT, 4 and 1 sequences per GPU, every granularity and
 #               the unsharded floor (`local`); tables printed in the summary
 #               (GPU_CHECK_TRAIN_ARGS adds arguments, e.g. "--layers 4" for a quick look)
+#   train_fused the same at 4 sequences per GPU for local, layer and leaf with
+#               --optimizer fused (flatshard::FusedAdamW, the floor included)
 #   trace       flatshard-bench, per-layer units, 4 sequences per GPU, with FLATSHARD_TRACE (host
 #               and CUDA-event timestamps per unit) and NVTX ranges, then flatshard-trace's summary:
 #               exposed communication per unit, GPU idle gaps and their cause, host issue time vs
@@ -161,6 +163,13 @@ step_train() {
   done
 }
 
+step_train_fused() {
+  # shellcheck disable=SC2086
+  "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch 4 \
+    --warmup 3 --steps 10 --granularity local,layer,leaf --optimizer fused \
+    --json "$LOGDIR/train_fused_b4.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_fused_b4.txt"
+}
+
 step_trace() {
   rm -f "$LOGDIR"/trace*.json "$LOGDIR/merged_trace.json"
   # shellcheck disable=SC2086
@@ -195,7 +204,7 @@ step_sanitize() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train trace)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused trace)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"
@@ -236,7 +245,7 @@ summary() {
     echo
     cat "$LOGDIR/compare.txt"
   fi
-  for s in "$LOGDIR"/train_b*.txt; do
+  for s in "$LOGDIR"/train_b*.txt "$LOGDIR"/train_fused_b*.txt; do
     [ -f "$s" ] || continue
     echo
     sed -n '/^granularity/,/^$/p' "$s"
