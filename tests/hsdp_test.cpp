@@ -61,35 +61,17 @@ HsdpRun run_hsdp(const ParitySpec& s, int R, int S) {
     const int rank = replicate.rank() * S + shard.rank();
     auto model = s.make_model();
     auto fsdp = fully_shard(model, s.plan(*model), ShardingMesh(shard, &replicate), s.options);
-    torch::optim::AdamW opt(fsdp->parameters(),
-                            torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
-    for (int step = 0; step < s.steps; ++step) {
-      opt.zero_grad();
-      fsdp->reset_counters();
-      double loss_sum = 0;
-      for (int m = 0; m < s.micro_batches; ++m) {
-        if (s.no_sync_accumulation) fsdp->set_requires_gradient_sync(m + 1 == s.micro_batches);
-        at::Tensor l = s.loss(model, rank, step, m);
-        loss_sum += l.item<double>();
-        l.backward();
-      }
-      if (step == 0) {
-        auto gr = fsdp->gather_full_grads();
-        std::lock_guard<std::mutex> lock(mu);
-        if (shard.rank() == 0)
-          for (auto& kv : gr) out.replica_grads[replicate.rank()][kv.first] = kv.second;
-      }
-      if (s.clip > 0) fsdp->clip_grad_norm_(s.clip);
-      opt.step();
-      std::lock_guard<std::mutex> lock(mu);
-      out.run.losses[step] += loss_sum / s.micro_batches / s.world;
-      if (rank == 0) out.run.last_step_counters = fsdp->counters();
-    }
-    auto full = fsdp->gather_full_params();
+    RankRun r = train_sharded_rank(s, model, *fsdp, rank);
     std::lock_guard<std::mutex> lock(mu);
-    if (shard.rank() == 0)
-      for (auto& kv : full) out.replica_params[replicate.rank()][kv.first] = kv.second;
-    if (rank == 0) out.units = fsdp->units();
+    for (int step = 0; step < s.steps; ++step) out.run.losses[step] += r.losses[step] / s.world;
+    if (shard.rank() == 0) {
+      for (auto& kv : r.grads0) out.replica_grads[replicate.rank()][kv.first] = kv.second;
+      for (auto& kv : r.params) out.replica_params[replicate.rank()][kv.first] = kv.second;
+    }
+    if (rank == 0) {
+      out.run.last_step_counters = r.last_step_counters;
+      out.units = fsdp->units();
+    }
   });
   out.run.params = out.replica_params[0];
   out.run.grads = out.replica_grads[0];

@@ -124,44 +124,56 @@ inline ParityRun run_reference(const ParitySpec& s) {
   return out;
 }
 
+// One rank's part of a sharded parity run: trains `fsdp` (built on `model`) for s.steps on
+// rank `rank`'s batches. Collective: every rank of `fsdp`'s groups calls it. Returns this rank's
+// mean loss per step, its counters of the last step and the gathered full step-0 gradients and
+// final parameters.
+struct RankRun {
+  std::vector<double> losses;
+  flatshard::StepCounters last_step_counters;
+  std::vector<std::pair<std::string, at::Tensor>> grads0, params;
+};
+
+inline RankRun train_sharded_rank(const ParitySpec& s,
+                                  const std::shared_ptr<torch::nn::Module>& model,
+                                  flatshard::ShardedModel& fsdp, int rank) {
+  torch::optim::AdamW opt(fsdp.parameters(),
+                          torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
+  RankRun r;
+  for (int step = 0; step < s.steps; ++step) {
+    opt.zero_grad();
+    fsdp.reset_counters();
+    double loss_sum = 0;
+    for (int m = 0; m < s.micro_batches; ++m) {
+      if (s.no_sync_accumulation) fsdp.set_requires_gradient_sync(m + 1 == s.micro_batches);
+      at::Tensor l = s.loss(model, rank, step, m);
+      loss_sum += l.item<double>();
+      l.backward();
+    }
+    if (step == 0) r.grads0 = fsdp.gather_full_grads();
+    if (s.clip > 0) fsdp.clip_grad_norm_(s.clip);
+    opt.step();
+    r.losses.push_back(loss_sum / s.micro_batches);
+    r.last_step_counters = fsdp.counters();
+  }
+  r.params = fsdp.gather_full_params();
+  return r;
+}
+
 inline ParityRun run_sharded(const ParitySpec& s) {
   ParityRun out;
   out.losses.assign(s.steps, 0.0);
   std::mutex mu;
   flatshard::run_ranks(s.world, [&](flatshard::Communicator& comm) {
     auto model = s.make_model();
-    auto plan = s.plan(*model);
-    auto fsdp = flatshard::fully_shard(model, plan, comm, s.options);
-    torch::optim::AdamW opt(fsdp->parameters(),
-                            torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
-    for (int step = 0; step < s.steps; ++step) {
-      opt.zero_grad();
-      fsdp->reset_counters();
-      double loss_sum = 0;
-      for (int m = 0; m < s.micro_batches; ++m) {
-        const bool last = m + 1 == s.micro_batches;
-        if (s.no_sync_accumulation) fsdp->set_requires_gradient_sync(last);
-        at::Tensor l = s.loss(model, comm.rank(), step, m);
-        loss_sum += l.item<double>();
-        l.backward();
-      }
-      if (step == 0) {
-        auto g = fsdp->gather_full_grads();
-        if (comm.rank() == 0) {
-          std::lock_guard<std::mutex> lock(mu);
-          for (auto& kv : g) out.grads[kv.first] = kv.second;
-        }
-      }
-      if (s.clip > 0) fsdp->clip_grad_norm_(s.clip);
-      opt.step();
-      std::lock_guard<std::mutex> lock(mu);
-      out.losses[step] += loss_sum / s.micro_batches / s.world;
-      if (comm.rank() == 0) out.last_step_counters = fsdp->counters();
-    }
-    auto full = fsdp->gather_full_params();
+    auto fsdp = flatshard::fully_shard(model, s.plan(*model), comm, s.options);
+    RankRun r = train_sharded_rank(s, model, *fsdp, comm.rank());
+    std::lock_guard<std::mutex> lock(mu);
+    for (int step = 0; step < s.steps; ++step) out.losses[step] += r.losses[step] / s.world;
     if (comm.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      for (auto& kv : full) out.params[kv.first] = kv.second;
+      out.last_step_counters = r.last_step_counters;
+      for (auto& kv : r.grads0) out.grads[kv.first] = kv.second;
+      for (auto& kv : r.params) out.params[kv.first] = kv.second;
     }
   });
   return out;
