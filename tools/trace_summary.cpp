@@ -238,10 +238,11 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
     std::map<int, std::pair<double, double>> host_span, gpu_span;
     for (const auto& e : r.events) {
       if (!steps.count(e.step) || e.cat == "step") continue;
-      auto& sp = (e.tid == kHost ? host_span : gpu_span)[e.step];
-      if (sp.first == 0 && sp.second == 0) sp = {e.ts, e.ts + e.dur};
-      sp.first = std::min(sp.first, e.ts);
-      sp.second = std::max(sp.second, e.ts + e.dur);
+      auto [it, fresh] =
+          (e.tid == kHost ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
+      if (fresh) continue;
+      it->second.first = std::min(it->second.first, e.ts);
+      it->second.second = std::max(it->second.second, e.ts + e.dur);
     }
     if (s.gpu) {
       for (const auto& [st, sp] : host_span) issue_sum += sp.second - sp.first;
