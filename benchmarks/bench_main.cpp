@@ -49,6 +49,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.sharding = o.sharding;
   c.fused_optimizer = o.fused_optimizer;
   c.time_collectives = o.device == fb::DeviceKind::kCpu;
+  c.kernel_profile_steps = o.kernel_profile_steps;
   return c;
 }
 
@@ -57,6 +58,7 @@ int report(const fb::BenchOptions& o, int world, const std::string& device_descr
   fb::Report rep = fb::make_report(o, world, device_description, std::move(notes),
                                    std::move(results));
   fb::print_table(rep, std::cout);
+  fb::print_kernel_profiles(rep, std::cout);
   std::cout.flush();
   if (!o.json_path.empty()) fb::write_json(rep, o.json_path);
   if (!o.csv_path.empty()) fb::write_csv(rep, o.csv_path);

@@ -71,7 +71,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   std::string preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
       optimizer = "adamw";
   int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
-  int nproc = 0, prefetch = 1, warmup = 2, steps = 0;
+  int nproc = 0, prefetch = 1, warmup = 2, steps = 0, kernel_profile = 0;
   uint64_t seed = 0;
   double peak_tflops = 0;
   BenchOptions o;
@@ -128,6 +128,11 @@ ParseResult parse_command_line(int argc, char** argv) {
                  "ATen kernel per device and dtype); every run, local included, uses it")
       ->check(CLI::IsMember({"adamw", "fused"}))
       ->group(g_run);
+  auto* o_kprof =
+      app.add_option("--kernel-profile", kernel_profile,
+                     "cuda: after the measured steps, profile N more (PyTorch profiler, CUPTI) "
+                     "and print rank 0's device time per step by kernel category and name")
+          ->group(g_run);
   auto* o_peak = app.add_option("--peak-tflops", peak_tflops,
                                 "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 "
                                 "bf16 dense; cpu: MFU is - unless given)")
@@ -210,6 +215,12 @@ ParseResult parse_command_line(int argc, char** argv) {
   o.steps = o_steps->count() ? steps : (cuda ? 20 : 5);
   require(o.steps >= 1, "--steps", ">= 1", o.steps);
   o.seed = seed;
+  if (o_kprof->count()) {
+    require(kernel_profile >= 1, "--kernel-profile", ">= 1", kernel_profile);
+    if (!cuda)
+      throw UsageError("--kernel-profile records GPU kernels: it needs --device cuda");
+    o.kernel_profile_steps = kernel_profile;
+  }
   if (o_peak->count()) {
     require(peak_tflops > 0, "--peak-tflops", "> 0", peak_tflops);
     o.peak_tflops = peak_tflops;

@@ -216,6 +216,38 @@ void print_table(const Report& rep, std::ostream& out) {
       << " relative: " << (rep.all_ok() ? "all ok" : "FAILED") << "\n";
 }
 
+void print_kernel_profiles(const Report& rep, std::ostream& out) {
+  bool header = false;
+  for (const auto& r : rep.rows) {
+    if (!r.run.kernel_profile) continue;
+    const KernelProfile& p = *r.run.kernel_profile;
+    if (!header) {
+      out << "\nkernel profile (rank 0, PyTorch profiler / CUPTI; ms per step, mean of "
+          << p.steps << " profiled step" << (p.steps == 1 ? "" : "s")
+          << " after the measured ones):\n";
+      header = true;
+    }
+    out << "  " << r.run.granularity << ": span " << fixed(p.span_ms, 2) << ", device busy "
+        << fixed(p.busy_ms, 2) << ", compute " << fixed(p.compute_ms, 2) << ", nccl "
+        << fixed(p.comm_ms, 2) << " (" << fixed(p.overlap_ms, 2) << " beside compute)\n    ";
+    for (size_t i = 0; i < p.categories.size(); ++i)
+      out << (i ? ", " : "") << p.categories[i].name << " " << fixed(p.categories[i].ms, 2) << " ("
+          << fixed(p.categories[i].count, 0) << ")";
+    out << "\n    streams:";
+    for (size_t i = 0; i < p.streams.size(); ++i)
+      out << (i ? "," : "") << " " << p.streams[i].name << " " << fixed(p.streams[i].ms, 2) << " ("
+          << fixed(p.streams[i].count, 0) << ")";
+    out << "\n";
+    for (size_t i = 0; i < std::min<size_t>(p.kernels.size(), 12); ++i) {
+      const KernelGroup& k = p.kernels[i];
+      std::string name = k.name.size() > 90 ? k.name.substr(0, 87) + "..." : k.name;
+      out << "    " << std::string(10 - std::min<size_t>(10, fixed(k.ms, 2).size()), ' ')
+          << fixed(k.ms, 2) << "  " << std::string(6 - std::min<size_t>(6, fixed(k.count, 0).size()), ' ')
+          << fixed(k.count, 0) << "x  " << name << "\n";
+    }
+  }
+}
+
 // Schema (every key always present; null where unknown):
 // { "tool": "flatshard-bench",
 //   "model": {"preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
@@ -229,7 +261,11 @@ void print_table(const Report& rep, std::ostream& out) {
 //               "step_ms": {"median", "min", "max", "all": [...]},
 //               "fwd_bwd_ms_median", "optimizer_ms_median", "ratio_to_local",
 //               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
-//               "loss_step0", "check": "ok" | "FAIL" } ] }
+//               "loss_step0", "check": "ok" | "FAIL",
+//               "kernel_profile": null | {"steps", "span_ms", "busy_ms", "compute_ms",
+//                  "comm_ms", "overlap_ms", "categories": [G], "streams": [G],
+//                  "kernels": [G, every kernel name]} } ] }
+//   with G = {"name", "count", "ms"} per step (--kernel-profile; rank 0).
 void write_json(const Report& rep, const std::string& path) {
   const BenchOptions& o = rep.options;
   const auto& m = o.model;
@@ -283,7 +319,27 @@ void write_json(const Report& rep, const std::string& path) {
       << ", \"exposed_comm_share\": " << number(r.run.exposed_comm_share)
       << ",\n     \"peak_memory_bytes\": " << r.run.peak_memory_bytes
       << ", \"loss_step0\": " << number(r.run.loss_step0)
-      << ", \"check\": " << json_string(r.ok ? "ok" : "FAIL") << "}";
+      << ", \"check\": " << json_string(r.ok ? "ok" : "FAIL")
+      << ",\n     \"kernel_profile\": ";
+    if (!r.run.kernel_profile) {
+      j << "null}";
+      continue;
+    }
+    const KernelProfile& p = *r.run.kernel_profile;
+    auto groups = [&j](const char* key, const std::vector<KernelGroup>& gs) {
+      j << ", \"" << key << "\": [";
+      for (size_t k = 0; k < gs.size(); ++k)
+        j << (k ? ",\n        " : "\n        ") << "{\"name\": " << json_string(gs[k].name)
+          << ", \"count\": " << number(gs[k].count) << ", \"ms\": " << number(gs[k].ms) << "}";
+      j << "]";
+    };
+    j << "{\"steps\": " << p.steps << ", \"span_ms\": " << number(p.span_ms)
+      << ", \"busy_ms\": " << number(p.busy_ms) << ", \"compute_ms\": " << number(p.compute_ms)
+      << ", \"comm_ms\": " << number(p.comm_ms) << ", \"overlap_ms\": " << number(p.overlap_ms);
+    groups("categories", p.categories);
+    groups("streams", p.streams);
+    groups("kernels", p.kernels);
+    j << "}}";
   }
   j << "\n  ]\n}\n";
   std::ofstream f = open_or_throw("JSON", path);

@@ -50,6 +50,9 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
                    std::vector<std::string> notes, std::vector<RunResult> runs);
 
 void print_table(const Report& report, std::ostream& out);
+// --kernel-profile: per run that has one, the device time per step by category and the top
+// kernels (nothing when no run was profiled).
+void print_kernel_profiles(const Report& report, std::ostream& out);
 void write_json(const Report& report, const std::string& path);
 void write_csv(const Report& report, const std::string& path);
 

@@ -137,6 +137,23 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (fsdp) r.per_step = fsdp->counters().total;
   if (timed && step_ms_sum > 0) r.exposed_comm_share = comm_ms / step_ms_sum;
 
+  // Profiled steps, untimed: every rank runs them (collectives), rank 0 records its device.
+  if (config.kernel_profile_steps > 0) {
+    hooks.synchronize();
+    if (group) group->barrier();
+    if (rank == 0) start_kernel_profile();
+    for (int k = 0; k < config.kernel_profile_steps; ++k) {
+      opt.zero_grad();
+      const auto& batch = batches[static_cast<size_t>(k % total)];
+      at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
+      loss.backward();
+      opt.step();
+    }
+    hooks.synchronize();
+    if (rank == 0)
+      r.kernel_profile = summarize_kernels(stop_kernel_profile(), config.kernel_profile_steps);
+  }
+
   if (group) group->barrier();  // every rank's steps are inside the peak
   if (hooks.memory_peak) r.peak_memory_bytes = hooks.memory_peak();
   return r;

@@ -30,6 +30,7 @@
 
 #include "benchmarks/bench_granularity.h"
 #include "benchmarks/gpt.h"
+#include "benchmarks/kernel_profile.h"
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
@@ -49,6 +50,9 @@ struct RunConfig {
   // Wrap the communicator in a TimedCommunicator and report the exposed-communication share
   // (meaningful on synchronous backends only: the CPU one).
   bool time_collectives = false;
+  // After the measured steps, this many more steps under the PyTorch profiler on rank 0
+  // (benchmarks/kernel_profile.h); 0: none. Not part of the timing.
+  int kernel_profile_steps = 0;
 };
 
 // The device side of a rank.
@@ -81,6 +85,7 @@ struct RunResult {
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
   std::optional<double> exposed_comm_share;  // host time inside collectives / step time
   int64_t peak_memory_bytes = 0;
+  std::optional<KernelProfile> kernel_profile;  // rank 0, with kernel_profile_steps > 0
 };
 
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/kernel_profile.h"
 #include "checkpoint/json.h"
 
 #ifndef FLATSHARD_BENCH_EXE
@@ -149,6 +150,7 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
     CHECK(r.at("mfu").is_null());  // no --peak-tflops on CPU
     CHECK(r.at("peak_memory_bytes").as_number() > 0);
     CHECK(r.at("check").as_string() == "ok");
+    CHECK(r.at("kernel_profile").is_null());  // only with --kernel-profile (cuda)
     CHECK(std::abs(r.at("loss_step0").as_number() - loss0) <= 1e-4 * loss0);
     const bool local = r.at("granularity").as_string() == "local";
     CHECK(r.at("world_size").as_number() == (local ? 1 : 2));
@@ -273,6 +275,8 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--preset", "huge"}, "huge"},
       {{"--steps", "0"}, "--steps must be >= 1, got 0"},
       {{"--optimizer", "sgd"}, "sgd"},
+      {{"--kernel-profile", "0", "--device", "cuda"}, "--kernel-profile must be >= 1, got 0"},
+      {{"--kernel-profile", "1"}, "needs --device cuda"},
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--nproc", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
@@ -288,4 +292,57 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
     CHECK(std::count(o.err.begin(), o.err.end(), '\n') == 1);
     CHECK(o.err.find(c.says) != std::string::npos);
   }
+}
+
+TEST_CASE("kernel profile summary: unions, overlap, categories against hand-computed values",
+          "[bench][kernel_profile]") {
+  using flatshard::bench::KernelRecord;
+  const uint64_t ms = 1000000;
+  // Two identical steps; per step: a GEMM [0,10) and an elementwise kernel [12,14) on the compute
+  // stream, an NCCL all-gather [5,20) on another stream, a memset [25,26).
+  std::vector<KernelRecord> recs;
+  for (uint64_t base : {uint64_t{0}, 100 * ms}) {
+    recs.push_back({"nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", 7, base, base + 10 * ms});
+    recs.push_back({"ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 13,
+                    base + 5 * ms, base + 20 * ms});
+    recs.push_back({"void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>", 7,
+                    base + 12 * ms, base + 14 * ms});
+    recs.push_back({"Memset (Device)", 7, base + 25 * ms, base + 26 * ms});
+  }
+  const auto p = flatshard::bench::summarize_kernels(recs, 2, /*top_n=*/3);
+  CHECK(p.steps == 2);
+  CHECK(p.span_ms == Approx(126.0 / 2));  // first start 0, last end 126
+  CHECK(p.busy_ms == Approx(21.0));       // [0,20) + [25,26)
+  CHECK(p.comm_ms == Approx(15.0));
+  CHECK(p.compute_ms == Approx(13.0));    // 10 + 2 + 1
+  CHECK(p.overlap_ms == Approx(7.0));     // [5,10) + [12,14)
+  REQUIRE(p.categories.size() == 4);
+  CHECK(p.categories[0].name == "nccl");
+  CHECK(p.categories[0].ms == Approx(15.0));
+  CHECK(p.categories[0].count == Approx(1.0));
+  CHECK(p.categories[1].name == "gemm");
+  CHECK(p.categories[2].name == "elementwise");
+  CHECK(p.categories[3].name == "memcpy/memset");
+  CHECK(p.categories[3].ms == Approx(1.0));
+  REQUIRE(p.kernels.size() == 3);  // top_n cuts the fourth
+  CHECK(p.kernels[1].name.rfind("nvjet", 0) == 0);
+  REQUIRE(p.streams.size() == 2);
+  CHECK(p.streams[0].name == "stream 13");  // [5,20): 15 ms, busier than stream 7's 13 ms
+  CHECK(p.streams[0].ms == Approx(15.0));
+  CHECK(p.streams[1].ms == Approx(13.0));
+  CHECK(p.streams[1].count == Approx(3.0));
+
+  using flatshard::bench::kernel_category;
+  CHECK(kernel_category("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>") ==
+        "attention");
+  CHECK(kernel_category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel") ==
+        "norm/reduce");
+  CHECK(kernel_category("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") ==
+        "optimizer");
+  CHECK(kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm");
+  CHECK(kernel_category("Memcpy DtoD (Device -> Device)") == "memcpy/memset");
+  CHECK(kernel_category("some_custom_kernel") == "other");
+  CHECK(flatshard::bench::summarize_kernels({}, 1).busy_ms == 0);
+  CHECK_THROWS_WITH(flatshard::bench::summarize_kernels(recs, 0),
+                    Catch::Contains("steps must be >= 1, got 0"));
 }
