@@ -15,11 +15,8 @@ namespace {
 c10::Stream side_stream(c10::Device device) {
   if (device.is_cpu()) return c10::Stream(c10::Stream::DEFAULT, device);
   // A high-priority pool stream so collectives are scheduled ahead of queued compute.
-  // EXPERIMENT (issue 4): FLATSHARD_SIDE_STREAM_PRIORITY=low puts collectives on
-  // normal-priority streams, to measure how much high priority costs compute kernels.
-  static const bool high = env::get("FLATSHARD_SIDE_STREAM_PRIORITY") != "low";
   return c10::impl::getDeviceGuardImpl(device.type())
-      ->getStreamFromGlobalPool(device, /*isHighPriority=*/high);
+      ->getStreamFromGlobalPool(device, /*isHighPriority=*/true);
 }
 
 }  // namespace
