@@ -15,7 +15,10 @@
 #   compare     side-by-side table: size, flatshard us, c10d us, ratio
 #   train       flatshard-bench on the 1B GPT, 4 and 1 sequences per GPU, every granularity and
 #               the unsharded floor (`local`); tables printed in the summary
-#               (GPU_CHECK_TRAIN_ARGS adds arguments, e.g. "--layers 4" for a quick look)
+#               (GPU_CHECK_TRAIN_ARGS adds arguments, e.g. "--layers 4" for a quick look);
+#               with --kernel-profile 2: after each row's measured steps, two more under the
+#               PyTorch profiler give rank 0's device time per step by kernel category and
+#               stream (the breakdown of the row's overhead; summary prints it)
 #   train_fused the same at 4 sequences per GPU for local, layer and leaf with
 #               --optimizer fused (flatshard::FusedAdamW, the floor included)
 #   trace       flatshard-bench, per-layer units, 4 sequences per GPU, with FLATSHARD_TRACE (host
@@ -159,7 +162,7 @@ step_train() {
     # shellcheck disable=SC2086
     "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch "$b" \
       --warmup 3 --steps 10 --granularity local,layer,leaf,every-2,model,noshard \
-      --json "$LOGDIR/train_b$b.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_b$b.txt" || return 1
+      --kernel-profile 2 --json "$LOGDIR/train_b$b.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_b$b.txt" || return 1
   done
 }
 
@@ -249,6 +252,8 @@ summary() {
     [ -f "$s" ] || continue
     echo
     sed -n '/^granularity/,/^$/p' "$s"
+    # The kernel profile without the per-kernel lines (those stay in the log).
+    sed -n '/^kernel profile/,$p' "$s" | grep -v '^    .*x  '
   done
   return $failed
 }
