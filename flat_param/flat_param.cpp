@@ -8,6 +8,8 @@
 
 #include <cmath>
 
+#include "flat_param/upcast.h"
+
 namespace flatshard {
 
 void resize_tensor_storage(const at::Tensor& t, int64_t numel) {
@@ -210,7 +212,7 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   // `stream` (freed there, stream-ordered) or `send`, returned below: nothing new for
   // Note [Reduce buffer lifetime].
   if (hybrid()) replicate_->all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
-  at::Tensor g = reduced.to(at::kFloat);
+  at::Tensor g = reduced.scalar_type() == at::kFloat ? reduced : to_float(reduced);
   at::Tensor& mg = master_.mutable_grad();
   if (mg.defined()) {
     mg.add_(g);

@@ -24,6 +24,7 @@
 
 #include "collectives/launch_env.h"
 #include "collectives/nccl_communicator.h"
+#include "flat_param/upcast.h"
 #include "nccl_test_main.h"
 
 using flatshard::Lane;
@@ -87,6 +88,38 @@ TEST_CASE("all_gather: output slot r holds rank r's input", "[nccl]") {
         auto host = out.cpu();
         for (int q = 0; q < world; ++q) CHECK(at::equal(host.narrow(0, q * n, n), rank_tensor(q, n, dt)));
       }
+}
+
+// Not a collective, but GPU-only: flat_param/upcast.h's kernel (Note [Vectorized upcast]) against
+// ATen's conversion, bit for bit, at sizes around its 8-element vectors and with every special
+// value (signed zeros, subnormals, infinities, NaN payloads) among random bits.
+TEST_CASE("to_float: the vectorized bf16 -> fp32 kernel equals ATen's conversion bitwise",
+          "[upcast]") {
+  auto& c = comm();
+  const auto dev = c.device();
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{4099},
+                    (int64_t{1} << 22) + 5}) {
+    CAPTURE(n);
+    // Every 16-bit pattern, cycled, then shuffled: all specials occur once n >= 65536.
+    at::Tensor bits = at::arange(n, at::TensorOptions().dtype(at::kInt)).remainder(65536);
+    bits = bits.index_select(0, at::randperm(n, at::TensorOptions().dtype(at::kLong)));
+    at::Tensor bf = bits.to(at::kShort).view(at::kBFloat16).to(dev);
+    at::Tensor got = flatshard::to_float(bf);
+    CHECK(got.scalar_type() == at::kFloat);
+    CHECK(got.sizes() == bf.sizes());
+    const at::Tensor want = bf.cpu().to(at::kFloat);
+    CHECK(at::equal(got.cpu().view(at::kInt), want.view(at::kInt)));
+#if FLATSHARD_WITH_CUDA_KERNELS
+    if (n > 0) CHECK(flatshard::uses_upcast_kernel(bf));
+#endif
+  }
+  // Misaligned (offset 1 element) and strided inputs take ATen's path and still convert.
+  at::Tensor base = at::randn({1001}, gpu(at::kBFloat16));
+  CHECK_FALSE(flatshard::uses_upcast_kernel(base.narrow(0, 1, 1000)));
+  CHECK(at::equal(flatshard::to_float(base.narrow(0, 1, 1000)).cpu(),
+                  base.narrow(0, 1, 1000).cpu().to(at::kFloat)));
+  CHECK(at::equal(flatshard::to_float(base.slice(0, 0, 1001, 2)).cpu(),
+                  base.slice(0, 0, 1001, 2).cpu().to(at::kFloat)));
 }
 
 TEST_CASE("reduce_scatter: sum and avg over ranks of the rank's slice", "[nccl]") {

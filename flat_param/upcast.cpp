@@ -1,0 +1,43 @@
+#include "flat_param/upcast.h"
+
+#include <cstdint>
+
+#if FLATSHARD_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace flatshard {
+namespace kernels {
+cudaError_t bf16_to_fp32(const void* in, float* out, int64_t n, cudaStream_t stream);
+}  // namespace kernels
+}  // namespace flatshard
+#endif
+
+namespace flatshard {
+
+bool uses_upcast_kernel(const at::Tensor& t) {
+#if FLATSHARD_WITH_CUDA_KERNELS
+  return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
+         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+at::Tensor to_float(const at::Tensor& t) {
+#if FLATSHARD_WITH_CUDA_KERNELS
+  if (uses_upcast_kernel(t)) {
+    at::Tensor out = at::empty(t.sizes(), t.options().dtype(at::kFloat));
+    const cudaError_t e = kernels::bf16_to_fp32(
+        t.data_ptr(), out.data_ptr<float>(), t.numel(),
+        c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+    TORCH_CHECK(e == cudaSuccess, "flatshard: bf16 -> fp32 kernel launch failed on ", t.device(),
+                ": ", cudaGetErrorString(e));
+    return out;
+  }
+#endif
+  return t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+}
+
+}  // namespace flatshard

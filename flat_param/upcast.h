@@ -1,0 +1,19 @@
+// flatshard/flat_param/upcast.h — a tensor's fp32 copy, fast for CUDA bf16.
+//
+// Contract: to_float(t) returns a new contiguous fp32 tensor equal to t (bitwise: bf16 -> fp32 is
+// exact), allocated and written on the current stream of t's device. For a contiguous,
+// 16-byte-aligned CUDA bf16 tensor it uses flatshard's vectorized kernel when the build has
+// CUDA kernels (FLATSHARD_WITH_CUDA_KERNELS; see Note [Vectorized upcast] in
+// upcast_kernel.cu); otherwise t.to(at::kFloat) (an fp32 input is copied).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace flatshard {
+
+at::Tensor to_float(const at::Tensor& t);
+
+// True when to_float() would use the vectorized kernel for `t`.
+bool uses_upcast_kernel(const at::Tensor& t);
+
+}  // namespace flatshard
