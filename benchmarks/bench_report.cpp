@@ -133,6 +133,7 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     row.median_ms = median(run.step_ms);
     row.fwd_bwd_ms = median(run.fwd_bwd_ms);
     row.optimizer_ms = median(run.optimizer_ms);
+    row.host_issue_ms = median(run.host_issue_ms);
     row.min_ms = *std::min_element(run.step_ms.begin(), run.step_ms.end());
     row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
     const double tokens = static_cast<double>(options.batch * options.model.seq_len);
@@ -175,7 +176,7 @@ void print_table(const Report& rep, std::ostream& out) {
 
   std::vector<std::vector<std::string>> cells = {
       {"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step", "median ms",
-       "min ms", "max ms", "fwd+bwd", "opt ms", "x local", "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0",
+       "min ms", "max ms", "fwd+bwd", "opt ms", "host ms", "x local", "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0",
        "check"}};
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
@@ -183,7 +184,7 @@ void print_table(const Report& rep, std::ostream& out) {
                      std::to_string(c.forward_all_gathers), std::to_string(c.backward_all_gathers),
                      std::to_string(c.reduce_scatters), std::to_string(c.all_reduces),
                      mib(c.bytes), fixed(r.median_ms, 1), fixed(r.min_ms, 1), fixed(r.max_ms, 1),
-                     fixed(r.fwd_bwd_ms, 1), fixed(r.optimizer_ms, 1),
+                     fixed(r.fwd_bwd_ms, 1), fixed(r.optimizer_ms, 1), fixed(r.host_issue_ms, 1),
                      r.ratio_to_local ? fixed(*r.ratio_to_local, 2) : "-",
                      fixed(r.tokens_per_s_per_gpu, 0), percent(r.mfu),
                      percent(r.run.exposed_comm_share), mib(r.run.peak_memory_bytes),
@@ -205,6 +206,8 @@ void print_table(const Report& rep, std::ostream& out) {
       << "  per step; MiB/step: bytes rank 0 sent into them (last measured step, rank 0).\n"
       << "fwd+bwd, opt ms: median device time of zero_grad + forward + backward (every "
          "reduction done) and of the optimizer step.\n"
+      << "host ms: median host time to issue a step (until opt.step() returns, before waiting for "
+         "the device);\n  near the step time = host-bound.\n"
       << "x local: median step time / local's.  tok/s/GPU: batch*seq / median step time, "
          "per rank.\n"
       << "MFU: (6N + 12LdT) FLOPs/token * tok/s / peak"
@@ -259,7 +262,8 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
 //               "backward_all_gathers", "reduce_scatters", "all_reduces", "bytes_per_step",
 //               "step_ms": {"median", "min", "max", "all": [...]},
-//               "fwd_bwd_ms_median", "optimizer_ms_median", "ratio_to_local",
+//               "fwd_bwd_ms_median", "optimizer_ms_median", "host_issue_ms_median",
+//               "ratio_to_local",
 //               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
 //               "loss_step0", "check": "ok" | "FAIL",
 //               "kernel_profile": null | {"steps", "span_ms", "busy_ms", "compute_ms",
@@ -313,6 +317,7 @@ void write_json(const Report& rep, const std::string& path) {
       j << (k ? ", " : "") << number(r.run.step_ms[k]);
     j << "]},\n     \"fwd_bwd_ms_median\": " << number(r.fwd_bwd_ms)
       << ", \"optimizer_ms_median\": " << number(r.optimizer_ms)
+      << ", \"host_issue_ms_median\": " << number(r.host_issue_ms)
       << ", \"ratio_to_local\": " << number(r.ratio_to_local)
       << ", \"tokens_per_s_per_gpu\": " << number(r.tokens_per_s_per_gpu)
       << ", \"mfu\": " << number(r.mfu)
@@ -351,7 +356,7 @@ void write_csv(const Report& rep, const std::string& path) {
   std::ostringstream s;
   s << "granularity,world_size,units,forward_all_gathers,backward_all_gathers,reduce_scatters,"
        "all_reduces,bytes_per_step,step_ms_median,step_ms_min,step_ms_max,fwd_bwd_ms_median,"
-       "optimizer_ms_median,ratio_to_local,"
+       "optimizer_ms_median,host_issue_ms_median,ratio_to_local,"
        "tokens_per_s_per_gpu,mfu,exposed_comm_share,peak_memory_bytes,loss_step0,check\n";
   auto opt = [](const std::optional<double>& v) { return v ? number(*v) : std::string(); };
   for (const auto& r : rep.rows) {
@@ -360,7 +365,8 @@ void write_csv(const Report& rep, const std::string& path) {
       << c.forward_all_gathers << ',' << c.backward_all_gathers << ',' << c.reduce_scatters
       << ',' << c.all_reduces << ',' << c.bytes << ',' << number(r.median_ms) << ','
       << number(r.min_ms) << ',' << number(r.max_ms) << ',' << number(r.fwd_bwd_ms) << ','
-      << number(r.optimizer_ms) << ',' << opt(r.ratio_to_local) << ','
+      << number(r.optimizer_ms) << ',' << number(r.host_issue_ms) << ','
+      << opt(r.ratio_to_local) << ','
       << number(r.tokens_per_s_per_gpu) << ',' << opt(r.mfu) << ','
       << opt(r.run.exposed_comm_share) << ',' << r.run.peak_memory_bytes << ','
       << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << '\n';

@@ -122,6 +122,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     mark(1);
     opt.step();
     mark(2);
+    const double issue_ms = ms_since(t0);
     hooks.synchronize();
     const double ms = ms_since(t0);
     if (s == 0) r.loss_step0 = loss.item<double>();
@@ -129,6 +130,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
       r.step_ms.push_back(ms);
       r.fwd_bwd_ms.push_back(elapsed(0, 1));
       r.optimizer_ms.push_back(elapsed(1, 2));
+      r.host_issue_ms.push_back(issue_ms);
       step_ms_sum += ms;
       if (timed) comm_ms += static_cast<double>(timed->nanoseconds()) * 1e-6;
     }

@@ -82,6 +82,9 @@ struct RunResult {
   // The same steps split at the end of backward (device time, from DeviceHooks marks): zero_grad
   // + forward + backward with every reduction done, and the optimizer step.
   std::vector<double> fwd_bwd_ms, optimizer_ms;
+  // Host time to issue the same steps: from the step's start until opt.step() returned, before
+  // waiting for the device. Close to the step time: the host is the bottleneck (host-bound).
+  std::vector<double> host_issue_ms;
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
   std::optional<double> exposed_comm_share;  // host time inside collectives / step time
   int64_t peak_memory_bytes = 0;

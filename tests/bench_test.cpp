@@ -145,6 +145,10 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
     CHECK(fb > 0);
     CHECK(op > 0);
     CHECK(fb + op <= t.at("max").as_number() * 1.001);
+    // Issuing a step is part of it (on CPU, where work is synchronous, nearly all of it).
+    const double host = r.at("host_issue_ms_median").as_number();
+    CHECK(host > 0);
+    CHECK(host <= t.at("max").as_number() * 1.001);
     CHECK(r.at("tokens_per_s_per_gpu").as_number() == Approx(tokens / (t.at("median").as_number() * 1e-3)));
     CHECK(r.at("ratio_to_local").as_number() == Approx(t.at("median").as_number() / local_median));
     CHECK(r.at("mfu").is_null());  // no --peak-tflops on CPU
