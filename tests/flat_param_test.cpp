@@ -6,6 +6,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "flat_param/flat_param.h"
+#include "rank_require.h"
 
 using namespace flatshard;
 
@@ -55,32 +56,33 @@ TEST_CASE("flatten, shard, all-gather and views are bit-exact", "[flat_param]") 
           cfg.param_dtype = dtype;
           FlatParam fp("unit", refs(ps), c, cfg);
           const auto& l = fp.layout();
-          REQUIRE(l.padded_numel % (world * align) == 0);
-          REQUIRE(fp.master().numel() == l.shard_numel);
-          REQUIRE(fp.master().scalar_type() == at::kFloat);
-          REQUIRE(fp.master().requires_grad());
-          REQUIRE_FALSE(fp.is_unsharded());  // storage freed after setup
+          RANK_REQUIRE(l.padded_numel % (world * align) == 0);
+          RANK_REQUIRE(fp.master().numel() == l.shard_numel);
+          RANK_REQUIRE(fp.master().scalar_type() == at::kFloat);
+          RANK_REQUIRE(fp.master().requires_grad());
+          RANK_REQUIRE_FALSE(fp.is_unsharded());  // storage freed after setup
           // The master shard is this rank's slice of the padded concatenation (padding zero).
           auto expect = at::zeros({l.padded_numel});
           for (size_t i = 0; i < orig.size(); ++i)
             expect.narrow(0, l.offsets[i], l.numels[i]).copy_(orig[i].reshape({-1}));
-          REQUIRE(at::equal(fp.master().detach(),
-                            expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel)));
+          RANK_REQUIRE(at::equal(fp.master().detach(),
+                                 expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel)));
 
           fp.unshard(c.current_stream());
-          REQUIRE(fp.is_unsharded());
+          RANK_REQUIRE(fp.is_unsharded());
           for (size_t i = 0; i < ps.size(); ++i) {
-            REQUIRE(ps[i].scalar_type() == dtype);
-            REQUIRE(ps[i].sizes() == orig[i].sizes());
-            REQUIRE(at::equal(ps[i].detach(), orig[i].to(dtype)));
-            REQUIRE(ps[i].is_leaf());
+            RANK_REQUIRE(ps[i].scalar_type() == dtype);
+            RANK_REQUIRE(ps[i].sizes() == orig[i].sizes());
+            RANK_REQUIRE(at::equal(ps[i].detach(), orig[i].to(dtype)));
+            RANK_REQUIRE(ps[i].is_leaf());
           }
-          REQUIRE(at::equal(fp.full(), expect.to(dtype)));  // padding gathered as zeros
+          RANK_REQUIRE(at::equal(fp.full(), expect.to(dtype)));  // padding gathered as zeros
 
           fp.reshard();
-          REQUIRE_FALSE(fp.is_unsharded());
+          RANK_REQUIRE_FALSE(fp.is_unsharded());
           fp.unshard(c.current_stream());  // and again: the views survive the free
-          for (size_t i = 0; i < ps.size(); ++i) REQUIRE(at::equal(ps[i].detach(), orig[i].to(dtype)));
+          for (size_t i = 0; i < ps.size(); ++i)
+            RANK_REQUIRE(at::equal(ps[i].detach(), orig[i].to(dtype)));
         });
       }
 }
@@ -119,26 +121,29 @@ TEST_CASE("one reduce-scatter averages flat gradients; padding stays zero", "[fl
         at::Tensor mine = sharded ? expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel) : expect;
         add_grads();
         // The parameters' .grad are now views of the flat gradient.
-        REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() == (c.rank() + 1.0f) * 2);
-        REQUIRE(ps[1].grad().data_ptr() == fp.full_grad().narrow(0, l.offsets[1], 1).data_ptr());
+        RANK_REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() ==
+                     (c.rank() + 1.0f) * 2);
+        RANK_REQUIRE(ps[1].grad().data_ptr() ==
+                     fp.full_grad().narrow(0, l.offsets[1], 1).data_ptr());
         // A second backward before the reduction (accumulation without sync) adds in place.
         add_grads();
-        REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() == (c.rank() + 1.0f) * 4);
+        RANK_REQUIRE(fp.full_grad().narrow(0, l.offsets[1], 1).item<float>() ==
+                     (c.rank() + 1.0f) * 4);
         fp.reduce_grad(c.current_stream());
-        REQUIRE_FALSE(ps[0].grad().defined());  // cleared after the reduction
-        REQUIRE(at::allclose(fp.master().grad(), mine * 2, 1e-6, 1e-6));
+        RANK_REQUIRE_FALSE(ps[0].grad().defined());  // cleared after the reduction
+        RANK_REQUIRE(at::allclose(fp.master().grad(), mine * 2, 1e-6, 1e-6));
         fp.master().mutable_grad() = at::Tensor();
         // One backward, one reduction.
         fp.prepare_grad();
         add_grads();
         fp.reduce_grad(c.current_stream());
-        REQUIRE(fp.master().grad().sizes() == mine.sizes());
-        REQUIRE(at::allclose(fp.master().grad(), mine, 1e-6, 1e-6));
+        RANK_REQUIRE(fp.master().grad().sizes() == mine.sizes());
+        RANK_REQUIRE(at::allclose(fp.master().grad(), mine, 1e-6, 1e-6));
         // A second backward's reduction accumulates into the master gradient.
         fp.prepare_grad();
         add_grads();
         fp.reduce_grad(c.current_stream());
-        REQUIRE(at::allclose(fp.master().grad(), mine * 2, 1e-6, 1e-6));
+        RANK_REQUIRE(at::allclose(fp.master().grad(), mine * 2, 1e-6, 1e-6));
       });
     }
 }
@@ -147,12 +152,12 @@ TEST_CASE("flat parameters refuse mixed dtypes and devices with a clear error", 
   run_ranks(1, [](Communicator& c) {
     std::vector<ParamRef> ps = {{"a", at::ones({2}).requires_grad_(true)},
                                 {"b", at::ones({2}, at::kDouble).requires_grad_(true)}};
-    REQUIRE_THROWS_WITH(FlatParam("blk", ps, c, FlatParamConfig{}),
-                        Catch::Contains("unit 'blk'") && Catch::Contains("'a' is Float") &&
-                            Catch::Contains("'b' is Double"));
+    RANK_REQUIRE_THROWS_WITH(FlatParam("blk", ps, c, FlatParamConfig{}),
+                             Catch::Contains("unit 'blk'") && Catch::Contains("'a' is Float") &&
+                                 Catch::Contains("'b' is Double"));
     std::vector<ParamRef> ints = {{"i", at::ones({2}, at::kLong)}};
-    REQUIRE_THROWS_WITH(FlatParam("blk", ints, c, FlatParamConfig{}),
-                        Catch::Contains("floating-point parameters only"));
+    RANK_REQUIRE_THROWS_WITH(FlatParam("blk", ints, c, FlatParamConfig{}),
+                             Catch::Contains("floating-point parameters only"));
   });
 }
 
@@ -173,26 +178,26 @@ TEST_CASE("debug padding poison: gathered padding is NaN, values and gradients u
       auto is_param = at::zeros({l.padded_numel}, at::kBool);
       for (size_t i = 0; i < ps.size(); ++i) {
         is_param.narrow(0, l.offsets[i], l.numels[i]).fill_(true);
-        REQUIRE(at::equal(ps[i].detach(), orig[i]));
+        RANK_REQUIRE(at::equal(ps[i].detach(), orig[i]));
       }
-      REQUIRE(l.padding() > 0);
-      REQUIRE(fp.full().masked_select(is_param.logical_not()).isnan().all().item<bool>());
-      REQUIRE_FALSE(fp.full().masked_select(is_param).isnan().any().item<bool>());
+      RANK_REQUIRE(l.padding() > 0);
+      RANK_REQUIRE(fp.full().masked_select(is_param.logical_not()).isnan().all().item<bool>());
+      RANK_REQUIRE_FALSE(fp.full().masked_select(is_param).isnan().any().item<bool>());
       // Gradients live in their own buffer: the reduced master gradient has no NaN.
       fp.prepare_grad();
       // The fresh flat gradient is NaN; parameter 0 gets no gradient: reduce_grad() must zero
       // it and the padding, and overwrite the rest.
-      REQUIRE(fp.full_grad().isnan().all().item<bool>());
+      RANK_REQUIRE(fp.full_grad().isnan().all().item<bool>());
       for (size_t i = 1; i < ps.size(); ++i) {
         ps[i].mutable_grad() = at::ones_like(ps[i]);
         fp.accept_grad(i);
       }
       fp.reduce_grad(c.current_stream());
-      REQUIRE_FALSE(fp.master().grad().isnan().any().item<bool>());
+      RANK_REQUIRE_FALSE(fp.master().grad().isnan().any().item<bool>());
       auto expect = at::zeros({l.padded_numel});
       for (size_t i = 1; i < ps.size(); ++i) expect.narrow(0, l.offsets[i], l.numels[i]).fill_(1.0);
-      REQUIRE(at::equal(fp.master().grad(),
-                        expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel)));
+      RANK_REQUIRE(
+          at::equal(fp.master().grad(), expect.narrow(0, l.shard_begin(c.rank()), l.shard_numel)));
     });
   }
 }
