@@ -69,6 +69,7 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     shapes.push_back(p.param.sizes().vec());
   }
   layout_ = FlatLayout::make(shapes, world, config_.align);
+  pending_.resize(params_.size());
   int64_t end = 0;
   for (size_t i = 0; i <= layout_.numels.size(); ++i) {
     const int64_t next = i < layout_.numels.size() ? layout_.offsets[i] : layout_.padded_numel;
@@ -140,6 +141,7 @@ void FlatParam::reshard() {
 
 void FlatParam::clear_param_grads() {
   for (auto& p : params_) p.param.mutable_grad() = at::Tensor();
+  for (auto& g : pending_) g = at::Tensor();  // no reduction read them: free now
 }
 
 // Note [Flat gradient without zero-fill]
@@ -150,6 +152,15 @@ void FlatParam::clear_param_grads() {
 // and adding in place, the first backward saves a write and a read+write of the whole unit's
 // gradient (8 -> 4 bytes moved per element in the compute dtype), on the compute stream, every
 // step. reduce_grad() zeroes what no gradient wrote: padding and parameters that got none.
+// When the reduction follows in the same backward (gradient sync on: set_defer_grad_copies), the
+// remaining copy leaves the compute stream too: accept_grad() only remembers the gradient
+// (pending_, .grad untouched) and reduce_grad() copies it on the reduce stream, overlapping the
+// backward of earlier units. Without sync the copy stays, so the next pass adds into the view.
+// A pending gradient is compute-stream memory read on the reduce stream: reduce_grad() returns
+// it with the buffers the caller holds until the compute stream waits for the reduction (Note
+// [Reduce buffer lifetime]); freed earlier, compute could reuse the block before the copy ran.
+// The price: gradients stay allocated beside the flat buffer until then (at peak, about the
+// computing unit's and the previous unit's gradients more).
 void FlatParam::prepare_grad() {
   if (full_grad_.defined()) return;
   at::NoGradGuard no_grad;
@@ -177,13 +188,20 @@ void FlatParam::accept_grad(size_t i) {
               g.scalar_type(), " on ", g.device(), " but the flat gradient is ",
               full_grad_.scalar_type(), " on ", full_grad_.device(), " (rank ", comm_.rank(),
               ")");
+  if (defer_grad_copies_) {
+    // reduce_grad() copies it. The pending tensor again: AccumulateGrad added in place. Another
+    // one: an out-of-place accumulation, whose result includes the pending one; replace it.
+    pending_[i] = g;
+    return;
+  }
   at::Tensor src = g.reshape({-1});
   if (grad_written_[i]) {
-    region.add_(src);  // .grad was replaced (e.g. an out-of-place accumulation): keep both
+    region.add_(src);  // .grad is no longer our view (e.g. reset between passes): keep both
   } else {
     region.copy_(src);
   }
   grad_written_[i] = true;
+  pending_[i] = at::Tensor();  // g is the pending gradient, or includes it (as above)
   g = region.view(layout_.shapes[i]);
 }
 
@@ -191,7 +209,21 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
-  // Note [Flat gradient without zero-fill]: zero what no gradient wrote.
+  // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
+  // wrote. The pending gradients go to `in_use`: the compute stream allocated them.
+  std::vector<at::Tensor> in_use;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!pending_[i].defined()) continue;
+    at::Tensor region =
+        full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]);
+    if (grad_written_[i]) {
+      region.add_(pending_[i]);
+    } else {
+      region.copy_(pending_[i]);
+    }
+    grad_written_[i] = true;
+    in_use.push_back(std::move(pending_[i]));  // leaves pending_[i] undefined
+  }
   for (const auto& [b, e] : padding_) full_grad_.narrow(0, b, e - b).zero_();
   for (size_t i = 0; i < params_.size(); ++i)
     if (!grad_written_[i]) full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).zero_();
@@ -219,7 +251,8 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   } else {
     mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
   }
-  std::vector<at::Tensor> in_use = {full_grad_, send};
+  in_use.push_back(full_grad_);
+  in_use.push_back(send);
   drop_grad();
   return in_use;
 }

@@ -14,8 +14,11 @@
 // - Gradients: prepare_grad() gives full_grad() storage (not zeroed); after each parameter's
 //   AccumulateGrad, accept_grad(i) moves its .grad into the flat buffer and points .grad at its
 //   view there, so further backward passes add in place (Note [Flat gradient without
-//   zero-fill]); reduce_grad() zeroes what no gradient wrote and turns the buffer into master().grad with ONE reduce-scatter (sharded) or ONE
-//   all-reduce (replicated), averaged over ranks, accumulating into an existing master grad.
+//   zero-fill]). With set_defer_grad_copies(true) (the reduction follows in this backward) it
+//   only keeps a reference to .grad and reduce_grad() does the copy on its own stream; the
+//   kept gradients are among the buffers reduce_grad() returns. reduce_grad() zeroes what no
+//   gradient wrote and turns the buffer into master().grad with ONE reduce-scatter (sharded) or
+//   ONE all-reduce (replicated), averaged over ranks, accumulating into an existing master grad.
 // - HSDP (collectives/sharding_mesh.h): with a `replicate` communicator of more than one rank,
 //   `comm` is the shard group; reduce_grad() then also all-reduces (average) the reduced
 //   gradient across `replicate` on the same stream, right after the reduce-scatter (or the
@@ -81,15 +84,26 @@ class FlatParam {
   // Allocates full_grad() (uninitialised; NaN with poison_padding). No-op if it is already
   // prepared (gradient accumulation across backward passes).
   void prepare_grad();
-  // After parameter i's AccumulateGrad: its .grad, if not already its view of full_grad(), is
-  // copied there (added, if the region was written before) and replaced by that view.
+  // Whether accept_grad() leaves the copy to reduce_grad() (Note [Flat gradient without
+  // zero-fill]). Set it when reduce_grad() follows in this backward pass (gradient sync on);
+  // otherwise the gradients would stay pending, held beside full_grad(), until the next
+  // reduce_grad() or drop_grad(). Off, they land in full_grad() at once, ready for the next
+  // pass to add in place. Off by default; stays as set.
+  void set_defer_grad_copies(bool defer) { defer_grad_copies_ = defer; }
+  // After parameter i's AccumulateGrad (on the compute stream): its .grad, if not already its
+  // view of full_grad(), is copied there (added, if the region was written before) and replaced
+  // by that view. Deferring: .grad is left as is and only remembered (pending) for
+  // reduce_grad(); a later call that finds another .grad (out-of-place accumulation, which
+  // includes the pending one) remembers that instead.
   void accept_grad(size_t i);
-  // One reduce-scatter / all-reduce (average over ranks) of full_grad() into master().grad,
-  // enqueued on `stream`. Clears the parameters' .grad and drops full_grad(); returns the
-  // buffers `stream` still reads, which the caller must keep alive until work on the
-  // allocating (compute) stream is ordered after `stream` (Note [Reduce buffer lifetime]).
+  // Copies (adds) the pending gradients into full_grad(), then one reduce-scatter / all-reduce
+  // (average over ranks) of it into master().grad, all enqueued on `stream`, which must already
+  // be ordered after the compute stream. Clears the parameters' .grad and drops full_grad();
+  // returns the buffers `stream` still reads (the pending gradients among them), which the
+  // caller must keep alive until work on the allocating (compute) stream is ordered after
+  // `stream` (Note [Reduce buffer lifetime]).
   std::vector<at::Tensor> reduce_grad(c10::Stream stream);
-  // Clears the parameters' .grad and frees full_grad() without reducing.
+  // Clears the parameters' .grad and the pending gradients, frees full_grad() without reducing.
   void drop_grad();
 
   // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
@@ -112,8 +126,12 @@ class FlatParam {
   FlatLayout layout_;
   at::Tensor master_;     // fp32 local shard (optimizer's parameter)
   at::Tensor full_;       // unsharded buffer in param_dtype; params are views of it
-  at::Tensor full_grad_;  // flat gradient in param_dtype; params' .grad are views of it
+  at::Tensor full_grad_;  // flat gradient in param_dtype; params' .grad: views of it or pending_
   std::vector<bool> grad_written_;  // per parameter: its region of full_grad_ holds a gradient
+  // Per parameter: a gradient not yet in its region (deferred copy), or undefined. Allocated on
+  // the compute stream, read by reduce_grad() on the reduce stream.
+  std::vector<at::Tensor> pending_;
+  bool defer_grad_copies_ = false;
   bool full_aliases_master_ = false;  // replicated fp32: no second copy
   std::vector<std::pair<int64_t, int64_t>> padding_;  // [begin, end) gaps of the flat buffer
 };

@@ -58,7 +58,8 @@ class Runtime {
   void on_pre_forward(Unit& unit);   // first entry of `unit` in this forward
   void on_pre_backward(Unit& unit);  // first pre-backward of `unit` in this backward
 
-  // Note [Reduce buffer lifetime]: a reduction reads buffers allocated on the compute stream.
+  // Note [Reduce buffer lifetime]: a reduction reads buffers allocated on the compute stream
+  // (the flat gradient, and the gradients whose copy into it was deferred to the reduction).
   // They are held here until the next reduction is issued (or backward ends), when the compute
   // stream first waits for `done`; only then are they released to the allocator. This bounds
   // pending reduce buffers to one unit's worth without recordStream.

@@ -44,8 +44,8 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   }
 };
 
-// Runs after parameter `index`'s AccumulateGrad: moves its gradient into the flat buffer and
-// counts the unit's parameters whose gradient is in.
+// Runs after parameter `index`'s AccumulateGrad: moves its gradient into the flat buffer (or
+// leaves that to the reduction) and counts the unit's parameters whose gradient is in.
 struct GradReadyHook : public torch::autograd::FunctionPostHook {
   GradReadyHook(Unit* u, size_t i) : unit(u), index(i) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
@@ -171,6 +171,9 @@ void Unit::pre_backward() {
   }
   unshard(/*for_backward=*/true);
   wait_unsharded();
+  // With sync on, this backward reduces the unit: the gradient copies can wait for the reduce
+  // stream (Note [Flat gradient without zero-fill] in flat_param.cpp).
+  flat_->set_defer_grad_copies(rt_.requires_grad_sync());
   flat_->prepare_grad();
 }
 

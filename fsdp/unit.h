@@ -4,6 +4,8 @@
 //   pre_forward   : kSharded -> unshard (one all-gather, or the prefetched one) -> kUnsharded
 //   post_forward  : outputs get the pre-backward hook; after the last member call, reshard
 //   pre_backward  : unshard again (one all-gather, or the prefetched one); flat grad prepared
+//                   (with sync on, gradients are copied into it by the reduction, off the
+//                   compute stream)
 //   post_backward : when every parameter's AccumulateGrad has run (or at the end of backward for
 //                   parameters that got no gradient): one reduce-scatter into the master
 //                   shard's grad, then reshard.

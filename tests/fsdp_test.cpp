@@ -2,7 +2,11 @@
 // unsharded training for every strategy, plan shape and world size 1..4.
 #include <catch2/catch.hpp>
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include "parity_util.h"
+#include "rank_require.h"
 #include "tiny_net.h"
 
 using namespace flatshard;
@@ -252,4 +256,62 @@ TEST_CASE("FLATSHARD_DEBUG: NaN padding and the order check leave parity intact"
   auto got = run_sharded(s);
   unsetenv("FLATSHARD_DEBUG");
   require_parity(run_reference(s), got, kTol);
+}
+
+namespace {
+
+// Added after flatshard's own post hook on a parameter's AccumulateGrad, so it runs after
+// FlatParam::accept_grad: records the parameter's .grad as accept_grad left it (undefined once
+// the unit's last gradient has triggered its reduction).
+struct SeeGrad : torch::autograd::FunctionPostHook {
+  SeeGrad(at::Tensor p, std::vector<at::Tensor>* out) : param(std::move(p)), seen(out) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (param.grad().defined()) seen->push_back(param.grad());
+    return outputs;
+  }
+  at::Tensor param;
+  std::vector<at::Tensor>* seen;
+};
+
+}  // namespace
+
+TEST_CASE("with gradient sync on, units leave the gradient copies to the reduction", "[fsdp]") {
+  // Note [Flat gradient without zero-fill]: synced, accept_grad() leaves .grad alone (the
+  // gradients of one unit are separate tensors); unsynced, it moves them into the flat gradient
+  // (views of one storage), where a following synced pass accumulates in place.
+  run_ranks(2, [](Communicator& comm) {
+    std::vector<at::Tensor> seen;
+    auto net = TinyNet(kIn, kD, kLayers);
+    init_params(*net, 1);
+    auto fsdp = fully_shard(net.ptr(), manual_plan(*net, layer_units()), comm);
+    const auto block = net->typed[1]->parameters();  // the unit "blocks.1"
+    RANK_REQUIRE(block.size() == 6);
+    for (const auto& p : block)
+      torch::autograd::impl::grad_accumulator(p)->add_post_hook(
+          std::make_unique<SeeGrad>(p, &seen));
+    // Returns {pairs of recorded gradients, of which sharing a storage}.
+    auto pass = [&](bool sync) {
+      seen.clear();
+      fsdp->set_requires_gradient_sync(sync);
+      flatshard::call(net, at::randn({kBatch, kIn})).sum().backward();
+      // Synced, the last gradient in triggers the reduction, which clears .grad.
+      RANK_REQUIRE(seen.size() == (sync ? block.size() - 1 : block.size()));
+      std::pair<int, int> pairs{0, 0};
+      for (size_t a = 0; a < seen.size(); ++a)
+        for (size_t b = a + 1; b < seen.size(); ++b) {
+          ++pairs.first;
+          pairs.second += seen[a].storage().is_alias_of(seen[b].storage()) ? 1 : 0;
+        }
+      return pairs;
+    };
+    auto p = pass(/*sync=*/true);
+    RANK_CHECK(p.second == 0);
+    p = pass(/*sync=*/false);
+    RANK_CHECK(p.second == p.first);
+    p = pass(/*sync=*/true);  // after an unsynced pass: in place into the flat gradient
+    RANK_CHECK(p.second == p.first);
+    p = pass(/*sync=*/true);
+    RANK_CHECK(p.second == 0);
+  });
 }
