@@ -194,12 +194,11 @@ void FlatParam::accept_grad(size_t i) {
     pending_[i] = g;
     return;
   }
-  at::Tensor src = g.reshape({-1});
-  if (grad_written_[i]) {
-    region.add_(src);  // .grad is no longer our view (e.g. reset between passes): keep both
-  } else {
-    region.copy_(src);
-  }
+  // Note [Replaced gradient]: .grad is not our view although the region may hold an earlier
+  // pass's gradient. Either autograd accumulated out of place (create_graph: the new tensor is
+  // view + new, so it includes the region) or the user reset .grad between passes (discarding
+  // what it held). Either way .grad is now the whole gradient: copy, never add.
+  region.copy_(g.reshape({-1}));
   grad_written_[i] = true;
   pending_[i] = at::Tensor();  // g is the pending gradient, or includes it (as above)
   g = region.view(layout_.shapes[i]);
@@ -216,11 +215,7 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
     if (!pending_[i].defined()) continue;
     at::Tensor region =
         full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]);
-    if (grad_written_[i]) {
-      region.add_(pending_[i]);
-    } else {
-      region.copy_(pending_[i]);
-    }
+    region.copy_(pending_[i]);  // the whole gradient: Note [Replaced gradient]
     grad_written_[i] = true;
     in_use.push_back(std::move(pending_[i]));  // leaves pending_[i] undefined
   }

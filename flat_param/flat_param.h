@@ -91,12 +91,12 @@ class FlatParam {
   // pass to add in place. Off by default; stays as set.
   void set_defer_grad_copies(bool defer) { defer_grad_copies_ = defer; }
   // After parameter i's AccumulateGrad (on the compute stream): its .grad, if not already its
-  // view of full_grad(), is copied there (added, if the region was written before) and replaced
-  // by that view. Deferring: .grad is left as is and only remembered (pending) for
+  // view of full_grad(), is copied there (it is the whole gradient even if the region was
+  // written before: Note [Replaced gradient]) and replaced by that view. Deferring: .grad is left as is and only remembered (pending) for
   // reduce_grad(); a later call that finds another .grad (out-of-place accumulation, which
   // includes the pending one) remembers that instead.
   void accept_grad(size_t i);
-  // Copies (adds) the pending gradients into full_grad(), then one reduce-scatter / all-reduce
+  // Copies the pending gradients into full_grad(), then one reduce-scatter / all-reduce
   // (average over ranks) of it into master().grad, all enqueued on `stream`, which must already
   // be ordered after the compute stream. Clears the parameters' .grad and drops full_grad();
   // returns the buffers `stream` still reads (the pending gradients among them), which the

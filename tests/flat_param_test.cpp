@@ -369,7 +369,7 @@ TEST_CASE("accumulation without sync, then a deferred synced pass: the flat grad
         FlatParam fp("unit", refs(ps), c, cfg);
         const auto& l = fp.layout();
         const size_t n = ps.size();
-        RANK_REQUIRE(n >= 4);
+        RANK_REQUIRE(n >= 5);
         fp.unshard(c.current_stream());
         // Pass 1, no sync: parameters 1.. get a, copied at once; .grad becomes the flat view.
         fp.set_defer_grad_copies(false);
@@ -392,14 +392,19 @@ TEST_CASE("accumulation without sync, then a deferred synced pass: the flat grad
         fp.accept_grad(0);
         RANK_REQUIRE(ps[0].grad().is_same(b0));
         RANK_REQUIRE(region_is_nan(fp, 0));
-        // Parameter 1: .grad reset between passes, then a fresh b: pending, added to a later.
-        ps[1].mutable_grad() = at::Tensor();
-        at::Tensor b1 = grad_b(ps[1], c.rank());
+        // Parameter 1: out-of-place accumulation (as with create_graph): .grad = view + b, a new
+        // tensor that already includes a. Pending; the flat gradient must end as a + b, not
+        // 2a + b (Note [Replaced gradient]).
+        at::Tensor b1 = ps[1].grad() + grad_b(ps[1], c.rank());
         ps[1].mutable_grad() = b1;
         fp.accept_grad(1);
         RANK_REQUIRE(ps[1].grad().is_same(b1));
-        // Parameters 2..n-2: AccumulateGrad adds b in place into the view.
-        for (size_t i = 2; i + 1 < n; ++i) {
+        // Parameter 2: .grad reset between passes (a discarded), then a fresh b: b alone.
+        ps[2].mutable_grad() = at::Tensor();
+        ps[2].mutable_grad() = grad_b(ps[2], c.rank());
+        fp.accept_grad(2);
+        // Parameters 3..n-2: AccumulateGrad adds b in place into the view.
+        for (size_t i = 3; i + 1 < n; ++i) {
           ps[i].mutable_grad().add_(grad_b(ps[i], c.rank()));
           fp.accept_grad(i);
           RANK_REQUIRE(is_flat_view(fp, ps[i].grad(), i));
@@ -408,6 +413,7 @@ TEST_CASE("accumulation without sync, then a deferred synced pass: the flat grad
         fp.reduce_grad(c.current_stream());
         std::vector<double> ka(n, 1.0), kb(n, 1.0);
         ka[0] = 0.0;
+        ka[2] = 0.0;
         kb[n - 1] = 0.0;
         auto expect = my_part(expected_mean(l, world, ka, kb), l, sharded, c.rank());
         RANK_REQUIRE(at::allclose(fp.master().grad(), expect, 1e-6, 1e-6));
@@ -445,6 +451,40 @@ TEST_CASE("deferred gradient copies: accept_grad without deferral takes over a p
     auto expect = my_part(expected_mean(l, 2, std::vector<double>(n, 1.0),
                                         std::vector<double>(n, 1.0)),
                           l, true, c.rank());
+    RANK_REQUIRE(at::allclose(fp.master().grad(), expect, 1e-6, 1e-6));
+  });
+}
+
+TEST_CASE("without deferral, a replaced .grad is the whole gradient: out of place a + b, reset b",
+          "[flat_param]") {
+  run_ranks(2, [&](Communicator& c) {
+    auto ps = make_params(3);
+    FlatParamConfig cfg;
+    cfg.poison_padding = true;
+    FlatParam fp("unit", refs(ps), c, cfg);
+    const auto& l = fp.layout();
+    const size_t n = ps.size();
+    RANK_REQUIRE(n >= 3);
+    fp.unshard(c.current_stream());
+    fp.set_defer_grad_copies(false);
+    fp.prepare_grad();
+    for (size_t i = 0; i < ps.size(); ++i) {  // pass 1: a, copied; .grad becomes the view
+      ps[i].mutable_grad() = grad_a(ps[i], c.rank(), i);
+      fp.accept_grad(i);
+    }
+    // Pass 2: parameter 0 accumulates out of place (includes a), parameter 1 was reset (a
+    // discarded), the others accumulate in place.
+    ps[0].mutable_grad() = ps[0].grad() + grad_b(ps[0], c.rank());
+    ps[1].mutable_grad() = grad_b(ps[1], c.rank());
+    for (size_t i = 2; i < n; ++i) ps[i].mutable_grad().add_(grad_b(ps[i], c.rank()));
+    for (size_t i = 0; i < n; ++i) {
+      fp.accept_grad(i);
+      RANK_REQUIRE(is_flat_view(fp, ps[i].grad(), i));
+    }
+    fp.reduce_grad(c.current_stream());
+    std::vector<double> ka(n, 1.0), kb(n, 1.0);
+    ka[1] = 0.0;
+    auto expect = my_part(expected_mean(l, 2, ka, kb), l, true, c.rank());
     RANK_REQUIRE(at::allclose(fp.master().grad(), expect, 1e-6, 1e-6));
   });
 }
