@@ -28,6 +28,9 @@ const std::vector<Knob>& knobs() {
        "1: before each unit's first collective per pass, check all ranks enter the same unit "
        "(one extra collective + host sync each); fill the padding of gathered flat parameters "
        "with NaN"},
+      {kUpcastKernel, "1",
+       "1: flatshard's vectorized bf16 -> fp32 kernel for reduced gradient shards (when built "
+       "with nvcc); 0: ATen's conversion"},
   };
   return table;
 }
@@ -73,6 +76,7 @@ std::chrono::milliseconds watchdog_poll() {
 bool nccl_terminate_on_error() { return get_bool(kNcclTerminateOnError, false); }
 bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
 bool debug() { return get_bool(kDebug, false); }
+bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
 
 }  // namespace env
 }  // namespace flatshard

@@ -56,6 +56,10 @@ inline constexpr const char* kNcclEagerConnect = "FLATSHARD_NCCL_EAGER_CONNECT";
 // padding of every gathered flat parameter is filled with NaN, so a read of padding shows up.
 inline constexpr const char* kDebug = "FLATSHARD_DEBUG";
 
+// FLATSHARD_UPCAST_KERNEL (default 1): 0 = convert reduced bf16 gradient shards to fp32 with
+// ATen instead of flatshard's vectorized kernel (flat_param/upcast.h), for A/B measurements.
+inline constexpr const char* kUpcastKernel = "FLATSHARD_UPCAST_KERNEL";
+
 // The table of all knobs above (name, default, meaning), in declaration order.
 const std::vector<Knob>& knobs();
 
@@ -74,6 +78,7 @@ std::chrono::milliseconds watchdog_poll();
 bool nccl_terminate_on_error();
 bool nccl_eager_connect();
 bool debug();
+bool upcast_kernel();
 
 }  // namespace env
 }  // namespace flatshard

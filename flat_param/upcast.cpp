@@ -2,6 +2,8 @@
 
 #include <cstdint>
 
+#include "collectives/env.h"
+
 #if FLATSHARD_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -17,7 +19,8 @@ namespace flatshard {
 
 bool uses_upcast_kernel(const at::Tensor& t) {
 #if FLATSHARD_WITH_CUDA_KERNELS
-  return t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
+  static const bool enabled = env::upcast_kernel();  // read once: it is on the per-unit path
+  return enabled && t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() &&
          reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 #else
   (void)t;

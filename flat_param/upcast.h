@@ -4,7 +4,8 @@
 // exact), allocated and written on the current stream of t's device. For a contiguous,
 // 16-byte-aligned CUDA bf16 tensor it uses flatshard's vectorized kernel when the build has
 // CUDA kernels (FLATSHARD_WITH_CUDA_KERNELS; see Note [Vectorized upcast] in
-// upcast_kernel.cu); otherwise t.to(at::kFloat) (an fp32 input is copied).
+// upcast_kernel.cu) unless FLATSHARD_UPCAST_KERNEL=0; otherwise t.to(at::kFloat) (an fp32 input
+// is copied).
 #pragma once
 
 #include <ATen/ATen.h>
