@@ -176,8 +176,8 @@ void print_table(const Report& rep, std::ostream& out) {
 
   std::vector<std::vector<std::string>> cells = {
       {"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step", "median ms",
-       "min ms", "max ms", "fwd+bwd", "opt ms", "host ms", "x local", "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0",
-       "check"}};
+       "min ms", "max ms", "fwd+bwd", "opt ms", "host ms", "x local", "tok/s/GPU", "MFU",
+       "exposed", "peak MiB", "loss@0", "check"}};
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
     cells.push_back({r.run.granularity, std::to_string(r.run.units),
@@ -241,12 +241,15 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
       out << (i ? "," : "") << " " << p.streams[i].name << " " << fixed(p.streams[i].ms, 2) << " ("
           << fixed(p.streams[i].count, 0) << ")";
     out << "\n";
+    // The 12 largest kernels: ms, launches, name (long template names cut).
+    auto right = [](const std::string& v, size_t w) {
+      return std::string(w - std::min(w, v.size()), ' ') + v;
+    };
     for (size_t i = 0; i < std::min<size_t>(p.kernels.size(), 12); ++i) {
       const KernelGroup& k = p.kernels[i];
-      std::string name = k.name.size() > 90 ? k.name.substr(0, 87) + "..." : k.name;
-      out << "    " << std::string(10 - std::min<size_t>(10, fixed(k.ms, 2).size()), ' ')
-          << fixed(k.ms, 2) << "  " << std::string(6 - std::min<size_t>(6, fixed(k.count, 0).size()), ' ')
-          << fixed(k.count, 0) << "x  " << name << "\n";
+      const std::string name = k.name.size() > 90 ? k.name.substr(0, 87) + "..." : k.name;
+      out << "    " << right(fixed(k.ms, 2), 10) << "  " << right(fixed(k.count, 0), 6) << "x  "
+          << name << "\n";
     }
   }
 }

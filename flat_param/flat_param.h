@@ -92,9 +92,9 @@ class FlatParam {
   void set_defer_grad_copies(bool defer) { defer_grad_copies_ = defer; }
   // After parameter i's AccumulateGrad (on the compute stream): its .grad, if not already its
   // view of full_grad(), is copied there (it is the whole gradient even if the region was
-  // written before: Note [Replaced gradient]) and replaced by that view. Deferring: .grad is left as is and only remembered (pending) for
-  // reduce_grad(); a later call that finds another .grad (out-of-place accumulation, which
-  // includes the pending one) remembers that instead.
+  // written before: Note [Replaced gradient]) and replaced by that view. Deferring: .grad is
+  // left as is and only remembered (pending) for reduce_grad(); a later call that finds another
+  // .grad (out-of-place accumulation, which includes the pending one) remembers that instead.
   void accept_grad(size_t i);
   // Copies the pending gradients into full_grad(), then one reduce-scatter / all-reduce
   // (average over ranks) of it into master().grad, all enqueued on `stream`, which must already
