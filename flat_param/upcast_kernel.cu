@@ -47,8 +47,10 @@ cudaError_t bf16_to_fp32(const void* in, float* out, int64_t n, cudaStream_t str
   if (n <= 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int64_t vecs = (n + 7) / 8;
-  // Enough blocks to fill the GPU a few times over; the loop strides over the rest.
-  const int64_t blocks = std::min<int64_t>((vecs + kThreads - 1) / kThreads, 132 * 8);
+  // At most 1056 blocks (8 per SM of a 132-SM H100/H200, fewer SMs just queue them); the
+  // grid-stride loop covers the rest.
+  constexpr int64_t kMaxBlocks = 132 * 8;
+  const int64_t blocks = std::min<int64_t>((vecs + kThreads - 1) / kThreads, kMaxBlocks);
   bf16_to_fp32_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(in), out, n);
   return cudaGetLastError();
