@@ -109,18 +109,24 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
         .count();
   };
 
+  // One training step on batch b; after_backward() runs between backward and the optimizer step.
+  auto train_step = [&](int b, auto&& after_backward) {
+    opt.zero_grad();
+    const auto& batch = batches[static_cast<size_t>(b)];
+    at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
+    loss.backward();
+    after_backward();
+    opt.step();
+    return loss;
+  };
+
   double comm_ms = 0, step_ms_sum = 0;
   for (int s = 0; s < total; ++s) {
     if (fsdp) fsdp->reset_counters();
     if (timed) timed->reset_time();
     const auto t0 = std::chrono::steady_clock::now();
     mark(0);
-    opt.zero_grad();
-    const auto& batch = batches[static_cast<size_t>(s)];
-    at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
-    loss.backward();
-    mark(1);
-    opt.step();
+    at::Tensor loss = train_step(s, [&] { mark(1); });
     mark(2);
     const double issue_ms = ms_since(t0);
     hooks.synchronize();
@@ -144,13 +150,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     hooks.synchronize();
     if (group) group->barrier();
     if (rank == 0) start_kernel_profile();
-    for (int k = 0; k < config.kernel_profile_steps; ++k) {
-      opt.zero_grad();
-      const auto& batch = batches[static_cast<size_t>(k % total)];
-      at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
-      loss.backward();
-      opt.step();
-    }
+    for (int k = 0; k < config.kernel_profile_steps; ++k) train_step(k % total, [] {});
     hooks.synchronize();
     if (rank == 0)
       r.kernel_profile = summarize_kernels(stop_kernel_profile(), config.kernel_profile_steps);

@@ -91,12 +91,11 @@ KernelProfile summarize_kernels(const std::vector<KernelRecord>& records, int st
     all.emplace_back(r.start_ns, r.end_ns);
     by_stream[r.stream].emplace_back(r.start_ns, r.end_ns);
     (cat == "nccl" ? comm : compute).emplace_back(r.start_ns, r.end_ns);
-    for (auto* g : {&by_cat[cat], &by_name[r.name]}) {
+    for (auto [g, name] : {std::pair{&by_cat[cat], &cat}, std::pair{&by_name[r.name], &r.name}}) {
+      g->name = *name;
       g->count += 1;
       g->ms += ns * 1e-6;
     }
-    by_cat[cat].name = cat;
-    by_name[r.name].name = r.name;
     first = std::min(first, r.start_ns);
     last = std::max(last, r.end_ns);
   }

@@ -239,7 +239,7 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   // `stream` (freed there, stream-ordered) or `send`, returned below: nothing new for
   // Note [Reduce buffer lifetime].
   if (hybrid()) replicate_->all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
-  at::Tensor g = reduced.scalar_type() == at::kFloat ? reduced : to_float(reduced);
+  at::Tensor g = to_float(reduced);
   at::Tensor& mg = master_.mutable_grad();
   if (mg.defined()) {
     mg.add_(g);

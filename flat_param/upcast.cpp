@@ -40,7 +40,7 @@ at::Tensor to_float(const at::Tensor& t) {
     return out;
   }
 #endif
-  return t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+  return t.to(at::kFloat);
 }
 
 }  // namespace flatshard

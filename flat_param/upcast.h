@@ -1,11 +1,11 @@
 // flatshard/flat_param/upcast.h — a tensor's fp32 copy, fast for CUDA bf16.
 //
-// Contract: to_float(t) returns a new contiguous fp32 tensor equal to t (bitwise: bf16 -> fp32 is
-// exact), allocated and written on the current stream of t's device. For a contiguous,
+// Contract: to_float(t) returns t itself when it is fp32 (like Tensor::to), else a new contiguous
+// fp32 tensor equal to t (bitwise: bf16 -> fp32 is exact), allocated and written on the current
+// stream of t's device. For a contiguous,
 // 16-byte-aligned CUDA bf16 tensor it uses flatshard's vectorized kernel when the build has
 // CUDA kernels (FLATSHARD_WITH_CUDA_KERNELS; see Note [Vectorized upcast] in
-// upcast_kernel.cu) unless FLATSHARD_UPCAST_KERNEL=0; otherwise t.to(at::kFloat) (an fp32 input
-// is copied).
+// upcast_kernel.cu) unless FLATSHARD_UPCAST_KERNEL=0; otherwise t.to(at::kFloat).
 #pragma once
 
 #include <ATen/ATen.h>
