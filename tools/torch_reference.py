@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""PyTorch running the same model as flatshard-bench: the reference every speed ratio is taken against.
+
+The model is flatshard's reference GPT (models/gpt.h) written again in PyTorch: pre-LayerNorm
+GPT-2 blocks (qkv and proj Linear with bias, causal scaled_dot_product_attention, GELU-tanh MLP
+of width 4d), learned position embedding, untied lm_head without bias; init N(0, 0.02), the two
+residual projections N(0, 0.02 / sqrt(2 L)), biases 0, LayerNorm 1/0. Batches are the same
+synthetic language (arithmetic progressions mod vocab), built on the device before timing.
+Loss: cross-entropy in fp32 (as GPTImpl::loss). Optimizer: AdamW(lr 1e-3, weight decay 0.1),
+fused (default, as flatshard-bench --optimizer fused) or foreach.
+
+Modes (comma list, --modes):
+  plain        single GPU, parameters in --param-dtype (bf16), no wrapper: the floor. Run as
+               rank 0 only when launched with several processes.
+  ddp          DistributedDataParallel over all ranks, bf16 parameters.
+  fsdp2-block  fully_shard per Block, then the root; fp32 master, MixedPrecisionPolicy(bf16,
+               reduce --reduce-dtype), reshard_after_forward=True (FSDP2's default).
+  fsdp2-leaf   fully_shard per Linear / LayerNorm / Embedding (the ZeRO-3 shape), then the root.
+
+World 1 needs no launcher (the script makes a one-rank process group); for more ranks use
+  python3 -m torch.distributed.run --standalone --nproc-per-node N tools/torch_reference.py ...
+
+Each mode: --warmup untimed steps, then --steps timed steps (CUDA events around each whole step,
+synchronised per step, like flatshard-bench); the median step ms, host issue ms, peak memory
+(torch.cuda.max_memory_allocated after reset), tokens/s per GPU and MFU are printed as a table
+and, with --json, written for tools/gpu_check.sh to join with flatshard-bench's table.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRESETS = {
+    # name: vocab, d_model, n_heads, n_layers, seq_len (models/gpt.h GPTConfig::preset)
+    "tiny": (512, 64, 4, 2, 32),
+    "small": (4096, 256, 8, 4, 256),
+    "1b": (32768, 2048, 16, 16, 2048),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, d, heads, layers, seq):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".ln" in name or name.startswith("ln_f"):
+                nn.init.ones_(p)
+            elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def num_parameters(vocab, d, layers, seq):
+    return 2 * vocab * d + seq * d + layers * (12 * d * d + 13 * d) + 2 * d
+
+
+def flops_per_token(vocab, d, layers, seq):
+    n = layers * 12 * d * d + vocab * d
+    return 6 * n + 12 * layers * d * seq
+
+
+def synthetic_batch(vocab, seq, batch, gen, device):
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 17, (batch, 1), generator=gen)
+    s = (start + stride * torch.arange(seq + 1)) % vocab
+    return s[:, :seq].contiguous().to(device), s[:, 1:].contiguous().to(device)
+
+
+def dtype_of(name):
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def build(mode, args, cfg, device, world):
+    vocab, d, heads, layers, seq = cfg
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = GPT(vocab, d, heads, layers, seq)
+    if mode == "plain":
+        return model.to(dtype_of(args.param_dtype))
+    if mode == "ddp":
+        model = model.to(dtype_of(args.param_dtype))
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype_of(args.param_dtype),
+                              reduce_dtype=dtype_of(args.reduce_dtype or args.param_dtype))
+    if mode == "fsdp2-block":
+        units = list(model.blocks)
+    elif mode == "fsdp2-leaf":
+        units = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
+    else:
+        raise SystemExit(f"torch_reference: unknown mode '{mode}' (plain, ddp, fsdp2-block, fsdp2-leaf)")
+    for m in units:
+        fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def run(mode, args, cfg, device, rank, world):
+    vocab, d, heads, layers, seq = cfg
+    torch.cuda.empty_cache()
+    model = build(mode, args, cfg, device, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
+                            fused=args.optimizer == "fused", foreach=args.optimizer != "fused" or None)
+    gen = torch.Generator().manual_seed(args.seed * 1000003 + rank)
+    total = args.warmup + args.steps
+    batches = [synthetic_batch(vocab, seq, args.batch, gen, device) for _ in range(total)]
+    torch.cuda.synchronize()
+    if world > 1 and mode != "plain":
+        dist.barrier()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    step_ms, issue_ms, loss0 = [], [], None
+    for s in range(total):
+        t0 = time.perf_counter()
+        start.record()
+        opt.zero_grad(set_to_none=True)
+        loss = model(*batches[s])
+        loss.backward()
+        opt.step()
+        end.record()
+        t_issue = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        if s == 0:
+            loss0 = loss.item()
+        if s >= args.warmup:
+            step_ms.append(start.elapsed_time(end))
+            issue_ms.append(t_issue)
+    peak = torch.cuda.max_memory_allocated()
+    ms = statistics.median(step_ms)
+    tok = args.batch * seq / (ms * 1e-3)
+    row = {
+        "mode": mode, "world_size": 1 if mode == "plain" else world, "batch": args.batch,
+        "step_ms": ms, "host_ms": statistics.median(issue_ms), "peak_mib": peak / 2**20,
+        "tokens_per_s_per_gpu": tok,
+        "mfu": tok * flops_per_token(vocab, d, layers, seq) / (args.peak_tflops * 1e12),
+        "loss_step0": loss0, "optimizer": args.optimizer,
+    }
+    del model, opt, batches
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
+    ap.add_argument("--modes", default="plain,fsdp2-block,fsdp2-leaf")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--reduce-dtype", choices=["bf16", "fp32"], help="default: the param dtype")
+    ap.add_argument("--optimizer", default="fused", choices=["fused", "adamw"])
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for MFU (H100/H200 bf16 dense)")
+    ap.add_argument("--json", help="write the rows (rank 0) as JSON to this path")
+    args = ap.parse_args()
+    if args.warmup < 0 or args.steps < 1 or args.batch < 1:
+        ap.error(f"need --warmup >= 0, --steps >= 1, --batch >= 1 (got {args.warmup}, {args.steps}, {args.batch})")
+    cfg = list(PRESETS[args.preset])
+    if args.layers is not None:
+        if args.layers < 1:
+            ap.error(f"--layers must be >= 1, got {args.layers}")
+        cfg[3] = args.layers
+    cfg = tuple(cfg)
+    if not torch.cuda.is_available():
+        sys.exit("torch_reference: needs a CUDA GPU (it is the GPU floor flatshard-bench is compared with)")
+
+    if "RANK" not in os.environ:  # world 1 without a launcher
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    rows = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode == "plain" and rank != 0:
+            dist.barrier()
+            continue
+        row = run(mode, args, cfg, device, rank, world)
+        if mode == "plain" and world > 1:
+            dist.barrier()
+        rows.append(row)
+        if rank == 0:
+            print(f"[torch_reference] {mode}: {row['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
+    if rank == 0:
+        vocab, d, heads, layers, seq = cfg
+        print(f"# PyTorch {torch.__version__}, {torch.cuda.get_device_name(device)}, world {world}, "
+              f"GPT vocab={vocab} d={d} heads={heads} layers={layers} seq={seq} "
+              f"({num_parameters(vocab, d, layers, seq) / 1e9:.2f} B params), batch {args.batch}/GPU, "
+              f"optimizer {args.optimizer}")
+        base = next((r["step_ms"] for r in rows if r["mode"] == "plain"), None)
+        print(f"{'mode':<12} {'step ms':>8} {'x plain':>8} {'host ms':>8} {'peak MiB':>9} {'tok/s/GPU':>10} {'MFU':>6} {'loss0':>7}")
+        for r in rows:
+            ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
+            print(f"{r['mode']:<12} {r['step_ms']:8.1f} {ratio:>8} {r['host_ms']:8.1f} {r['peak_mib']:9.0f} "
+                  f"{r['tokens_per_s_per_gpu']:10.0f} {100 * r['mfu']:5.1f}% {r['loss_step0']:7.3f}")
+        if args.json:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"torch": torch.__version__, "world_size": world, "rows": rows}, f, indent=1)
+            os.replace(tmp, args.json)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
