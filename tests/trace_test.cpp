@@ -1,4 +1,4 @@
-// Per-unit traces (fsdp/trace.h) and their summary (tools/trace_summary.h), label diagnostics.
+// Per-unit traces (fsdp/trace.h) and their summary (fsdp/trace_summary.h), label diagnostics.
 //
 // CPU, ranks as threads: the trace files must be valid JSON (read with checkpoint/json.h, written
 // independently of fsdp/trace.cpp), hold exactly the expected events per unit and step, nest
@@ -25,7 +25,7 @@
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "fsdp/trace.h"
-#include "tools/trace_summary.h"
+#include "fsdp/trace_summary.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 

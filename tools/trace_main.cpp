@@ -11,7 +11,7 @@
 #include <iostream>
 
 #include "checkpoint/json.h"
-#include "tools/trace_summary.h"
+#include "fsdp/trace_summary.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flatshard-trace: summarise flatshard trace files (one per rank, or merged)"};

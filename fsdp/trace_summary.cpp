@@ -1,5 +1,5 @@
-// flatshard/tools/trace_summary.cpp — see trace_summary.h.
-#include "tools/trace_summary.h"
+// flatshard/fsdp/trace_summary.cpp — see trace_summary.h.
+#include "fsdp/trace_summary.h"
 
 #include <c10/util/Exception.h>
 
@@ -14,7 +14,7 @@ namespace flatshard {
 namespace {
 
 constexpr int kHost = 0, kCompute = 1, kAllGatherStream = 2, kReduceStream = 3;
-// Below this, one all-gather is dominated by latency (DESIGN.md: 1 MiB ~ 16 MiB in time).
+// Below this, one all-gather is dominated by latency (docs/design.md: 1 MiB ~ 16 MiB in time).
 constexpr int64_t kLatencyBoundBytes = int64_t{1} << 20;
 // An all-gather this many times slower than the median unit's is an outlier.
 constexpr double kOutlierFactor = 5.0;
