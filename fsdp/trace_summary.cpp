@@ -3,17 +3,30 @@
 
 #include <c10/util/Exception.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <array>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
+
+#include "fsdp/trace_format.h"
 
 namespace flatshard {
 
 namespace {
 
-constexpr int kHost = 0, kCompute = 1, kAllGatherStream = 2, kReduceStream = 3;
+using nlohmann::json;
+namespace tf = trace_format;
+namespace k = trace_format::key;
+using tf::kAllGatherTrack;
+using tf::kComputeTrack;
+using tf::kHostTrack;
+using tf::kReduceTrack;
+
 // Below this, one all-gather is dominated by latency (docs/design.md: 1 MiB ~ 16 MiB in time).
 constexpr int64_t kLatencyBoundBytes = int64_t{1} << 20;
 // An all-gather this many times slower than the median unit's is an outlier.
@@ -39,29 +52,93 @@ std::string bytes_text(int64_t b) {
   return buf;
 }
 
-TraceUnitMeta unit_meta(const json::Value& u) {
+// --- reading: members with the reader's tolerance ---------------------------------------------
+// Optional fields may be missing or of another type (hand-made and older traces leave some out):
+// the fallback. Required ones are checked, and the error says which and what was there.
+
+const json* member(const json& o, const char* key) {
+  if (!o.is_object()) return nullptr;
+  const auto it = o.find(key);
+  return it == o.end() ? nullptr : &*it;
+}
+
+double number_or(const json& o, const char* key, double fallback) {
+  const json* v = member(o, key);
+  return v && v->is_number() ? v->get<double>() : fallback;
+}
+
+std::string string_or(const json& o, const char* key, const std::string& fallback) {
+  const json* v = member(o, key);
+  return v && v->is_string() ? v->get<std::string>() : fallback;
+}
+
+const char* type_of(const json* v) { return v ? v->type_name() : "nothing"; }
+
+double number_at(const json& o, const char* key, const char* where) {
+  const json* v = member(o, key);
+  TORCH_CHECK(v && v->is_number(), where, ": expected a number '", key, "', got ", type_of(v));
+  return v->get<double>();
+}
+
+const json& array_at(const json& o, const char* key, const char* where) {
+  const json* v = member(o, key);
+  TORCH_CHECK(v && v->is_array(), where, ": expected an array '", key, "', got ", type_of(v));
+  return *v;
+}
+
+TraceUnitMeta unit_meta(const json& u) {
   TraceUnitMeta m;
-  m.name = u.at("name").as_string();
-  m.strategy = u.string_or("strategy", "");
-  const json::Value* r = u.find("reshard_after_forward");
-  m.reshard_after_forward = r && r->type() == json::Value::Type::kBool && r->as_bool();
-  m.padded_numel = static_cast<int64_t>(u.number_or("padded_numel", 0));
-  m.all_gather_bytes = static_cast<int64_t>(u.number_or("all_gather_bytes", 0));
-  m.reduce_bytes = static_cast<int64_t>(u.number_or("reduce_bytes", 0));
+  const json* name = member(u, k::kName);
+  TORCH_CHECK(name && name->is_string(), "otherData.", k::kUnits, ": expected a string '",
+              k::kName, "', got ", type_of(name));
+  m.name = name->get<std::string>();
+  m.strategy = string_or(u, k::kStrategy, "");
+  const json* r = member(u, k::kReshardAfterForward);
+  m.reshard_after_forward = r && r->is_boolean() && r->get<bool>();
+  m.padded_numel = static_cast<int64_t>(number_or(u, k::kPaddedNumel, 0));
+  m.all_gather_bytes = static_cast<int64_t>(number_or(u, k::kAllGatherBytes, 0));
+  m.reduce_bytes = static_cast<int64_t>(number_or(u, k::kReduceBytes, 0));
   return m;
 }
 
-RankTrace rank_meta(const json::Value& other) {
+// One rank's otherData: the format version first (a reader of another version would misread).
+RankTrace rank_meta(const json& other) {
+  const json* version = member(other, tf::kMarker);
+  TORCH_CHECK(version, "not a flatshard trace: no otherData.", tf::kMarker,
+              " (written by fsdp/trace.h)");
+  TORCH_CHECK(version->is_number() && version->get<double>() == tf::kVersion,
+              "flatshard trace format version ", version->dump(), ": this reader reads version ",
+              tf::kVersion);
   RankTrace t;
-  t.rank = static_cast<int>(other.at("rank").as_number());
-  t.world_size = static_cast<int>(other.number_or("world_size", 1));
-  t.device = other.string_or("device", "?");
-  t.forward_prefetch = static_cast<int>(other.number_or("forward_prefetch", 1));
-  t.backward_prefetch = static_cast<int>(other.number_or("backward_prefetch", 1));
-  if (const json::Value* units = other.find("units"))
-    for (const auto& u : units->as_array()) t.units.push_back(unit_meta(u));
+  t.rank = static_cast<int>(number_at(other, k::kRank, "otherData"));
+  t.world_size = static_cast<int>(number_or(other, k::kWorldSize, 1));
+  t.device = string_or(other, k::kDevice, "?");
+  t.forward_prefetch = static_cast<int>(number_or(other, k::kForwardPrefetch, 1));
+  t.backward_prefetch = static_cast<int>(number_or(other, k::kBackwardPrefetch, 1));
+  if (member(other, k::kUnits))
+    for (const auto& u : array_at(other, k::kUnits, "otherData")) t.units.push_back(unit_meta(u));
   return t;
 }
+
+TraceEvent trace_event(const json& e) {
+  TraceEvent ev;
+  ev.rank = static_cast<int>(number_at(e, k::kPid, "trace event"));
+  ev.tid = static_cast<int>(number_or(e, k::kTid, 0));
+  ev.name = string_or(e, k::kName, "");
+  ev.cat = string_or(e, k::kCat, "");
+  ev.ts = number_at(e, k::kTs, "trace event");
+  ev.dur = number_or(e, k::kDur, 0);
+  if (const json* a = member(e, k::kArgs)) {
+    ev.unit = string_or(*a, k::kUnit, "");
+    ev.phase = string_or(*a, k::kPhase, "");
+    ev.step = static_cast<int>(number_or(*a, k::kStep, -1));
+    ev.bytes = static_cast<int64_t>(number_or(*a, k::kBytes, 0));
+    ev.host_ts = number_or(*a, k::kHostTs, -1);
+  }
+  return ev;
+}
+
+// --- summarize, step by step -------------------------------------------------------------------
 
 // Self time of each event on one track: its duration minus that of the events directly nested
 // in it (events sorted by begin, longer first on ties).
@@ -130,48 +207,50 @@ std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace
 
 }  // namespace
 
-std::vector<RankTrace> read_traces(const json::Value& doc) {
-  TORCH_CHECK(doc.is_object() && doc.find("traceEvents"),
-              "not a Chrome trace: expected an object with 'traceEvents'");
-  const json::Value* other = doc.find("otherData");
+std::vector<RankTrace> read_traces(const json& doc) {
+  const json* events = member(doc, k::kTraceEvents);
+  TORCH_CHECK(events && events->is_array(), "not a Chrome trace: expected an object with '",
+              k::kTraceEvents, "' (an array), got ",
+              doc.is_object() ? type_of(events) : doc.type_name());
+  const json* other = member(doc, k::kOtherData);
   std::vector<RankTrace> ranks;
-  if (other && other->find("flatshard_ranks")) {
-    for (const auto& o : other->at("flatshard_ranks").as_array()) ranks.push_back(rank_meta(o));
+  if (other && member(*other, tf::kMergedRanks)) {
+    for (const auto& o : array_at(*other, tf::kMergedRanks, "otherData"))
+      ranks.push_back(rank_meta(o));
   } else {
-    TORCH_CHECK(other && other->find("flatshard_trace"),
-                "not a flatshard trace: no otherData.flatshard_trace (written by fsdp/trace.h)");
+    TORCH_CHECK(other, "not a flatshard trace: no otherData (written by fsdp/trace.h)");
     ranks.push_back(rank_meta(*other));
   }
   std::map<int, size_t> by_rank;
   for (size_t i = 0; i < ranks.size(); ++i) by_rank[ranks[i].rank] = i;
-  for (const auto& e : doc.at("traceEvents").as_array()) {
-    if (e.string_or("ph", "") != "X") continue;
-    TraceEvent ev;
-    ev.rank = static_cast<int>(e.at("pid").as_number());
-    auto it = by_rank.find(ev.rank);
+  for (const auto& e : *events) {
+    if (string_or(e, k::kPh, "") != k::kPhComplete) continue;
+    TraceEvent ev = trace_event(e);
+    const auto it = by_rank.find(ev.rank);
     TORCH_CHECK(it != by_rank.end(), "trace event of pid ", ev.rank, " without rank metadata");
-    ev.tid = static_cast<int>(e.number_or("tid", 0));
-    ev.name = e.string_or("name", "");
-    ev.cat = e.string_or("cat", "");
-    ev.ts = e.at("ts").as_number();
-    ev.dur = e.number_or("dur", 0);
-    if (const json::Value* a = e.find("args")) {
-      ev.unit = a->string_or("unit", "");
-      ev.phase = a->string_or("phase", "");
-      ev.step = static_cast<int>(a->number_or("step", -1));
-      ev.bytes = static_cast<int64_t>(a->number_or("bytes", 0));
-      ev.host_ts = a->number_or("host_ts", -1);
-    }
     ranks[it->second].events.push_back(std::move(ev));
   }
   return ranks;
 }
 
+json read_trace_json(const std::string& path) {
+  std::ifstream f(path);
+  TORCH_CHECK(f.good(), "cannot open '", path, "'");
+  json doc;
+  try {
+    doc = json::parse(f);
+  } catch (const json::parse_error& e) {
+    TORCH_CHECK(false, path, ": not valid JSON: ", e.what());
+  }
+  return doc;
+}
+
 std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
   std::vector<RankTrace> out;
   for (const auto& p : paths) {
+    const json doc = read_trace_json(p);  // its errors name the file
     try {
-      for (auto& r : read_traces(json::parse_file(p))) out.push_back(std::move(r));
+      for (auto& r : read_traces(doc)) out.push_back(std::move(r));
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, p, ": ", e.what_without_backtrace());
     }
@@ -179,22 +258,25 @@ std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
   return out;
 }
 
-json::Value merge_traces(const std::vector<json::Value>& docs) {
-  json::Value::Array events, metas;
+json merge_traces(const std::vector<json>& docs) {
+  json events = json::array(), metas = json::array();
   for (const auto& d : docs) {
-    TORCH_CHECK(d.is_object() && d.find("traceEvents"), "merge: not a Chrome trace");
-    for (const auto& e : d.at("traceEvents").as_array()) events.push_back(e);
-    const json::Value* other = d.find("otherData");
-    if (other && other->find("flatshard_ranks")) {
-      for (const auto& m : other->at("flatshard_ranks").as_array()) metas.push_back(m);
+    const json* ev = member(d, k::kTraceEvents);
+    TORCH_CHECK(ev && ev->is_array(), "merge: not a Chrome trace (no '", k::kTraceEvents, "')");
+    events.insert(events.end(), ev->begin(), ev->end());
+    const json* other = member(d, k::kOtherData);
+    if (other && member(*other, tf::kMergedRanks)) {
+      const json& m = array_at(*other, tf::kMergedRanks, "merge: otherData");
+      metas.insert(metas.end(), m.begin(), m.end());
     } else if (other) {
       metas.push_back(*other);
     }
   }
-  return json::Value::object(
-      {{"displayTimeUnit", json::Value::string("ns")},
-       {"otherData", json::Value::object({{"flatshard_ranks", json::Value::array(metas)}})},
-       {"traceEvents", json::Value::array(std::move(events))}});
+  json out = json::object();
+  out[k::kDisplayTimeUnit] = k::kDisplayTimeUnitValue;
+  out[k::kOtherData][tf::kMergedRanks] = std::move(metas);
+  out[k::kTraceEvents] = std::move(events);
+  return out;
 }
 
 TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions& opt) {
@@ -203,7 +285,7 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
   s.ranks = static_cast<int>(ranks.size());
   s.device = ranks.front().device;
   for (const auto& r : ranks)
-    for (const auto& e : r.events) s.gpu = s.gpu || e.tid != kHost;
+    for (const auto& e : r.events) s.gpu = s.gpu || e.tid != kHostTrack;
 
   // Unit order: the first rank's metadata (plan order), then any name only events mention.
   std::vector<std::string> order;
@@ -221,7 +303,7 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
     std::set<int> steps;
     std::map<int, double> step_dur;
     for (const auto& e : r.events)
-      if (e.cat == "step") {
+      if (e.cat == tf::cat::kStep) {
         steps.insert(e.step);
         step_dur[e.step] = e.dur;
       }
@@ -237,9 +319,9 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
     // Host issue span vs GPU span of each used step.
     std::map<int, std::pair<double, double>> host_span, gpu_span;
     for (const auto& e : r.events) {
-      if (!steps.count(e.step) || e.cat == "step") continue;
+      if (!steps.count(e.step) || e.cat == tf::cat::kStep) continue;
       auto [it, fresh] =
-          (e.tid == kHost ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
+          (e.tid == kHostTrack ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
       if (fresh) continue;
       it->second.first = std::min(it->second.first, e.ts);
       it->second.second = std::max(it->second.second, e.ts + e.dur);
@@ -251,30 +333,32 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
       span_n += gpu_span.size();
     }
 
-    std::vector<const TraceEvent*> tracks[4];
+    std::vector<const TraceEvent*> tracks[tf::kTrackCount];
     for (const auto& e : r.events)
-      if (steps.count(e.step) && e.tid >= 0 && e.tid < 4 && e.cat != "step") tracks[e.tid].push_back(&e);
+      if (steps.count(e.step) && e.tid >= 0 && e.tid < tf::kTrackCount &&
+          e.cat != tf::cat::kStep)
+        tracks[e.tid].push_back(&e);
     for (auto& t : tracks)
       std::stable_sort(t.begin(), t.end(), [](const TraceEvent* a, const TraceEvent* b) {
         return a->ts < b->ts || (a->ts == b->ts && a->dur > b->dur);
       });
     std::map<std::string, Acc> acc;
     // Compute: self time of the forward / backward spans on the compute stream (GPU) or host.
-    const auto& compute = tracks[s.gpu ? kCompute : kHost];
+    const auto& compute = tracks[s.gpu ? kComputeTrack : kHostTrack];
     const std::vector<double> self = self_times(compute);
     for (size_t i = 0; i < compute.size(); ++i) {
-      if (compute[i]->cat == "forward") acc[compute[i]->unit].fwd += self[i];
-      if (compute[i]->cat == "backward") acc[compute[i]->unit].bwd += self[i];
+      if (compute[i]->cat == tf::cat::kForward) acc[compute[i]->unit].fwd += self[i];
+      if (compute[i]->cat == tf::cat::kBackward) acc[compute[i]->unit].bwd += self[i];
     }
     // Collectives: counts and durations.
-    for (const auto* e : tracks[s.gpu ? kAllGatherStream : kHost])
-      if (e->cat == "all_gather") {
+    for (const auto* e : tracks[s.gpu ? kAllGatherTrack : kHostTrack])
+      if (e->cat == tf::cat::kAllGather) {
         acc[e->unit].ags += 1;
         acc[e->unit].ag_time += e->dur;
-        if (!s.gpu) (e->phase == "backward" ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
+        if (!s.gpu) (e->phase == tf::phase::kBackward ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
       }
-    for (const auto* e : tracks[s.gpu ? kReduceStream : kHost])
-      if (e->cat == "reduce") {
+    for (const auto* e : tracks[s.gpu ? kReduceTrack : kHostTrack])
+      if (e->cat == tf::cat::kReduce) {
         acc[e->unit].rss += 1;
         if (!s.gpu) acc[e->unit].rs += e->dur;
       }
@@ -289,10 +373,10 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
         }
         double prev = -1;
         for (const auto& [b, en] : seen) prev = std::max(prev, en <= e->ts ? en : b);
-        if (e->cat == "wait_all_gather" || e->cat == "wait_reduce") {
-          const bool ag = e->cat == "wait_all_gather";
+        if (e->cat == tf::cat::kWaitAllGather || e->cat == tf::cat::kWaitReduce) {
+          const bool ag = e->cat == tf::cat::kWaitAllGather;
           if (ag) {
-            (e->phase == "backward" ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
+            (e->phase == tf::phase::kBackward ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
           } else {
             acc[e->unit].rs += e->dur;
           }
