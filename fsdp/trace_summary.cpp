@@ -205,6 +205,213 @@ std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace
          ") outlasts the compute it overlaps: group layers (every=2) or gather in bf16";
 }
 
+// Unit order: plan order from the ranks' metadata (the first rank's first), then any unit only
+// events name, as they show up.
+struct UnitOrder {
+  std::vector<std::string> names;
+  std::map<std::string, TraceUnitMeta> meta;
+  void add(const TraceUnitMeta& u) {
+    if (meta.emplace(u.name, u).second) names.push_back(u.name);
+  }
+};
+
+UnitOrder plan_order(const std::vector<RankTrace>& ranks) {
+  UnitOrder order;
+  for (const auto& r : ranks)
+    for (const auto& u : r.units) order.add(u);
+  return order;
+}
+
+// The steps of one rank that count (the first is warm-up when there are more) and the durations
+// of their host "step" spans.
+struct RankSteps {
+  std::set<int> used;
+  std::map<int, double> dur;
+  int seen = 0;  // steps in the trace
+};
+
+RankSteps rank_steps(const RankTrace& r, bool skip_first) {
+  RankSteps s;
+  for (const auto& e : r.events)
+    if (e.cat == tf::cat::kStep) {
+      s.used.insert(e.step);
+      s.dur[e.step] = e.dur;
+    }
+  s.seen = static_cast<int>(s.used.size());
+  if (skip_first && s.used.size() > 1) s.used.erase(s.used.begin());
+  return s;
+}
+
+// GPU: per used step, the host's issue span (first to last host event) and the GPU's (first to
+// last stream event), summed over the steps of all ranks.
+struct SpanSums {
+  double issue = 0, gpu = 0;
+  size_t issue_n = 0, gpu_n = 0;
+};
+
+void add_step_spans(const RankTrace& r, const std::set<int>& steps, SpanSums& sums) {
+  std::map<int, std::pair<double, double>> host_span, gpu_span;
+  for (const auto& e : r.events) {
+    if (!steps.count(e.step) || e.cat == tf::cat::kStep) continue;
+    auto [it, fresh] =
+        (e.tid == kHostTrack ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
+    if (fresh) continue;
+    it->second.first = std::min(it->second.first, e.ts);
+    it->second.second = std::max(it->second.second, e.ts + e.dur);
+  }
+  for (const auto& [st, sp] : host_span) sums.issue += sp.second - sp.first;
+  for (const auto& [st, sp] : gpu_span) sums.gpu += sp.second - sp.first;
+  sums.issue_n += host_span.size();
+  sums.gpu_n += gpu_span.size();
+}
+
+// Each track's unit events of the used steps, by begin time, longer first on ties (an enclosing
+// event before the ones nested in it: self_times() relies on it).
+using Tracks = std::array<std::vector<const TraceEvent*>, tf::kTrackCount>;
+
+Tracks step_tracks(const RankTrace& r, const std::set<int>& steps) {
+  Tracks tracks;
+  for (const auto& e : r.events)
+    if (steps.count(e.step) && e.tid >= 0 && e.tid < tf::kTrackCount && e.cat != tf::cat::kStep)
+      tracks[e.tid].push_back(&e);
+  for (auto& t : tracks)
+    std::stable_sort(t.begin(), t.end(), [](const TraceEvent* a, const TraceEvent* b) {
+      return a->ts < b->ts || (a->ts == b->ts && a->dur > b->dur);
+    });
+  return tracks;
+}
+
+// One rank's per-unit sums over its used steps: the self time of the forward / backward spans on
+// the compute stream (GPU) or the host (CPU), and the collectives' counts and durations. On CPU
+// the host collectives are the exposed time (trace_summary.h).
+std::map<std::string, Acc> unit_times(const Tracks& tracks, bool gpu) {
+  std::map<std::string, Acc> acc;
+  const auto& compute = tracks[gpu ? kComputeTrack : kHostTrack];
+  const std::vector<double> self = self_times(compute);
+  for (size_t i = 0; i < compute.size(); ++i) {
+    if (compute[i]->cat == tf::cat::kForward) acc[compute[i]->unit].fwd += self[i];
+    if (compute[i]->cat == tf::cat::kBackward) acc[compute[i]->unit].bwd += self[i];
+  }
+  for (const auto* e : tracks[gpu ? kAllGatherTrack : kHostTrack])
+    if (e->cat == tf::cat::kAllGather) {
+      Acc& a = acc[e->unit];
+      a.ags += 1;
+      a.ag_time += e->dur;
+      if (!gpu) (e->phase == tf::phase::kBackward ? a.ag_bwd : a.ag_fwd) += e->dur;
+    }
+  for (const auto* e : tracks[gpu ? kReduceTrack : kHostTrack])
+    if (e->cat == tf::cat::kReduce) {
+      acc[e->unit].rss += 1;
+      if (!gpu) acc[e->unit].rs += e->dur;
+    }
+  return acc;
+}
+
+// GPU: the compute stream's waits (exposed communication) and the idle gaps the host caused
+// (trace_summary.h says when a gap counts), into `acc` and `gaps`.
+void add_gpu_exposure(int rank, const std::vector<const TraceEvent*>& compute, double starved_us,
+                      std::map<std::string, Acc>& acc, std::vector<IdleGap>& gaps) {
+  std::vector<std::pair<double, double>> seen;  // this step's earlier [begin, end)
+  int cur_step = -1;
+  for (const auto* e : compute) {
+    if (e->step != cur_step) {
+      cur_step = e->step;
+      seen.clear();
+    }
+    double prev = -1;
+    for (const auto& [b, en] : seen) prev = std::max(prev, en <= e->ts ? en : b);
+    if (e->cat == tf::cat::kWaitAllGather || e->cat == tf::cat::kWaitReduce) {
+      const bool ag = e->cat == tf::cat::kWaitAllGather;
+      if (ag) {
+        (e->phase == tf::phase::kBackward ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
+      } else {
+        acc[e->unit].rs += e->dur;
+      }
+      if (e->dur > 0)
+        gaps.push_back({rank, e->step, e->unit, e->phase, ag ? "all-gather" : "reduce", e->dur});
+    }
+    if (prev >= 0 && e->host_ts >= 0 && e->ts - e->host_ts < starved_us && e->ts > prev &&
+        !e->unit.empty()) {
+      acc[e->unit].gap += e->ts - prev;
+      gaps.push_back({rank, e->step, e->unit, e->phase, "host", e->ts - prev});
+    }
+    seen.emplace_back(e->ts, e->ts + e->dur);
+  }
+}
+
+// Adds one rank's per-step means (its sums over `steps` used steps) to the totals over ranks.
+void add_rank_means(const std::map<std::string, Acc>& acc, double steps, UnitOrder& order,
+                    std::map<std::string, Acc>& total) {
+  for (const auto& [name, a] : acc) {
+    if (name.empty()) continue;
+    if (!order.meta.count(name)) {
+      TraceUnitMeta m;
+      m.name = name;
+      order.add(m);
+    }
+    Acc& t = total[name];
+    t.fwd += a.fwd / steps;
+    t.bwd += a.bwd / steps;
+    t.ag_fwd += a.ag_fwd / steps;
+    t.ag_bwd += a.ag_bwd / steps;
+    t.rs += a.rs / steps;
+    t.gap += a.gap / steps;
+    t.ags += a.ags / steps;
+    t.rss += a.rss / steps;
+    t.ag_time += a.ag_time / steps;
+  }
+}
+
+// The table: each unit's per-step numbers, the totals' mean over `ranks` ranks, and the step's
+// sums of them.
+void fill_units(TraceSummary& s, const UnitOrder& order, const std::map<std::string, Acc>& total,
+                double ranks, int world_size) {
+  for (const auto& name : order.names) {
+    const auto found = total.find(name);
+    const Acc t = found == total.end() ? Acc{} : found->second;
+    UnitCost u;
+    u.unit = name;
+    u.forward_us = t.fwd / ranks;
+    u.backward_us = t.bwd / ranks;
+    u.all_gather_forward_us = t.ag_fwd / ranks;
+    u.all_gather_backward_us = t.ag_bwd / ranks;
+    u.reduce_us = t.rs / ranks;
+    u.host_gap_us = t.gap / ranks;
+    u.all_gathers = t.ags / ranks;
+    u.reduces = t.rss / ranks;
+    u.all_gather_call_us = t.ags > 0 ? t.ag_time / t.ags : 0;
+    u.gathered_bytes = order.meta.at(name).all_gather_bytes * world_size;
+    s.compute_us += u.forward_us + u.backward_us;
+    s.all_gather_us += u.all_gather_forward_us + u.all_gather_backward_us;
+    s.reduce_us += u.reduce_us;
+    s.host_gap_us += u.host_gap_us;
+    s.units.push_back(std::move(u));
+  }
+}
+
+// The `top` most exposed units, most first, each with its line of advice.
+void pick_offenders(TraceSummary& s, int top, const RankTrace& meta) {
+  for (size_t i = 0; i < s.units.size(); ++i)
+    if (s.units[i].exposed() > 0) s.offenders.push_back(i);
+  std::stable_sort(s.offenders.begin(), s.offenders.end(), [&](size_t a, size_t b) {
+    return s.units[a].exposed() > s.units[b].exposed();
+  });
+  if (static_cast<int>(s.offenders.size()) > top) s.offenders.resize(top);
+  std::vector<double> calls;
+  for (const auto& u : s.units)
+    if (u.all_gathers > 0) calls.push_back(u.all_gather_call_us);
+  std::sort(calls.begin(), calls.end());
+  const double median = calls.empty() ? 0 : calls[calls.size() / 2];
+  for (size_t i : s.offenders) s.units[i].advice = advice_for(s.units[i], s, meta, median);
+}
+
+std::vector<IdleGap> largest(std::vector<IdleGap> gaps, int top) {
+  std::stable_sort(gaps.begin(), gaps.end(),
+                   [](const IdleGap& a, const IdleGap& b) { return a.us > b.us; });
+  if (static_cast<int>(gaps.size()) > top) gaps.resize(top);
+  return gaps;
+}
+
 }  // namespace
 
 std::vector<RankTrace> read_traces(const json& doc) {
@@ -287,169 +494,32 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
   for (const auto& r : ranks)
     for (const auto& e : r.events) s.gpu = s.gpu || e.tid != kHostTrack;
 
-  // Unit order: the first rank's metadata (plan order), then any name only events mention.
-  std::vector<std::string> order;
-  std::map<std::string, TraceUnitMeta> meta;
-  for (const auto& r : ranks)
-    for (const auto& u : r.units)
-      if (meta.emplace(u.name, u).second) order.push_back(u.name);
-
+  UnitOrder order = plan_order(ranks);
   std::map<std::string, Acc> total;  // summed over ranks of per-step means
   std::vector<IdleGap> gaps;
-  double step_sum = 0, issue_sum = 0, span_sum = 0;
+  SpanSums spans;
+  double step_sum = 0;
   int step_count = 0;
-  size_t issue_n = 0, span_n = 0;
   for (const auto& r : ranks) {
-    std::set<int> steps;
-    std::map<int, double> step_dur;
-    for (const auto& e : r.events)
-      if (e.cat == tf::cat::kStep) {
-        steps.insert(e.step);
-        step_dur[e.step] = e.dur;
-      }
-    s.steps_total = std::max(s.steps_total, static_cast<int>(steps.size()));
-    if (opt.skip_first_step && steps.size() > 1) steps.erase(steps.begin());
-    if (&r == &ranks.front()) s.steps_used.assign(steps.begin(), steps.end());
-    const double n = std::max<size_t>(steps.size(), 1);
-    for (int st : steps) {
-      step_sum += step_dur[st];
+    const RankSteps steps = rank_steps(r, opt.skip_first_step);
+    s.steps_total = std::max(s.steps_total, steps.seen);
+    if (&r == &ranks.front()) s.steps_used.assign(steps.used.begin(), steps.used.end());
+    for (int st : steps.used) {
+      step_sum += steps.dur.at(st);
       ++step_count;
     }
-
-    // Host issue span vs GPU span of each used step.
-    std::map<int, std::pair<double, double>> host_span, gpu_span;
-    for (const auto& e : r.events) {
-      if (!steps.count(e.step) || e.cat == tf::cat::kStep) continue;
-      auto [it, fresh] =
-          (e.tid == kHostTrack ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
-      if (fresh) continue;
-      it->second.first = std::min(it->second.first, e.ts);
-      it->second.second = std::max(it->second.second, e.ts + e.dur);
-    }
-    if (s.gpu) {
-      for (const auto& [st, sp] : host_span) issue_sum += sp.second - sp.first;
-      for (const auto& [st, sp] : gpu_span) span_sum += sp.second - sp.first;
-      issue_n += host_span.size();
-      span_n += gpu_span.size();
-    }
-
-    std::vector<const TraceEvent*> tracks[tf::kTrackCount];
-    for (const auto& e : r.events)
-      if (steps.count(e.step) && e.tid >= 0 && e.tid < tf::kTrackCount &&
-          e.cat != tf::cat::kStep)
-        tracks[e.tid].push_back(&e);
-    for (auto& t : tracks)
-      std::stable_sort(t.begin(), t.end(), [](const TraceEvent* a, const TraceEvent* b) {
-        return a->ts < b->ts || (a->ts == b->ts && a->dur > b->dur);
-      });
-    std::map<std::string, Acc> acc;
-    // Compute: self time of the forward / backward spans on the compute stream (GPU) or host.
-    const auto& compute = tracks[s.gpu ? kComputeTrack : kHostTrack];
-    const std::vector<double> self = self_times(compute);
-    for (size_t i = 0; i < compute.size(); ++i) {
-      if (compute[i]->cat == tf::cat::kForward) acc[compute[i]->unit].fwd += self[i];
-      if (compute[i]->cat == tf::cat::kBackward) acc[compute[i]->unit].bwd += self[i];
-    }
-    // Collectives: counts and durations.
-    for (const auto* e : tracks[s.gpu ? kAllGatherTrack : kHostTrack])
-      if (e->cat == tf::cat::kAllGather) {
-        acc[e->unit].ags += 1;
-        acc[e->unit].ag_time += e->dur;
-        if (!s.gpu) (e->phase == tf::phase::kBackward ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
-      }
-    for (const auto* e : tracks[s.gpu ? kReduceTrack : kHostTrack])
-      if (e->cat == tf::cat::kReduce) {
-        acc[e->unit].rss += 1;
-        if (!s.gpu) acc[e->unit].rs += e->dur;
-      }
-    if (s.gpu) {
-      // Exposed waits, and idle gaps the host caused (see trace_summary.h).
-      std::vector<std::pair<double, double>> seen;  // this step's earlier [begin, end)
-      int cur_step = -1;
-      for (const auto* e : compute) {
-        if (e->step != cur_step) {
-          cur_step = e->step;
-          seen.clear();
-        }
-        double prev = -1;
-        for (const auto& [b, en] : seen) prev = std::max(prev, en <= e->ts ? en : b);
-        if (e->cat == tf::cat::kWaitAllGather || e->cat == tf::cat::kWaitReduce) {
-          const bool ag = e->cat == tf::cat::kWaitAllGather;
-          if (ag) {
-            (e->phase == tf::phase::kBackward ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
-          } else {
-            acc[e->unit].rs += e->dur;
-          }
-          if (e->dur > 0)
-            gaps.push_back({r.rank, e->step, e->unit, e->phase, ag ? "all-gather" : "reduce", e->dur});
-        }
-        if (prev >= 0 && e->host_ts >= 0 && e->ts - e->host_ts < opt.starved_us &&
-            e->ts > prev && !e->unit.empty()) {
-          acc[e->unit].gap += e->ts - prev;
-          gaps.push_back({r.rank, e->step, e->unit, e->phase, "host", e->ts - prev});
-        }
-        seen.emplace_back(e->ts, e->ts + e->dur);
-      }
-    }
-    for (auto& [name, a] : acc) {
-      if (name.empty()) continue;
-      if (!meta.count(name)) {
-        meta[name].name = name;
-        order.push_back(name);
-      }
-      Acc& t = total[name];
-      t.fwd += a.fwd / n;
-      t.bwd += a.bwd / n;
-      t.ag_fwd += a.ag_fwd / n;
-      t.ag_bwd += a.ag_bwd / n;
-      t.rs += a.rs / n;
-      t.gap += a.gap / n;
-      t.ags += a.ags / n;
-      t.rss += a.rss / n;
-      t.ag_time += a.ag_time / n;
-    }
+    if (s.gpu) add_step_spans(r, steps.used, spans);
+    const Tracks tracks = step_tracks(r, steps.used);
+    std::map<std::string, Acc> acc = unit_times(tracks, s.gpu);
+    if (s.gpu) add_gpu_exposure(r.rank, tracks[kComputeTrack], opt.starved_us, acc, gaps);
+    add_rank_means(acc, std::max<size_t>(steps.used.size(), 1), order, total);
   }
-  const double nr = static_cast<double>(ranks.size());
   s.step_us = step_count ? step_sum / step_count : 0;
-  s.host_issue_us = issue_n ? issue_sum / issue_n : 0;
-  s.gpu_span_us = span_n ? span_sum / span_n : 0;
-  const int world = ranks.front().world_size;
-  for (const auto& name : order) {
-    const Acc& t = total[name];
-    UnitCost u;
-    u.unit = name;
-    u.forward_us = t.fwd / nr;
-    u.backward_us = t.bwd / nr;
-    u.all_gather_forward_us = t.ag_fwd / nr;
-    u.all_gather_backward_us = t.ag_bwd / nr;
-    u.reduce_us = t.rs / nr;
-    u.host_gap_us = t.gap / nr;
-    u.all_gathers = t.ags / nr;
-    u.reduces = t.rss / nr;
-    u.all_gather_call_us = t.ags > 0 ? t.ag_time / t.ags : 0;
-    u.gathered_bytes = meta[name].all_gather_bytes * world;
-    s.compute_us += u.forward_us + u.backward_us;
-    s.all_gather_us += u.all_gather_forward_us + u.all_gather_backward_us;
-    s.reduce_us += u.reduce_us;
-    s.host_gap_us += u.host_gap_us;
-    s.units.push_back(std::move(u));
-  }
-  for (size_t i = 0; i < s.units.size(); ++i)
-    if (s.units[i].exposed() > 0) s.offenders.push_back(i);
-  std::stable_sort(s.offenders.begin(), s.offenders.end(), [&](size_t a, size_t b) {
-    return s.units[a].exposed() > s.units[b].exposed();
-  });
-  if (static_cast<int>(s.offenders.size()) > opt.top) s.offenders.resize(opt.top);
-  std::vector<double> calls;
-  for (const auto& u : s.units)
-    if (u.all_gathers > 0) calls.push_back(u.all_gather_call_us);
-  std::sort(calls.begin(), calls.end());
-  const double median = calls.empty() ? 0 : calls[calls.size() / 2];
-  for (size_t i : s.offenders) s.units[i].advice = advice_for(s.units[i], s, ranks.front(), median);
-  std::stable_sort(gaps.begin(), gaps.end(),
-                   [](const IdleGap& a, const IdleGap& b) { return a.us > b.us; });
-  if (static_cast<int>(gaps.size()) > opt.top) gaps.resize(opt.top);
-  s.largest_gaps = std::move(gaps);
+  s.host_issue_us = spans.issue_n ? spans.issue / spans.issue_n : 0;
+  s.gpu_span_us = spans.gpu_n ? spans.gpu / spans.gpu_n : 0;
+  fill_units(s, order, total, static_cast<double>(ranks.size()), ranks.front().world_size);
+  pick_offenders(s, opt.top, ranks.front());
+  s.largest_gaps = largest(std::move(gaps), opt.top);
   return s;
 }
 
