@@ -1,6 +1,6 @@
-// flatshard/fsdp/trace.cpp — see trace.h. The JSON is written by hand on purpose, not with
-// checkpoint/json.h's writer: the tests read traces with that module's reader, which then checks
-// this writer independently instead of agreeing with it.
+// flatshard/fsdp/trace.cpp — see trace.h. The JSON is streamed, not built as a document (a trace
+// holds up to 2^20 records); nlohmann-json escapes its strings, and every name and key comes from
+// fsdp/trace_format.h, which the reader (fsdp/trace_summary.cpp) uses too.
 #include "fsdp/trace.h"
 
 #include <c10/util/Exception.h>
@@ -13,7 +13,10 @@
 #include <limits>
 #include <ostream>
 
+#include <nlohmann/json.hpp>
+
 #include "collectives/communicator.h"
+#include "fsdp/trace_format.h"
 #include "fsdp/unit.h"
 #if FLATSHARD_WITH_CUDA
 #include <nvtx3/nvToolsExt.h>
@@ -23,9 +26,13 @@ namespace flatshard {
 
 namespace {
 
-enum Track { kHostTrack = 0, kComputeTrack = 1, kAllGatherTrack = 2, kReduceTrack = 3 };
-const char* const kTrackNames[] = {"host", "compute stream", "all-gather stream",
-                                   "reduce-scatter stream"};
+namespace tf = trace_format;
+using tf::kAllGatherTrack;
+using tf::kComputeTrack;
+using tf::kHostTrack;
+using tf::kReduceTrack;
+using tf::kTrackNames;
+using tf::Track;
 
 double now_us() {
   return std::chrono::duration<double, std::micro>(
@@ -52,34 +59,22 @@ Track track_for(TraceKind k) {
   }
 }
 
+// `s` as a JSON string. Bytes that are not UTF-8 (a module name may hold any) become U+FFFD
+// instead of an exception: the file stays valid JSON, which is UTF-8.
 void write_string(std::ostream& os, const std::string& s) {
-  os << '"';
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        os << "\\\"";
-        break;
-      case '\\':
-        os << "\\\\";
-        break;
-      case '\n':
-        os << "\\n";
-        break;
-      case '\t':
-        os << "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          os << buf;
-        } else {
-          os << static_cast<char>(c);
-        }
-    }
-  }
-  os << '"';
+  os << nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
+
+// A member name ("key":) or a constant string value ("value") from trace_format.h: plain
+// identifiers, nothing to escape.
+struct Key {
+  const char* name;
+};
+std::ostream& operator<<(std::ostream& os, Key k) { return os << '"' << k.name << "\":"; }
+struct Lit {
+  const char* value;
+};
+std::ostream& operator<<(std::ostream& os, Lit v) { return os << '"' << v.value << '"'; }
 
 std::string fixed3(double v) {
   char buf[64];
@@ -115,25 +110,25 @@ void nvtx_end(uint64_t id) {
 const char* to_string(TraceKind kind) {
   switch (kind) {
     case TraceKind::kPreForward:
-      return "pre_forward";
+      return tf::cat::kPreForward;
     case TraceKind::kForward:
-      return "forward";
+      return tf::cat::kForward;
     case TraceKind::kAllGather:
-      return "all_gather";
+      return tf::cat::kAllGather;
     case TraceKind::kWaitAllGather:
-      return "wait_all_gather";
+      return tf::cat::kWaitAllGather;
     case TraceKind::kReshard:
-      return "reshard";
+      return tf::cat::kReshard;
     case TraceKind::kPreBackward:
-      return "pre_backward";
+      return tf::cat::kPreBackward;
     case TraceKind::kBackward:
-      return "backward";
+      return tf::cat::kBackward;
     case TraceKind::kReduce:
-      return "reduce";
+      return tf::cat::kReduce;
     case TraceKind::kWaitReduce:
-      return "wait_reduce";
+      return tf::cat::kWaitReduce;
     case TraceKind::kOptimizer:
-      return "optimizer";
+      return tf::cat::kOptimizer;
   }
   return "?";
 }
@@ -221,21 +216,21 @@ std::string Tracer::event_name(TraceKind kind, int unit) const {
   std::string n;
   switch (kind) {
     case TraceKind::kForward:
-      n = "fwd";
+      n = tf::event::kForward;
       break;
     case TraceKind::kBackward:
-      n = "bwd";
+      n = tf::event::kBackward;
       break;
     case TraceKind::kWaitAllGather:
-      n = "wait all_gather";
+      n = tf::event::kWaitAllGather;
       break;
     case TraceKind::kWaitReduce:
-      n = "wait reduce";
+      n = tf::event::kWaitReduce;
       break;
     case TraceKind::kReduce:
       n = unit >= 0 && units_[unit].strategy == to_string(ShardingStrategy::kNoShard)
-              ? "all_reduce"
-              : "reduce_scatter";
+              ? tf::event::kAllReduce
+              : tf::event::kReduceScatter;
       break;
     default:
       n = to_string(kind);
@@ -457,49 +452,57 @@ void Tracer::write_json(std::ostream& os) const {
     if (s.ref >= 0) offset = std::max(offset, s.host_begin - s.ref);
   const bool have_gpu = offset > -std::numeric_limits<double>::infinity();
 
-  os << "{\"displayTimeUnit\":\"ns\",\"otherData\":{\"flatshard_trace\":1,\"rank\":" << rank
-     << ",\"world_size\":" << comm_.world_size() << ",\"device\":";
+  namespace k = tf::key;
+  os << '{' << Key{k::kDisplayTimeUnit} << Lit{k::kDisplayTimeUnitValue} << ','
+     << Key{k::kOtherData} << '{' << Key{tf::kMarker} << tf::kVersion << ',' << Key{k::kRank}
+     << rank << ',' << Key{k::kWorldSize} << comm_.world_size() << ',' << Key{k::kDevice};
   write_string(os, comm_.device().str());
-  os << ",\"forward_prefetch\":" << forward_prefetch_
-     << ",\"backward_prefetch\":" << backward_prefetch_ << ",\"units\":[";
+  os << ',' << Key{k::kForwardPrefetch} << forward_prefetch_ << ',' << Key{k::kBackwardPrefetch}
+     << backward_prefetch_ << ',' << Key{k::kUnits} << '[';
   bool first = true;
   for (size_t i = 0; i < units_.size(); ++i) {
     const UnitInfo& u = units_[i];
     if (u.name.empty()) continue;
-    os << (first ? "" : ",") << "{\"index\":" << i << ",\"name\":";
+    os << (first ? "" : ",") << '{' << Key{k::kIndex} << i << ',' << Key{k::kName};
     write_string(os, u.name);
-    os << ",\"strategy\":\"" << u.strategy << "\",\"reshard_after_forward\":"
-       << (u.reshard_after_forward ? "true" : "false") << ",\"padded_numel\":" << u.padded_numel
-       << ",\"all_gather_bytes\":" << u.all_gather_bytes << ",\"reduce_bytes\":" << u.reduce_bytes
-       << "}";
+    os << ',' << Key{k::kStrategy};
+    write_string(os, u.strategy);
+    os << ',' << Key{k::kReshardAfterForward} << (u.reshard_after_forward ? "true" : "false")
+       << ',' << Key{k::kPaddedNumel} << u.padded_numel << ',' << Key{k::kAllGatherBytes}
+       << u.all_gather_bytes << ',' << Key{k::kReduceBytes} << u.reduce_bytes << '}';
     first = false;
   }
-  os << "]},\n\"traceEvents\":[\n";
-  os << "{\"ph\":\"M\",\"pid\":" << rank << ",\"name\":\"process_name\",\"args\":{\"name\":\"rank "
-     << rank << "\"}},\n{\"ph\":\"M\",\"pid\":" << rank
-     << ",\"name\":\"process_sort_index\",\"args\":{\"sort_index\":" << rank << "}}";
-  for (int t = 0; t < (gpu_ ? 4 : 1); ++t) {
-    os << ",\n{\"ph\":\"M\",\"pid\":" << rank << ",\"tid\":" << t
-       << ",\"name\":\"thread_name\",\"args\":{\"name\":\"" << kTrackNames[t]
-       << "\"}},\n{\"ph\":\"M\",\"pid\":" << rank << ",\"tid\":" << t
-       << ",\"name\":\"thread_sort_index\",\"args\":{\"sort_index\":" << t << "}}";
+  os << "]},\n" << Key{k::kTraceEvents} << "[\n";
+  // Metadata events ("ph": "M"): Chrome's names for processes and threads and their order.
+  os << '{' << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank << ',' << Key{k::kName}
+     << "\"process_name\"," << Key{k::kArgs} << '{' << Key{k::kName} << "\"rank " << rank
+     << "\"}},\n{" << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank << ',' << Key{k::kName}
+     << "\"process_sort_index\"," << Key{k::kArgs} << "{\"sort_index\":" << rank << "}}";
+  for (int t = 0; t < (gpu_ ? tf::kTrackCount : 1); ++t) {
+    os << ",\n{" << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank << ',' << Key{k::kTid} << t
+       << ',' << Key{k::kName} << "\"thread_name\"," << Key{k::kArgs} << '{' << Key{k::kName}
+       << Lit{kTrackNames[t]} << "}},\n{" << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank
+       << ',' << Key{k::kTid} << t << ',' << Key{k::kName} << "\"thread_sort_index\","
+       << Key{k::kArgs} << "{\"sort_index\":" << t << "}}";
   }
   auto event = [&](const std::string& name, const char* cat, double ts, double dur, int tid,
                    const TraceRecord* r, int step) {
-    os << ",\n{\"ph\":\"X\",\"name\":";
+    os << ",\n{" << Key{k::kPh} << Lit{k::kPhComplete} << ',' << Key{k::kName};
     write_string(os, name);
-    os << ",\"cat\":\"" << cat << "\",\"ts\":" << fixed3(ts)
-       << ",\"dur\":" << fixed3(std::max(dur, 0.0)) << ",\"pid\":" << rank << ",\"tid\":" << tid
-       << ",\"args\":{\"step\":" << step;
+    os << ',' << Key{k::kCat} << Lit{cat} << ',' << Key{k::kTs} << fixed3(ts) << ','
+       << Key{k::kDur} << fixed3(std::max(dur, 0.0)) << ',' << Key{k::kPid} << rank << ','
+       << Key{k::kTid} << tid << ',' << Key{k::kArgs} << '{' << Key{k::kStep} << step;
     if (r != nullptr) {
       if (r->unit >= 0 && static_cast<size_t>(r->unit) < units_.size()) {
-        os << ",\"unit\":";
+        os << ',' << Key{k::kUnit};
         write_string(os, units_[r->unit].name);
-        os << ",\"phase\":\"" << (r->backward ? "backward" : "forward") << "\"";
+        os << ',' << Key{k::kPhase}
+           << Lit{r->backward ? tf::phase::kBackward : tf::phase::kForward};
       }
-      if (r->bytes) os << ",\"bytes\":" << r->bytes;
+      if (r->bytes) os << ',' << Key{k::kBytes} << r->bytes;
       if (tid != kHostTrack)
-        os << ",\"host_ts\":" << fixed3(r->host_begin) << ",\"host_end\":" << fixed3(r->host_end);
+        os << ',' << Key{k::kHostTs} << fixed3(r->host_begin) << ',' << Key{k::kHostEnd}
+           << fixed3(r->host_end);
     }
     os << "}}";
   };
@@ -508,8 +511,8 @@ void Tracer::write_json(std::ostream& os) const {
   for (size_t s = 0; s < steps_.size(); ++s) {
     const Step& st = steps_[s];
     const double end = st.host_end >= st.host_begin ? st.host_end : last_host;
-    event("step " + std::to_string(s), "step", st.host_begin, end - st.host_begin, kHostTrack,
-          nullptr, static_cast<int>(s));
+    event(tf::event::kStepPrefix + std::to_string(s), tf::cat::kStep, st.host_begin,
+          end - st.host_begin, kHostTrack, nullptr, static_cast<int>(s));
   }
   for (const auto& r : records_) {
     if (r.host_end < r.host_begin) continue;  // never closed (the step was cut short)

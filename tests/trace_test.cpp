@@ -1,7 +1,9 @@
-// Per-unit traces (fsdp/trace.h) and their summary (tools/trace_summary.h), label diagnostics.
+// Per-unit traces (fsdp/trace.h) and their summary (fsdp/trace_summary.h), label diagnostics.
 //
-// CPU, ranks as threads: the trace files must be valid JSON (read with checkpoint/json.h, written
-// independently of fsdp/trace.cpp), hold exactly the expected events per unit and step, nest
+// CPU, ranks as threads: the trace files must be valid JSON (read with nlohmann-json's parser,
+// not with the summary's reader; names spelled out here, not taken from fsdp/trace_format.h),
+// keep unit names with JSON's special characters, hold exactly the expected events per unit and
+// step, nest
 // properly on the host track (Perfetto draws misnested slices wrongly), and agree with the
 // runtime's counters. The summary must find a planted delay — a Communicator decorator that
 // slows every all-gather of one unit — and name that unit first. The GPU analysis (waits and
@@ -10,28 +12,32 @@
 
 #include <torch/nn/modules/linear.h>
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <unistd.h>
 
 #include "benchmarks/gpt.h"
-#include "checkpoint/json.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "fsdp/trace.h"
-#include "tools/trace_summary.h"
+#include "fsdp/trace_summary.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
 namespace g = flatshard::gpt;
 namespace fs = std::filesystem;
+using nlohmann::json;
 
 namespace {
 
@@ -41,6 +47,12 @@ fs::path temp_dir(const std::string& name) {
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
+}
+
+json parse_file(const std::string& path) {
+  std::ifstream f(path);
+  REQUIRE(f.good());
+  return json::parse(f);  // throws on invalid JSON
 }
 
 // Trains the tiny GPT for `steps` steps on `world` ranks with tracing to `path`.
@@ -70,26 +82,27 @@ void train_tiny_traced(int world, const std::string& spec, const std::string& pa
 
 // Events of one rank's file, as (unit, cat) -> count, per step.
 using Counts = std::map<std::pair<std::string, std::string>, int>;
-std::map<int, Counts> count_events(const json::Value& doc) {
+std::map<int, Counts> count_events(const json& doc) {
   std::map<int, Counts> out;
-  for (const auto& e : doc.at("traceEvents").as_array()) {
-    if (e.at("ph").as_string() != "X") continue;
+  for (const auto& e : doc.at("traceEvents")) {
+    if (e.at("ph").get<std::string>() != "X") continue;
     const auto& args = e.at("args");
-    const int step = static_cast<int>(args.at("step").as_number());
-    const std::string cat = e.at("cat").as_string();
+    const int step = args.at("step").get<int>();
+    const std::string cat = e.at("cat").get<std::string>();
     std::string key = cat;
-    if (cat == "all_gather") key += "/" + args.at("phase").as_string();
-    out[step][{args.string_or("unit", ""), key}] += 1;
+    if (cat == "all_gather") key += "/" + args.at("phase").get<std::string>();
+    out[step][{args.value("unit", ""), key}] += 1;
   }
   return out;
 }
 
 // Host-track events must nest: each starts after the enclosing one and ends before it does.
-void require_nested(const json::Value& doc) {
+void require_nested(const json& doc) {
   std::vector<std::pair<double, double>> spans;
-  for (const auto& e : doc.at("traceEvents").as_array())
-    if (e.at("ph").as_string() == "X" && e.at("tid").as_number() == 0)
-      spans.emplace_back(e.at("ts").as_number(), e.at("ts").as_number() + e.at("dur").as_number());
+  for (const auto& e : doc.at("traceEvents"))
+    if (e.at("ph").get<std::string>() == "X" && e.at("tid").get<int>() == 0)
+      spans.emplace_back(e.at("ts").get<double>(),
+                         e.at("ts").get<double>() + e.at("dur").get<double>());
   std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) {
     return a.first < b.first || (a.first == b.first && a.second > b.second);
   });
@@ -161,11 +174,11 @@ TEST_CASE("trace: CPU files are valid JSON with the expected events per unit",
     const std::string file = trace_file_for_rank(path, rank, 2);
     CAPTURE(file);
     REQUIRE(fs::exists(file));
-    const json::Value doc = json::parse_file(file);  // throws on invalid JSON
+    const json doc = parse_file(file);
     const auto& other = doc.at("otherData");
-    CHECK(other.at("rank").as_number() == rank);
-    CHECK(other.at("world_size").as_number() == 2);
-    CHECK(other.at("units").as_array().size() == 3);
+    CHECK(other.at("rank").get<int>() == rank);
+    CHECK(other.at("world_size").get<int>() == 2);
+    CHECK(other.at("units").size() == 3);
     require_nested(doc);
 
     const auto counts = count_events(doc);
@@ -193,16 +206,16 @@ TEST_CASE("trace: CPU files are valid JSON with the expected events per unit",
     }
     // Bytes on the all-gather events are the unit's, and agree with the runtime's counters.
     int64_t ag_bytes = 0;
-    for (const auto& e : doc.at("traceEvents").as_array())
-      if (e.at("ph").as_string() == "X" && e.at("cat").as_string() == "all_gather" &&
-          e.at("args").at("step").as_number() == 2)
-        ag_bytes += static_cast<int64_t>(e.at("args").at("bytes").as_number());
-    const auto& units = other.at("units").as_array();
+    for (const auto& e : doc.at("traceEvents"))
+      if (e.at("ph").get<std::string>() == "X" && e.at("cat").get<std::string>() == "all_gather" &&
+          e.at("args").at("step").get<int>() == 2)
+        ag_bytes += e.at("args").at("bytes").get<int64_t>();
+    const auto& units = other.at("units");
     int64_t counted = 0;  // the runtime's all-gathers of step 2 times each unit's bytes
     for (size_t i = 0; i < units.size(); ++i) {
       const auto& c = counters.at(0).per_unit.at(i);
       counted += (c.forward_all_gathers + c.backward_all_gathers) *
-                 static_cast<int64_t>(units[i].at("all_gather_bytes").as_number());
+                 units[i].at("all_gather_bytes").get<int64_t>();
     }
     CHECK(ag_bytes == counted);
   }
@@ -213,7 +226,7 @@ TEST_CASE("trace: a unit entered twice per forward has one backward span",
   const auto dir = temp_dir("grouped");
   const std::string path = (dir / "t.json").string();
   train_tiny_traced(2, "every=2,type=Block", path, 2);
-  const json::Value doc = json::parse_file(trace_file_for_rank(path, 0, 2));
+  const json doc = parse_file(trace_file_for_rank(path, 0, 2));
   require_nested(doc);
   const auto counts = count_events(doc);
   REQUIRE(counts.size() == 2);
@@ -234,7 +247,7 @@ TEST_CASE("trace: max_steps bounds the recording; FLATSHARD_TRACE switches it on
   const auto dir = temp_dir("steps");
   const std::string path = (dir / "t_{rank}.json").string();
   train_tiny_traced(2, "type=Block", path, 3, /*max_steps=*/1);
-  const auto doc = json::parse_file((dir / "t_1.json").string());
+  const auto doc = parse_file((dir / "t_1.json").string());
   CHECK(count_events(doc).size() == 1);
 
   const std::string env_path = (dir / "env.json").string();
@@ -300,9 +313,9 @@ TEST_CASE("trace summary: a planted all-gather delay names its unit first",
   CHECK(s.to_string().find("1. l2") != std::string::npos);
 
   // A merged file reads back as the same two ranks.
-  const json::Value merged = merge_traces({json::parse_file(trace_file_for_rank(path, 0, 2)),
-                                           json::parse_file(trace_file_for_rank(path, 1, 2))});
-  const auto again = read_traces(json::parse(json::write(merged)));
+  const json merged = merge_traces({parse_file(trace_file_for_rank(path, 0, 2)),
+                                    parse_file(trace_file_for_rank(path, 1, 2))});
+  const auto again = read_traces(json::parse(merged.dump()));
   REQUIRE(again.size() == 2);
   CHECK(summarize(again).units[s.offenders.front()].unit == "l2");
 }
@@ -313,20 +326,12 @@ TEST_CASE("trace summary: GPU waits and host-starved gaps", "[diagnostics][trace
   // u2 starts at 6000, recorded by the host at 5990 (the GPU was idle 4000-6000: host-bound).
   auto ev = [](const char* name, const char* cat, int tid, double ts, double dur, const char* unit,
                double host_ts) {
-    json::Value::Object args = {{"step", json::Value::number(1)},
-                                {"unit", json::Value::string(unit)},
-                                {"phase", json::Value::string("forward")}};
-    if (host_ts >= 0) args.emplace_back("host_ts", json::Value::number(host_ts));
-    return json::Value::object({{"ph", json::Value::string("X")},
-                                {"name", json::Value::string(name)},
-                                {"cat", json::Value::string(cat)},
-                                {"ts", json::Value::number(ts)},
-                                {"dur", json::Value::number(dur)},
-                                {"pid", json::Value::number(0)},
-                                {"tid", json::Value::number(tid)},
-                                {"args", json::Value::object(args)}});
+    json args = {{"step", 1}, {"unit", unit}, {"phase", "forward"}};
+    if (host_ts >= 0) args["host_ts"] = host_ts;
+    return json{{"ph", "X"}, {"name", name}, {"cat", cat}, {"ts", ts},
+                {"dur", dur}, {"pid", 0},     {"tid", tid}, {"args", args}};
   };
-  json::Value::Array events = {
+  const json events = {
       ev("step 1", "step", 0, -500, 8000, "", -1),
       ev("fwd u0", "forward", 1, 0, 1000, "u0", -400),
       ev("wait all_gather u1", "wait_all_gather", 1, 1000, 2000, "u1", 500),
@@ -337,19 +342,18 @@ TEST_CASE("trace summary: GPU waits and host-starved gaps", "[diagnostics][trace
       ev("fwd u0", "forward", 0, -450, 60, "u0", -1),
       ev("fwd u2", "forward", 0, 5980, 20, "u2", -1),
   };
-  json::Value::Array units;
+  json units = json::array();
   for (const char* n : {"u0", "u1", "u2"})
-    units.push_back(json::Value::object({{"name", json::Value::string(n)},
-                                         {"all_gather_bytes", json::Value::number(64 << 20)}}));
-  const json::Value doc = json::Value::object(
-      {{"otherData", json::Value::object({{"flatshard_trace", json::Value::number(1)},
-                                          {"rank", json::Value::number(0)},
-                                          {"world_size", json::Value::number(2)},
-                                          {"device", json::Value::string("cuda:0")},
-                                          {"forward_prefetch", json::Value::number(1)},
-                                          {"backward_prefetch", json::Value::number(1)},
-                                          {"units", json::Value::array(units)}})},
-       {"traceEvents", json::Value::array(events)}});
+    units.push_back({{"name", n}, {"all_gather_bytes", 64 << 20}});
+  const json doc = {{"otherData",
+                     {{"flatshard_trace", 1},
+                      {"rank", 0},
+                      {"world_size", 2},
+                      {"device", "cuda:0"},
+                      {"forward_prefetch", 1},
+                      {"backward_prefetch", 1},
+                      {"units", units}}},
+                    {"traceEvents", events}};
   const TraceSummary s = summarize(read_traces(doc));
   INFO(s.to_string());
   REQUIRE(s.gpu);
@@ -365,4 +369,84 @@ TEST_CASE("trace summary: GPU waits and host-starved gaps", "[diagnostics][trace
   CHECK(s.host_issue_us == Approx(6450));  // -450 .. 6000
   CHECK(s.gpu_span_us == Approx(7000));    // 0 .. 7000 (u2's forward ends last)
   CHECK_THAT(s.to_string(), Catch::Contains("host issue time per step 6.45 ms vs GPU time per step 7.00 ms"));
+}
+
+TEST_CASE("trace: unit names with JSON's special characters survive the file",
+          "[diagnostics][trace]") {
+  // Module names are any bytes but '.': quotes, backslashes, control characters, non-ASCII and
+  // bytes that are not UTF-8 (written as U+FFFD, so the file stays valid JSON) must come back
+  // as the names they are, in otherData.units and on every event.
+  const std::vector<std::pair<std::string, std::string>> names = {  // module name, name read
+      {"quote\"d", "quote\"d"},
+      {"back\\slash", "back\\slash"},
+      {"tab\tnew\nline\x01", "tab\tnew\nline\x01"},
+      {"caf\xc3\xa9", "caf\xc3\xa9"},
+      {"bad\xff", "bad\xef\xbf\xbd"}};
+  struct OddImpl : torch::nn::Module {
+    explicit OddImpl(const std::vector<std::pair<std::string, std::string>>& names) {
+      for (const auto& n : names)
+        layers.push_back(register_module(n.first, torch::nn::Linear(4, 4)));
+    }
+    at::Tensor forward(at::Tensor x) {
+      for (auto& l : layers) x = at::tanh(flatshard::call(l, x));
+      return x.pow(2).mean();
+    }
+    std::vector<torch::nn::Linear> layers;
+  };
+  const auto dir = temp_dir("names");
+  const std::string path = (dir / "t.json").string();
+  run_ranks(1, [&](Communicator& comm) {
+    auto model = std::make_shared<OddImpl>(names);
+    ShardingOptions o;
+    o.trace.path = path;
+    auto fsdp = fully_shard(model, make_plan(*model, parse_policy("type=Linear")), comm, o);
+    for (int step = 0; step < 2; ++step) {
+      at::Tensor x = at::randn({2, 4});
+      flatshard::enter(model, [&] { return model->forward(x); }).backward();
+    }
+  });
+  const json doc = parse_file(path);
+  std::set<std::string> want, listed, on_events, summarized;  // the root unit left out
+  for (const auto& n : names) want.insert(n.second);
+  for (const auto& u : doc.at("otherData").at("units"))
+    listed.insert(u.at("name").get<std::string>());
+  for (const auto& e : doc.at("traceEvents"))
+    if (e.at("ph").get<std::string>() == "X" && e.at("args").contains("unit"))
+      on_events.insert(e.at("args").at("unit").get<std::string>());
+  for (const auto& u : summarize(read_trace_files({path})).units) summarized.insert(u.unit);
+  for (auto* got : {&listed, &on_events, &summarized}) got->erase("<root>");
+  CHECK(listed == want);
+  CHECK(on_events == want);
+  CHECK(summarized == want);
+}
+
+TEST_CASE("trace summary: what is not a flatshard trace of this version is refused",
+          "[diagnostics][trace]") {
+  using Catch::Contains;
+  json doc = {{"otherData", {{"flatshard_trace", 1}, {"rank", 0}}},
+              {"traceEvents", json::array()}};
+  CHECK(read_traces(doc).size() == 1);  // the smallest trace there is
+  CHECK_THROWS_WITH(read_traces(json::object()), Contains("not a Chrome trace"));
+  const json no_other = {{"traceEvents", json::array()}};
+  CHECK_THROWS_WITH(read_traces(no_other), Contains("not a flatshard trace"));
+  const json no_marker = {{"otherData", {{"rank", 0}}}, {"traceEvents", json::array()}};
+  CHECK_THROWS_WITH(read_traces(no_marker), Contains("no otherData.flatshard_trace"));
+  doc["otherData"]["flatshard_trace"] = 2;
+  CHECK_THROWS_WITH(read_traces(doc), Contains("version 2: this reader reads version 1"));
+  doc["otherData"]["flatshard_trace"] = 1;
+  doc["otherData"].erase("rank");
+  CHECK_THROWS_WITH(read_traces(doc), Contains("expected a number 'rank', got nothing"));
+  // An event of a rank the metadata does not hold.
+  const json stray = {{"otherData", {{"flatshard_trace", 1}, {"rank", 0}}},
+                      {"traceEvents", {{{"ph", "X"}, {"pid", 3}, {"ts", 0}}}}};
+  CHECK_THROWS_WITH(read_traces(stray), Contains("pid 3 without rank metadata"));
+  // Files: the error names the file.
+  const auto dir = temp_dir("refused");
+  const std::string bad = (dir / "bad.json").string();
+  std::ofstream(bad) << "{\"traceEvents\": [";
+  CHECK_THROWS_WITH(read_trace_files({bad}), Contains(bad + ": not valid JSON"));
+  const std::string other = (dir / "other.json").string();
+  std::ofstream(other) << "{\"traceEvents\": []}";
+  CHECK_THROWS_WITH(read_trace_files({other}), Contains(other + ": not a flatshard trace"));
+  CHECK_THROWS_WITH(read_trace_files({(dir / "missing.json").string()}), Contains("cannot open"));
 }

@@ -10,8 +10,9 @@
 #include <fstream>
 #include <iostream>
 
-#include "checkpoint/json.h"
-#include "tools/trace_summary.h"
+#include <nlohmann/json.hpp>
+
+#include "fsdp/trace_summary.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flatshard-trace: summarise flatshard trace files (one per rank, or merged)"};
@@ -34,12 +35,11 @@ int main(int argc, char** argv) {
   opts.skip_first_step = !keep_first;
   try {
     if (!merge.empty()) {
-      std::vector<flatshard::json::Value> docs;
-      for (const auto& f : files) docs.push_back(flatshard::json::parse_file(f));
+      std::vector<nlohmann::json> docs;
+      for (const auto& f : files) docs.push_back(flatshard::read_trace_json(f));
       std::ofstream out(merge);
       TORCH_CHECK(out.good(), "cannot write '", merge, "'");
-      flatshard::json::write(out, flatshard::merge_traces(docs));
-      out << "\n";
+      out << flatshard::merge_traces(docs).dump() << "\n";
       TORCH_CHECK(out.good(), "writing '", merge, "' failed");
     }
     const auto ranks = flatshard::read_trace_files(files);

@@ -1,6 +1,7 @@
-// flatshard/tools/trace_summary.h — read flatshard traces (fsdp/trace.h) and say where a step's
+// flatshard/fsdp/trace_summary.h — read flatshard traces (fsdp/trace.h) and say where a step's
 // time goes: per unit exposed communication, GPU idle gaps with their cause, top offenders with
-// one line of advice each. flatshard-trace prints it; tests check it on planted delays.
+// one line of advice each. flatshard-trace (tools/trace_main.cpp) prints it; tests check it on
+// planted delays. The file format (names, tracks, categories) is fsdp/trace_format.h's.
 //
 // What counts as exposed (the compute waiting on communication):
 // - GPU traces: the compute stream's "wait all_gather" / "wait reduce" spans (the stream sat at
@@ -13,17 +14,17 @@
 // skipped when there are more: it has no forward prefetch and pays one-time allocations).
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include "checkpoint/json.h"
 
 namespace flatshard {
 
 struct TraceEvent {
   int rank = 0;
-  int tid = 0;  // 0 host, 1 compute stream, 2 all-gather stream, 3 reduce-scatter stream
+  int tid = 0;  // trace_format::Track: 0 host, 1 compute, 2 all-gather, 3 reduce-scatter stream
   std::string name, cat, unit, phase;
   int step = -1;
   double ts = 0, dur = 0;  // microseconds
@@ -46,12 +47,15 @@ struct RankTrace {
 };
 
 // One rank per flatshard trace document; a merged document (flatshard-trace --merge) yields one
-// per rank it holds. Throws c10::Error on JSON that is not a flatshard trace.
-std::vector<RankTrace> read_traces(const json::Value& doc);
+// per rank it holds. Throws c10::Error on JSON that is not a flatshard trace of
+// trace_format::kVersion.
+std::vector<RankTrace> read_traces(const nlohmann::json& doc);
+// One file's JSON; throws c10::Error naming the file if it cannot be read or is not JSON.
+nlohmann::json read_trace_json(const std::string& path);
 std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths);
 // Several per-rank documents as one Chrome trace (events concatenated, otherData of each rank
 // kept under "flatshard_ranks").
-json::Value merge_traces(const std::vector<json::Value>& docs);
+nlohmann::json merge_traces(const std::vector<nlohmann::json>& docs);
 
 struct UnitCost {
   std::string unit;

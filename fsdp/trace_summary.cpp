@@ -1,0 +1,587 @@
+// flatshard/fsdp/trace_summary.cpp — see trace_summary.h.
+#include "fsdp/trace_summary.h"
+
+#include <c10/util/Exception.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "fsdp/trace_format.h"
+
+namespace flatshard {
+
+namespace {
+
+using nlohmann::json;
+namespace tf = trace_format;
+namespace k = trace_format::key;
+using tf::kAllGatherTrack;
+using tf::kComputeTrack;
+using tf::kHostTrack;
+using tf::kReduceTrack;
+
+// Below this, one all-gather is dominated by latency (docs/design.md: 1 MiB ~ 16 MiB in time).
+constexpr int64_t kLatencyBoundBytes = int64_t{1} << 20;
+// An all-gather this many times slower than the median unit's is an outlier.
+constexpr double kOutlierFactor = 5.0;
+// ... or this many times slower than the slowest unit gathering 4x+ more bytes.
+constexpr double kLargerFactor = 1.5;
+
+std::string ms(double us) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", us / 1000.0);
+  return buf;
+}
+
+std::string bytes_text(int64_t b) {
+  char buf[32];
+  if (b >= (int64_t{1} << 20)) {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
+  } else if (b >= 1024) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", static_cast<double>(b) / 1024);
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  }
+  return buf;
+}
+
+// --- reading: members with the reader's tolerance ---------------------------------------------
+// Optional fields may be missing or of another type (hand-made and older traces leave some out):
+// the fallback. Required ones are checked, and the error says which and what was there.
+
+const json* member(const json& o, const char* key) {
+  if (!o.is_object()) return nullptr;
+  const auto it = o.find(key);
+  return it == o.end() ? nullptr : &*it;
+}
+
+double number_or(const json& o, const char* key, double fallback) {
+  const json* v = member(o, key);
+  return v && v->is_number() ? v->get<double>() : fallback;
+}
+
+std::string string_or(const json& o, const char* key, const std::string& fallback) {
+  const json* v = member(o, key);
+  return v && v->is_string() ? v->get<std::string>() : fallback;
+}
+
+const char* type_of(const json* v) { return v ? v->type_name() : "nothing"; }
+
+double number_at(const json& o, const char* key, const char* where) {
+  const json* v = member(o, key);
+  TORCH_CHECK(v && v->is_number(), where, ": expected a number '", key, "', got ", type_of(v));
+  return v->get<double>();
+}
+
+const json& array_at(const json& o, const char* key, const char* where) {
+  const json* v = member(o, key);
+  TORCH_CHECK(v && v->is_array(), where, ": expected an array '", key, "', got ", type_of(v));
+  return *v;
+}
+
+TraceUnitMeta unit_meta(const json& u) {
+  TraceUnitMeta m;
+  const json* name = member(u, k::kName);
+  TORCH_CHECK(name && name->is_string(), "otherData.", k::kUnits, ": expected a string '",
+              k::kName, "', got ", type_of(name));
+  m.name = name->get<std::string>();
+  m.strategy = string_or(u, k::kStrategy, "");
+  const json* r = member(u, k::kReshardAfterForward);
+  m.reshard_after_forward = r && r->is_boolean() && r->get<bool>();
+  m.padded_numel = static_cast<int64_t>(number_or(u, k::kPaddedNumel, 0));
+  m.all_gather_bytes = static_cast<int64_t>(number_or(u, k::kAllGatherBytes, 0));
+  m.reduce_bytes = static_cast<int64_t>(number_or(u, k::kReduceBytes, 0));
+  return m;
+}
+
+// One rank's otherData: the format version first (a reader of another version would misread).
+RankTrace rank_meta(const json& other) {
+  const json* version = member(other, tf::kMarker);
+  TORCH_CHECK(version, "not a flatshard trace: no otherData.", tf::kMarker,
+              " (written by fsdp/trace.h)");
+  TORCH_CHECK(version->is_number() && version->get<double>() == tf::kVersion,
+              "flatshard trace format version ", version->dump(), ": this reader reads version ",
+              tf::kVersion);
+  RankTrace t;
+  t.rank = static_cast<int>(number_at(other, k::kRank, "otherData"));
+  t.world_size = static_cast<int>(number_or(other, k::kWorldSize, 1));
+  t.device = string_or(other, k::kDevice, "?");
+  t.forward_prefetch = static_cast<int>(number_or(other, k::kForwardPrefetch, 1));
+  t.backward_prefetch = static_cast<int>(number_or(other, k::kBackwardPrefetch, 1));
+  if (member(other, k::kUnits))
+    for (const auto& u : array_at(other, k::kUnits, "otherData")) t.units.push_back(unit_meta(u));
+  return t;
+}
+
+TraceEvent trace_event(const json& e) {
+  TraceEvent ev;
+  ev.rank = static_cast<int>(number_at(e, k::kPid, "trace event"));
+  ev.tid = static_cast<int>(number_or(e, k::kTid, 0));
+  ev.name = string_or(e, k::kName, "");
+  ev.cat = string_or(e, k::kCat, "");
+  ev.ts = number_at(e, k::kTs, "trace event");
+  ev.dur = number_or(e, k::kDur, 0);
+  if (const json* a = member(e, k::kArgs)) {
+    ev.unit = string_or(*a, k::kUnit, "");
+    ev.phase = string_or(*a, k::kPhase, "");
+    ev.step = static_cast<int>(number_or(*a, k::kStep, -1));
+    ev.bytes = static_cast<int64_t>(number_or(*a, k::kBytes, 0));
+    ev.host_ts = number_or(*a, k::kHostTs, -1);
+  }
+  return ev;
+}
+
+// --- summarize, step by step -------------------------------------------------------------------
+
+// Self time of each event on one track: its duration minus that of the events directly nested
+// in it (events sorted by begin, longer first on ties).
+std::vector<double> self_times(const std::vector<const TraceEvent*>& evs) {
+  std::vector<double> self(evs.size());
+  std::vector<size_t> stack;
+  for (size_t i = 0; i < evs.size(); ++i) {
+    self[i] = evs[i]->dur;
+    while (!stack.empty() && evs[stack.back()]->ts + evs[stack.back()]->dur <= evs[i]->ts)
+      stack.pop_back();
+    if (!stack.empty()) self[stack.back()] -= evs[i]->dur;
+    stack.push_back(i);
+  }
+  return self;
+}
+
+struct Acc {  // sums over the used steps of one rank
+  double fwd = 0, bwd = 0, ag_fwd = 0, ag_bwd = 0, rs = 0, gap = 0, ags = 0, rss = 0, ag_time = 0;
+};
+
+std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace& meta,
+                       double median_ag_call_us) {
+  const double ag = u.all_gather_forward_us + u.all_gather_backward_us;
+  if (u.host_gap_us >= ag && u.host_gap_us >= u.reduce_us)
+    return "host-bound: the GPU waited for the host before this unit; fewer, larger units "
+           "(e.g. every=2) and less host work per unit";
+  if (!s.gpu) {
+    // Slower than units gathering 4x+ more bytes: the size cannot explain it.
+    double larger_max = 0;
+    for (const auto& o : s.units)
+      if (o.all_gathers > 0 && o.gathered_bytes >= 4 * std::max<int64_t>(u.gathered_bytes, 1))
+        larger_max = std::max(larger_max, o.all_gather_call_us);
+    if (larger_max > 0 && u.all_gather_call_us > kLargerFactor * larger_max &&
+        !(median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us)) {
+      return "its all-gathers (" + bytes_text(u.gathered_bytes) + ") take " +
+             ms(u.all_gather_call_us) + " ms each, longer than those of units 4x its size or "
+             "more (at most " + ms(larger_max) + " ms): a delayed rank or slow link, not the "
+             "plan (synchronous CPU collectives cannot be hidden by prefetch)";
+    }
+    if (median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us) {
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "its all-gathers take %s ms each, %.0fx the median unit's %s ms: a delayed "
+                    "rank or slow link, not the plan (synchronous CPU collectives cannot be "
+                    "hidden by prefetch)",
+                    ms(u.all_gather_call_us).c_str(), u.all_gather_call_us / median_ag_call_us,
+                    ms(median_ag_call_us).c_str());
+      return buf;
+    }
+    return "CPU collectives are synchronous: fewer, larger units (e.g. every=2) issue fewer";
+  }
+  if (u.reduce_us > ag)
+    return "its reduction is not hidden by the next unit's backward: group layers (every=2) "
+           "or reduce in bf16 (MixedPrecision::reduce_dtype)";
+  if (u.gathered_bytes > 0 && u.gathered_bytes < kLatencyBoundBytes)
+    return "its all-gather (" + bytes_text(u.gathered_bytes) +
+           ") is latency-bound: group layers: every=2";
+  const bool forward = u.all_gather_forward_us >= u.all_gather_backward_us;
+  const int depth = forward ? meta.forward_prefetch : meta.backward_prefetch;
+  if (depth < 2)
+    return std::string("raise ") + (forward ? "forward_prefetch" : "backward_prefetch") +
+           " (now " + std::to_string(depth) + ")";
+  return "its all-gather (" + bytes_text(u.gathered_bytes) +
+         ") outlasts the compute it overlaps: group layers (every=2) or gather in bf16";
+}
+
+// Unit order: plan order from the ranks' metadata (the first rank's first), then any unit only
+// events name, as they show up.
+struct UnitOrder {
+  std::vector<std::string> names;
+  std::map<std::string, TraceUnitMeta> meta;
+  void add(const TraceUnitMeta& u) {
+    if (meta.emplace(u.name, u).second) names.push_back(u.name);
+  }
+};
+
+UnitOrder plan_order(const std::vector<RankTrace>& ranks) {
+  UnitOrder order;
+  for (const auto& r : ranks)
+    for (const auto& u : r.units) order.add(u);
+  return order;
+}
+
+// The steps of one rank that count (the first is warm-up when there are more) and the durations
+// of their host "step" spans.
+struct RankSteps {
+  std::set<int> used;
+  std::map<int, double> dur;
+  int seen = 0;  // steps in the trace
+};
+
+RankSteps rank_steps(const RankTrace& r, bool skip_first) {
+  RankSteps s;
+  for (const auto& e : r.events)
+    if (e.cat == tf::cat::kStep) {
+      s.used.insert(e.step);
+      s.dur[e.step] = e.dur;
+    }
+  s.seen = static_cast<int>(s.used.size());
+  if (skip_first && s.used.size() > 1) s.used.erase(s.used.begin());
+  return s;
+}
+
+// GPU: per used step, the host's issue span (first to last host event) and the GPU's (first to
+// last stream event), summed over the steps of all ranks.
+struct SpanSums {
+  double issue = 0, gpu = 0;
+  size_t issue_n = 0, gpu_n = 0;
+};
+
+void add_step_spans(const RankTrace& r, const std::set<int>& steps, SpanSums& sums) {
+  std::map<int, std::pair<double, double>> host_span, gpu_span;
+  for (const auto& e : r.events) {
+    if (!steps.count(e.step) || e.cat == tf::cat::kStep) continue;
+    auto [it, fresh] =
+        (e.tid == kHostTrack ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
+    if (fresh) continue;
+    it->second.first = std::min(it->second.first, e.ts);
+    it->second.second = std::max(it->second.second, e.ts + e.dur);
+  }
+  for (const auto& [st, sp] : host_span) sums.issue += sp.second - sp.first;
+  for (const auto& [st, sp] : gpu_span) sums.gpu += sp.second - sp.first;
+  sums.issue_n += host_span.size();
+  sums.gpu_n += gpu_span.size();
+}
+
+// Each track's unit events of the used steps, by begin time, longer first on ties (an enclosing
+// event before the ones nested in it: self_times() relies on it).
+using Tracks = std::array<std::vector<const TraceEvent*>, tf::kTrackCount>;
+
+Tracks step_tracks(const RankTrace& r, const std::set<int>& steps) {
+  Tracks tracks;
+  for (const auto& e : r.events)
+    if (steps.count(e.step) && e.tid >= 0 && e.tid < tf::kTrackCount && e.cat != tf::cat::kStep)
+      tracks[e.tid].push_back(&e);
+  for (auto& t : tracks)
+    std::stable_sort(t.begin(), t.end(), [](const TraceEvent* a, const TraceEvent* b) {
+      return a->ts < b->ts || (a->ts == b->ts && a->dur > b->dur);
+    });
+  return tracks;
+}
+
+// One rank's per-unit sums over its used steps: the self time of the forward / backward spans on
+// the compute stream (GPU) or the host (CPU), and the collectives' counts and durations. On CPU
+// the host collectives are the exposed time (trace_summary.h).
+std::map<std::string, Acc> unit_times(const Tracks& tracks, bool gpu) {
+  std::map<std::string, Acc> acc;
+  const auto& compute = tracks[gpu ? kComputeTrack : kHostTrack];
+  const std::vector<double> self = self_times(compute);
+  for (size_t i = 0; i < compute.size(); ++i) {
+    if (compute[i]->cat == tf::cat::kForward) acc[compute[i]->unit].fwd += self[i];
+    if (compute[i]->cat == tf::cat::kBackward) acc[compute[i]->unit].bwd += self[i];
+  }
+  for (const auto* e : tracks[gpu ? kAllGatherTrack : kHostTrack])
+    if (e->cat == tf::cat::kAllGather) {
+      Acc& a = acc[e->unit];
+      a.ags += 1;
+      a.ag_time += e->dur;
+      if (!gpu) (e->phase == tf::phase::kBackward ? a.ag_bwd : a.ag_fwd) += e->dur;
+    }
+  for (const auto* e : tracks[gpu ? kReduceTrack : kHostTrack])
+    if (e->cat == tf::cat::kReduce) {
+      acc[e->unit].rss += 1;
+      if (!gpu) acc[e->unit].rs += e->dur;
+    }
+  return acc;
+}
+
+// GPU: the compute stream's waits (exposed communication) and the idle gaps the host caused
+// (trace_summary.h says when a gap counts), into `acc` and `gaps`.
+void add_gpu_exposure(int rank, const std::vector<const TraceEvent*>& compute, double starved_us,
+                      std::map<std::string, Acc>& acc, std::vector<IdleGap>& gaps) {
+  std::vector<std::pair<double, double>> seen;  // this step's earlier [begin, end)
+  int cur_step = -1;
+  for (const auto* e : compute) {
+    if (e->step != cur_step) {
+      cur_step = e->step;
+      seen.clear();
+    }
+    double prev = -1;
+    for (const auto& [b, en] : seen) prev = std::max(prev, en <= e->ts ? en : b);
+    if (e->cat == tf::cat::kWaitAllGather || e->cat == tf::cat::kWaitReduce) {
+      const bool ag = e->cat == tf::cat::kWaitAllGather;
+      if (ag) {
+        (e->phase == tf::phase::kBackward ? acc[e->unit].ag_bwd : acc[e->unit].ag_fwd) += e->dur;
+      } else {
+        acc[e->unit].rs += e->dur;
+      }
+      if (e->dur > 0)
+        gaps.push_back({rank, e->step, e->unit, e->phase, ag ? "all-gather" : "reduce", e->dur});
+    }
+    if (prev >= 0 && e->host_ts >= 0 && e->ts - e->host_ts < starved_us && e->ts > prev &&
+        !e->unit.empty()) {
+      acc[e->unit].gap += e->ts - prev;
+      gaps.push_back({rank, e->step, e->unit, e->phase, "host", e->ts - prev});
+    }
+    seen.emplace_back(e->ts, e->ts + e->dur);
+  }
+}
+
+// Adds one rank's per-step means (its sums over `steps` used steps) to the totals over ranks.
+void add_rank_means(const std::map<std::string, Acc>& acc, double steps, UnitOrder& order,
+                    std::map<std::string, Acc>& total) {
+  for (const auto& [name, a] : acc) {
+    if (name.empty()) continue;
+    if (!order.meta.count(name)) {
+      TraceUnitMeta m;
+      m.name = name;
+      order.add(m);
+    }
+    Acc& t = total[name];
+    t.fwd += a.fwd / steps;
+    t.bwd += a.bwd / steps;
+    t.ag_fwd += a.ag_fwd / steps;
+    t.ag_bwd += a.ag_bwd / steps;
+    t.rs += a.rs / steps;
+    t.gap += a.gap / steps;
+    t.ags += a.ags / steps;
+    t.rss += a.rss / steps;
+    t.ag_time += a.ag_time / steps;
+  }
+}
+
+// The table: each unit's per-step numbers, the totals' mean over `ranks` ranks, and the step's
+// sums of them.
+void fill_units(TraceSummary& s, const UnitOrder& order, const std::map<std::string, Acc>& total,
+                double ranks, int world_size) {
+  for (const auto& name : order.names) {
+    const auto found = total.find(name);
+    const Acc t = found == total.end() ? Acc{} : found->second;
+    UnitCost u;
+    u.unit = name;
+    u.forward_us = t.fwd / ranks;
+    u.backward_us = t.bwd / ranks;
+    u.all_gather_forward_us = t.ag_fwd / ranks;
+    u.all_gather_backward_us = t.ag_bwd / ranks;
+    u.reduce_us = t.rs / ranks;
+    u.host_gap_us = t.gap / ranks;
+    u.all_gathers = t.ags / ranks;
+    u.reduces = t.rss / ranks;
+    u.all_gather_call_us = t.ags > 0 ? t.ag_time / t.ags : 0;
+    u.gathered_bytes = order.meta.at(name).all_gather_bytes * world_size;
+    s.compute_us += u.forward_us + u.backward_us;
+    s.all_gather_us += u.all_gather_forward_us + u.all_gather_backward_us;
+    s.reduce_us += u.reduce_us;
+    s.host_gap_us += u.host_gap_us;
+    s.units.push_back(std::move(u));
+  }
+}
+
+// The `top` most exposed units, most first, each with its line of advice.
+void pick_offenders(TraceSummary& s, int top, const RankTrace& meta) {
+  for (size_t i = 0; i < s.units.size(); ++i)
+    if (s.units[i].exposed() > 0) s.offenders.push_back(i);
+  std::stable_sort(s.offenders.begin(), s.offenders.end(), [&](size_t a, size_t b) {
+    return s.units[a].exposed() > s.units[b].exposed();
+  });
+  if (static_cast<int>(s.offenders.size()) > top) s.offenders.resize(top);
+  std::vector<double> calls;
+  for (const auto& u : s.units)
+    if (u.all_gathers > 0) calls.push_back(u.all_gather_call_us);
+  std::sort(calls.begin(), calls.end());
+  const double median = calls.empty() ? 0 : calls[calls.size() / 2];
+  for (size_t i : s.offenders) s.units[i].advice = advice_for(s.units[i], s, meta, median);
+}
+
+std::vector<IdleGap> largest(std::vector<IdleGap> gaps, int top) {
+  std::stable_sort(gaps.begin(), gaps.end(),
+                   [](const IdleGap& a, const IdleGap& b) { return a.us > b.us; });
+  if (static_cast<int>(gaps.size()) > top) gaps.resize(top);
+  return gaps;
+}
+
+}  // namespace
+
+std::vector<RankTrace> read_traces(const json& doc) {
+  const json* events = member(doc, k::kTraceEvents);
+  TORCH_CHECK(events && events->is_array(), "not a Chrome trace: expected an object with '",
+              k::kTraceEvents, "' (an array), got ",
+              doc.is_object() ? type_of(events) : doc.type_name());
+  const json* other = member(doc, k::kOtherData);
+  std::vector<RankTrace> ranks;
+  if (other && member(*other, tf::kMergedRanks)) {
+    for (const auto& o : array_at(*other, tf::kMergedRanks, "otherData"))
+      ranks.push_back(rank_meta(o));
+  } else {
+    TORCH_CHECK(other, "not a flatshard trace: no otherData (written by fsdp/trace.h)");
+    ranks.push_back(rank_meta(*other));
+  }
+  std::map<int, size_t> by_rank;
+  for (size_t i = 0; i < ranks.size(); ++i) by_rank[ranks[i].rank] = i;
+  for (const auto& e : *events) {
+    if (string_or(e, k::kPh, "") != k::kPhComplete) continue;
+    TraceEvent ev = trace_event(e);
+    const auto it = by_rank.find(ev.rank);
+    TORCH_CHECK(it != by_rank.end(), "trace event of pid ", ev.rank, " without rank metadata");
+    ranks[it->second].events.push_back(std::move(ev));
+  }
+  return ranks;
+}
+
+json read_trace_json(const std::string& path) {
+  std::ifstream f(path);
+  TORCH_CHECK(f.good(), "cannot open '", path, "'");
+  json doc;
+  try {
+    doc = json::parse(f);
+  } catch (const json::parse_error& e) {
+    TORCH_CHECK(false, path, ": not valid JSON: ", e.what());
+  }
+  return doc;
+}
+
+std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
+  std::vector<RankTrace> out;
+  for (const auto& p : paths) {
+    const json doc = read_trace_json(p);  // its errors name the file
+    try {
+      for (auto& r : read_traces(doc)) out.push_back(std::move(r));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, p, ": ", e.what_without_backtrace());
+    }
+  }
+  return out;
+}
+
+json merge_traces(const std::vector<json>& docs) {
+  json events = json::array(), metas = json::array();
+  for (const auto& d : docs) {
+    const json* ev = member(d, k::kTraceEvents);
+    TORCH_CHECK(ev && ev->is_array(), "merge: not a Chrome trace (no '", k::kTraceEvents, "')");
+    events.insert(events.end(), ev->begin(), ev->end());
+    const json* other = member(d, k::kOtherData);
+    if (other && member(*other, tf::kMergedRanks)) {
+      const json& m = array_at(*other, tf::kMergedRanks, "merge: otherData");
+      metas.insert(metas.end(), m.begin(), m.end());
+    } else if (other) {
+      metas.push_back(*other);
+    }
+  }
+  json out = json::object();
+  out[k::kDisplayTimeUnit] = k::kDisplayTimeUnitValue;
+  out[k::kOtherData][tf::kMergedRanks] = std::move(metas);
+  out[k::kTraceEvents] = std::move(events);
+  return out;
+}
+
+TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions& opt) {
+  TORCH_CHECK(!ranks.empty(), "summarize: no trace");
+  TraceSummary s;
+  s.ranks = static_cast<int>(ranks.size());
+  s.device = ranks.front().device;
+  for (const auto& r : ranks)
+    for (const auto& e : r.events) s.gpu = s.gpu || e.tid != kHostTrack;
+
+  UnitOrder order = plan_order(ranks);
+  std::map<std::string, Acc> total;  // summed over ranks of per-step means
+  std::vector<IdleGap> gaps;
+  SpanSums spans;
+  double step_sum = 0;
+  int step_count = 0;
+  for (const auto& r : ranks) {
+    const RankSteps steps = rank_steps(r, opt.skip_first_step);
+    s.steps_total = std::max(s.steps_total, steps.seen);
+    if (&r == &ranks.front()) s.steps_used.assign(steps.used.begin(), steps.used.end());
+    for (int st : steps.used) {
+      step_sum += steps.dur.at(st);
+      ++step_count;
+    }
+    if (s.gpu) add_step_spans(r, steps.used, spans);
+    const Tracks tracks = step_tracks(r, steps.used);
+    std::map<std::string, Acc> acc = unit_times(tracks, s.gpu);
+    if (s.gpu) add_gpu_exposure(r.rank, tracks[kComputeTrack], opt.starved_us, acc, gaps);
+    add_rank_means(acc, std::max<size_t>(steps.used.size(), 1), order, total);
+  }
+  s.step_us = step_count ? step_sum / step_count : 0;
+  s.host_issue_us = spans.issue_n ? spans.issue / spans.issue_n : 0;
+  s.gpu_span_us = spans.gpu_n ? spans.gpu / spans.gpu_n : 0;
+  fill_units(s, order, total, static_cast<double>(ranks.size()), ranks.front().world_size);
+  pick_offenders(s, opt.top, ranks.front());
+  s.largest_gaps = largest(std::move(gaps), opt.top);
+  return s;
+}
+
+std::string TraceSummary::to_string() const {
+  std::ostringstream os;
+  os << "flatshard-trace: " << ranks << " rank(s), device " << device << ", steps used:";
+  for (int st : steps_used) os << ' ' << st;
+  os << " (of " << steps_total << (steps_total > static_cast<int>(steps_used.size())
+                                        ? "; the first is warm-up)"
+                                        : ")")
+     << "; timing from "
+     << (gpu ? "GPU stream events" : "host events (CPU: collectives are synchronous)") << "\n";
+  os << "per step (mean over ranks): " << ms(step_us) << " ms; compute " << ms(compute_us)
+     << " ms, exposed all-gather " << ms(all_gather_us) << " ms, exposed reduce " << ms(reduce_us)
+     << " ms";
+  if (gpu) os << ", GPU idle waiting for the host " << ms(host_gap_us) << " ms";
+  os << "\n";
+  if (gpu)
+    os << "host issue time per step " << ms(host_issue_us) << " ms vs GPU time per step "
+       << ms(gpu_span_us) << " ms"
+       << (host_issue_us < gpu_span_us ? " (the host runs ahead of the GPU)"
+                                       : " (host-bound: the host issues slower than the GPU runs)")
+       << "\n";
+  const std::vector<std::string> header = {"unit",   "fwd ms", "bwd ms",  "AG fwd ms", "AG bwd ms",
+                                           "RS ms",  "host gap ms", "exposed ms", "AG/step", "AG size"};
+  std::vector<std::vector<std::string>> rows = {header};
+  for (const auto& u : units) {
+    char n[32];
+    std::snprintf(n, sizeof n, "%.1f", u.all_gathers);
+    rows.push_back({u.unit, ms(u.forward_us), ms(u.backward_us), ms(u.all_gather_forward_us),
+                    ms(u.all_gather_backward_us), ms(u.reduce_us), gpu ? ms(u.host_gap_us) : "-",
+                    ms(u.exposed()), n, u.gathered_bytes ? bytes_text(u.gathered_bytes) : "-"});
+  }
+  std::vector<size_t> w(header.size(), 0);
+  for (const auto& r : rows)
+    for (size_t c = 0; c < r.size(); ++c) w[c] = std::max(w[c], r[c].size());
+  for (const auto& r : rows) {
+    for (size_t c = 0; c < r.size(); ++c) {
+      const std::string fill(w[c] - r[c].size(), ' ');
+      os << (c ? "  " : "") << (c == 0 ? r[c] + fill : fill + r[c]);
+    }
+    os << "\n";
+  }
+  if (gpu) {
+    os << "largest GPU idle gaps:\n";
+    if (largest_gaps.empty()) os << "  none\n";
+    for (const auto& g : largest_gaps)
+      os << "  rank " << g.rank << " step " << g.step << " " << g.unit << " (" << g.phase
+         << "): " << ms(g.us) << " ms waiting for "
+         << (g.cause == "host" ? "the host" : "its " + g.cause) << "\n";
+  }
+  os << "top offenders (exposed time per step):\n";
+  if (offenders.empty()) os << "  none: no exposed communication\n";
+  for (size_t k = 0; k < offenders.size(); ++k) {
+    const UnitCost& u = units[offenders[k]];
+    os << "  " << k + 1 << ". " << u.unit << "  " << ms(u.exposed()) << " ms (AG fwd "
+       << ms(u.all_gather_forward_us) << ", AG bwd " << ms(u.all_gather_backward_us) << ", RS "
+       << ms(u.reduce_us);
+    if (gpu) os << ", host gap " << ms(u.host_gap_us);
+    os << "): " << u.advice << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace flatshard
