@@ -1,6 +1,8 @@
-// flatshard/fsdp/explain.cpp — see explain.h. Every rule here mirrors one in fully_shard()
-// (sharded_model.cpp), FlatParam (flat_param.cpp) or Unit (unit.cpp); tests/diagnostics_test.cpp
-// compares the result with the runtime's counters so the two cannot drift apart silently.
+// flatshard/fsdp/explain.cpp — see explain.h. A unit's settings come from resolve_unit()
+// (fsdp/resolve.h), the one resolver fully_shard() builds units with; the byte and collective
+// rules here mirror FlatParam (flat_param.cpp) and Unit (unit.cpp), and tests/explain_test.cpp
+// (diagnostics_test) compares the result with the runtime's counters so they cannot drift apart
+// silently.
 #include "fsdp/explain.h"
 
 #include <torch/nn/module.h>
@@ -13,6 +15,7 @@
 #include <unordered_map>
 
 #include "flat_param/layout.h"
+#include "fsdp/resolve.h"
 
 namespace flatshard {
 
@@ -304,9 +307,6 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
   std::unordered_map<std::string, at::Tensor> params;
   for (const auto& item : model.named_parameters(/*recurse=*/true))
     params.emplace(item.key(), item.value());
-  const auto& mp = options.mixed_precision;
-  const c10::ScalarType param_dtype = mp.param_dtype;
-  const c10::ScalarType reduce_dtype = mp.reduce_dtype.value_or(param_dtype);
   std::vector<std::pair<std::string, int64_t>> root_owners;
 
   for (size_t i = 0; i < plan.units.size(); ++i) {
@@ -315,11 +315,12 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.index = static_cast<int>(i);
     u.name = spec.name;
     u.is_root = spec.is_root;
-    u.strategy = spec.options.strategy.value_or(options.strategy);
-    u.reshard_after_forward =
-        spec.options.reshard_after_forward.value_or(spec.is_root ? false
-                                                                 : options.reshard_after_forward) &&
-        u.strategy == ShardingStrategy::kFullShard;
+    // The settings fully_shard() builds this unit with (fsdp/resolve.h).
+    const ResolvedUnit settings = resolve_unit(spec, options, world_size);
+    u.strategy = settings.strategy;
+    u.reshard_after_forward = settings.reshard_after_forward;
+    const c10::ScalarType param_dtype = settings.flat.param_dtype;
+    const c10::ScalarType reduce_dtype = settings.flat.reduce_dtype;
     std::vector<std::vector<int64_t>> shapes;
     for (const auto& name : spec.param_names) {
       auto it = params.find(name);
@@ -339,8 +340,9 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       }
     }
     if (!spec.is_root) u.modules = spec.module_paths;
-    const bool sharded = u.strategy != ShardingStrategy::kNoShard;
-    const FlatLayout layout = FlatLayout::make(shapes, sharded ? world_size : 1, options.align);
+    const bool sharded = settings.flat.sharded;
+    const FlatLayout layout =
+        FlatLayout::make(shapes, settings.layout_world_size, settings.flat.align);
     u.num_params = static_cast<int64_t>(shapes.size());
     u.numel = layout.used_numel;
     u.padded_numel = layout.padded_numel;

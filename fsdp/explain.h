@@ -10,9 +10,10 @@
 // Contract — exact numbers (they are what the runtime does, and tests hold them to it):
 // - Layouts come from FlatLayout::make with the real world size (1 for NO_SHARD units, which are
 //   replicated) and ShardingOptions::align, as FlatParam builds them.
-// - Strategy and reshard-after-forward are resolved as fully_shard() resolves them: the plan's
-//   unit options, else ShardingOptions; the root keeps its parameters from forward to backward
-//   unless its options say otherwise; only FULL_SHARD units reshard after forward.
+// - Strategy, reshard-after-forward, dtypes and the layout's world size come from
+//   resolve_unit() (fsdp/resolve.h), the function fully_shard() builds its units with: the
+//   plan's unit options, else ShardingOptions; the root keeps its parameters from forward to
+//   backward unless its options say otherwise; only FULL_SHARD units reshard after forward.
 // - UnitExplanation::per_step equals Unit::counters() (ShardedModel::counters().per_unit) after
 //   one training step that enters every unit once in forward and reduces every unit once:
 //     FULL_SHARD, resharding   1 forward all-gather + 1 backward all-gather + 1 reduce-scatter
