@@ -4,7 +4,7 @@
 // shapes (comments show the arithmetic), and the per-step collectives are compared with what the
 // runtime counts when the same tiny GPT trains on 2-3 ranks (threads); per-unit settings and
 // bytes with what a ShardedModel built from the same plan reports. The memory estimate is
-// checked against a hand simulation of one plan.
+// checked against a hand simulation of one plan; the warnings' numbers are worked out by hand.
 #include <catch2/catch.hpp>
 
 #include <mutex>
@@ -502,4 +502,105 @@ TEST_CASE("explain agrees with the built ShardedModel over a sweep of plans and 
       compare(e, got);
     }
   }
+}
+
+namespace {
+
+g::GPT meta_gpt_1b() {
+  MetaInit meta;
+  return g::GPT(g::GPTConfig::preset("1b"), 0);
+}
+
+std::vector<std::string> warnings_with(const Explanation& e, const std::string& what) {
+  std::vector<std::string> out;
+  for (const auto& w : e.warnings)
+    if (w.find(what) != std::string::npos) out.push_back(w);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnostics][explain]") {
+  // 1B GPT: d = 2048, 16 layers. Per leaf: wte, wpe, 16 x (ln1, qkv, proj, ln2, fc, mlp.proj),
+  // ln_f, lm_head = 100 units (the root owns nothing), each FULL_SHARD: 2 all-gathers + 1
+  // reduce-scatter = 300 collectives; x 50 us = 15.0 ms = 15% of the 100 ms reference step.
+  // The 33 LayerNorms are 2 * 2048 fp32 = 16 KiB each: a third of the units.
+  auto model = meta_gpt_1b();
+  const auto leaf = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 8, {});
+  REQUIRE(leaf.units.size() == 101);
+  CHECK(leaf.collectives_per_step == 300);
+  CHECK(leaf.collective_latency_ms() == Approx(15.0));
+  const auto frag = warnings_with(leaf, "fragmented plan");
+  REQUIRE(frag.size() == 1);
+  CAPTURE(frag[0]);
+  CHECK_THAT(frag[0], Catch::Contains("300 collectives per step x ~50.0 us latency = 15.0 ms, 15% "
+                                      "of a 100.0 ms reference step"));
+  CHECK_THAT(frag[0], Catch::Contains("33 of 100 units hold less than 1 MiB each (median 16.0 KiB"));
+  CHECK_THAT(frag[0], Catch::Contains("--policy type=Block"));
+  CHECK_THAT(leaf.to_string(), Catch::Contains("collective latency: 300 collectives per step"));
+
+  // Per layer: the root (wte, wpe, ln_f, lm_head; kept: 1 AG + 1 RS) + 16 blocks x 3 = 50
+  // collectives = 2.5 ms = 2.5%, and no unit below 1 MiB: no warning.
+  const auto layer = explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {});
+  CHECK(layer.collectives_per_step == 50);
+  CHECK(warnings_with(layer, "fragmented plan").empty());
+  CHECK(warnings_with(layer, "less than 1 MiB").empty());
+
+  SECTION("the latency constant and the reference step are the caller's to set") {
+    ExplainOptions slow;
+    slow.collective_latency_us = 200;  // 50 x 200 us = 10 ms = 10%: latency alone warns
+    const auto e = explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {}, std::nullopt,
+                           1, slow);
+    const auto w = warnings_with(e, "fragmented plan");
+    REQUIRE(w.size() == 1);
+    CHECK_THAT(w[0], Catch::Contains("50 collectives per step x ~200.0 us latency = 10.0 ms, 10%"));
+    CHECK(w[0].find("less than 1 MiB") == std::string::npos);
+    ExplainOptions long_step;
+    long_step.reference_step_ms = 1000;  // 15 ms = 1.5%: only the tiny units warn
+    const auto f = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 8, {}, std::nullopt,
+                           1, long_step);
+    const auto v = warnings_with(f, "fragmented plan");
+    REQUIRE(v.size() == 1);
+    CHECK(v[0].find("collectives per step x") == std::string::npos);
+    CHECK_THAT(v[0], Catch::Contains("33 of 100 units hold less than 1 MiB"));
+    ExplainOptions bad;
+    bad.reference_step_ms = 0;
+    CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {},
+                              std::nullopt, 1, bad),
+                      Catch::Contains("reference_step_ms > 0"));
+  }
+}
+
+TEST_CASE("explain warns about replicated NO_SHARD state, naming units and bytes",
+          "[diagnostics][explain]") {
+  auto model = meta_gpt_1b();
+  // lm_head replicated at world 8: 32768 * 2048 = 67108864 elements (a multiple of 64: no
+  // padding); master + grad + 2 AdamW moments, fp32: 67108864 * 16 B = 1.0 GiB on every rank.
+  // Sharded over 8 ranks it would be 1/8 of that: 896 MiB saved per rank.
+  const auto heavy =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")), 8, {});
+  const auto w = warnings_with(heavy, "NO_SHARD unit(s) replicate");
+  REQUIRE(w.size() == 1);
+  CAPTURE(w[0]);
+  CHECK_THAT(w[0], Catch::Contains("1 NO_SHARD unit(s) replicate 1.0 GiB"));
+  CHECK_THAT(w[0], Catch::Contains("(lm_head 1.0 GiB)"));
+  CHECK_THAT(w[0], Catch::Contains("sharding them over 8 ranks saves 896.0 MiB per rank"));
+  CHECK_THAT(w[0], Catch::Contains("shard these units"));
+
+  // Two replicated blocks: 49.2M parameters each (12d^2 + 13d = 50358272) -> 768.4 MiB each.
+  const auto blocks = explain(
+      *model, make_plan(*model, parse_policy("noshard:path=blocks.0|blocks.1;type=Block")), 8, {});
+  const auto b = warnings_with(blocks, "NO_SHARD unit(s) replicate");
+  REQUIRE(b.size() == 1);
+  CHECK_THAT(b[0], Catch::Contains("2 NO_SHARD unit(s) replicate 1.5 GiB"));
+  CHECK_THAT(b[0], Catch::Contains("blocks.0 768.4 MiB,blocks.1 768.4 MiB"));
+
+  // A replicated final LayerNorm (2 * 2048 elements, 64 KiB of state) is noise: no warning.
+  const auto norm =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=ln_f;type=Block")), 8, {});
+  CHECK(warnings_with(norm, "replicate").empty());
+  // One rank: sharding saves nothing, so nothing to warn about.
+  const auto one =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")), 1, {});
+  CHECK(warnings_with(one, "replicate").empty());
 }
