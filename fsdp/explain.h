@@ -110,7 +110,7 @@ struct ExplainOptions {
 //   backward, unit k computing: the root, kept units not yet reduced, k's enclosing units, k,
 //     the next backward_prefetch units in reverse order; plus the flat gradients of the root,
 //     the enclosing units and k, and the previous unit's reduction buffers (held until the next
-//     reduction is issued: Note [Reduce buffer lifetime] in runtime.h).
+//     reduction is issued: Note [Reduce buffer lifetime] in reduce_buffers.h).
 //  Allocator caching and fragmentation are not modelled.
 struct MemoryEstimate {
   int64_t persistent_bytes = 0;
