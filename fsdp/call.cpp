@@ -18,15 +18,16 @@ namespace {
 // runs on every flatshard::call (hundreds per step for per-leaf plans): an open-addressing
 // absl::flat_hash_map keeps it to one cache line probe.
 std::shared_mutex g_mu;
-absl::flat_hash_map<const torch::nn::Module*, Unit*> g_units;
+absl::flat_hash_map<const torch::nn::Module*, UnitEntry> g_units;
 std::atomic<size_t> g_count{0};
 }  // namespace
 
-void register_member(const torch::nn::Module* module, Unit* unit, const std::string& path) {
+void register_member(const torch::nn::Module* module, Runtime* runtime, Unit* unit,
+                     const std::string& path) {
   std::unique_lock<std::shared_mutex> lock(g_mu);
-  auto [it, inserted] = g_units.emplace(module, unit);
+  auto [it, inserted] = g_units.emplace(module, UnitEntry{runtime, unit});
   TORCH_CHECK(inserted, "flatshard: module '", path, "' is already a member of unit '",
-              it->second->name(), "'; cannot add it to unit '", unit->name(),
+              it->second.unit->name(), "'; cannot add it to unit '", unit->name(),
               "' (was fully_shard applied twice to the same model?)");
   g_count.store(g_units.size(), std::memory_order_release);
 }
@@ -37,23 +38,26 @@ void unregister_member(const torch::nn::Module* module) {
   g_count.store(g_units.size(), std::memory_order_release);
 }
 
-Unit* find_unit(const torch::nn::Module* m) {
-  if (g_count.load(std::memory_order_acquire) == 0) return nullptr;
+UnitEntry find_unit(const torch::nn::Module* m) {
+  if (g_count.load(std::memory_order_acquire) == 0) return {};
   std::shared_lock<std::shared_mutex> lock(g_mu);
   auto it = g_units.find(m);
-  return it == g_units.end() ? nullptr : it->second;
+  return it == g_units.end() ? UnitEntry{} : it->second;
 }
 
-void pre_forward(Unit* unit, const torch::nn::Module* m) { unit->pre_forward(m); }
+void pre_forward(const UnitEntry& e, const torch::nn::Module* m) {
+  e.runtime->pre_forward(*e.unit, m);
+}
 
-at::Tensor cast_input(Unit* unit, const at::Tensor& t) {
-  const at::ScalarType dt = unit->flat().config().param_dtype;
+at::Tensor cast_input(const UnitEntry& e, const at::Tensor& t) {
+  const at::ScalarType dt = e.unit->flat().config().param_dtype;
   if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.scalar_type() == dt) return t;
   return t.to(dt);
 }
 
-void post_forward(Unit* unit, const torch::nn::Module* m, std::vector<at::Tensor>& outputs) {
-  unit->post_forward(m, outputs);
+void post_forward(const UnitEntry& e, const torch::nn::Module* m,
+                  std::vector<at::Tensor>& outputs) {
+  e.runtime->post_forward(*e.unit, m, outputs);
 }
 
 }  // namespace detail

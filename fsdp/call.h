@@ -9,9 +9,8 @@
 // written this way run unchanged when not sharded at all.
 //
 // Calling a sharded unit's forward directly (bypassing flatshard::call) reads parameters whose
-// storage is freed and ATen throws "The tensor has a non-zero number of elements, but its data is
-// not allocated yet"; ShardedModel::check_call_sites() (and FLATSHARD_DEBUG=1) turn that into an
-// error naming the unit.
+// storage is freed, and ATen throws "The tensor has a non-zero number of elements, but its data
+// is not allocated yet". That message does not name the unit; nothing checks call sites today.
 //
 // Supported return types of `forward`: at::Tensor, std::vector<at::Tensor>, std::tuple of tensors
 // (non-tensor elements pass through). Thread rule: a model is driven by one thread at a time.
@@ -33,23 +32,32 @@ class Module;
 
 namespace flatshard {
 
+class Runtime;
 class Unit;
 
 namespace detail {
 
-// nullptr when `m` is not a unit member of a live ShardedModel (the common, cheap case).
-Unit* find_unit(const torch::nn::Module* m);
-// Before the member module runs: unshard (or wait for the prefetched all-gather).
-void pre_forward(Unit* unit, const torch::nn::Module* m);
-// After it ran: attaches the pre-backward hook to `outputs` (replacing them with identity views
-// whose backward unshards the unit) and reshards if this was the unit's last member call.
-void post_forward(Unit* unit, const torch::nn::Module* m, std::vector<at::Tensor>& outputs);
+// A registered member module's unit and the runtime that drives it (fsdp/runtime.h).
+struct UnitEntry {
+  Runtime* runtime = nullptr;
+  Unit* unit = nullptr;
+};
+
+// unit == nullptr when `m` is not a unit member of a live ShardedModel (the common, cheap case).
+UnitEntry find_unit(const torch::nn::Module* m);
+// Before the member module runs: the runtime unshards the unit (or waits for the prefetched
+// all-gather).
+void pre_forward(const UnitEntry& e, const torch::nn::Module* m);
+// After it ran: the runtime attaches the pre-backward hook to `outputs` (replacing them with
+// identity views whose backward unshards the unit) and reshards if this was the unit's last
+// member call.
+void post_forward(const UnitEntry& e, const torch::nn::Module* m, std::vector<at::Tensor>& outputs);
 
 // Mixed precision: a floating-point tensor argument of a unit's forward is cast to the unit's
 // compute dtype (FSDP's cast_forward_inputs); other arguments pass through untouched.
-at::Tensor cast_input(Unit* unit, const at::Tensor& t);
+at::Tensor cast_input(const UnitEntry& e, const at::Tensor& t);
 template <class T>
-decltype(auto) cast_arg(Unit* unit, T&& v) {
+decltype(auto) cast_arg(const UnitEntry& unit, T&& v) {
   if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
     return cast_input(unit, v);
   } else {
@@ -101,7 +109,7 @@ struct OutputAdapter<std::tuple<Ts...>> {
 
 namespace detail {
 template <class Fn>
-auto run_unit(Unit* unit, const torch::nn::Module* m, Fn&& fn) {
+auto run_unit(const UnitEntry& unit, const torch::nn::Module* m, Fn&& fn) {
   pre_forward(unit, m);
   auto out = fn();
   using Out = decltype(out);
@@ -121,8 +129,8 @@ auto run_unit(Unit* unit, const torch::nn::Module* m, Fn&& fn) {
 template <class M, class Fn>
 auto enter(M& module, Fn&& fn) {
   const torch::nn::Module* m = detail::module_of(module);
-  Unit* unit = detail::find_unit(m);
-  if (unit == nullptr) return fn();
+  const detail::UnitEntry unit = detail::find_unit(m);
+  if (unit.unit == nullptr) return fn();
   return detail::run_unit(unit, m, std::forward<Fn>(fn));
 }
 
@@ -132,8 +140,8 @@ auto enter(M& module, Fn&& fn) {
 template <class M, class... Args>
 auto call(M& module, Args&&... args) {
   const torch::nn::Module* m = detail::module_of(module);
-  Unit* unit = detail::find_unit(m);
-  if (unit == nullptr) return module->forward(std::forward<Args>(args)...);
+  const detail::UnitEntry unit = detail::find_unit(m);
+  if (unit.unit == nullptr) return module->forward(std::forward<Args>(args)...);
   return detail::run_unit(unit, m, [&] {
     return module->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
   });

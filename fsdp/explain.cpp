@@ -1,6 +1,8 @@
-// flatshard/fsdp/explain.cpp — see explain.h. Every rule here mirrors one in fully_shard()
-// (sharded_model.cpp), FlatParam (flat_param.cpp) or Unit (unit.cpp); tests/diagnostics_test.cpp
-// compares the result with the runtime's counters so the two cannot drift apart silently.
+// flatshard/fsdp/explain.cpp — see explain.h. A unit's settings come from resolve_unit()
+// (fsdp/resolve.h), the one resolver fully_shard() builds units with; the byte and collective
+// rules here mirror FlatParam (flat_param.cpp) and Unit (unit.cpp), and tests/explain_test.cpp
+// (diagnostics_test) compares the result with the runtime's counters so they cannot drift apart
+// silently.
 #include "fsdp/explain.h"
 
 #include <torch/nn/module.h>
@@ -13,13 +15,14 @@
 #include <unordered_map>
 
 #include "flat_param/layout.h"
+#include "fsdp/resolve.h"
 
 namespace flatshard {
 
 namespace {
 
-// Thresholds of the warnings. DESIGN.md's measurements: an all-gather of 1 MiB takes about as
-// long as one of 16 MiB (~50 us of latency), so units below 1 MiB pay latency, not bandwidth.
+// Thresholds of the warnings. docs/design.md's measurements: an all-gather of 1 MiB takes about
+// as long as one of 16 MiB (~50 us of latency), so units below 1 MiB pay latency, not bandwidth.
 constexpr int64_t kTinyUnitBytes = int64_t{1} << 20;
 constexpr double kDominantUnitShare = 0.5;  // one unit holding more than this of the model
 constexpr double kRootShare = 0.10;         // the root unit holding more than this
@@ -106,14 +109,111 @@ UnitCounters expected_counters(const UnitExplanation& u, int64_t replicate_bytes
   return c;
 }
 
-// `root_owners`: the modules owning the root unit's parameters, with their numel.
+// Collectives one rank issues per step for these counters: HSDP's two-hop all-reduce of a
+// NO_SHARD unit is two collectives.
+int64_t collective_count(const UnitCounters& c) {
+  return c.forward_all_gathers + c.backward_all_gathers + c.reduce_scatters +
+         c.all_reduces * (c.replicate_bytes > 0 ? 2 : 1) + c.replicate_all_reduces;
+}
+
+std::string fixed1(double v) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << v;
+  return os.str();
+}
+
+// The plan pays collective latency instead of bandwidth: many collectives per step against the
+// reference step, or units below 1 MiB (each collective costs ~latency whatever its size).
+void warn_fragmentation(Explanation& e) {
+  const ExplainOptions& c = e.cost;
+  const double latency_ms = e.collective_latency_ms();
+  const double share = latency_ms / std::max(c.reference_step_ms, 1e-9);
+  std::vector<std::pair<int64_t, const UnitExplanation*>> tiny;  // gathered bytes, unit
+  int64_t communicating = 0;  // units that issue collectives at all
+  for (const auto& u : e.units) {
+    if (u.padded_numel == 0) continue;
+    ++communicating;
+    const int64_t bytes = u.padded_numel * elem_size(e.options.mixed_precision.param_dtype);
+    if (bytes < kTinyUnitBytes) tiny.emplace_back(bytes, &u);
+  }
+  const bool latency_bound = share > c.latency_share;
+  if (!latency_bound && tiny.empty()) return;
+  std::string msg = "fragmented plan: ";
+  if (latency_bound) {
+    msg += std::to_string(e.collectives_per_step) + " collectives per step x ~" +
+           fixed1(c.collective_latency_us) + " us latency = " + fixed1(latency_ms) + " ms, " +
+           percent(share) + " of a " + fixed1(c.reference_step_ms) +
+           " ms reference step (explain has no compute model; set your step time with "
+           "--reference-step-ms / ExplainOptions::reference_step_ms)";
+  }
+  if (!tiny.empty()) {
+    std::stable_sort(tiny.begin(), tiny.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    const int64_t median = tiny[tiny.size() / 2].first;
+    std::vector<std::string> names;
+    for (const auto& t : tiny) names.push_back(t.second->name);
+    msg += std::string(latency_bound ? "; " : "") + std::to_string(tiny.size()) + " of " +
+           std::to_string(communicating) + " units hold less than 1 MiB each (median " +
+           format_bytes(median) + ": " + join(names, 3) +
+           "), and a collective costs ~" + fixed1(c.collective_latency_us) +
+           " us whatever its size, so they pay latency, not bandwidth";
+  }
+  if (!tiny.empty()) {
+    // every=k that brings the median tiny unit to 1 MiB (per-layer plans are the usual fix).
+    const int64_t median = tiny[tiny.size() / 2].first;
+    const int64_t k = (kTinyUnitBytes + median - 1) / std::max<int64_t>(median, 1);
+    msg += "; use fewer, larger units: group leaves into layers (--policy type=Block; "
+           "flatshard-bench --granularity layer), or group matches with every=k (k=" +
+           std::to_string(std::clamp<int64_t>(k, 2, 64)) + " reaches 1 MiB)";
+  } else {
+    msg += "; use fewer units: group matches with every=k (every=2 halves the collectives), or "
+           "give explain your measured step time";
+  }
+  e.warnings.push_back(msg);
+}
+
+// NO_SHARD units whose replicated state (fp32 master + gradient + AdamW's two moments, on every
+// rank) is a noticeable share of per-rank memory. `shard_numel_if_sharded[i]`: unit i's master
+// shard were it sharded over the shard group (its own shard_numel for sharded units).
+void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if_sharded) {
+  constexpr int64_t kStateCopies = 4;  // master, gradient, exp_avg, exp_avg_sq (all fp32)
+  std::vector<std::pair<int64_t, const UnitExplanation*>> replicated;  // state bytes, unit
+  int64_t total = 0, saved = 0;
+  for (size_t i = 0; i < e.units.size(); ++i) {
+    const auto& u = e.units[i];
+    if (u.strategy != ShardingStrategy::kNoShard || u.padded_numel == 0) continue;
+    const int64_t state = kStateCopies * u.master_bytes;
+    const int64_t if_sharded = kStateCopies * shard_numel_if_sharded[i] * elem_size(c10::kFloat);
+    if (state <= if_sharded) continue;  // one rank per shard group: sharding saves nothing
+    replicated.emplace_back(state, &u);
+    total += state;
+    saved += state - if_sharded;
+  }
+  const int64_t per_rank = e.memory.total() + e.memory.adamw_state_bytes;
+  if (replicated.empty() || per_rank <= 0) return;
+  const double share = static_cast<double>(total) / static_cast<double>(per_rank);
+  if (share <= e.cost.replicated_share) return;
+  std::stable_sort(replicated.begin(), replicated.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> named;
+  for (const auto& r : replicated) named.push_back(r.second->name + " " + format_bytes(r.first));
+  e.warnings.push_back(
+      std::to_string(replicated.size()) + " NO_SHARD unit(s) replicate " + format_bytes(total) +
+      " of fp32 master + gradient + AdamW state on every rank (" + join(named, 3) + "), " +
+      percent(share) + " of the predicted " + format_bytes(per_rank) +
+      " per rank (model state + AdamW state, activations not included); sharding them over " +
+      std::to_string(e.world_size) + " ranks saves " + format_bytes(saved) +
+      " per rank: shard these units (drop their noshard: rule, or use grad_op: to keep them "
+      "gathered through the step)");
+}
+
+// `root_owners`: the modules owning the root unit's parameters, with their numel;
+// `shard_numel_if_sharded`: see warn_replication.
 void add_warnings(Explanation& e,
-                  const std::vector<std::pair<std::string, int64_t>>& root_owners) {
+                  const std::vector<std::pair<std::string, int64_t>>& root_owners,
+                  const std::vector<int64_t>& shard_numel_if_sharded) {
   const auto& units = e.units;
   const double total = static_cast<double>(std::max<int64_t>(e.total_numel, 1));
-  std::vector<const UnitExplanation*> non_root;
-  for (const auto& u : units)
-    if (!u.is_root) non_root.push_back(&u);
 
   if (e.matched_modules == 0 && units.size() == 1) {
     e.warnings.push_back(
@@ -121,23 +221,8 @@ void add_warnings(Explanation& e,
         "once (no overlap, peak = the full model); check the type names and paths (the plan "
         "lists none)");
   }
-  // Many tiny units: latency-bound collectives.
-  std::vector<int64_t> tiny;  // bytes one gathered copy of each tiny unit has
-  for (const auto* u : non_root) {
-    const int64_t bytes = u->padded_numel * elem_size(e.options.mixed_precision.param_dtype);
-    if (u->padded_numel > 0 && bytes < kTinyUnitBytes) tiny.push_back(bytes);
-  }
-  if (tiny.size() >= 4 && tiny.size() * 2 >= non_root.size()) {
-    std::sort(tiny.begin(), tiny.end());
-    const int64_t median = tiny[tiny.size() / 2];
-    const int64_t k = (kTinyUnitBytes + median - 1) / std::max<int64_t>(median, 1);
-    e.warnings.push_back(
-        std::to_string(tiny.size()) + " of " + std::to_string(non_root.size()) +
-        " units gather less than 1 MiB each (median " + format_bytes(median) +
-        "): a collective costs ~50 us of latency whatever its size, so these pay latency, not "
-        "bandwidth; use larger units (whole layers, e.g. type=Block), or group matches with "
-        "every=k (k=" + std::to_string(std::min<int64_t>(k, 64)) + " reaches 1 MiB)");
-  }
+  warn_fragmentation(e);
+  warn_replication(e, shard_numel_if_sharded);
   // One unit holding most of the model.
   for (const auto& u : units) {
     const double share = u.numel / total;
@@ -286,13 +371,17 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
 
 Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
                     const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes,
-                    int replicate_size) {
+                    int replicate_size, const ExplainOptions& cost) {
   TORCH_CHECK(world_size >= 1, "explain: world_size must be >= 1, got ", world_size);
   TORCH_CHECK(replicate_size >= 1, "explain: replicate_size must be >= 1, got ", replicate_size);
   TORCH_CHECK(options.forward_prefetch >= 0 && options.backward_prefetch >= 0,
               "explain: prefetch depths must be >= 0 (forward_prefetch=", options.forward_prefetch,
               ", backward_prefetch=", options.backward_prefetch, ")");
+  TORCH_CHECK(cost.collective_latency_us >= 0 && cost.reference_step_ms > 0,
+              "explain: collective_latency_us must be >= 0 and reference_step_ms > 0, got ",
+              cost.collective_latency_us, " and ", cost.reference_step_ms);
   Explanation e;
+  e.cost = cost;
   e.world_size = world_size;
   e.replicate_size = replicate_size;
   e.options = options;
@@ -304,10 +393,8 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
   std::unordered_map<std::string, at::Tensor> params;
   for (const auto& item : model.named_parameters(/*recurse=*/true))
     params.emplace(item.key(), item.value());
-  const auto& mp = options.mixed_precision;
-  const c10::ScalarType param_dtype = mp.param_dtype;
-  const c10::ScalarType reduce_dtype = mp.reduce_dtype.value_or(param_dtype);
   std::vector<std::pair<std::string, int64_t>> root_owners;
+  std::vector<int64_t> shard_numel_if_sharded;  // for the replication warning
 
   for (size_t i = 0; i < plan.units.size(); ++i) {
     const UnitSpec& spec = plan.units[i];
@@ -315,11 +402,12 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.index = static_cast<int>(i);
     u.name = spec.name;
     u.is_root = spec.is_root;
-    u.strategy = spec.options.strategy.value_or(options.strategy);
-    u.reshard_after_forward =
-        spec.options.reshard_after_forward.value_or(spec.is_root ? false
-                                                                 : options.reshard_after_forward) &&
-        u.strategy == ShardingStrategy::kFullShard;
+    // The settings fully_shard() builds this unit with (fsdp/resolve.h).
+    const ResolvedUnit settings = resolve_unit(spec, options, world_size);
+    u.strategy = settings.strategy;
+    u.reshard_after_forward = settings.reshard_after_forward;
+    const c10::ScalarType param_dtype = settings.flat.param_dtype;
+    const c10::ScalarType reduce_dtype = settings.flat.reduce_dtype;
     std::vector<std::vector<int64_t>> shapes;
     for (const auto& name : spec.param_names) {
       auto it = params.find(name);
@@ -339,8 +427,9 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       }
     }
     if (!spec.is_root) u.modules = spec.module_paths;
-    const bool sharded = u.strategy != ShardingStrategy::kNoShard;
-    const FlatLayout layout = FlatLayout::make(shapes, sharded ? world_size : 1, options.align);
+    const bool sharded = settings.flat.sharded;
+    const FlatLayout layout =
+        FlatLayout::make(shapes, settings.layout_world_size, settings.flat.align);
     u.num_params = static_cast<int64_t>(shapes.size());
     u.numel = layout.used_numel;
     u.padded_numel = layout.padded_numel;
@@ -359,6 +448,10 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
                                  elem_size(reduce_dtype)
                            : 0;
     u.per_step = expected_counters(u, replicate_bytes);
+    shard_numel_if_sharded.push_back(
+        sharded ? layout.shard_numel
+                : FlatLayout::make(shapes, world_size, settings.flat.align).shard_numel);
+    e.collectives_per_step += collective_count(u.per_step);
     e.per_step += u.per_step;
     e.total_numel += u.numel;
     e.total_padding += u.padding();
@@ -378,7 +471,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       }
     }
   }
-  add_warnings(e, root_owners);
+  add_warnings(e, root_owners, shard_numel_if_sharded);
   return e;
 }
 
@@ -441,6 +534,10 @@ std::string Explanation::to_string() const {
        << per_step.replicate_all_reduces << " replicate all-reduces"
        << (per_step.all_reduces ? ", plus the replica hop of each all-reduce" : "") << ")";
   os << "\n";
+  os << "collective latency: " << collectives_per_step << " collectives per step x "
+     << fixed1(cost.collective_latency_us) << " us = " << fixed1(collective_latency_ms())
+     << " ms, " << percent(collective_latency_ms() / cost.reference_step_ms) << " of a "
+     << fixed1(cost.reference_step_ms) << " ms reference step (a stated constant, not a prediction)\n";
   os << "memory per rank: persistent " << format_bytes(memory.persistent_bytes)
      << " (fp32 master shards + grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
      << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "

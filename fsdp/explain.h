@@ -10,9 +10,10 @@
 // Contract — exact numbers (they are what the runtime does, and tests hold them to it):
 // - Layouts come from FlatLayout::make with the real world size (1 for NO_SHARD units, which are
 //   replicated) and ShardingOptions::align, as FlatParam builds them.
-// - Strategy and reshard-after-forward are resolved as fully_shard() resolves them: the plan's
-//   unit options, else ShardingOptions; the root keeps its parameters from forward to backward
-//   unless its options say otherwise; only FULL_SHARD units reshard after forward.
+// - Strategy, reshard-after-forward, dtypes and the layout's world size come from
+//   resolve_unit() (fsdp/resolve.h), the function fully_shard() builds its units with: the
+//   plan's unit options, else ShardingOptions; the root keeps its parameters from forward to
+//   backward unless its options say otherwise; only FULL_SHARD units reshard after forward.
 // - UnitExplanation::per_step equals Unit::counters() (ShardedModel::counters().per_unit) after
 //   one training step that enters every unit once in forward and reduces every unit once:
 //     FULL_SHARD, resharding   1 forward all-gather + 1 backward all-gather + 1 reduce-scatter
@@ -30,6 +31,14 @@
 // - the predicted peak of unsharded memory, with the configured prefetch depths; the plan's
 //   unit order stands for the execution order (it is registration order; the runtime records the
 //   real one on the first step).
+// - collective latency per step: collectives_per_step x ExplainOptions::collective_latency_us,
+//   compared with a stated reference step time (explain has no compute model).
+// Warnings (Explanation::warnings), each saying what to change: a policy that matched nothing;
+// fragmentation (latency above ExplainOptions::latency_share of the reference step, or any unit
+// below 1 MiB); replication (NO_SHARD units whose master + gradient + AdamW state, held on every
+// rank, exceed ExplainOptions::replicated_share of per-rank memory: names them and the bytes
+// sharding would save); one unit holding most of the model; parameters left to the root;
+// padding; empty matched modules; a prefetch depth that does not fit the memory limit (last).
 #pragma once
 
 #include <cstdint>
@@ -75,6 +84,24 @@ struct UnitExplanation {
   UnitCounters per_step;     // collectives and bytes of one step, as Unit::counters() shows
 };
 
+// The cost model behind the fragmentation and replication warnings: stated constants, each
+// overridable (flatshard-explain: --collective-latency-us, --reference-step-ms).
+struct ExplainOptions {
+  // Fixed cost of one collective whatever its size: ~50 us for an NCCL collective on NVLink
+  // (docs/design.md: an all-gather of 1 MiB takes about as long as one of 16 MiB).
+  double collective_latency_us = 50;
+  // explain() has no model of compute time (it does not know the batch), so the latency of a
+  // step's collectives is compared with this reference step, not a predicted one: 100 ms is
+  // the 1B GPT's measured step at 4 sequences per GPU on 2 H200s (benchmarks/RESULTS.md).
+  double reference_step_ms = 100;
+  // Fragmentation warning: latency per step above this share of the reference step (or any
+  // unit below 1 MiB, whatever this says).
+  double latency_share = 0.05;
+  // Replication warning: NO_SHARD units' replicated state above this share of per-rank memory
+  // (MemoryEstimate::total() + AdamW state).
+  double replicated_share = 0.10;
+};
+
 // Model-state memory per rank (activations and optimizer state are not included).
 //  persistent: fp32 master shards + their fp32 gradients + NO_SHARD compute copies.
 //  peak transient: the most unsharded memory alive at once, simulated unit by unit:
@@ -83,7 +110,7 @@ struct UnitExplanation {
 //   backward, unit k computing: the root, kept units not yet reduced, k's enclosing units, k,
 //     the next backward_prefetch units in reverse order; plus the flat gradients of the root,
 //     the enclosing units and k, and the previous unit's reduction buffers (held until the next
-//     reduction is issued: Note [Reduce buffer lifetime] in runtime.h).
+//     reduction is issued: Note [Reduce buffer lifetime] in reduce_buffers.h).
 //  Allocator caching and fragmentation are not modelled.
 struct MemoryEstimate {
   int64_t persistent_bytes = 0;
@@ -110,6 +137,12 @@ struct Explanation {
   // The largest prefetch depth (applied to forward and backward, capped by the configured ones)
   // whose estimate fits the limit; -1 if none, unset without a limit.
   std::optional<int> fitting_prefetch;
+  ExplainOptions cost;                // the constants the latency line and warnings used
+  // Collectives one rank issues per step (HSDP: replica all-reduces and hops included).
+  int64_t collectives_per_step = 0;
+  double collective_latency_ms() const {
+    return static_cast<double>(collectives_per_step) * cost.collective_latency_us / 1000.0;
+  }
   std::vector<std::string> warnings;  // likely mistakes, one sentence each, with what to do
 
   // Header line, per-unit table, totals, memory, warnings. Columns are described in the output.
@@ -122,7 +155,7 @@ struct Explanation {
 Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
                     const ShardingOptions& options,
                     std::optional<int64_t> memory_limit_bytes = std::nullopt,
-                    int replicate_size = 1);
+                    int replicate_size = 1, const ExplainOptions& cost = {});
 
 // The simulation behind MemoryEstimate, exposed so callers can try other prefetch depths.
 MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units,

@@ -1,6 +1,7 @@
 #include "fsdp/runtime.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
@@ -19,6 +20,32 @@ c10::Stream side_stream(c10::Device device) {
       ->getStreamFromGlobalPool(device, /*isHighPriority=*/true);
 }
 
+// Identity on a unit's outputs whose backward runs before any of the unit's own backward ops:
+// the place to gather the unit's parameters again (the pre-backward hook). It enters the
+// runtime, which decides about prefetch and the end of backward before the unit unshards.
+struct PreBackward : public torch::autograd::Function<PreBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                int64_t runtime_ptr, int64_t unit_ptr,
+                                                at::TensorList xs) {
+    ctx->saved_data["runtime"] = runtime_ptr;
+    ctx->saved_data["unit"] = unit_ptr;
+    ctx->set_materialize_grads(false);
+    return xs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* runtime = reinterpret_cast<Runtime*>(ctx->saved_data["runtime"].toInt());
+    auto* unit = reinterpret_cast<Unit*>(ctx->saved_data["unit"].toInt());
+    runtime->pre_backward(*unit);
+    torch::autograd::variable_list out;
+    out.reserve(grads.size() + 2);
+    out.emplace_back();  // no gradient for the runtime pointer
+    out.emplace_back();  // nor for the unit pointer
+    for (auto& g : grads) out.push_back(std::move(g));
+    return out;
+  }
+};
+
 }  // namespace
 
 Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate)
@@ -31,17 +58,63 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* repl
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
+  ctx_.emplace(UnitContext{comm_, replicate_, all_gather_stream_, reduce_scatter_stream_,
+                           tracer_.get(), reduce_buffers_,
+                           options_.debug_sleep_before_all_gather_cycles,
+                           options_.debug_sleep_before_reduce_cycles});
   debug_order_ = env::debug();
 }
 
 c10::Stream Runtime::compute_stream() const { return comm_.current_stream(); }
+
+void Runtime::set_requires_grad_sync(bool v) {
+  requires_grad_sync_ = v;
+  for (auto& u : units_) u->set_requires_grad_sync(v);
+}
+
+void Runtime::pre_forward(Unit& unit, const torch::nn::Module* member) {
+  TraceScope trace(tracer(), TraceKind::kPreForward, &unit.trace_info());
+  if (unit.is_root()) on_root_enter();
+  if (unit.mark_called_in_forward()) on_first_forward_entry(unit);  // may prefetch later units
+  unit.pre_forward(member);
+}
+
+void Runtime::post_forward(Unit& unit, const torch::nn::Module* member,
+                           std::vector<at::Tensor>& outputs) {
+  trace_end(tracer(), TraceKind::kForward, unit.trace_info());
+  const bool grad = at::GradMode::is_enabled();
+  if (grad && hook_outputs(unit, outputs)) pending_backward_ = true;
+  unit.post_forward(member, grad);
+}
+
+bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
+  std::vector<size_t> idx;
+  std::vector<at::Tensor> diff;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].defined() && outputs[i].requires_grad()) {
+      idx.push_back(i);
+      diff.push_back(outputs[i]);
+    }
+  }
+  if (diff.empty()) return false;
+  auto wrapped = PreBackward::apply(reinterpret_cast<int64_t>(this),
+                                    reinterpret_cast<int64_t>(&unit), at::TensorList(diff));
+  for (size_t k = 0; k < idx.size(); ++k) outputs[idx[k]] = wrapped[k];
+  return true;
+}
+
+void Runtime::pre_backward(Unit& unit) {
+  TraceScope trace(tracer(), TraceKind::kPreBackward, &unit.trace_info());
+  if (unit.mark_pre_backward()) on_first_pre_backward(unit);  // prefetches the next units
+  unit.pre_backward();
+}
 
 void Runtime::prefetch(const std::vector<Unit*>& order, size_t from, int depth,
                        bool for_backward) {
   for (size_t i = from; i < order.size() && depth > 0; ++i, --depth) order[i]->unshard(for_backward);
 }
 
-void Runtime::on_pre_forward(Unit& unit) {
+void Runtime::on_first_forward_entry(Unit& unit) {
   if (debug_order_) check_unit_order(comm_, unit_names(), unit.index(), "forward", forward_order_.size());
   forward_order_.push_back(&unit);
   if (options_.forward_prefetch == 0 || last_forward_order_.empty()) return;
@@ -71,7 +144,7 @@ void Runtime::on_root_enter() {
   forward_order_.clear();
 }
 
-void Runtime::on_pre_backward(Unit& unit) {
+void Runtime::on_first_pre_backward(Unit& unit) {
   if (!backward_active_) {
     backward_active_ = true;
     backward_order_.clear();
@@ -95,21 +168,6 @@ std::vector<std::string> Runtime::unit_names() const {
   return names;
 }
 
-void Runtime::hold_reduce_buffers(std::vector<at::Tensor> buffers, const StreamEvent* done) {
-  TORCH_INTERNAL_ASSERT(reduce_buffers_.empty(), "release_reduce_buffers() not called first");
-  reduce_buffers_ = std::move(buffers);
-  reduce_buffers_done_ = done;
-}
-
-void Runtime::release_reduce_buffers() {
-  if (reduce_buffers_done_ != nullptr) {
-    TraceScope trace(tracer(), TraceKind::kWaitReduce, nullptr);
-    reduce_buffers_done_->block(compute_stream());
-  }
-  reduce_buffers_.clear();
-  reduce_buffers_done_ = nullptr;
-}
-
 void Runtime::finalize_backward() {
   // Units whose gradients were not all produced (unused parameters, units not entered, outputs
   // that did not reach the loss) reduce now, in plan order, so every rank issues the same
@@ -119,7 +177,7 @@ void Runtime::finalize_backward() {
   }
   // The optimizer reads the master gradients on the compute stream: wait for the last
   // reduction (reductions run in order on one stream, so the last one covers all).
-  release_reduce_buffers();
+  reduce_buffers_.release(compute_stream(), tracer());
   for (auto& u : units_) {
     u->reshard();
     u->reset_step_state();

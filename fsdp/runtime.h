@@ -1,21 +1,28 @@
-// flatshard/fsdp/runtime.h — state shared by the units of one ShardedModel (internal header).
+// flatshard/fsdp/runtime.h — drives the units of one ShardedModel (internal header).
 //
-// Execution order, prefetch, the backward-pass lifecycle and the streams. Owned by
-// ShardedModel; units hold a reference. Single-threaded per rank (the forward thread and the
-// autograd thread never run flatshard code concurrently for one model).
+// Execution order, prefetch, the backward-pass lifecycle, the streams and the reduce-buffer
+// holder. Owned by ShardedModel. Control goes one way (STYLE.md 13, FSDP2's state -> param
+// group): flatshard::call (fsdp/call.cpp) and the autograd hooks enter the runtime, the runtime
+// calls the units, and a unit gets only its UnitContext (fsdp/unit_context.h) — never the
+// runtime. The one exception is unit-local work: a unit's GradReadyHook reduces that unit when
+// its last gradient is in. Single-threaded per rank (the forward thread and the autograd thread
+// never run flatshard code concurrently for one model).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/core/Stream.h>
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
+#include "fsdp/reduce_buffers.h"
 #include "fsdp/step_guard.h"
 #include "fsdp/trace.h"
 #include "fsdp/unit.h"
+#include "fsdp/unit_context.h"
 
 namespace torch {
 namespace nn {
@@ -25,10 +32,13 @@ class Module;
 
 namespace flatshard {
 
+class Runtime;
+
 namespace detail {
-// The module -> unit registry behind flatshard::call (fsdp/call.cpp). A module may enter at
-// most one unit; registering it twice is an error naming the module.
-void register_member(const torch::nn::Module* module, Unit* unit, const std::string& path);
+// The module -> (runtime, unit) registry behind flatshard::call (fsdp/call.cpp). A module may
+// enter at most one unit; registering it twice is an error naming the module.
+void register_member(const torch::nn::Module* module, Runtime* runtime, Unit* unit,
+                     const std::string& path);
 void unregister_member(const torch::nn::Module* module);
 }  // namespace detail
 
@@ -42,6 +52,8 @@ class Runtime {
   const ShardingOptions& options() const { return options_; }
   std::vector<std::unique_ptr<Unit>>& units() { return units_; }
   Tracer* tracer() const { return tracer_.get(); }  // nullptr unless tracing (fsdp/trace.h)
+  // What every unit of this model is built with (streams, tracer, reduce buffers).
+  const UnitContext& unit_context() const { return *ctx_; }
 
   // Streams. On CPU all three are the default CPU stream (collectives are synchronous).
   c10::Stream compute_stream() const;
@@ -50,42 +62,45 @@ class Runtime {
 
   bool in_backward() const { return backward_active_; }
   bool requires_grad_sync() const { return requires_grad_sync_; }
-  void set_requires_grad_sync(bool v) { requires_grad_sync_ = v; }
+  void set_requires_grad_sync(bool v);  // and on every unit, for the next backward passes
 
-  // Hooks from units.
-  void on_root_enter();              // every entry of the root unit (a new forward may begin)
-  void on_outputs_hooked() { pending_backward_ = true; }
-  void on_pre_forward(Unit& unit);   // first entry of `unit` in this forward
-  void on_pre_backward(Unit& unit);  // first pre-backward of `unit` in this backward
+  // --- entered by flatshard::call (fsdp/call.cpp) ---------------------------------------
+  // Before a member of `unit` runs: a new step may begin (root), the unit's first entry in this
+  // forward is recorded and may prefetch the next units, then the unit unshards and waits.
+  void pre_forward(Unit& unit, const torch::nn::Module* member);
+  // After it ran: hooks the outputs for pre-backward (replacing them with identity views whose
+  // backward enters pre_backward below), then the unit reshards per its strategy.
+  void post_forward(Unit& unit, const torch::nn::Module* member, std::vector<at::Tensor>& outputs);
 
-  // Note [Reduce buffer lifetime]: a reduction reads buffers allocated on the compute stream
-  // (the flat gradient, and the gradients whose copy into it was deferred to the reduction).
-  // They are held here until the next reduction is issued (or backward ends), when the compute
-  // stream first waits for `done`; only then are they released to the allocator. This bounds
-  // pending reduce buffers to one unit's worth without recordStream.
-  void hold_reduce_buffers(std::vector<at::Tensor> buffers, const StreamEvent* done);
-  void release_reduce_buffers();
-
+  // --- entered by autograd --------------------------------------------------------------
+  // The backward of `unit`'s hooked outputs: the first one of a backward queues
+  // finalize_backward; the unit's first one prefetches the next units; then the unit unshards.
+  void pre_backward(Unit& unit);
   // Runs when the autograd engine finishes a backward pass that touched our units.
   void finalize_backward();
 
  private:
+  void on_root_enter();                 // every entry of the root unit (a new forward may begin)
+  void on_first_forward_entry(Unit& unit);  // records the order; forward prefetch
+  void on_first_pre_backward(Unit& unit);   // backward order, end-of-backward; backward prefetch
+  bool hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs);  // true: some were hooked
   std::vector<std::string> unit_names() const;
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
   Communicator& comm_;
   Communicator* replicate_;  // HSDP: gradients are also averaged across it; nullptr: no HSDP
   ShardingOptions options_;
-  std::vector<std::unique_ptr<Unit>> units_;
   c10::Stream all_gather_stream_;      // all-gathers, so they overlap compute (GPU)
   // Gradient reductions (and, with HSDP, the replicate all-reduce right after each), overlapping
   // earlier layers' backward.
   c10::Stream reduce_scatter_stream_;
+  ReduceBuffers reduce_buffers_;  // Note [Reduce buffer lifetime] (fsdp/reduce_buffers.h)
+  // Built once the tracer exists; declared before units_, which refer to it, so it outlives them.
+  std::optional<UnitContext> ctx_;
+  std::vector<std::unique_ptr<Unit>> units_;
   std::vector<Unit*> forward_order_;       // units in first-entry order, this step
   std::vector<Unit*> last_forward_order_;  // the previous step's, drives forward prefetch
   std::vector<Unit*> backward_order_;      // reverse forward order without the root, this step
-  std::vector<at::Tensor> reduce_buffers_;  // see Note [Reduce buffer lifetime]
-  const StreamEvent* reduce_buffers_done_ = nullptr;
   bool backward_active_ = false;
   bool pending_backward_ = false;  // this step's forward armed a pre-backward hook
   bool requires_grad_sync_ = true;

@@ -7,16 +7,138 @@
 #include <unordered_set>
 
 #include "fsdp/fingerprint.h"
-#include "collectives/env.h"
+#include "fsdp/resolve.h"
 #include "fsdp/runtime.h"
 
 namespace flatshard {
 
 namespace {
+
 Communicator& checked_shard(const ShardingMesh& mesh) {
   mesh.check();
   return *mesh.shard;
 }
+
+// The model's parameters by name and modules by path: what a plan entry refers to.
+struct ModelIndex {
+  std::unordered_map<std::string, at::Tensor> params_by_name;
+  std::unordered_map<std::string, const torch::nn::Module*> modules_by_path;
+};
+// Parameters already given to a unit, by identity (tied parameters have several names).
+using Claimed = std::unordered_set<const c10::TensorImpl*>;
+
+void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& plan) {
+  TORCH_CHECK(model != nullptr, "fully_shard: model is null");
+  TORCH_CHECK(!plan.units.empty() && plan.units.front().is_root,
+              "fully_shard: the plan must start with the root unit (use make_plan)");
+}
+
+// Before any other collective: ranks that disagree fail here, naming the difference. With
+// HSDP, also across replicas (rank j of replica i is global rank i * S + j).
+void check_setup_agrees(const torch::nn::Module& model, const Plan& plan,
+                        const ShardingOptions& options, Communicator& comm,
+                        const ShardingMesh& mesh) {
+  const auto fingerprint = setup_fingerprint(model, plan, options, comm);
+  check_ranks_agree(fingerprint, comm);
+  if (mesh.hybrid()) {
+    const int S = comm.world_size(), j = comm.rank();
+    check_ranks_agree(fingerprint, *mesh.replicate, [S, j](int i) { return i * S + j; });
+  }
+}
+
+ModelIndex index_model(torch::nn::Module& model) {
+  ModelIndex index;
+  for (const auto& item : model.named_parameters(/*recurse=*/true))
+    index.params_by_name.emplace(item.key(), item.value());
+  for (const auto& item : model.named_modules("", /*include_self=*/true))
+    index.modules_by_path.emplace(item.key(), item.value().get());
+  return index;
+}
+
+// The modules whose flatshard::call enters the unit (the model itself for the root).
+std::vector<const torch::nn::Module*> unit_members(const UnitSpec& spec, const ModelIndex& index,
+                                                   const torch::nn::Module* model, int rank) {
+  std::vector<const torch::nn::Module*> members;
+  if (spec.is_root) {
+    members.push_back(model);
+    return members;
+  }
+  TORCH_CHECK(!spec.module_paths.empty(), "fully_shard: unit '", spec.name,
+              "' has no member modules");
+  for (const auto& path : spec.module_paths) {
+    auto it = index.modules_by_path.find(path);
+    TORCH_CHECK(it != index.modules_by_path.end(), "fully_shard: unit '", spec.name,
+                "' names module '", path, "', which the model does not have (rank ", rank,
+                "); was the plan made for another model?");
+    members.push_back(it->second);
+  }
+  return members;
+}
+
+// The unit's parameters, each claimed for it (a parameter belongs to one unit only).
+std::vector<ParamRef> unit_params(const UnitSpec& spec, const ModelIndex& index,
+                                  const Communicator& comm, Claimed& claimed) {
+  const int rank = comm.rank();
+  std::vector<ParamRef> params;
+  for (const auto& name : spec.param_names) {
+    auto it = index.params_by_name.find(name);
+    TORCH_CHECK(it != index.params_by_name.end(), "fully_shard: unit '", spec.name,
+                "' names parameter '", name, "', which the model does not have (rank ", rank,
+                ")");
+    const at::Tensor& p = it->second;
+    TORCH_CHECK(claimed.insert(p.unsafeGetTensorImpl()).second, "fully_shard: parameter '",
+                name, "' is claimed by more than one unit (second: '", spec.name, "')");
+    TORCH_CHECK(p.device() == comm.device(), "fully_shard: parameter '", name, "' is on ",
+                p.device(), " but the communicator of rank ", rank, " works on ",
+                comm.device(), "; move the model there before sharding it");
+    params.push_back(ParamRef{name, p});
+  }
+  return params;
+}
+
+// One Unit per plan entry, in plan order, with resolve_unit()'s settings (fsdp/resolve.h).
+Claimed build_units(const Plan& plan, const ModelIndex& index, const torch::nn::Module* model,
+                    Communicator& comm, Runtime& runtime) {
+  Claimed claimed;
+  for (size_t i = 0; i < plan.units.size(); ++i) {
+    const UnitSpec& spec = plan.units[i];
+    const ResolvedUnit settings = resolve_unit(spec, runtime.options(), comm.world_size());
+    auto members = unit_members(spec, index, model, comm.rank());
+    auto params = unit_params(spec, index, comm, claimed);
+    runtime.units().push_back(std::make_unique<Unit>(static_cast<int>(i), spec, settings,
+                                                     std::move(members), std::move(params),
+                                                     runtime.unit_context()));
+  }
+  return claimed;
+}
+
+void check_every_param_claimed(const ModelIndex& index, const Claimed& claimed, int rank) {
+  for (const auto& item : index.params_by_name) {
+    TORCH_CHECK(claimed.count(item.second.unsafeGetTensorImpl()), "fully_shard: parameter '",
+                item.first, "' belongs to no unit of the plan (rank ", rank,
+                "); was the plan made for another model?");
+  }
+}
+
+// Makes flatshard::call find the units. All or nothing: on a failure, what was registered is
+// unregistered again before the error propagates.
+void register_members(Runtime& runtime) {
+  std::vector<const torch::nn::Module*> registered;
+  try {
+    for (auto& u : runtime.units()) {
+      const auto& paths = u->spec().module_paths;
+      for (size_t k = 0; k < u->members().size(); ++k) {
+        detail::register_member(u->members()[k], &runtime, u.get(),
+                                paths.empty() ? "<root>" : paths[k]);
+        registered.push_back(u->members()[k]);
+      }
+    }
+  } catch (...) {
+    for (const auto* m : registered) detail::unregister_member(m);
+    throw;
+  }
+}
+
 }  // namespace
 
 ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
@@ -26,93 +148,17 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
 ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
                            const ShardingMesh& mesh, ShardingOptions options)
     : model_(std::move(model)), plan_(std::move(plan)), comm_(checked_shard(mesh)), mesh_(mesh) {
-  TORCH_CHECK(model_ != nullptr, "fully_shard: model is null");
-  TORCH_CHECK(!plan_.units.empty() && plan_.units.front().is_root,
-              "fully_shard: the plan must start with the root unit (use make_plan)");
-  runtime_ = std::make_unique<Runtime>(comm_, options, mesh_.hybrid() ? mesh_.replicate : nullptr);
-  // Before any other collective: ranks that disagree fail here, naming the difference. With
-  // HSDP, also across replicas (rank j of replica i is global rank i * S + j).
-  const auto fingerprint = setup_fingerprint(*model_, plan_, runtime_->options(), comm_);
-  check_ranks_agree(fingerprint, comm_);
-  if (mesh_.hybrid()) {
-    const int S = comm_.world_size(), j = comm_.rank();
-    check_ranks_agree(fingerprint, *mesh_.replicate, [S, j](int i) { return i * S + j; });
-  }
-  const int rank = comm_.rank();
-
-  std::unordered_map<std::string, at::Tensor> params_by_name;
-  for (const auto& item : model_->named_parameters(/*recurse=*/true))
-    params_by_name.emplace(item.key(), item.value());
-  std::unordered_map<std::string, const torch::nn::Module*> modules_by_path;
-  for (const auto& item : model_->named_modules("", /*include_self=*/true))
-    modules_by_path.emplace(item.key(), item.value().get());
-
-  std::unordered_set<const c10::TensorImpl*> claimed;
-  const auto& mp = runtime_->options().mixed_precision;
-  for (size_t i = 0; i < plan_.units.size(); ++i) {
-    const UnitSpec& spec = plan_.units[i];
-    const ShardingStrategy strategy = spec.options.strategy.value_or(options.strategy);
-    const bool reshard = spec.options.reshard_after_forward.value_or(
-        spec.is_root ? false : options.reshard_after_forward);
-
-    std::vector<const torch::nn::Module*> members;
-    if (spec.is_root) {
-      members.push_back(model_.get());
-    } else {
-      TORCH_CHECK(!spec.module_paths.empty(), "fully_shard: unit '", spec.name,
-                  "' has no member modules");
-      for (const auto& path : spec.module_paths) {
-        auto it = modules_by_path.find(path);
-        TORCH_CHECK(it != modules_by_path.end(), "fully_shard: unit '", spec.name,
-                    "' names module '", path, "', which the model does not have (rank ", rank,
-                    "); was the plan made for another model?");
-        members.push_back(it->second);
-      }
-    }
-
-    std::vector<ParamRef> params;
-    for (const auto& name : spec.param_names) {
-      auto it = params_by_name.find(name);
-      TORCH_CHECK(it != params_by_name.end(), "fully_shard: unit '", spec.name,
-                  "' names parameter '", name, "', which the model does not have (rank ", rank,
-                  ")");
-      const at::Tensor& p = it->second;
-      TORCH_CHECK(claimed.insert(p.unsafeGetTensorImpl()).second, "fully_shard: parameter '",
-                  name, "' is claimed by more than one unit (second: '", spec.name, "')");
-      TORCH_CHECK(p.device() == comm_.device(), "fully_shard: parameter '", name, "' is on ",
-                  p.device(), " but the communicator of rank ", rank, " works on ",
-                  comm_.device(), "; move the model there before sharding it");
-      params.push_back(ParamRef{name, p});
-    }
-
-    FlatParamConfig cfg;
-    cfg.sharded = strategy != ShardingStrategy::kNoShard;
-    cfg.param_dtype = mp.param_dtype;
-    cfg.reduce_dtype = mp.reduce_dtype.value_or(mp.param_dtype);
-    cfg.align = runtime_->options().align;
-    cfg.sync_module_states = runtime_->options().sync_module_states;
-    cfg.poison_padding = env::debug();
-    runtime_->units().push_back(std::make_unique<Unit>(static_cast<int>(i), spec, strategy,
-                                                       reshard, std::move(members),
-                                                       std::move(params), *runtime_, cfg));
-  }
-  for (const auto& item : params_by_name) {
-    TORCH_CHECK(claimed.count(item.second.unsafeGetTensorImpl()), "fully_shard: parameter '",
-                item.first, "' belongs to no unit of the plan (rank ", rank,
-                "); was the plan made for another model?");
-  }
+  check_inputs(model_, plan_);
+  runtime_ = std::make_unique<Runtime>(comm_, std::move(options),
+                                       mesh_.hybrid() ? mesh_.replicate : nullptr);
+  check_setup_agrees(*model_, plan_, runtime_->options(), comm_, mesh_);
+  const ModelIndex index = index_model(*model_);
+  const Claimed claimed = build_units(plan_, index, model_.get(), comm_, *runtime_);
+  check_every_param_claimed(index, claimed, comm_.rank());
   // Register members last, so a failure above leaves nothing registered.
-  std::vector<const torch::nn::Module*> registered;
   try {
-    for (auto& u : runtime_->units()) {
-      const auto& paths = u->spec().module_paths;
-      for (size_t k = 0; k < u->members().size(); ++k) {
-        detail::register_member(u->members()[k], u.get(), paths.empty() ? "<root>" : paths[k]);
-        registered.push_back(u->members()[k]);
-      }
-    }
+    register_members(*runtime_);
   } catch (...) {
-    for (const auto* m : registered) detail::unregister_member(m);
     runtime_.reset();
     throw;
   }

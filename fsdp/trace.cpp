@@ -17,7 +17,6 @@
 
 #include "collectives/communicator.h"
 #include "fsdp/trace_format.h"
-#include "fsdp/unit.h"
 #if FLATSHARD_WITH_CUDA
 #include <nvtx3/nvToolsExt.h>
 #endif
@@ -196,20 +195,20 @@ Tracer::~Tracer() {
   }
 }
 
-void Tracer::note_unit(const Unit& unit) {
-  const size_t i = static_cast<size_t>(unit.index());
+void Tracer::note_unit(const TraceUnit& unit) {
+  const size_t i = static_cast<size_t>(unit.index);
   if (i < units_.size() && !units_[i].name.empty()) return;
   if (i >= units_.size()) {
     units_.resize(i + 1);
     open_.resize(i + 1);
   }
   UnitInfo& u = units_[i];
-  u.name = unit.name();
-  u.strategy = to_string(unit.strategy());
-  u.reshard_after_forward = unit.reshard_after_forward();
-  u.padded_numel = unit.flat().layout().padded_numel;
-  u.all_gather_bytes = unit.flat().all_gather_bytes();
-  u.reduce_bytes = unit.flat().reduce_bytes();
+  u.name = unit.name;
+  u.strategy = to_string(unit.strategy);
+  u.reshard_after_forward = unit.reshard_after_forward;
+  u.padded_numel = unit.padded_numel;
+  u.all_gather_bytes = unit.all_gather_bytes;
+  u.reduce_bytes = unit.reduce_bytes;
 }
 
 std::string Tracer::event_name(TraceKind kind, int unit) const {
@@ -284,17 +283,16 @@ bool Tracer::ensure_step(TraceKind kind) {
   return true;
 }
 
-Tracer::Open Tracer::open(TraceKind kind, const Unit* unit) {
+Tracer::Open Tracer::open(TraceKind kind, const TraceUnit* unit) {
   Open o;
   o.kind = kind;
   if (unit != nullptr) {
     // A replicated unit's "all-gather" is a local cast, not a collective.
     if ((kind == TraceKind::kAllGather || kind == TraceKind::kWaitAllGather) &&
-        (unit->strategy() == ShardingStrategy::kNoShard ||
-         unit->flat().layout().padded_numel == 0))
+        (unit->strategy == ShardingStrategy::kNoShard || unit->padded_numel == 0))
       return o;
     note_unit(*unit);
-    o.unit = unit->index();
+    o.unit = unit->index;
   }
   if (!gpu_ && !has_host_part(kind)) return o;
   if (kind == TraceKind::kWaitReduce) o.unit = last_reduce_unit_;
@@ -310,9 +308,9 @@ Tracer::Open Tracer::open(TraceKind kind, const Unit* unit) {
   r.unit = o.unit;
   r.step = static_cast<int>(steps_.size()) - 1;
   r.backward = backward_;
-  if (kind == TraceKind::kAllGather) r.bytes = unit->flat().all_gather_bytes();
+  if (kind == TraceKind::kAllGather) r.bytes = unit->all_gather_bytes;
   if (kind == TraceKind::kReduce) {
-    r.bytes = unit->flat().reduce_bytes();
+    r.bytes = unit->reduce_bytes;
     last_reduce_unit_ = o.unit;
   }
   r.host_begin = now_us();
@@ -358,8 +356,8 @@ void Tracer::begin_span(TraceKind kind, int unit) {
   open_[unit].push_back(span);
 }
 
-void Tracer::end(TraceKind kind, const Unit& unit) {
-  const size_t u = static_cast<size_t>(unit.index());
+void Tracer::end(TraceKind kind, const TraceUnit& unit) {
+  const size_t u = static_cast<size_t>(unit.index);
   if (u >= open_.size()) return;
   auto& spans = open_[u];
   // The innermost open span of this kind (a unit called recursively nests its spans).

@@ -64,21 +64,32 @@
 namespace flatshard {
 
 class Communicator;
-class Unit;
 
 enum class TraceKind : uint8_t {
-  kPreForward,      // host: Unit::pre_forward (prefetch, unshard, wait); its end starts kForward
+  kPreForward,      // host: Runtime::pre_forward (prefetch, unshard, wait); its end starts kForward
   kForward,         // host + compute stream: the unit's forward, after its parameters are ready
   kAllGather,       // host: issuing the all-gather (CPU: running it); all-gather stream
   kWaitAllGather,   // compute stream only: waiting for the unit's all-gather
   kReshard,         // host: freeing the unsharded buffer
-  kPreBackward,     // host: Unit::pre_backward; its end starts kBackward
+  kPreBackward,     // host: Runtime::pre_backward; its end starts kBackward
   kBackward,        // host + compute stream: the unit's backward, until its post-backward hook
   kReduce,          // host: issuing the reduction (CPU: running it); reduce-scatter stream
   kWaitReduce,      // compute stream only: waiting for the previous reduction
   kOptimizer,       // host + compute stream: ShardedModel::trace_optimizer_step() scope
 };
 const char* to_string(TraceKind kind);
+
+// What the tracer needs to know about a unit, as plain data: the unit fills it once when it is
+// built (fsdp/unit.cpp) and passes it to every hook, so the tracer depends on no Unit.
+struct TraceUnit {
+  int index = -1;  // in the plan
+  std::string name;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  bool reshard_after_forward = false;
+  int64_t padded_numel = 0;      // flat buffer elements (0: the unit issues no collective)
+  int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends
+  int64_t reduce_bytes = 0;      // one reduction: bytes this rank sends
+};
 
 // One recorded event (exposed for tests and tools; times in microseconds).
 struct TraceRecord {
@@ -115,9 +126,9 @@ class Tracer {
     bool nvtx = false;  // an NVTX range was pushed
     bool active = false;
   };
-  Open open(TraceKind kind, const Unit* unit);
+  Open open(TraceKind kind, const TraceUnit* unit);  // unit nullptr: none (optimizer, waits)
   void close(const Open& open);
-  void end(TraceKind kind, const Unit& unit);  // closes the unit's open kForward / kBackward
+  void end(TraceKind kind, const TraceUnit& unit);  // closes the unit's open kForward / kBackward
   void step_end();
 
   // Resolves every pending GPU event (waits for them) and writes the JSON file; returns its
@@ -145,7 +156,7 @@ class Tracer {
     double host_begin = 0, host_end = -1;
   };
   bool ensure_step(TraceKind kind);
-  void note_unit(const Unit& unit);
+  void note_unit(const TraceUnit& unit);
   void begin_span(TraceKind kind, int unit);
   int record_event(const c10::Stream& stream);
   void release_event(int id);
@@ -182,7 +193,7 @@ class Tracer {
 class TraceScope {
  public:
   TraceScope() = default;
-  TraceScope(Tracer* tracer, TraceKind kind, const Unit* unit) : tracer_(tracer) {
+  TraceScope(Tracer* tracer, TraceKind kind, const TraceUnit* unit) : tracer_(tracer) {
     if (C10_UNLIKELY(tracer_ != nullptr)) open_ = tracer_->open(kind, unit);
   }
   ~TraceScope() {
@@ -198,7 +209,7 @@ class TraceScope {
   Tracer::Open open_;
 };
 
-inline void trace_end(Tracer* tracer, TraceKind kind, const Unit& unit) {
+inline void trace_end(Tracer* tracer, TraceKind kind, const TraceUnit& unit) {
   if (C10_UNLIKELY(tracer != nullptr)) tracer->end(kind, unit);
 }
 inline void trace_step_end(Tracer* tracer) {

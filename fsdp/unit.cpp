@@ -1,12 +1,8 @@
 #include "fsdp/unit.h"
 
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-
-#include "fsdp/runtime.h"
-#include "fsdp/trace.h"
 
 namespace flatshard {
 
@@ -23,29 +19,9 @@ UnitCounters& UnitCounters::operator+=(const UnitCounters& o) {
 
 namespace {
 
-// Identity on a unit's outputs whose backward runs before any of the unit's own backward ops:
-// the place to gather the unit's parameters again (the pre-backward hook).
-struct PreBackward : public torch::autograd::Function<PreBackward> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                int64_t unit_ptr, at::TensorList xs) {
-    ctx->saved_data["unit"] = unit_ptr;
-    ctx->set_materialize_grads(false);
-    return xs.vec();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto* unit = reinterpret_cast<Unit*>(ctx->saved_data["unit"].toInt());
-    unit->pre_backward();
-    torch::autograd::variable_list out;
-    out.reserve(grads.size() + 1);
-    out.emplace_back();  // no gradient for the unit pointer
-    for (auto& g : grads) out.push_back(std::move(g));
-    return out;
-  }
-};
-
 // Runs after parameter `index`'s AccumulateGrad: moves its gradient into the flat buffer (or
-// leaves that to the reduction) and counts the unit's parameters whose gradient is in.
+// leaves that to the reduction) and counts the unit's parameters whose gradient is in. Purely
+// unit-local: the unit reduces itself when the last one is in; the runtime is not involved.
 struct GradReadyHook : public torch::autograd::FunctionPostHook {
   GradReadyHook(Unit* u, size_t i) : unit(u), index(i) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
@@ -59,17 +35,29 @@ struct GradReadyHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-Unit::Unit(int index, UnitSpec spec, ShardingStrategy strategy, bool reshard_after_forward,
+Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
            std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
-           Runtime& runtime, const FlatParamConfig& flat_config)
+           const UnitContext& context)
     : index_(index),
       spec_(std::move(spec)),
-      strategy_(strategy),
-      reshard_after_forward_(reshard_after_forward && strategy == ShardingStrategy::kFullShard),
+      strategy_(settings.strategy),
+      reshard_after_forward_(settings.reshard_after_forward),
       members_(std::move(members)),
-      rt_(runtime) {
-  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), rt_.comm(), flat_config,
-                                      rt_.replicate());
+      ctx_(context) {
+  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), ctx_.comm, settings.flat,
+                                      ctx_.replicate);
+  // FlatParam derives its layout's world size from config.sharded; explain() takes it from the
+  // resolver (fsdp/resolve.h). They must be the same rule.
+  TORCH_INTERNAL_ASSERT(flat_->layout().world_size == settings.layout_world_size, "unit '",
+                        spec_.name, "': layout over ", flat_->layout().world_size,
+                        " ranks, resolved ", settings.layout_world_size);
+  trace_info_ = TraceUnit{index_,
+                          spec_.name,
+                          strategy_,
+                          reshard_after_forward_,
+                          flat_->layout().padded_numel,
+                          flat_->all_gather_bytes(),
+                          flat_->reduce_bytes()};
   state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
   // After set_data (dtype may have changed), so these are the accumulators autograd will use.
   for (size_t i = 0; i < flat_->params().size(); ++i) {
@@ -88,11 +76,11 @@ Unit::~Unit() {
 
 void Unit::unshard(bool for_backward) {
   if (state_ == UnitState::kUnsharded) return;
-  const c10::Stream ag = rt_.all_gather_stream();
+  const c10::Stream ag = ctx_.all_gather_stream;
   // The master shard may have just been updated by the optimizer on the compute stream.
-  stream_wait_stream(ag, rt_.compute_stream(), scratch_);
-  TraceScope trace(rt_.tracer(), TraceKind::kAllGather, this);
-  device_sleep(ag, rt_.options().debug_sleep_before_all_gather_cycles);
+  stream_wait_stream(ag, ctx_.compute_stream(), scratch_);
+  TraceScope trace(ctx_.tracer, TraceKind::kAllGather, &trace_info_);
+  device_sleep(ag, ctx_.debug_sleep_before_all_gather_cycles);
   flat_->unshard(ag);
   all_gather_done_.record(ag);
   all_gather_pending_ = true;
@@ -105,30 +93,36 @@ void Unit::unshard(bool for_backward) {
 
 void Unit::wait_unsharded() {
   if (!all_gather_pending_) return;
-  TraceScope trace(rt_.tracer(), TraceKind::kWaitAllGather, this);
-  all_gather_done_.block(rt_.compute_stream());
+  TraceScope trace(ctx_.tracer, TraceKind::kWaitAllGather, &trace_info_);
+  all_gather_done_.block(ctx_.compute_stream());
   all_gather_pending_ = false;
 }
 
 void Unit::reshard() {
   if (strategy_ == ShardingStrategy::kNoShard || state_ == UnitState::kSharded) return;
-  TraceScope trace(rt_.tracer(), TraceKind::kReshard, this);
+  TraceScope trace(ctx_.tracer, TraceKind::kReshard, &trace_info_);
   // Note [Free by event ordering]: the gathered buffer came from the all-gather stream's pool.
   // Making that stream wait for the compute work queued so far means any later all-gather that
   // reuses the freed block runs after the last read of it. No recordStream, no host sync.
-  compute_done_.record(rt_.compute_stream());
-  compute_done_.block(rt_.all_gather_stream());
+  compute_done_.record(ctx_.compute_stream());
+  compute_done_.block(ctx_.all_gather_stream);
   flat_->reshard();
   state_ = UnitState::kSharded;
 }
 
+bool Unit::mark_called_in_forward() {
+  if (called_in_forward_) return false;
+  called_in_forward_ = true;
+  return true;
+}
+
+bool Unit::mark_pre_backward() {
+  if (pre_backward_done_) return false;
+  pre_backward_done_ = true;
+  return true;
+}
+
 void Unit::pre_forward(const torch::nn::Module*) {
-  TraceScope trace(rt_.tracer(), TraceKind::kPreForward, this);
-  if (is_root()) rt_.on_root_enter();
-  if (!called_in_forward_) {
-    called_in_forward_ = true;
-    rt_.on_pre_forward(*this);  // records order; may prefetch later units
-  }
   if (strategy_ == ShardingStrategy::kNoShard) {
     if (member_calls_ % static_cast<int64_t>(members_.size()) == 0) {
       state_ = UnitState::kSharded;  // re-cast the master into the compute copy (no collective)
@@ -140,40 +134,18 @@ void Unit::pre_forward(const torch::nn::Module*) {
   wait_unsharded();
 }
 
-void Unit::post_forward(const torch::nn::Module*, std::vector<at::Tensor>& outputs) {
-  trace_end(rt_.tracer(), TraceKind::kForward, *this);
+void Unit::post_forward(const torch::nn::Module*, bool grad_enabled) {
   ++member_calls_;
-  const bool grad = at::GradMode::is_enabled();
-  if (grad) {
-    std::vector<size_t> idx;
-    std::vector<at::Tensor> diff;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (outputs[i].defined() && outputs[i].requires_grad()) {
-        idx.push_back(i);
-        diff.push_back(outputs[i]);
-      }
-    }
-    if (!diff.empty()) {
-      auto wrapped = PreBackward::apply(reinterpret_cast<int64_t>(this), at::TensorList(diff));
-      for (size_t k = 0; k < idx.size(); ++k) outputs[idx[k]] = wrapped[k];
-      rt_.on_outputs_hooked();
-    }
-  }
   const bool last_member = member_calls_ % static_cast<int64_t>(members_.size()) == 0;
-  if (last_member && (reshard_after_forward_ || !grad)) reshard();
+  if (last_member && (reshard_after_forward_ || !grad_enabled)) reshard();
 }
 
 void Unit::pre_backward() {
-  TraceScope trace(rt_.tracer(), TraceKind::kPreBackward, this);
-  if (!pre_backward_done_) {
-    pre_backward_done_ = true;
-    rt_.on_pre_backward(*this);  // queues end-of-backward; prefetches the next units
-  }
   unshard(/*for_backward=*/true);
   wait_unsharded();
   // With sync on, this backward reduces the unit: the gradient copies can wait for the reduce
   // stream (Note [Flat gradient without zero-fill] in flat_param.cpp).
-  flat_->set_defer_grad_copies(rt_.requires_grad_sync());
+  flat_->set_defer_grad_copies(requires_grad_sync_);
   flat_->prepare_grad();
 }
 
@@ -185,17 +157,19 @@ void Unit::on_grad_accumulated(size_t param_index) {
 void Unit::post_backward() {
   if (post_backward_done_) return;
   post_backward_done_ = true;
-  trace_end(rt_.tracer(), TraceKind::kBackward, *this);
-  if (rt_.requires_grad_sync()) {
+  trace_end(ctx_.tracer, TraceKind::kBackward, trace_info_);
+  if (requires_grad_sync_) {
     if (has_collectives()) {
-      const c10::Stream rs = rt_.reduce_scatter_stream();
-      rt_.release_reduce_buffers();
-      stream_wait_stream(rs, rt_.compute_stream(), scratch_);  // the gradients are computed
-      TraceScope trace(rt_.tracer(), TraceKind::kReduce, this);
-      device_sleep(rs, rt_.options().debug_sleep_before_reduce_cycles);
+      const c10::Stream rs = ctx_.reduce_scatter_stream;
+      // Note [Reduce buffer lifetime] (fsdp/reduce_buffers.h): the previous reduction's buffers
+      // go back to the allocator once compute has waited for it; ours are held until the next.
+      ctx_.reduce_buffers.release(ctx_.compute_stream(), ctx_.tracer);
+      stream_wait_stream(rs, ctx_.compute_stream(), scratch_);  // the gradients are computed
+      TraceScope trace(ctx_.tracer, TraceKind::kReduce, &trace_info_);
+      device_sleep(rs, ctx_.debug_sleep_before_reduce_cycles);
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
-      rt_.hold_reduce_buffers(std::move(in_use), &reduce_done_);
+      ctx_.reduce_buffers.hold(std::move(in_use), &reduce_done_);
       if (strategy_ == ShardingStrategy::kNoShard) {
         counters_.all_reduces += 1;  // one all-ranks all-reduce, in two hops with HSDP
       } else {

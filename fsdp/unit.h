@@ -1,18 +1,22 @@
 // flatshard/fsdp/unit.h — one sharding unit: a flat parameter, its state machine and its hooks.
 //
-// Life of a unit in one training step (FULL_SHARD):
+// Life of a unit in one training step (FULL_SHARD). The runtime (fsdp/runtime.h) is entered by
+// flatshard::call and by autograd, records the order, prefetches, and calls the unit; the unit
+// does its own collectives with what its UnitContext (fsdp/unit_context.h) gives it and never
+// calls back up:
 //   pre_forward   : kSharded -> unshard (one all-gather, or the prefetched one) -> kUnsharded
-//   post_forward  : outputs get the pre-backward hook; after the last member call, reshard
+//   post_forward  : (the runtime hooks the outputs for pre-backward) after the last member call,
+//                   reshard
 //   pre_backward  : unshard again (one all-gather, or the prefetched one); flat grad prepared
 //                   (with sync on, gradients are copied into it by the reduction, off the
 //                   compute stream)
-//   post_backward : when every parameter's AccumulateGrad has run (or at the end of backward for
-//                   parameters that got no gradient): one reduce-scatter into the master
-//                   shard's grad, then reshard.
+//   post_backward : when every parameter's AccumulateGrad has run (the unit's own GradReadyHook,
+//                   unit-local) or at the end of backward (the runtime, for parameters that got
+//                   no gradient): one reduce-scatter into the master shard's grad, then reshard.
 // SHARD_GRAD_OP keeps the unit unsharded from forward to the end of its backward. NO_SHARD keeps
 // it unsharded always and all-reduces gradients instead.
-// Units are created by fully_shard() and driven by flatshard::call() and autograd; users only
-// read their info and counters.
+// Units are created by fully_shard() from resolve_unit()'s settings (fsdp/resolve.h) and driven
+// by the runtime; users only read their info and counters.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,7 +27,10 @@
 
 #include "flat_param/flat_param.h"
 #include "fsdp/options.h"
+#include "fsdp/resolve.h"
 #include "fsdp/stream_event.h"
+#include "fsdp/trace.h"
+#include "fsdp/unit_context.h"
 #include "wrap_policies/plan.h"
 
 namespace torch {
@@ -36,8 +43,6 @@ struct Node;
 }  // namespace torch
 
 namespace flatshard {
-
-class Runtime;
 
 enum class UnitState { kSharded, kUnsharded };
 
@@ -57,9 +62,10 @@ struct UnitCounters {
 
 class Unit {
  public:
-  Unit(int index, UnitSpec spec, ShardingStrategy strategy, bool reshard_after_forward,
+  // `settings`: resolve_unit(spec, ...); `context` outlives the unit (the runtime owns both).
+  Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
        std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
-       Runtime& runtime, const FlatParamConfig& flat_config);
+       const UnitContext& context);
   ~Unit();
   Unit(const Unit&) = delete;
   Unit& operator=(const Unit&) = delete;
@@ -76,22 +82,35 @@ class Unit {
   const std::vector<const torch::nn::Module*>& members() const { return members_; }
   const UnitCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = UnitCounters{}; }
+  // What the tracer records about this unit (fsdp/trace.h).
+  const TraceUnit& trace_info() const { return trace_info_; }
 
-  // --- driven by flatshard::call --------------------------------------------------------
+  // --- driven by the runtime (fsdp/runtime.h) -------------------------------------------
+  // Marks the unit entered in this forward / its backward begun; true the first time per step.
+  bool mark_called_in_forward();
+  bool mark_pre_backward();
+  // A member's forward is about to run: unshard (NO_SHARD: re-cast the master into the compute
+  // copy on the first member call), then order the compute stream after the all-gather.
   void pre_forward(const torch::nn::Module* member);
-  void post_forward(const torch::nn::Module* member, std::vector<at::Tensor>& outputs);
-
-  // --- driven by autograd and the runtime -----------------------------------------------
-  void pre_backward();
-  void on_grad_accumulated(size_t param_index);  // one parameter's AccumulateGrad finished
+  // A member's forward ran: after the unit's last member call, reshard if it reshards after
+  // forward or if grad mode is off (no backward will come).
+  void post_forward(const torch::nn::Module* member, bool grad_enabled);
+  void pre_backward();         // unshard again; prepare the flat gradient
   void post_backward();        // reduce (if syncing) + reshard; idempotent per backward
-  // Gathers the parameters if sharded (counted as a forward or backward all-gather).
+  // Gradient sync for the following backward passes (ShardedModel::set_requires_gradient_sync).
+  void set_requires_grad_sync(bool sync) { requires_grad_sync_ = sync; }
+
+  // Gathers the parameters if sharded (counted as a forward or backward all-gather); the
+  // runtime's prefetch calls it for units ahead of the one running.
   void unshard(bool for_backward);
   // Orders the compute stream after this unit's pending all-gather (no-op if none).
   void wait_unsharded();
   void reshard();
   // End of a backward pass: clears per-step state.
   void reset_step_state();
+
+  // --- driven by autograd: the unit's own GradReadyHook (unit-local) ----------------------
+  void on_grad_accumulated(size_t param_index);  // one parameter's AccumulateGrad finished
 
   bool called_in_forward() const { return called_in_forward_; }
   bool post_backward_done() const { return post_backward_done_; }
@@ -104,8 +123,9 @@ class Unit {
   ShardingStrategy strategy_;
   bool reshard_after_forward_;
   std::vector<const torch::nn::Module*> members_;
-  Runtime& rt_;
+  const UnitContext& ctx_;  // streams, tracer, communicators, reduce buffers (runtime-owned)
   std::unique_ptr<FlatParam> flat_;
+  TraceUnit trace_info_;  // filled once the flat parameter exists
   UnitState state_ = UnitState::kSharded;
   UnitCounters counters_;
 
@@ -125,6 +145,8 @@ class Unit {
   // (autograd caches them only weakly).
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::vector<uintptr_t> hook_keys_;
+
+  bool requires_grad_sync_ = true;  // set by the runtime between steps
 
   // Per-step state (reset at the end of backward).
   int64_t member_calls_ = 0;      // flatshard::call entries in this forward

@@ -2,8 +2,9 @@
 //
 // Independent references: unit sizes, padding and bytes are written out by hand from the GPT
 // shapes (comments show the arithmetic), and the per-step collectives are compared with what the
-// runtime counts when the same tiny GPT trains on 2-3 ranks (threads). The memory estimate is
-// checked against a hand simulation of one plan.
+// runtime counts when the same tiny GPT trains on 2-3 ranks (threads); per-unit settings and
+// bytes with what a ShardedModel built from the same plan reports. The memory estimate is
+// checked against a hand simulation of one plan; the warnings' numbers are worked out by hand.
 #include <catch2/catch.hpp>
 
 #include <mutex>
@@ -14,6 +15,7 @@
 #include "fsdp/call.h"
 #include "fsdp/explain.h"
 #include "fsdp/meta_init.h"
+#include "fsdp/resolve.h"
 #include "fsdp/sharded_model.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
@@ -343,4 +345,262 @@ TEST_CASE("explain: 1B GPT on the meta device, and warnings", "[diagnostics][exp
   const auto b = explain(*meta_model, make_plan(*meta_model, parse_policy(kPerLeaf)), 4, {});
   CHECK(a.to_string() == b.to_string());
   CHECK_FALSE(real->wte->weight.is_meta());
+}
+
+TEST_CASE("resolve_unit: the rules, written out", "[diagnostics][explain][resolve]") {
+  // Each row: the plan entry's options, whether it is the root, the default options -> what the
+  // unit must get. The rules as fsdp/resolve.h states them, independent of its code.
+  using S = ShardingStrategy;
+  struct Row {
+    std::optional<S> unit_strategy;
+    std::optional<bool> unit_reshard;
+    bool root;
+    S default_strategy;
+    bool default_reshard;
+    S strategy;
+    bool reshard;
+  };
+  const std::vector<Row> rows = {
+      {{}, {}, false, S::kFullShard, true, S::kFullShard, true},
+      {{}, {}, true, S::kFullShard, true, S::kFullShard, false},  // the root keeps by default
+      {{}, true, true, S::kFullShard, true, S::kFullShard, true},  // root:full
+      {{}, false, false, S::kFullShard, true, S::kFullShard, false},  // keep:
+      {{}, {}, false, S::kFullShard, false, S::kFullShard, false},
+      {{}, true, false, S::kFullShard, false, S::kFullShard, true},
+      {S::kShardGradOp, true, false, S::kFullShard, true, S::kShardGradOp, false},  // FULL only
+      {{}, {}, false, S::kShardGradOp, true, S::kShardGradOp, false},
+      {S::kNoShard, {}, false, S::kFullShard, true, S::kNoShard, false},
+      {S::kFullShard, {}, false, S::kNoShard, true, S::kFullShard, true},
+      {{}, true, true, S::kNoShard, true, S::kNoShard, false},
+  };
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    CAPTURE(i);
+    UnitSpec spec;
+    spec.name = r.root ? "<root>" : "u";
+    spec.is_root = r.root;
+    spec.options.strategy = r.unit_strategy;
+    spec.options.reshard_after_forward = r.unit_reshard;
+    ShardingOptions o;
+    o.strategy = r.default_strategy;
+    o.reshard_after_forward = r.default_reshard;
+    o.mixed_precision.param_dtype = c10::kBFloat16;
+    o.align = 16;
+    o.sync_module_states = false;
+    const ResolvedUnit got = resolve_unit(spec, o, /*shard_world_size=*/4);
+    CHECK(got.strategy == r.strategy);
+    CHECK(got.reshard_after_forward == r.reshard);
+    CHECK(got.flat.sharded == (r.strategy != S::kNoShard));
+    CHECK(got.layout_world_size == (r.strategy == S::kNoShard ? 1 : 4));
+    CHECK(got.flat.param_dtype == c10::kBFloat16);
+    CHECK(got.flat.reduce_dtype == c10::kBFloat16);  // unset: the param dtype
+    CHECK(got.flat.align == 16);
+    CHECK_FALSE(got.flat.sync_module_states);
+  }
+  ShardingOptions fp32_reduce;
+  fp32_reduce.mixed_precision.param_dtype = c10::kBFloat16;
+  fp32_reduce.mixed_precision.reduce_dtype = c10::kFloat;
+  CHECK(resolve_unit(UnitSpec{}, fp32_reduce, 2).flat.reduce_dtype == c10::kFloat);
+  CHECK_THROWS_WITH(resolve_unit(UnitSpec{}, {}, 0), Catch::Contains("world size must be >= 1, got 0"));
+}
+
+TEST_CASE("explain agrees with the built ShardedModel over a sweep of plans and options",
+          "[diagnostics][explain][resolve]") {
+  // Per-unit strategy and reshard overrides, the root's options, every default strategy, keep,
+  // mixed precision, world 2 and 3, and HSDP: what explain predicts for each unit is what the
+  // ShardedModel built from the same plan and options reports (no step is run).
+  const std::vector<std::string> specs = {
+      kPerLayer,
+      kPerLeaf,
+      "noshard:path=lm_head;grad_op:path=blocks.1;type=Block",
+      "keep:path=blocks.0;type=Block;root:full",
+      "full:path=blocks.1;noshard:path=blocks.0.ln1|ln_f;type=Block;root:noshard",
+      "every=2,type=Block;root:grad_op",
+  };
+  std::vector<std::pair<std::string, ShardingOptions>> options(5);
+  options[0].first = "defaults";
+  options[1].first = "grad_op";
+  options[1].second.strategy = ShardingStrategy::kShardGradOp;
+  options[2].first = "noshard";
+  options[2].second.strategy = ShardingStrategy::kNoShard;
+  options[3].first = "keep";
+  options[3].second.reshard_after_forward = false;
+  options[4].first = "bf16/fp32, align 4";
+  options[4].second.mixed_precision.param_dtype = c10::kBFloat16;
+  options[4].second.mixed_precision.reduce_dtype = c10::kFloat;
+  options[4].second.align = 4;
+
+  struct Built {
+    UnitInfo info;
+    int64_t all_gather_bytes, reduce_bytes, replicate_bytes;
+  };
+  auto compare = [](const Explanation& e, const std::vector<Built>& got) {
+    REQUIRE(got.size() == e.units.size());
+    for (size_t i = 0; i < e.units.size(); ++i) {
+      const auto& want = e.units[i];
+      CAPTURE(want.name);
+      CHECK(got[i].info.name == want.name);
+      CHECK(got[i].info.strategy == want.strategy);
+      CHECK(got[i].info.reshard_after_forward == want.reshard_after_forward);
+      CHECK(got[i].info.numel == want.numel);
+      CHECK(got[i].info.padded_numel == want.padded_numel);
+      CHECK(got[i].info.shard_numel == want.shard_numel);
+      CHECK(static_cast<int64_t>(got[i].info.num_params) == want.num_params);
+      if (want.strategy != ShardingStrategy::kNoShard)
+        CHECK(got[i].all_gather_bytes == want.all_gather_bytes);
+      CHECK(got[i].reduce_bytes == want.reduce_bytes);
+      CHECK(got[i].replicate_bytes == want.per_step.replicate_bytes);
+    }
+  };
+  auto built_units = [](const ShardedModel& fsdp) {
+    std::vector<Built> out;
+    const auto info = fsdp.units();
+    for (size_t i = 0; i < fsdp.num_units(); ++i) {
+      const FlatParam& f = fsdp.unit(i).flat();
+      out.push_back({info[i], f.all_gather_bytes(), f.reduce_bytes(), f.replicate_reduce_bytes()});
+    }
+    return out;
+  };
+
+  for (const auto& spec : specs) {
+    for (const auto& entry : options) {
+      const std::string& label = entry.first;
+      const ShardingOptions& o = entry.second;
+      for (int world : {2, 3}) {
+        CAPTURE(spec, label, world);
+        const auto e = explain_tiny(spec, world, o);
+        std::vector<Built> got;
+        std::mutex mu;
+        run_ranks(world, [&](Communicator& comm) {
+          auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
+          auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), comm, o);
+          if (comm.rank() != world - 1) return;  // the last rank: its shard is the padded one
+          std::lock_guard<std::mutex> lock(mu);
+          got = built_units(*fsdp);
+        });
+        compare(e, got);
+      }
+    }
+  }
+
+  SECTION("HSDP 2 x 2") {
+    for (const auto& spec : {specs[2], specs[4]}) {
+      CAPTURE(spec);
+      ShardingOptions o = options[4].second;
+      auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
+      const auto e = explain(*model, make_plan(*model, parse_policy(spec)), 2, o, std::nullopt, 2);
+      std::vector<Built> got;
+      std::mutex mu;
+      run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
+        auto m = g::GPT(g::GPTConfig::preset("tiny"), 0);
+        auto fsdp =
+            fully_shard(m.ptr(), make_plan(*m, parse_policy(spec)), ShardingMesh(shard, &rep), o);
+        if (rep.rank() != 1 || shard.rank() != 1) return;
+        std::lock_guard<std::mutex> lock(mu);
+        got = built_units(*fsdp);
+      });
+      compare(e, got);
+    }
+  }
+}
+
+namespace {
+
+g::GPT meta_gpt_1b() {
+  MetaInit meta;
+  return g::GPT(g::GPTConfig::preset("1b"), 0);
+}
+
+std::vector<std::string> warnings_with(const Explanation& e, const std::string& what) {
+  std::vector<std::string> out;
+  for (const auto& w : e.warnings)
+    if (w.find(what) != std::string::npos) out.push_back(w);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnostics][explain]") {
+  // 1B GPT: d = 2048, 16 layers. Per leaf: wte, wpe, 16 x (ln1, qkv, proj, ln2, fc, mlp.proj),
+  // ln_f, lm_head = 100 units (the root owns nothing), each FULL_SHARD: 2 all-gathers + 1
+  // reduce-scatter = 300 collectives; x 50 us = 15.0 ms = 15% of the 100 ms reference step.
+  // The 33 LayerNorms are 2 * 2048 fp32 = 16 KiB each: a third of the units.
+  auto model = meta_gpt_1b();
+  const auto leaf = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 8, {});
+  REQUIRE(leaf.units.size() == 101);
+  CHECK(leaf.collectives_per_step == 300);
+  CHECK(leaf.collective_latency_ms() == Approx(15.0));
+  const auto frag = warnings_with(leaf, "fragmented plan");
+  REQUIRE(frag.size() == 1);
+  CAPTURE(frag[0]);
+  CHECK_THAT(frag[0], Catch::Contains("300 collectives per step x ~50.0 us latency = 15.0 ms, 15% "
+                                      "of a 100.0 ms reference step"));
+  CHECK_THAT(frag[0], Catch::Contains("33 of 100 units hold less than 1 MiB each (median 16.0 KiB"));
+  CHECK_THAT(frag[0], Catch::Contains("--policy type=Block"));
+  CHECK_THAT(leaf.to_string(), Catch::Contains("collective latency: 300 collectives per step"));
+
+  // Per layer: the root (wte, wpe, ln_f, lm_head; kept: 1 AG + 1 RS) + 16 blocks x 3 = 50
+  // collectives = 2.5 ms = 2.5%, and no unit below 1 MiB: no warning.
+  const auto layer = explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {});
+  CHECK(layer.collectives_per_step == 50);
+  CHECK(warnings_with(layer, "fragmented plan").empty());
+  CHECK(warnings_with(layer, "less than 1 MiB").empty());
+
+  SECTION("the latency constant and the reference step are the caller's to set") {
+    ExplainOptions slow;
+    slow.collective_latency_us = 200;  // 50 x 200 us = 10 ms = 10%: latency alone warns
+    const auto e = explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {}, std::nullopt,
+                           1, slow);
+    const auto w = warnings_with(e, "fragmented plan");
+    REQUIRE(w.size() == 1);
+    CHECK_THAT(w[0], Catch::Contains("50 collectives per step x ~200.0 us latency = 10.0 ms, 10%"));
+    CHECK(w[0].find("less than 1 MiB") == std::string::npos);
+    ExplainOptions long_step;
+    long_step.reference_step_ms = 1000;  // 15 ms = 1.5%: only the tiny units warn
+    const auto f = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 8, {}, std::nullopt,
+                           1, long_step);
+    const auto v = warnings_with(f, "fragmented plan");
+    REQUIRE(v.size() == 1);
+    CHECK(v[0].find("collectives per step x") == std::string::npos);
+    CHECK_THAT(v[0], Catch::Contains("33 of 100 units hold less than 1 MiB"));
+    ExplainOptions bad;
+    bad.reference_step_ms = 0;
+    CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {},
+                              std::nullopt, 1, bad),
+                      Catch::Contains("reference_step_ms > 0"));
+  }
+}
+
+TEST_CASE("explain warns about replicated NO_SHARD state, naming units and bytes",
+          "[diagnostics][explain]") {
+  auto model = meta_gpt_1b();
+  // lm_head replicated at world 8: 32768 * 2048 = 67108864 elements (a multiple of 64: no
+  // padding); master + grad + 2 AdamW moments, fp32: 67108864 * 16 B = 1.0 GiB on every rank.
+  // Sharded over 8 ranks it would be 1/8 of that: 896 MiB saved per rank.
+  const auto heavy =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")), 8, {});
+  const auto w = warnings_with(heavy, "NO_SHARD unit(s) replicate");
+  REQUIRE(w.size() == 1);
+  CAPTURE(w[0]);
+  CHECK_THAT(w[0], Catch::Contains("1 NO_SHARD unit(s) replicate 1.0 GiB"));
+  CHECK_THAT(w[0], Catch::Contains("(lm_head 1.0 GiB)"));
+  CHECK_THAT(w[0], Catch::Contains("sharding them over 8 ranks saves 896.0 MiB per rank"));
+  CHECK_THAT(w[0], Catch::Contains("shard these units"));
+
+  // Two replicated blocks: 49.2M parameters each (12d^2 + 13d = 50358272) -> 768.4 MiB each.
+  const auto blocks = explain(
+      *model, make_plan(*model, parse_policy("noshard:path=blocks.0|blocks.1;type=Block")), 8, {});
+  const auto b = warnings_with(blocks, "NO_SHARD unit(s) replicate");
+  REQUIRE(b.size() == 1);
+  CHECK_THAT(b[0], Catch::Contains("2 NO_SHARD unit(s) replicate 1.5 GiB"));
+  CHECK_THAT(b[0], Catch::Contains("blocks.0 768.4 MiB,blocks.1 768.4 MiB"));
+
+  // A replicated final LayerNorm (2 * 2048 elements, 64 KiB of state) is noise: no warning.
+  const auto norm =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=ln_f;type=Block")), 8, {});
+  CHECK(warnings_with(norm, "replicate").empty());
+  // One rank: sharding saves nothing, so nothing to warn about.
+  const auto one =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")), 1, {});
+  CHECK(warnings_with(one, "replicate").empty());
 }

@@ -182,6 +182,8 @@ TEST_CASE("flatshard-explain: bad flags and specs say what to fix, exit non-zero
       {"--world 2 --memory-limit 40XB", "'40XB' is not a size"},
       {"--world 2 --policy 'type=Block;sise>=1e7'", "column 12"},
       {"--world 2 --strategy half", "half"},
+      {"--world 2 --reference-step-ms 0", "--reference-step-ms"},
+      {"--world 2 --collective-latency-us -1", "--collective-latency-us"},
   };
   for (const auto& c : cases) {
     const std::string cmd = std::string(FLATSHARD_EXPLAIN_EXE) + " " + c.args + " 2>&1 </dev/null";
@@ -196,4 +198,24 @@ TEST_CASE("flatshard-explain: bad flags and specs say what to fix, exit non-zero
     CHECK(WEXITSTATUS(status) != 0);
     CHECK(out.find(c.says) != std::string::npos);
   }
+}
+
+TEST_CASE("flatshard-explain: the latency flags reach the fragmentation warning",
+          "[reliability][cli]") {
+  // Per-layer tiny GPT at world 2: root + 2 blocks = 3 + 2 + 3 = 8 collectives per step (the
+  // root keeps its parameters). 8 x 500 us = 4 ms = 40% of a 10 ms reference step.
+  const std::string cmd = std::string(FLATSHARD_EXPLAIN_EXE) +
+                          " --preset tiny --world 2 --collective-latency-us 500"
+                          " --reference-step-ms 10 2>&1 </dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  std::string out;
+  char buf[512];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int status = ::pclose(p);
+  CAPTURE(out);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(out.find("8 collectives per step x ~500.0 us latency = 4.0 ms, 40% of a 10.0 ms "
+                 "reference step") != std::string::npos);
 }

@@ -5,6 +5,8 @@
 //   flatshard-explain --preset small --n-layers 12 --policy "every=2,type=Block" --world 4
 //                     --param-dtype bf16 --prefetch 2 --memory-limit 2GiB    (one line)
 //   flatshard-explain --preset 1b --policy type=Block --world 8 --replicate 16   (HSDP)
+//   flatshard-explain --preset 1b --policy "type=Linear|LayerNorm|Embedding" --world 8
+//                     --collective-latency-us 80 --reference-step-ms 45      (one line)
 //
 // The reference GPT is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
@@ -61,6 +63,23 @@ CLI::Validator at_least(int64_t lo) {
       "INT>=" + std::to_string(lo));
 }
 
+// Real-valued options, same style: "--reference-step-ms: must be > 0, got 0".
+CLI::Validator number_above(double lo, bool or_equal) {
+  const std::string bound = std::string(or_equal ? ">= " : "> ") + CLI::detail::to_string(lo);
+  return CLI::Validator(
+      [lo, or_equal, bound](std::string& text) -> std::string {
+        try {
+          size_t used = 0;
+          const double v = std::stod(text, &used);
+          if (used == text.size() && std::isfinite(v) && (or_equal ? v >= lo : v > lo)) return "";
+          if (used == text.size()) return "must be " + bound + ", got " + text;
+        } catch (const std::exception&) {
+        }
+        return "expected a number, got '" + text + "'";
+      },
+      std::string("NUMBER") + (or_equal ? ">=" : ">") + CLI::detail::to_string(lo));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,6 +90,7 @@ int main(int argc, char** argv) {
   std::string param_dtype = "fp32", reduce_dtype, memory_limit;
   int world = 0, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
   int64_t align = 8;
+  flatshard::ExplainOptions cost;
   bool keep = false, tied = false, show_plan = false;
   std::map<std::string, int64_t> overrides;
   app.add_option("--preset", preset, "GPT preset: tiny, small, 1b")
@@ -111,6 +131,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--memory-limit", memory_limit,
                  "model-state memory per rank to check the prefetch depth against, e.g. 40GiB");
+  app.add_option("--collective-latency-us", cost.collective_latency_us,
+                 "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
+      ->check(number_above(0, /*or_equal=*/true))
+      ->capture_default_str();
+  app.add_option("--reference-step-ms", cost.reference_step_ms,
+                 "step time the collectives' latency is compared with (explain has no compute "
+                 "model; default: the 1B GPT at 4 seq/GPU on H200)")
+      ->check(number_above(0, /*or_equal=*/false))
+      ->capture_default_str();
   app.add_flag("--plan", show_plan, "also print the plan (Plan::to_string)");
   CLI11_PARSE(app, argc, argv);
 
@@ -148,7 +177,7 @@ int main(int argc, char** argv) {
     std::cout << "model: GPT " << cfg.to_string() << " (" << flatshard::gpt::num_parameters(cfg)
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();
-    std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate).to_string();
+    std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate, cost).to_string();
   } catch (const CLI::Error& e) {
     return app.exit(e);
   } catch (const c10::Error& e) {

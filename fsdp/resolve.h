@@ -1,0 +1,39 @@
+// flatshard/fsdp/resolve.h — one unit's settings from its plan entry and the options.
+//
+// The only place where a UnitSpec plus ShardingOptions become a unit's strategy, whether it
+// reshards after forward, its FlatParamConfig and the world size its flat buffer is laid out
+// over. fully_shard() (sharded_model.cpp) builds each Unit from it and explain() (explain.cpp)
+// predicts from it, so the two agree by construction, not by keeping copies in step.
+//
+// Rules
+// - strategy: the plan's unit option, else ShardingOptions::strategy.
+// - reshard_after_forward: the plan's unit option, else ShardingOptions::reshard_after_forward,
+//   except that the root defaults to false (its backward starts right after the forward ends);
+//   then true only for FULL_SHARD (SHARD_GRAD_OP keeps its parameters until backward by
+//   definition, NO_SHARD never frees them).
+// - FlatParamConfig: sharded unless NO_SHARD; param dtype = mixed_precision.param_dtype; reduce
+//   dtype = mixed_precision.reduce_dtype, else the param dtype; align and sync_module_states from
+//   the options; padding poisoned when FLATSHARD_DEBUG is on (collectives/env.h).
+// - layout world size: the shard group's size for sharded units, 1 for NO_SHARD (replicated);
+//   FlatParam derives the same from config.sharded (Unit asserts they agree).
+// Pure: no collectives, no tensors; the model is not read.
+#pragma once
+
+#include "flat_param/flat_param.h"
+#include "fsdp/options.h"
+#include "wrap_policies/plan.h"
+
+namespace flatshard {
+
+struct ResolvedUnit {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  bool reshard_after_forward = false;  // true only for FULL_SHARD units
+  FlatParamConfig flat;                // what the unit's FlatParam is built with
+  int layout_world_size = 1;           // ranks the flat buffer is padded and sharded over
+};
+
+// `shard_world_size`: ranks of the shard group (all ranks without HSDP); must be >= 1.
+ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
+                          int shard_world_size);
+
+}  // namespace flatshard
