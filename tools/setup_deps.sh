@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything flatshard needs to build on a fresh Debian 12 machine. Idempotent: a second
 # run (or a fresh clone on the same machine) downloads nothing.
-#   - Debian packages: cmake, ninja, ccache, Abseil, Catch2 (v2), CLI11, nlohmann-json.
+#   - Debian packages: cmake, ninja, ccache, Abseil, Catch2 (v2), CLI11, nlohmann-json, zlib.
 #   - The PyPI torch wheel pinned to FLATSHARD_TORCH_VERSION in a virtualenv cached per user,
 #     keyed by that version (LibTorch headers/libs and the NCCL of the same wheel set).
 # Prints the venv's python path on its last line (used by the Makefile).
@@ -15,7 +15,8 @@ log() { echo "[setup] $*" >&2; }
 
 # --- Debian packages -------------------------------------------------------------------------
 need_pkgs=()
-for p in cmake ninja-build ccache libabsl-dev catch2 libcli11-dev nlohmann-json3-dev python3-venv; do
+for p in cmake ninja-build ccache libabsl-dev catch2 libcli11-dev nlohmann-json3-dev zlib1g-dev \
+         python3-venv; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then
