@@ -131,8 +131,11 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
     e.end = off[1].as_int();
     h.tensors_.push_back(std::move(e));
   }
-  std::sort(h.tensors_.begin(), h.tensors_.end(),
-            [](const TensorEntry& a, const TensorEntry& b) { return a.begin < b.begin; });
+  // By (begin, end): an empty tensor shares its offset with the next one ([x, x] then [x, y]),
+  // and by begin alone the sort may put it after that one (files save_file writes have them).
+  std::sort(h.tensors_.begin(), h.tensors_.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   int64_t expect = 0;
   for (const auto& e : h.tensors_) {
     const int64_t want = e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
