@@ -1,6 +1,7 @@
 // The checkpoint's building blocks against independent references: CRC-32 check values (the
 // ones zlib and the IEEE standard publish), the manifest's strict reading (JSON itself:
-// tests/json_test.cpp), safetensors per its spec.
+// tests/json_test.cpp), safetensors per its spec (and against the reference implementation:
+// tests/safetensors_interop_test.cpp).
 #include <ATen/ATen.h>
 
 #include <catch2/catch.hpp>
