@@ -12,6 +12,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "support/json.h"
+
 namespace flatshard {
 namespace bench {
 
@@ -45,27 +47,7 @@ std::string percent(const std::optional<double>& v) {
 
 // --- JSON/CSV scalars -------------------------------------------------------------------------
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);  // UTF-8 bytes pass through unchanged
-        }
-    }
-  }
-  return out + "\"";
-}
+std::string json_string(const std::string& s) { return json::quote(s); }
 
 // Shortest text that reads back as the same double; JSON has no NaN/Infinity: those are null.
 std::string number(double v) {

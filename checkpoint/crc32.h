@@ -1,9 +1,9 @@
 // flatshard/checkpoint/crc32.h — CRC-32 (IEEE 802.3, the polynomial of zlib, gzip and PNG).
 //
-// Same values as Python's zlib.crc32 and binascii.crc32, so checksums in a manifest can be
-// verified outside flatshard. Incremental: crc32_update(crc32_update(0, a), b) == crc of a||b.
-// Software slicing-by-8 (~2-3 GB/s per core): cheap next to the disk bandwidth a checkpoint
-// sees. Not the SSE4.2 crc32 instruction, which computes CRC-32C (another polynomial).
+// zlib's own crc32_z, so checksums in a manifest are exactly Python's zlib.crc32 and
+// binascii.crc32 and can be verified outside flatshard. Incremental:
+// crc32_update(crc32_update(0, a), b) == crc of a||b. (Not the SSE4.2 crc32 instruction, which
+// computes CRC-32C, another polynomial.)
 #pragma once
 
 #include <cstddef>

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "checkpoint/crc32.h"
-#include "checkpoint/json.h"
+#include "support/json.h"
 
 namespace flatshard {
 
@@ -29,28 +29,28 @@ std::string strings(const std::vector<std::string>& v) {
   return s + "]";
 }
 
-// The shortest decimal that reads back as the same double (0.9, not 0.90000000000000002).
-std::string number(double d) {
-  char buf[32];
-  for (int digits = 15; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof buf, "%.*g", digits, d);
-    if (std::strtod(buf, nullptr) == d) break;
-  }
-  return buf;
-}
-
-uint32_t parse_crc(const json::Value& j) {
+uint32_t parse_crc(const json::Node& j) {
   const std::string& s = j.as_string();
   char* end = nullptr;
   const unsigned long v = std::strtoul(s.c_str(), &end, 16);
-  TORCH_CHECK(s.size() == 8 && end && *end == '\0', "bad crc32 '", s, "'");
+  if (!(s.size() == 8 && end && *end == '\0')) j.fail("bad crc32 '" + s + "'");
   return static_cast<uint32_t>(v);
 }
 
-std::vector<int64_t> parse_ints(const json::Value& j) {
+std::vector<int64_t> parse_ints(const json::Node& j) {
   std::vector<int64_t> v;
-  for (const auto& x : j.as_array()) v.push_back(x.as_int());
+  for (const auto& x : j.items()) v.push_back(x.as_int());
   return v;
+}
+
+// Errors inside one named entry also name it: the pointer says where, the name which one.
+template <class F>
+void naming(const std::string& label, const std::string& name, F&& parse) {
+  try {
+    parse();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.msg(), " (", label, " '", name, "')");
+  }
 }
 
 std::string value_json(const ValueRecord& v) {
@@ -66,22 +66,21 @@ std::string value_json(const ValueRecord& v) {
   return s + "]}";
 }
 
-ValueRecord parse_value(const json::Value& j) {
+ValueRecord parse_value(const json::Node& j) {
   ValueRecord v;
   v.name = j.at("name").as_string();
-  try {
-    v.dtype = safetensors_dtype(j.at("dtype").as_string(), "'" + v.name + "'");
+  naming("entry", v.name, [&] {
+    const json::Node dtype = j.at("dtype");
+    v.dtype = safetensors_dtype(dtype.as_string(), dtype.where() + " ('" + v.name + "')");
     v.shape = parse_ints(j.at("shape"));
-    if (const json::Value* t = j.find("tied"))
-      for (const auto& a : t->as_array()) v.aliases.push_back(a.as_string());
-    if (const json::Value* u = j.find("unit")) v.unit = u->as_string();
+    if (const auto t = j.find("tied"))
+      for (const auto& a : t->items()) v.aliases.push_back(a.as_string());
+    if (const auto u = j.find("unit")) v.unit = u->as_string();
     v.step = j.at("step").as_int();
-    for (const auto& p : j.at("pieces").as_array())
+    for (const auto& p : j.at("pieces").items())
       v.pieces.push_back(
           Piece{p.at("file").as_string(), p.at("begin").as_int(), p.at("end").as_int()});
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "entry '", v.name, "': ", e.msg());
-  }
+  });
   return v;
 }
 
@@ -121,28 +120,30 @@ std::string file_record_json(const FileRecord& f) {
   return s + "]}";
 }
 
-FileRecord parse_file_record(const json::Value& j) {
+FileRecord parse_file_record(const json::Node& j) {
   FileRecord f;
   f.name = j.at("name").as_string();
-  try {
+  naming("file", f.name, [&] {
     f.bytes = j.at("bytes").as_int();
     f.header_crc32 = parse_crc(j.at("header_crc32"));
-    for (const auto& t : j.at("tensors").as_array()) {
+    for (const auto& t : j.at("tensors").items()) {
       FileTensor ft;
       ft.entry.name = t.at("name").as_string();
+      const json::Node dtype = t.at("dtype");
       ft.entry.dtype =
-          safetensors_dtype(t.at("dtype").as_string(), "tensor '" + ft.entry.name + "'");
+          safetensors_dtype(dtype.as_string(), dtype.where() + " (tensor '" + ft.entry.name + "')");
       ft.entry.shape = parse_ints(t.at("shape"));
-      const auto off = parse_ints(t.at("data_offsets"));
-      TORCH_CHECK(off.size() == 2, "tensor '", ft.entry.name, "': data_offsets needs 2 numbers");
+      const json::Node offsets = t.at("data_offsets");
+      const auto off = parse_ints(offsets);
+      if (off.size() != 2)
+        offsets.fail("tensor '" + ft.entry.name + "': data_offsets needs 2 numbers, got " +
+                     std::to_string(off.size()));
       ft.entry.begin = off[0];
       ft.entry.end = off[1];
-      for (const auto& c : t.at("crc32").as_array()) ft.crc32.push_back(parse_crc(c));
+      for (const auto& c : t.at("crc32").items()) ft.crc32.push_back(parse_crc(c));
       f.tensors.push_back(std::move(ft));
     }
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "file '", f.name, "': ", e.msg());
-  }
+  });
   return f;
 }
 
@@ -154,9 +155,10 @@ std::string Manifest::to_json() const {
   if (optimizer) {
     const auto& o = *optimizer;
     os << "{\"type\": " << json::quote(o.type) << ", \"fields\": " << strings(o.fields)
-       << ", \"file\": " << json::quote(o.file) << ", \"lr\": " << number(o.lr) << ", \"betas\": ["
-       << number(o.beta1) << ", " << number(o.beta2) << "], \"eps\": " << number(o.eps)
-       << ", \"weight_decay\": " << number(o.weight_decay)
+       << ", \"file\": " << json::quote(o.file) << ", \"lr\": " << json::number(o.lr)
+       << ", \"betas\": [" << json::number(o.beta1) << ", " << json::number(o.beta2)
+       << "], \"eps\": " << json::number(o.eps)
+       << ", \"weight_decay\": " << json::number(o.weight_decay)
        << ", \"amsgrad\": " << (o.amsgrad ? "true" : "false") << "}";
   } else {
     os << "null";
@@ -184,53 +186,52 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   TORCH_CHECK(at != std::string::npos, path,
               ": no manifest_crc32 at the end: the manifest is "
               "truncated or was not written by flatshard");
-  const json::Value doc = json::parse(text, path);
+  const json::Json parsed = json::parse(text, path);
+  const json::Node doc(parsed, path);  // errors below name the path and the field
   const uint32_t want = crc32(text.data(), at);
-  uint32_t got = 0;
-  try {
-    got = parse_crc(doc.at("manifest_crc32"));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, path, ": ", e.msg());
-  }
+  const uint32_t got = parse_crc(doc.at("manifest_crc32"));
   TORCH_CHECK(got == want, path, ": manifest checksum mismatch (stored ", crc32_hex(got),
               ", computed ", crc32_hex(want), "): the manifest is corrupt");
   Manifest m;
-  try {
-    TORCH_CHECK(doc.at("format").as_string() == kFormatName, "format is '",
-                doc.at("format").as_string(), "', expected '", kFormatName, "'");
-    m.version = static_cast<int>(doc.at("version").as_int());
-    TORCH_CHECK(m.version == kCheckpointFormatVersion, "format version ", m.version,
-                " is not supported (this build reads version ", kCheckpointFormatVersion, ")");
-    m.kind = doc.at("kind").as_string();
-    TORCH_CHECK(m.kind == "sharded" || m.kind == "full", "unknown kind '", m.kind, "'");
-    m.world_size = static_cast<int>(doc.at("world_size").as_int());
-    m.crc_chunk_bytes = doc.at("crc_chunk_bytes").as_int();
-    TORCH_CHECK(m.crc_chunk_bytes > 0, "crc_chunk_bytes must be positive");
-    const json::Value& o = doc.at("optimizer");
-    if (!o.is_null()) {
-      OptimizerRecord r;
-      r.type = o.at("type").as_string();
-      for (const auto& f : o.at("fields").as_array()) r.fields.push_back(f.as_string());
-      r.file = o.at("file").as_string();
-      r.lr = o.at("lr").as_number();
-      const auto& b = o.at("betas").as_array();
-      TORCH_CHECK(b.size() == 2, "optimizer betas must have two numbers");
-      r.beta1 = b[0].as_number();
-      r.beta2 = b[1].as_number();
-      r.eps = o.at("eps").as_number();
-      r.weight_decay = o.at("weight_decay").as_number();
-      r.amsgrad = o.at("amsgrad").as_bool();
-      m.optimizer = r;
-    }
-    for (const auto& u : doc.at("units").as_array())
-      m.units.push_back(UnitRecord{u.at("name").as_string(), u.at("strategy").as_string(),
-                                   u.at("numel").as_int(), u.at("padded_numel").as_int()});
-    for (const auto& p : doc.at("params").as_array()) m.params.push_back(parse_value(p));
-    for (const auto& b : doc.at("buffers").as_array()) m.buffers.push_back(parse_value(b));
-    for (const auto& f : doc.at("files").as_array()) m.files.push_back(parse_file_record(f));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, path, ": ", e.msg());
+  const json::Node format = doc.at("format");
+  if (format.as_string() != kFormatName)
+    format.fail("format is '" + format.as_string() + "', expected '" + kFormatName + "'");
+  const json::Node version = doc.at("version");
+  m.version = static_cast<int>(version.as_int());
+  if (m.version != kCheckpointFormatVersion)
+    version.fail("format version " + std::to_string(m.version) +
+                 " is not supported (this build reads version " +
+                 std::to_string(kCheckpointFormatVersion) + ")");
+  const json::Node kind = doc.at("kind");
+  m.kind = kind.as_string();
+  if (m.kind != "sharded" && m.kind != "full") kind.fail("unknown kind '" + m.kind + "'");
+  m.world_size = static_cast<int>(doc.at("world_size").as_int());
+  const json::Node chunk = doc.at("crc_chunk_bytes");
+  m.crc_chunk_bytes = chunk.as_int();
+  if (m.crc_chunk_bytes <= 0) chunk.fail("crc_chunk_bytes must be positive");
+  const json::Node o = doc.at("optimizer");
+  if (!o.is_null()) {
+    OptimizerRecord r;
+    r.type = o.at("type").as_string();
+    for (const auto& f : o.at("fields").items()) r.fields.push_back(f.as_string());
+    r.file = o.at("file").as_string();
+    r.lr = o.at("lr").as_number();
+    const json::Node betas = o.at("betas");
+    const auto b = betas.items();
+    if (b.size() != 2) betas.fail("optimizer betas must have two numbers");
+    r.beta1 = b[0].as_number();
+    r.beta2 = b[1].as_number();
+    r.eps = o.at("eps").as_number();
+    r.weight_decay = o.at("weight_decay").as_number();
+    r.amsgrad = o.at("amsgrad").as_bool();
+    m.optimizer = r;
   }
+  for (const auto& u : doc.at("units").items())
+    m.units.push_back(UnitRecord{u.at("name").as_string(), u.at("strategy").as_string(),
+                                 u.at("numel").as_int(), u.at("padded_numel").as_int()});
+  for (const auto& p : doc.at("params").items()) m.params.push_back(parse_value(p));
+  for (const auto& b : doc.at("buffers").items()) m.buffers.push_back(parse_value(b));
+  for (const auto& f : doc.at("files").items()) m.files.push_back(parse_file_record(f));
   return m;
 }
 

@@ -14,7 +14,8 @@
 // - the unit plan and world size it was written with (informational) and the optimizer's type,
 //   hyperparameters (informational) and state fields.
 // The manifest carries its own CRC-32 (`manifest_crc32`, over the text before it); parse()
-// checks it and every field, throwing with the path and the field at fault.
+// checks it and every field, throwing with the path and the field at fault (a JSON Pointer,
+// e.g. "manifest.json: /params/3/step: expected an integer, got 1.5 (entry 'wte.weight')").
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -29,7 +30,7 @@
 namespace flatshard {
 
 namespace json {
-class Value;
+class Node;  // support/json.h
 }  // namespace json
 
 inline constexpr const char* kManifestName = "manifest.json";
@@ -99,6 +100,6 @@ struct Manifest {
 
 // One file's entry as JSON text and back (ranks send theirs to rank 0 as text).
 std::string file_record_json(const FileRecord& f);
-FileRecord parse_file_record(const json::Value& j);
+FileRecord parse_file_record(const json::Node& j);
 
 }  // namespace flatshard

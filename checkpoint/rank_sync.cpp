@@ -5,6 +5,8 @@
 
 #include <sstream>
 
+#include "collectives/gather_bytes.h"
+
 namespace flatshard {
 
 namespace {
@@ -44,32 +46,9 @@ void agree(Communicator& comm, std::exception_ptr local_error, const std::string
 }
 
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text) {
-  const int world = comm.world_size();
-  const auto opts = at::TensorOptions().dtype(at::kFloat).device(comm.device());
   TORCH_CHECK(text.size() < (1u << 24), "checkpoint: ", text.size(), " bytes of metadata on rank ",
               comm.rank(), " is more than one exchange carries");
-  if (world == 1) return {text};
-  at::Tensor len = at::full({1}, static_cast<float>(text.size()), opts);
-  at::Tensor lens = at::empty({world}, opts);
-  comm.all_gather(len, lens, comm.current_stream());
-  lens = lens.cpu();
-  int64_t longest = 0;
-  for (int r = 0; r < world; ++r) longest = std::max<int64_t>(longest, lens[r].item<float>());
-  at::Tensor mine = at::zeros({std::max<int64_t>(longest, 1)}, at::kFloat);
-  auto* m = mine.data_ptr<float>();
-  for (size_t i = 0; i < text.size(); ++i) m[i] = static_cast<unsigned char>(text[i]);
-  at::Tensor all = at::empty({world * mine.numel()}, opts);
-  comm.all_gather(mine.to(comm.device()), all, comm.current_stream());
-  all = all.cpu();
-  const float* a = all.data_ptr<float>();
-  std::vector<std::string> out(world);
-  for (int r = 0; r < world; ++r) {
-    const int64_t n = static_cast<int64_t>(lens[r].item<float>());
-    out[r].resize(n);
-    for (int64_t i = 0; i < n; ++i)
-      out[r][i] = static_cast<char>(static_cast<int>(a[r * mine.numel() + i]));
-  }
-  return out;
+  return all_gather_bytes(comm, text);
 }
 
 }  // namespace flatshard

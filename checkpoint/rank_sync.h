@@ -19,8 +19,8 @@ namespace flatshard {
 // that stopped early.
 void agree(Communicator& comm, std::exception_ptr local_error, const std::string& what);
 
-// Every rank's `text` (bytes, encoded one per fp32 element), in rank order. Each text must be
-// shorter than 2^24 bytes (exact in fp32).
+// Every rank's `text`, in rank order (collectives/gather_bytes.h: one fp32 element per byte).
+// Each text must be shorter than 2^24 bytes (its length travels as an fp32).
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
 
 }  // namespace flatshard

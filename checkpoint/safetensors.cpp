@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "checkpoint/file_io.h"
-#include "checkpoint/json.h"
+#include "support/json.h"
 
 namespace flatshard {
 
@@ -106,34 +106,36 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
                                            int64_t file_size) {
   SafetensorsHeader h;
   h.bytes_ = std::move(raw);
-  const std::string json = h.bytes_.substr(8);
-  TORCH_CHECK(!json.empty() && json[0] == '{', path,
+  const std::string text = h.bytes_.substr(8);
+  TORCH_CHECK(!text.empty() && text[0] == '{', path,
               ": safetensors header does not start with '{'");
-  const json::Value doc = json::parse(json, path + " (safetensors header)");
-  try {
-    for (const auto& [key, value] : doc.as_object()) {
-      if (key == "__metadata__") {
-        for (const auto& [k, v] : value.as_object()) h.metadata_.emplace_back(k, v.as_string());
-        continue;
-      }
-      TensorEntry e;
-      e.name = key;
-      e.dtype = safetensors_dtype(value.at("dtype").as_string(), path + ", tensor '" + key + "'");
-      for (const auto& d : value.at("shape").as_array()) {
-        e.shape.push_back(d.as_int());
-        TORCH_CHECK(e.shape.back() >= 0, "negative dimension");
-      }
-      const auto& off = value.at("data_offsets").as_array();
-      TORCH_CHECK(off.size() == 2, "data_offsets must have two entries");
-      e.begin = off[0].as_int();
-      e.end = off[1].as_int();
-      h.tensors_.push_back(std::move(e));
+  const std::string what = path + " (safetensors header)";
+  const json::Json parsed = json::parse(text, what);
+  // Errors name the file and the key (a JSON Pointer: "/wte.weight/shape/0").
+  for (const auto& [key, value] : json::Node(parsed, what).members()) {
+    if (key == "__metadata__") {
+      for (const auto& [k, v] : value.members()) h.metadata_.emplace_back(k, v.as_string());
+      continue;
     }
-  } catch (const c10::Error& err) {
-    TORCH_CHECK(false, path, ": bad safetensors header: ", err.msg());
+    TensorEntry e;
+    e.name = key;
+    e.dtype = safetensors_dtype(value.at("dtype").as_string(), path + ", tensor '" + key + "'");
+    for (const auto& d : value.at("shape").items()) {
+      e.shape.push_back(d.as_int());
+      if (e.shape.back() < 0) d.fail("negative dimension");
+    }
+    const json::Node offsets = value.at("data_offsets");
+    const auto off = offsets.items();
+    if (off.size() != 2) offsets.fail("data_offsets must have two entries");
+    e.begin = off[0].as_int();
+    e.end = off[1].as_int();
+    h.tensors_.push_back(std::move(e));
   }
-  std::sort(h.tensors_.begin(), h.tensors_.end(),
-            [](const TensorEntry& a, const TensorEntry& b) { return a.begin < b.begin; });
+  // By (begin, end): an empty tensor shares its offset with the next one ([x, x] then [x, y]),
+  // and by begin alone the sort may put it after that one (files save_file writes have them).
+  std::sort(h.tensors_.begin(), h.tensors_.end(), [](const TensorEntry& a, const TensorEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   int64_t expect = 0;
   for (const auto& e : h.tensors_) {
     const int64_t want = e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));

@@ -8,13 +8,13 @@
 #include <unordered_map>
 
 #include "checkpoint/checkpoint.h"
-#include "checkpoint/json.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/progress.h"
 #include "checkpoint/rank_sync.h"
 #include "checkpoint/tensor_file.h"
 #include "checkpoint/unit_ranges.h"
 #include "fsdp/sharded_model.h"
+#include "support/json.h"
 
 namespace flatshard {
 
@@ -292,8 +292,10 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
         err = std::current_exception();
       }
       agree(comm, err, what);
-      for (const std::string& text : all_gather_text(comm, file_record_json(mine)))
-        manifest.files.push_back(parse_file_record(json::parse(text, "file record")));
+      for (const std::string& text : all_gather_text(comm, file_record_json(mine))) {
+        const json::Json record = json::parse(text, "file record");
+        manifest.files.push_back(parse_file_record(json::Node(record, "file record")));
+      }
     } else {
       manifest.files = write_full(*source, manifest, staging, o, progress, err);
       agree(comm, err, what);

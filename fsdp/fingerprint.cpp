@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "collectives/communicator.h"
+#include "collectives/gather_bytes.h"
 
 namespace flatshard {
 
@@ -173,31 +174,18 @@ void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& 
   all = all.cpu();  // waits for the collective on GPUs
   const float* a = all.data_ptr<float>();
   bool same = true;
-  int64_t max_len = 0;
   std::vector<int64_t> lens(world);
   for (int r = 0; r < world; ++r) {
     for (int k = 0; k < 6; ++k) same = same && a[6 * r + k] == a[k];
     lens[r] = static_cast<int64_t>(a[6 * r + 4]) + (static_cast<int64_t>(a[6 * r + 5]) << 16);
-    max_len = std::max(max_len, lens[r]);
   }
   if (same) return;
 
   // Some rank differs (every rank sees the same summaries, so every rank gets here): exchange
-  // the full texts, one float per byte, padded to the longest.
-  at::Tensor bytes = at::zeros({max_len}, cpu_f);
-  auto* b = bytes.data_ptr<float>();
-  for (int64_t i = 0; i < len; ++i) b[i] = static_cast<float>(static_cast<unsigned char>(text[i]));
-  at::Tensor texts = at::empty({max_len * world}, cpu_f.device(dev));
-  comm.all_gather(bytes.to(dev), texts, stream);
-  texts = texts.cpu();
-  const float* t = texts.data_ptr<float>();
+  // the full texts (the lengths are known from the summaries).
+  const std::vector<std::string> texts = all_gather_bytes(comm, text, lens);
   std::vector<std::vector<FingerprintEntry>> per_rank(world);
-  for (int r = 0; r < world; ++r) {
-    std::string sr(static_cast<size_t>(lens[r]), '\0');
-    for (int64_t i = 0; i < lens[r]; ++i)
-      sr[i] = static_cast<char>(static_cast<unsigned char>(t[r * max_len + i]));
-    per_rank[r] = deserialize(sr);
-  }
+  for (int r = 0; r < world; ++r) per_rank[r] = deserialize(texts[r]);
   for (int r = 1; r < world; ++r) {
     const std::string diff = describe_difference(per_rank[0], name(0), per_rank[r], name(r));
     if (!diff.empty())

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "benchmarks/kernel_profile.h"
-#include "checkpoint/json.h"
+#include "support/json.h"
 
 #ifndef FLATSHARD_BENCH_EXE
 #error "FLATSHARD_BENCH_EXE (path of flatshard-bench) must be defined by CMake"
@@ -86,25 +86,35 @@ Outcome run_bench(const std::vector<std::string>& args) {
   return o;
 }
 
-const flatshard::json::Value& run_named(const flatshard::json::Value& doc, const std::string& name) {
-  for (const auto& r : doc.at("runs").as_array())
+// A JSON report read back: the document and its root (errors name the file and the key).
+struct JsonFile {
+  explicit JsonFile(const std::string& path)
+      : doc(flatshard::json::parse_file(path)), root(doc, path) {}
+  JsonFile(const JsonFile&) = delete;
+  JsonFile& operator=(const JsonFile&) = delete;
+  const flatshard::json::Json doc;
+  const flatshard::json::Node root;  // refers to doc
+};
+
+flatshard::json::Node run_named(const flatshard::json::Node& doc, const std::string& name) {
+  for (const auto& r : doc.at("runs").items())
     if (r.at("granularity").as_string() == name) return r;
   throw std::runtime_error("no run named '" + name + "' in the JSON");
 }
 
 // The default granularities on the tiny preset, 2 ranks, 2 measured steps — shared by the
 // tests below (one run of the binary).
-const flatshard::json::Value& default_run() {
-  static const flatshard::json::Value doc = [] {
+const flatshard::json::Node& default_run() {
+  static const JsonFile report = [] {
     const std::string json = scratch("default.json");
     const Outcome o =
         run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1", "--json",
                    json});
     INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
     REQUIRE(o.exit_code == 0);
-    return flatshard::json::parse(read_file(json));
+    return JsonFile(json);
   }();
-  return doc;
+  return report.root;
 }
 
 }  // namespace
@@ -120,14 +130,14 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
   CHECK(doc.at("optimizer").as_string() == "adamw");
 
   std::vector<std::string> names;
-  for (const auto& r : doc.at("runs").as_array()) names.push_back(r.at("granularity").as_string());
+  for (const auto& r : doc.at("runs").items()) names.push_back(r.at("granularity").as_string());
   CHECK(names == std::vector<std::string>{"local", "leaf", "layer", "every-2", "model", "noshard"});
 
   const double tokens = doc.at("batch").as_number() * model.at("seq_len").as_number();
   const double local_median = run_named(doc, "local").at("step_ms").at("median").as_number();
   const double loss0 = run_named(doc, "local").at("loss_step0").as_number();
   CHECK(loss0 > 0);
-  for (const auto& r : doc.at("runs").as_array()) {
+  for (const auto& r : doc.at("runs").items()) {
     CAPTURE(r.at("granularity").as_string());
     for (const char* key : {"world_size", "units", "forward_all_gathers", "backward_all_gathers",
                             "reduce_scatters", "all_reduces", "bytes_per_step",
@@ -138,7 +148,7 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
     CHECK(t.at("min").as_number() > 0);
     CHECK(t.at("min").as_number() <= t.at("median").as_number());
     CHECK(t.at("median").as_number() <= t.at("max").as_number());
-    CHECK(t.at("all").as_array().size() == 2);
+    CHECK(t.at("all").items().size() == 2);
     // The two phases are parts of a step: positive, and together no longer than the step.
     const double fb = r.at("fwd_bwd_ms_median").as_number();
     const double op = r.at("optimizer_ms_median").as_number();
@@ -223,15 +233,16 @@ TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
                                "--json", json, "--csv", csv, "--plot", svg});
   INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
   REQUIRE(o.exit_code == 0);
-  const auto doc = flatshard::json::parse(read_file(json));
+  const JsonFile report(json);
+  const flatshard::json::Node& doc = report.root;
   CHECK(doc.at("param_dtype").as_string() == "bf16");
   std::vector<std::string> names;
-  for (const auto& r : doc.at("runs").as_array()) names.push_back(r.at("granularity").as_string());
+  for (const auto& r : doc.at("runs").items()) names.push_back(r.at("granularity").as_string());
   // The last spec has a quote and a backslash: JSON and CSV must escape them.
   CHECK(names == std::vector<std::string>{"layer", "every=2,type=Block", "size>=1e4",
                                           "path=lm_head|x\"y\\z"});
   CHECK(doc.at("check_reference").as_string() == "layer");  // no local run: the first one
-  for (const auto& r : doc.at("runs").as_array()) CHECK(r.at("check").as_string() == "ok");
+  for (const auto& r : doc.at("runs").items()) CHECK(r.at("check").as_string() == "ok");
 
   std::vector<std::string> lines;
   std::istringstream in(read_file(csv));
@@ -257,10 +268,11 @@ TEST_CASE("--optimizer fused: every run uses FusedAdamW; losses still agree", "[
   INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
   REQUIRE(o.exit_code == 0);
   CHECK(o.out.find("optimizer FusedAdamW") != std::string::npos);
-  const auto doc = flatshard::json::parse(read_file(json));
+  const JsonFile report(json);
+  const flatshard::json::Node& doc = report.root;
   CHECK(doc.at("optimizer").as_string() == "fused");
   CHECK(doc.at("all_ok").as_bool());
-  for (const auto& r : doc.at("runs").as_array()) CHECK(r.at("optimizer_ms_median").as_number() > 0);
+  for (const auto& r : doc.at("runs").items()) CHECK(r.at("optimizer_ms_median").as_number() > 0);
 }
 
 TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {

@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "checkpoint/crc32.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint_util.h"
 
@@ -177,6 +178,24 @@ TEST_CASE("a damaged or missing manifest is refused", "[checkpoint][corrupt]") {
   REQUIRE_THROWS_WITH(load2(dir),
                       Contains("no checkpoint at") && Contains("manifest.json is missing"));
   REQUIRE_THROWS_WITH(load_plain(dir), Contains("manifest.json is missing"));
+}
+
+TEST_CASE("a manifest with a duplicate key is refused, naming the key", "[checkpoint][corrupt]") {
+  const Saved& s = saved();
+  const std::string dir = s.copy("sharded1", "duplicate");
+  const std::string path = dir + "/manifest.json";
+  std::string text = read_bytes(path);
+  const size_t at = text.find("\"world_size\": 2");
+  REQUIRE(at != std::string::npos);
+  text.insert(at, "\"world_size\": 3,\n");
+  // A valid checksum: only the duplicate is wrong (the CRC covers the text before its member).
+  const std::string member = ",\n\"manifest_crc32\": ";
+  const size_t end = text.rfind(member);
+  REQUIRE(end != std::string::npos);
+  write_bytes(path,
+              text.substr(0, end) + member + "\"" + crc32_hex(crc32(text.data(), end)) + "\"\n}\n");
+  REQUIRE_THROWS_WITH(load2(dir), Contains("manifest.json: invalid JSON: duplicate key "
+                                           "'world_size' in the object at the top level"));
 }
 
 TEST_CASE("a checkpoint of another model or optimizer is refused by name",

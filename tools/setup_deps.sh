@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything flatshard needs to build on a fresh Debian 12 machine. Idempotent: a second
 # run (or a fresh clone on the same machine) downloads nothing.
-#   - Debian packages: cmake, ninja, ccache, Abseil, Catch2 (v2), CLI11, nlohmann-json.
+#   - Debian packages: cmake, ninja, ccache, Abseil, Catch2 (v2), CLI11, nlohmann-json, zlib.
 #   - The PyPI torch wheel pinned to FLATSHARD_TORCH_VERSION in a virtualenv cached per user,
 #     keyed by that version (LibTorch headers/libs and the NCCL of the same wheel set).
+#   - In the same venv, the PyPI safetensors package pinned to FLATSHARD_SAFETENSORS_VERSION
+#     (tests/safetensors_interop_test: files must load in the reference implementation).
 # Prints the venv's python path on its last line (used by the Makefile).
 set -euo pipefail
 
 TORCH_VERSION="${FLATSHARD_TORCH_VERSION:-2.11.0}"
+SAFETENSORS_VERSION="${FLATSHARD_SAFETENSORS_VERSION:-0.7.0}"
 CACHE_ROOT="${FLATSHARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/flatshard}"
 VENV="$CACHE_ROOT/venv-torch-$TORCH_VERSION"
 
@@ -15,7 +18,8 @@ log() { echo "[setup] $*" >&2; }
 
 # --- Debian packages -------------------------------------------------------------------------
 need_pkgs=()
-for p in cmake ninja-build ccache libabsl-dev catch2 libcli11-dev nlohmann-json3-dev python3-venv; do
+for p in cmake ninja-build ccache libabsl-dev catch2 libcli11-dev nlohmann-json3-dev zlib1g-dev \
+         python3-venv; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then
@@ -48,4 +52,18 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 "$VENV/bin/python" -c "import torch" >/dev/null
+
+# --- safetensors in the same venv (a fresh venv and an older one without it alike) ----------
+# The [torch] extra brings what safetensors.torch imports (numpy, packaging; torch is already
+# there). Checked by installed versions (no import of torch), so a present pin costs one python
+# start and no pip call. A failed install does not stop the build: the interop test then fails
+# (it never skips) and says why.
+if ! "$VENV/bin/python" -c "
+import importlib.metadata as m, sys
+sys.exit(m.version('safetensors') != '$SAFETENSORS_VERSION' or not (m.version('numpy') and m.version('packaging')))
+" >/dev/null 2>&1; then
+  log "installing safetensors[torch]==$SAFETENSORS_VERSION into $VENV"
+  "$VENV/bin/python" -m pip install -q --progress-bar off "safetensors[torch]==$SAFETENSORS_VERSION" >&2 ||
+    log "warning: could not install safetensors==$SAFETENSORS_VERSION; safetensors_interop_test will fail"
+fi
 echo "$VENV/bin/python"
