@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/kernel_profile.h"
 #include "checkpoint/json.h"
+#include "profiling/kernel_profile.h"
 
 #ifndef FLATSHARD_BENCH_EXE
 #error "FLATSHARD_BENCH_EXE (path of flatshard-bench) must be defined by CMake"
@@ -300,7 +300,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
 
 TEST_CASE("kernel profile summary: unions, overlap, categories against hand-computed values",
           "[bench][kernel_profile]") {
-  using flatshard::bench::KernelRecord;
+  using flatshard::profiling::KernelRecord;
   const uint64_t ms = 1000000;
   // Two identical steps; per step: a GEMM [0,10) and an elementwise kernel [12,14) on the compute
   // stream, an NCCL all-gather [5,20) on another stream, a memset [25,26).
@@ -313,7 +313,7 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
                     base + 12 * ms, base + 14 * ms});
     recs.push_back({"Memset (Device)", 7, base + 25 * ms, base + 26 * ms});
   }
-  const auto p = flatshard::bench::summarize_kernels(recs, 2, /*top_n=*/3);
+  const auto p = flatshard::profiling::summarize_kernels(recs, 2, /*top_n=*/3);
   CHECK(p.steps == 2);
   CHECK(p.span_ms == Approx(126.0 / 2));  // first start 0, last end 126
   CHECK(p.busy_ms == Approx(21.0));       // [0,20) + [25,26)
@@ -336,7 +336,7 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
   CHECK(p.streams[1].ms == Approx(13.0));
   CHECK(p.streams[1].count == Approx(3.0));
 
-  using flatshard::bench::kernel_category;
+  using flatshard::profiling::kernel_category;
   CHECK(kernel_category("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>") ==
         "attention");
   CHECK(kernel_category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel") ==
@@ -346,7 +346,7 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
   CHECK(kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm");
   CHECK(kernel_category("Memcpy DtoD (Device -> Device)") == "memcpy/memset");
   CHECK(kernel_category("some_custom_kernel") == "other");
-  CHECK(flatshard::bench::summarize_kernels({}, 1).busy_ms == 0);
-  CHECK_THROWS_WITH(flatshard::bench::summarize_kernels(recs, 0),
+  CHECK(flatshard::profiling::summarize_kernels({}, 1).busy_ms == 0);
+  CHECK_THROWS_WITH(flatshard::profiling::summarize_kernels(recs, 0),
                     Catch::Contains("steps must be >= 1, got 0"));
 }

@@ -8,13 +8,13 @@
 
 #include <mutex>
 
-#include "benchmarks/gpt.h"
 #include "collectives/thread_communicator.h"
 #include "collectives/thread_mesh.h"
 #include "fsdp/call.h"
 #include "fsdp/explain.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 

@@ -19,12 +19,12 @@
 
 #include <unistd.h>
 
-#include "benchmarks/gpt.h"
 #include "checkpoint/json.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "fsdp/trace.h"
+#include "models/gpt.h"
 #include "tools/trace_summary.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
