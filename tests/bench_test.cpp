@@ -73,8 +73,15 @@ std::string scratch(const std::string& name) {
   return dir.file(name);
 }
 
-Outcome run_bench(const std::vector<std::string>& args) {
-  std::string cmd = quote(FLATSHARD_BENCH_EXE);
+// `env`: NAME=value pairs set for the child only (through env(1)), e.g. a launcher's variables.
+Outcome run_bench(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+  std::string cmd;
+  if (!env.empty()) {
+    cmd = "env";
+    for (const auto& kv : env) cmd += " " + quote(kv);
+    cmd += " ";
+  }
+  cmd += quote(FLATSHARD_BENCH_EXE);
   for (const auto& a : args) cmd += " " + quote(a);
   const std::string out = scratch("stdout.txt"), err = scratch("stderr.txt");
   cmd += " >" + quote(out) + " 2>" + quote(err) + " </dev/null";
@@ -267,6 +274,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   struct Case {
     std::vector<std::string> args;
     const char* says;
+    std::vector<std::string> env = {};  // launcher variables
   };
   const std::vector<Case> cases = {
       {{"--bogus"}, "--bogus"},
@@ -284,18 +292,35 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--nproc", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
+      // Launcher variables, parsed by the library (collectives/launch_env.h), name the variable.
+      {{}, "RANK='abc' is not an integer", {"RANK=abc", "WORLD_SIZE=2", "LOCAL_RANK=0"}},
+      {{}, "RANK=2 is out of range [0, 1]", {"RANK=2", "WORLD_SIZE=2", "LOCAL_RANK=0"}},
+      {{}, "SLURM_NTASKS is not set", {"SLURM_PROCID=0", "SLURM_LOCALID=0"}},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {"--preset", "tiny"};  // every case fails before running
     args.insert(args.end(), c.args.begin(), c.args.end());
-    const Outcome o = run_bench(args);
-    CAPTURE(c.args, o.out, o.err);
+    const Outcome o = run_bench(args, c.env);
+    CAPTURE(c.args, c.env, o.out, o.err);
     CHECK(o.exit_code == 2);
     CHECK(o.out.empty());
     CHECK(o.err.rfind("flatshard-bench: error: ", 0) == 0);
     CHECK(std::count(o.err.begin(), o.err.end(), '\n') == 1);
     CHECK(o.err.find(c.says) != std::string::npos);
   }
+}
+
+TEST_CASE("launcher variables: only rank 0 reports a usage error", "[bench][errors]") {
+  // Launched ranks all fail on a bad flag; only rank 0 says so (the store address is not needed
+  // to know the rank).
+  const Outcome r1 = run_bench({"--preset", "tiny", "--steps", "0"},
+                               {"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1"});
+  CHECK(r1.exit_code == 2);
+  CHECK(r1.err.empty());
+  const Outcome r0 = run_bench({"--preset", "tiny", "--steps", "0"},
+                               {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0"});
+  CHECK(r0.exit_code == 2);
+  CHECK(r0.err.find("--steps must be >= 1, got 0") != std::string::npos);
 }
 
 TEST_CASE("kernel profile summary: unions, overlap, categories against hand-computed values",
