@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -25,28 +27,6 @@ namespace flatshard {
 namespace bench {
 
 namespace {
-
-std::optional<int> env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const long x = std::strtol(v, &end, 10);
-  if (errno != 0 || *end != '\0' || x < 0 || x > 1 << 20)
-    throw UsageError(std::string("environment variable ") + name + "='" + v +
-                     "' is not a rank number");
-  return static_cast<int>(x);
-}
-
-std::optional<LauncherEnv> from_vars(const char* rank, const char* world, const char* local) {
-  const auto r = env_int(rank);
-  if (!r) return std::nullopt;
-  LauncherEnv e;
-  e.rank = *r;
-  e.world_size = env_int(world).value_or(1);
-  e.local_rank = env_int(local).value_or(0);
-  return e;
-}
 
 // A TCP port the kernel considers free right now (bind to port 0). Another process could take
 // it before rank 0's store binds it; the store then fails with "address in use", naming it.
@@ -70,10 +50,12 @@ int free_port() {
 
 }  // namespace
 
-std::optional<LauncherEnv> launcher_env() {
-  if (auto e = from_vars("RANK", "WORLD_SIZE", "LOCAL_RANK")) return e;
-  if (auto e = from_vars("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")) return e;
-  return from_vars("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK");
+std::optional<LaunchEnv> launcher_env() {
+  try {
+    return LaunchEnv::ranks_from_env();
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());  // a launch mistake: exit 2, one line
+  }
 }
 
 int launch_local_ranks(int nproc, char** argv) {

@@ -2,11 +2,11 @@
 // ourselves.
 //
 // Contract
-// - launcher_env() reads the rank variables of torchrun (RANK, WORLD_SIZE, LOCAL_RANK), SLURM
-//   (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or Open MPI (OMPI_COMM_WORLD_RANK, _SIZE,
-//   _LOCAL_RANK), in that order of precedence; nullopt when none is set. A malformed number
-//   throws UsageError naming the variable. (The NCCL rendezvous reads the full environment,
-//   MASTER_ADDR/MASTER_PORT included, itself; this is only for deciding what to do.)
+// - launcher_env() reads the rank variables of torchrun, SLURM or Open MPI with the library's
+//   parser (LaunchEnv::ranks_from_env, collectives/launch_env.h: same precedence and checks as
+//   the rendezvous); nullopt when none is set. A malformed or missing one throws UsageError with
+//   the parser's message, which names the variable. (The NCCL rendezvous reads the full
+//   environment, MASTER_ADDR/MASTER_PORT included, itself; this is only for deciding what to do.)
 // - launch_local_ranks() runs this executable (/proc/self/exe) `nproc` times with the same
 //   arguments and RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and
 //   MASTER_PORT=<a free port> set, so each child sees itself launched torchrun-style. It waits
@@ -17,16 +17,12 @@
 
 #include <optional>
 
+#include "collectives/launch_env.h"
+
 namespace flatshard {
 namespace bench {
 
-struct LauncherEnv {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-};
-
-std::optional<LauncherEnv> launcher_env();
+std::optional<LaunchEnv> launcher_env();
 
 int launch_local_ranks(int nproc, char** argv);
 

@@ -96,7 +96,7 @@ int run_cpu(const fb::BenchOptions& o) {
                 std::move(results));
 }
 
-int run_cuda_rank(const fb::BenchOptions& o, const fb::LauncherEnv& env) {
+int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
   const int gpus = fb::cuda_device_count();
   if (env.local_rank >= gpus)
     throw fb::UsageError("local rank " + std::to_string(env.local_rank) + " has no GPU: " +
@@ -128,7 +128,7 @@ int run_cuda_rank(const fb::BenchOptions& o, const fb::LauncherEnv& env) {
                 std::move(results));
 }
 
-int run(const fb::BenchOptions& o, char** argv, const std::optional<fb::LauncherEnv>& env) {
+int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::LaunchEnv>& env) {
   if (o.device == fb::DeviceKind::kCpu) return run_cpu(o);
   const std::string why = fb::cuda_unavailable_reason();
   if (!why.empty()) throw fb::UsageError(why);
@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
   int rank = 0;
   bool launched = false;
   try {
-    const std::optional<fb::LauncherEnv> env = fb::launcher_env();
+    const std::optional<flatshard::LaunchEnv> env = fb::launcher_env();
     launched = env.has_value();
     rank = env ? env->rank : 0;
     fb::ParseResult parsed = fb::parse_command_line(argc, argv);

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/gpt.h"
 #include "fsdp/options.h"
+#include "models/gpt.h"
 
 namespace flatshard {
 namespace bench {

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "support/format.h"
 #include "support/json.h"
 
 namespace flatshard {
@@ -38,8 +39,6 @@ std::string wrap(const std::string& text, size_t width) {
   }
   return out + line + "\n";
 }
-
-std::string mib(int64_t bytes) { return fixed(static_cast<double>(bytes) / (1 << 20), 2); }
 
 std::string percent(const std::optional<double>& v) {
   return v ? fixed(100.0 * *v, 1) + "%" : "-";
@@ -156,33 +155,22 @@ void print_table(const Report& rep, std::ostream& out) {
       << (o.fused_optimizer ? "FusedAdamW" : "AdamW") << "; " << o.warmup << " warmup + " << o.steps
       << " measured steps; seed " << o.seed << "\n\n";
 
-  std::vector<std::vector<std::string>> cells = {
-      {"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step", "median ms",
-       "min ms", "max ms", "fwd+bwd", "opt ms", "host ms", "x local", "tok/s/GPU", "MFU",
-       "exposed", "peak MiB", "loss@0", "check"}};
+  TextTable table({"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step",
+                   "median ms", "min ms", "max ms", "fwd+bwd", "opt ms", "host ms", "x local",
+                   "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0", "check"});
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
-    cells.push_back({r.run.granularity, std::to_string(r.run.units),
-                     std::to_string(c.forward_all_gathers), std::to_string(c.backward_all_gathers),
-                     std::to_string(c.reduce_scatters), std::to_string(c.all_reduces),
-                     mib(c.bytes), fixed(r.median_ms, 1), fixed(r.min_ms, 1), fixed(r.max_ms, 1),
-                     fixed(r.fwd_bwd_ms, 1), fixed(r.optimizer_ms, 1), fixed(r.host_issue_ms, 1),
-                     r.ratio_to_local ? fixed(*r.ratio_to_local, 2) : "-",
-                     fixed(r.tokens_per_s_per_gpu, 0), percent(r.mfu),
-                     percent(r.run.exposed_comm_share), mib(r.run.peak_memory_bytes),
-                     fixed(r.run.loss_step0, 5), r.ok ? "ok" : "FAIL"});
+    table.add_row({r.run.granularity, std::to_string(r.run.units),
+                   std::to_string(c.forward_all_gathers), std::to_string(c.backward_all_gathers),
+                   std::to_string(c.reduce_scatters), std::to_string(c.all_reduces),
+                   format_mib(c.bytes, 2), fixed(r.median_ms, 1), fixed(r.min_ms, 1),
+                   fixed(r.max_ms, 1), fixed(r.fwd_bwd_ms, 1), fixed(r.optimizer_ms, 1),
+                   fixed(r.host_issue_ms, 1), r.ratio_to_local ? fixed(*r.ratio_to_local, 2) : "-",
+                   fixed(r.tokens_per_s_per_gpu, 0), percent(r.mfu),
+                   percent(r.run.exposed_comm_share), format_mib(r.run.peak_memory_bytes, 2),
+                   fixed(r.run.loss_step0, 5), r.ok ? "ok" : "FAIL"});
   }
-  std::vector<size_t> width(cells.front().size(), 0);
-  for (const auto& row : cells)
-    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
-  for (const auto& row : cells) {
-    std::string line;
-    for (size_t i = 0; i < row.size(); ++i) {
-      const std::string pad(width[i] - row[i].size(), ' ');
-      line += i == 0 ? row[i] + pad : "  " + pad + row[i];  // names left, numbers right
-    }
-    out << line << "\n";
-  }
+  out << table;
   out << "\n"
       << "fwd AG, bwd AG, RS, AR: all-gathers in forward / backward, reduce-scatters, all-reduces\n"
       << "  per step; MiB/step: bytes rank 0 sent into them (last measured step, rank 0).\n"

@@ -10,12 +10,12 @@
 #include <memory>
 #include <mutex>
 
-#include "benchmarks/counting_allocator.h"
 #include "benchmarks/timed_communicator.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/fused_adamw.h"
 #include "fsdp/sharded_model.h"
+#include "profiling/counting_allocator.h"
 
 namespace flatshard {
 namespace bench {
@@ -149,11 +149,12 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (config.kernel_profile_steps > 0) {
     hooks.synchronize();
     if (group) group->barrier();
-    if (rank == 0) start_kernel_profile();
+    if (rank == 0) profiling::start_kernel_profile();
     for (int k = 0; k < config.kernel_profile_steps; ++k) train_step(k % total, [] {});
     hooks.synchronize();
     if (rank == 0)
-      r.kernel_profile = summarize_kernels(stop_kernel_profile(), config.kernel_profile_steps);
+      r.kernel_profile = profiling::summarize_kernels(profiling::stop_kernel_profile(),
+                                                  config.kernel_profile_steps);
   }
 
   if (group) group->barrier();  // every rank's steps are inside the peak
@@ -163,7 +164,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
 
 RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granularity,
                              int world_size, const ProgressFn& progress) {
-  CountingCpuAllocator& mem = CountingCpuAllocator::install();
+  profiling::CountingCpuAllocator& mem = profiling::CountingCpuAllocator::install();
   DeviceHooks hooks;
   hooks.memory_current = [&mem] { return mem.current_bytes(); };
   hooks.memory_peak = [&mem] { return mem.peak_bytes(); };

@@ -29,14 +29,18 @@
 #include <vector>
 
 #include "benchmarks/bench_granularity.h"
-#include "benchmarks/gpt.h"
-#include "benchmarks/kernel_profile.h"
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
+#include "models/gpt.h"
+#include "profiling/kernel_profile.h"
 
 namespace flatshard {
 namespace bench {
+
+// The kernel profile a run reports (profiling/kernel_profile.h), by the names the report uses.
+using profiling::KernelGroup;
+using profiling::KernelProfile;
 
 // Everything a run needs besides the granularity; identical on every rank.
 struct RunConfig {
@@ -51,7 +55,7 @@ struct RunConfig {
   // (meaningful on synchronous backends only: the CPU one).
   bool time_collectives = false;
   // After the measured steps, this many more steps under the PyTorch profiler on rank 0
-  // (benchmarks/kernel_profile.h); 0: none. Not part of the timing.
+  // (profiling/kernel_profile.h); 0: none. Not part of the timing.
   int kernel_profile_steps = 0;
 };
 

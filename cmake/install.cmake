@@ -1,6 +1,6 @@
 # Install rules: `cmake --install <build> --prefix P` gives P/lib/cmake/flatshard with a package
 # config, so another project's `find_package(flatshard)` yields flatshard::flatshard (and
-# flatshard::gpt, the reference model) carrying LibTorch, NCCL and Abseil usage requirements.
+# flatshard::models, the reference models) carrying LibTorch, NCCL and Abseil usage requirements.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -9,11 +9,12 @@ set(FLATSHARD_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/flatshard)
 install(TARGETS flatshard EXPORT flatshardTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
-if(TARGET flatshard_gpt)
-  set_target_properties(flatshard_gpt PROPERTIES EXPORT_NAME gpt)
-  target_include_directories(flatshard_gpt INTERFACE $<INSTALL_INTERFACE:include/flatshard>)
-  install(TARGETS flatshard_gpt EXPORT flatshardTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
-  install(FILES benchmarks/gpt.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard/benchmarks)
+if(TARGET flatshard_models)
+  set_target_properties(flatshard_models PROPERTIES EXPORT_NAME models)
+  target_include_directories(flatshard_models INTERFACE $<INSTALL_INTERFACE:include/flatshard>)
+  install(TARGETS flatshard_models EXPORT flatshardTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(DIRECTORY models/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard/models
+          FILES_MATCHING PATTERN "*.h")
 endif()
 # Public headers keep their repository paths under include/flatshard/, so both
 # #include "fsdp/call.h" and #include <flatshard/fsdp/call.h> work for consumers.

@@ -106,6 +106,12 @@ int uniform_tasks_per_node(const std::string& v, int world_size) {
   return common >= 1 && common <= world_size ? static_cast<int>(common) : -1;
 }
 
+std::optional<std::string> getenv_lookup(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return std::nullopt;
+  return std::string(v);
+}
+
 }  // namespace
 
 std::string LaunchEnv::store_prefix() const {
@@ -124,24 +130,16 @@ std::string LaunchEnv::describe() const {
   return os.str();
 }
 
-LaunchEnv LaunchEnv::from_env() {
-  return from_lookup([](const char* name) -> std::optional<std::string> {
-    const char* v = std::getenv(name);
-    if (!v) return std::nullopt;
-    return std::string(v);
-  });
-}
+LaunchEnv LaunchEnv::from_env() { return from_lookup(getenv_lookup); }
 
-LaunchEnv LaunchEnv::from_lookup(const Lookup& lookup) {
+std::optional<LaunchEnv> LaunchEnv::ranks_from_env() { return ranks_from_lookup(getenv_lookup); }
+
+std::optional<LaunchEnv> LaunchEnv::ranks_from_lookup(const Lookup& lookup) {
   LaunchEnv e;
   const bool has_rank = lookup("RANK").value_or("") != "";
   const bool has_slurm = lookup("SLURM_PROCID").value_or("") != "";
   const bool has_ompi = lookup("OMPI_COMM_WORLD_RANK").value_or("") != "";
-  TORCH_CHECK(has_rank || has_slurm || has_ompi,
-              "flatshard rendezvous: no launcher environment found: set RANK, WORLD_SIZE, "
-              "LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun does), or run under SLURM "
-              "(SLURM_PROCID) or Open MPI (OMPI_COMM_WORLD_RANK) with MASTER_ADDR and MASTER_PORT "
-              "exported");
+  if (!has_rank && !has_slurm && !has_ompi) return std::nullopt;
   if (has_rank) {
     e.launcher = Launcher::kTorchrun;
     Reader r(lookup, "torchrun");
@@ -172,6 +170,17 @@ LaunchEnv LaunchEnv::from_lookup(const Lookup& lookup) {
         "OMPI_COMM_WORLD_LOCAL_RANK", 0,
         e.local_world_size > 0 ? e.local_world_size - 1 : e.world_size - 1);
   }
+  return e;
+}
+
+LaunchEnv LaunchEnv::from_lookup(const Lookup& lookup) {
+  std::optional<LaunchEnv> ranks = ranks_from_lookup(lookup);
+  TORCH_CHECK(ranks.has_value(),
+              "flatshard rendezvous: no launcher environment found: set RANK, WORLD_SIZE, "
+              "LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun does), or run under SLURM "
+              "(SLURM_PROCID) or Open MPI (OMPI_COMM_WORLD_RANK) with MASTER_ADDR and MASTER_PORT "
+              "exported");
+  LaunchEnv e = *ranks;
   Reader r(lookup, to_string(e.launcher));
   e.master_addr = r.require("MASTER_ADDR");
   e.master_port = r.require_int("MASTER_PORT", 1, 65535);

@@ -46,6 +46,14 @@ struct LaunchEnv {
   // Same, reading variables through `lookup` (nullopt = unset); lets tests avoid setenv().
   using Lookup = std::function<std::optional<std::string>(const char* name)>;
   static LaunchEnv from_lookup(const Lookup& lookup);
+
+  // The rank part alone (launcher, rank, world_size, local_rank, local_world_size; same
+  // precedence, checks and errors as from_env), or nullopt when no launcher's rank variable
+  // (RANK, SLURM_PROCID, OMPI_COMM_WORLD_RANK) is set. The store variables are not read
+  // (master_addr stays empty): for programs that also run unlaunched and need to know who they
+  // are before deciding what to do (flatshard-bench launches one process per GPU itself then).
+  static std::optional<LaunchEnv> ranks_from_env();
+  static std::optional<LaunchEnv> ranks_from_lookup(const Lookup& lookup);
 };
 
 const char* to_string(LaunchEnv::Launcher launcher);

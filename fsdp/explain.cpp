@@ -16,6 +16,7 @@
 
 #include "flat_param/layout.h"
 #include "fsdp/resolve.h"
+#include "support/format.h"
 
 namespace flatshard {
 
@@ -290,23 +291,6 @@ void add_warnings(Explanation& e,
 
 }  // namespace
 
-std::string format_bytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int i = 0;
-  while (std::abs(v) >= 1024.0 && i < 4) {
-    v /= 1024.0;
-    ++i;
-  }
-  std::ostringstream os;
-  if (i == 0) {
-    os << bytes << " B";
-  } else {
-    os << std::fixed << std::setprecision(1) << v << ' ' << units[i];
-  }
-  return os.str();
-}
-
 MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int forward_prefetch,
                                int backward_prefetch) {
   MemoryEstimate m;
@@ -488,33 +472,20 @@ std::string Explanation::to_string() const {
      << ", prefetch fwd " << options.forward_prefetch << " / bwd " << options.backward_prefetch
      << "\n";
 
-  const std::vector<std::string> header = {"#",       "unit",  "strategy", "modules",
-                                           "params",  "numel", "padding",  "gathered",
-                                           "shard",   "collectives/step", "sent/step"};
-  const std::vector<bool> right = {true, false, false, false, true, true,
-                                   true, true,  true,  false, true};
-  std::vector<std::vector<std::string>> rows = {header};
+  using Align = TextTable::Align;
+  const Align l = Align::kLeft, r = Align::kRight;
+  TextTable table({"#", "unit", "strategy", "modules", "params", "numel", "padding", "gathered",
+                   "shard", "collectives/step", "sent/step"},
+                  {r, l, l, l, r, r, r, r, r, l, r});
   for (const auto& u : units) {
-    rows.push_back({std::to_string(u.index), u.name, strategy_text(u), join(u.modules, 3),
-                    std::to_string(u.num_params), std::to_string(u.numel),
-                    std::to_string(u.padding()),
-                    format_bytes(u.padded_numel * elem_size(mp.param_dtype)),
-                    format_bytes(u.master_bytes), collectives_text(u.per_step),
-                    format_bytes(u.per_step.bytes)});
+    table.add_row({std::to_string(u.index), u.name, strategy_text(u), join(u.modules, 3),
+                   std::to_string(u.num_params), std::to_string(u.numel),
+                   std::to_string(u.padding()),
+                   format_bytes(u.padded_numel * elem_size(mp.param_dtype)),
+                   format_bytes(u.master_bytes), collectives_text(u.per_step),
+                   format_bytes(u.per_step.bytes)});
   }
-  std::vector<size_t> width(header.size(), 0);
-  for (const auto& r : rows)
-    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
-  for (const auto& r : rows) {
-    for (size_t c = 0; c < r.size(); ++c) {
-      const size_t fill = width[c] - r[c].size();
-      if (c) os << "  ";
-      if (right[c]) os << std::string(fill, ' ');
-      os << r[c];
-      if (!right[c] && c + 1 < r.size()) os << std::string(fill, ' ');
-    }
-    os << '\n';
-  }
+  os << table;
   os << "gathered = unsharded flat buffer (" << dtype_name(mp.param_dtype)
      << "); shard = fp32 master per rank; AG f+b = forward + backward all-gathers; sent/step = "
         "bytes this rank sends (Unit counters)";

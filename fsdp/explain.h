@@ -161,7 +161,4 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
 MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units,
                                int forward_prefetch, int backward_prefetch);
 
-// "1.5 GiB", "512 B": binary units, one decimal.
-std::string format_bytes(int64_t bytes);
-
 }  // namespace flatshard

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/kernel_profile.h"
+#include "profiling/kernel_profile.h"
 #include "support/json.h"
 
 #ifndef FLATSHARD_BENCH_EXE
@@ -73,8 +73,15 @@ std::string scratch(const std::string& name) {
   return dir.file(name);
 }
 
-Outcome run_bench(const std::vector<std::string>& args) {
-  std::string cmd = quote(FLATSHARD_BENCH_EXE);
+// `env`: NAME=value pairs set for the child only (through env(1)), e.g. a launcher's variables.
+Outcome run_bench(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+  std::string cmd;
+  if (!env.empty()) {
+    cmd = "env";
+    for (const auto& kv : env) cmd += " " + quote(kv);
+    cmd += " ";
+  }
+  cmd += quote(FLATSHARD_BENCH_EXE);
   for (const auto& a : args) cmd += " " + quote(a);
   const std::string out = scratch("stdout.txt"), err = scratch("stderr.txt");
   cmd += " >" + quote(out) + " 2>" + quote(err) + " </dev/null";
@@ -279,6 +286,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   struct Case {
     std::vector<std::string> args;
     const char* says;
+    std::vector<std::string> env = {};  // launcher variables
   };
   const std::vector<Case> cases = {
       {{"--bogus"}, "--bogus"},
@@ -296,12 +304,16 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--nproc", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
+      // Launcher variables, parsed by the library (collectives/launch_env.h), name the variable.
+      {{}, "RANK='abc' is not an integer", {"RANK=abc", "WORLD_SIZE=2", "LOCAL_RANK=0"}},
+      {{}, "RANK=2 is out of range [0, 1]", {"RANK=2", "WORLD_SIZE=2", "LOCAL_RANK=0"}},
+      {{}, "SLURM_NTASKS is not set", {"SLURM_PROCID=0", "SLURM_LOCALID=0"}},
   };
   for (const auto& c : cases) {
     std::vector<std::string> args = {"--preset", "tiny"};  // every case fails before running
     args.insert(args.end(), c.args.begin(), c.args.end());
-    const Outcome o = run_bench(args);
-    CAPTURE(c.args, o.out, o.err);
+    const Outcome o = run_bench(args, c.env);
+    CAPTURE(c.args, c.env, o.out, o.err);
     CHECK(o.exit_code == 2);
     CHECK(o.out.empty());
     CHECK(o.err.rfind("flatshard-bench: error: ", 0) == 0);
@@ -310,9 +322,22 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   }
 }
 
+TEST_CASE("launcher variables: only rank 0 reports a usage error", "[bench][errors]") {
+  // Launched ranks all fail on a bad flag; only rank 0 says so (the store address is not needed
+  // to know the rank).
+  const Outcome r1 = run_bench({"--preset", "tiny", "--steps", "0"},
+                               {"RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1"});
+  CHECK(r1.exit_code == 2);
+  CHECK(r1.err.empty());
+  const Outcome r0 = run_bench({"--preset", "tiny", "--steps", "0"},
+                               {"RANK=0", "WORLD_SIZE=2", "LOCAL_RANK=0"});
+  CHECK(r0.exit_code == 2);
+  CHECK(r0.err.find("--steps must be >= 1, got 0") != std::string::npos);
+}
+
 TEST_CASE("kernel profile summary: unions, overlap, categories against hand-computed values",
           "[bench][kernel_profile]") {
-  using flatshard::bench::KernelRecord;
+  using flatshard::profiling::KernelRecord;
   const uint64_t ms = 1000000;
   // Two identical steps; per step: a GEMM [0,10) and an elementwise kernel [12,14) on the compute
   // stream, an NCCL all-gather [5,20) on another stream, a memset [25,26).
@@ -325,7 +350,7 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
                     base + 12 * ms, base + 14 * ms});
     recs.push_back({"Memset (Device)", 7, base + 25 * ms, base + 26 * ms});
   }
-  const auto p = flatshard::bench::summarize_kernels(recs, 2, /*top_n=*/3);
+  const auto p = flatshard::profiling::summarize_kernels(recs, 2, /*top_n=*/3);
   CHECK(p.steps == 2);
   CHECK(p.span_ms == Approx(126.0 / 2));  // first start 0, last end 126
   CHECK(p.busy_ms == Approx(21.0));       // [0,20) + [25,26)
@@ -348,7 +373,7 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
   CHECK(p.streams[1].ms == Approx(13.0));
   CHECK(p.streams[1].count == Approx(3.0));
 
-  using flatshard::bench::kernel_category;
+  using flatshard::profiling::kernel_category;
   CHECK(kernel_category("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>") ==
         "attention");
   CHECK(kernel_category("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel") ==
@@ -358,7 +383,7 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
   CHECK(kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm");
   CHECK(kernel_category("Memcpy DtoD (Device -> Device)") == "memcpy/memset");
   CHECK(kernel_category("some_custom_kernel") == "other");
-  CHECK(flatshard::bench::summarize_kernels({}, 1).busy_ms == 0);
-  CHECK_THROWS_WITH(flatshard::bench::summarize_kernels(recs, 0),
+  CHECK(flatshard::profiling::summarize_kernels({}, 1).busy_ms == 0);
+  CHECK_THROWS_WITH(flatshard::profiling::summarize_kernels(recs, 0),
                     Catch::Contains("steps must be >= 1, got 0"));
 }

@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "benchmarks/gpt.h"
 #include "checkpoint/checkpoint.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 #include "temp_dir.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"

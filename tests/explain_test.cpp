@@ -9,7 +9,6 @@
 
 #include <mutex>
 
-#include "benchmarks/gpt.h"
 #include "collectives/thread_communicator.h"
 #include "collectives/thread_mesh.h"
 #include "fsdp/call.h"
@@ -17,6 +16,7 @@
 #include "fsdp/meta_init.h"
 #include "fsdp/resolve.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 

@@ -3,8 +3,8 @@
 // and 3 layers so every-2 leaves a group of one. Shared by the CPU parity and HSDP tests.
 #pragma once
 
-#include "benchmarks/gpt.h"
 #include "fsdp/call.h"
+#include "models/gpt.h"
 #include "parity_util.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"

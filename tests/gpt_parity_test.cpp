@@ -16,8 +16,8 @@
 // 1e-2, 50x the tolerance, and the gradient check above is tight anyway.
 #include <catch2/catch.hpp>
 
-#include "benchmarks/gpt.h"
 #include "gpt_parity_spec.h"
+#include "models/gpt.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 

@@ -1,7 +1,7 @@
-// The reference GPT (benchmarks/gpt.h): parameter count vs the closed form, shapes, causality,
+// The reference GPT (models/gpt.h): parameter count vs the closed form, shapes, causality,
 // seeded determinism, module paths and names, that a few AdamW steps learn, bf16, config errors
 // and the synthetic data. Tiny configs only: the whole binary runs in seconds on 2 CPU cores.
-#include "benchmarks/gpt.h"
+#include "models/gpt.h"
 
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>

@@ -28,9 +28,9 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/gpt.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 
 namespace flatshard_test {
 

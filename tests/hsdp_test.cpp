@@ -15,11 +15,11 @@
 
 #include <atomic>
 
-#include "benchmarks/gpt.h"
 #include "checkpoint/checkpoint.h"
 #include "collectives/sharding_mesh.h"
 #include "collectives/thread_mesh.h"
 #include "gpt_parity_spec.h"
+#include "models/gpt.h"
 #include "temp_dir.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"

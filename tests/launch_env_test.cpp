@@ -91,6 +91,45 @@ TEST_CASE("missing or malformed variables name the variable and value", "[launch
                     Catch::Contains("(SLURM): environment variable SLURM_NTASKS is not set"));
 }
 
+TEST_CASE("ranks only: no launcher is nullopt, the store is not read, same checks", "[launch_env]") {
+  auto ranks = [](const std::map<std::string, std::string>& vars) {
+    return LaunchEnv::ranks_from_lookup([&](const char* name) -> std::optional<std::string> {
+      auto it = vars.find(name);
+      if (it == vars.end()) return std::nullopt;
+      return it->second;
+    });
+  };
+  CHECK_FALSE(ranks({}).has_value());
+  CHECK_FALSE(ranks({{"RANK", ""}, {"MASTER_ADDR", "node0"}}).has_value());  // empty = unset
+  auto v = torchrun();
+  v.erase("MASTER_ADDR");
+  v.erase("MASTER_PORT");
+  const auto e = ranks(v);
+  REQUIRE(e.has_value());
+  CHECK(e->launcher == LaunchEnv::Launcher::kTorchrun);
+  CHECK((e->rank == 3 && e->world_size == 8 && e->local_rank == 1 && e->local_world_size == 2));
+  CHECK(e->master_addr.empty());
+  CHECK(e->master_port == 0);
+  // The full parse agrees on every rank field, for each launcher.
+  const std::map<std::string, std::string> slurm = {
+      {"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "1"},
+      {"SLURM_TASKS_PER_NODE", "4(x4)"}, {"MASTER_ADDR", "n1"}, {"MASTER_PORT", "1234"}};
+  for (const auto& vars : {torchrun(), slurm}) {
+    const auto a = ranks(vars);
+    const auto b = parse(vars);
+    REQUIRE(a.has_value());
+    CHECK((a->launcher == b.launcher && a->rank == b.rank && a->world_size == b.world_size &&
+           a->local_rank == b.local_rank && a->local_world_size == b.local_world_size));
+  }
+  CHECK(ranks(slurm)->local_world_size == 4);
+  v = torchrun();
+  v["RANK"] = "abc";
+  CHECK_THROWS_WITH(ranks(v), Catch::Contains("RANK='abc' is not an integer"));
+  v = torchrun();
+  v.erase("WORLD_SIZE");
+  CHECK_THROWS_WITH(ranks(v), Catch::Contains("(torchrun): environment variable WORLD_SIZE is not set"));
+}
+
 TEST_CASE("FLATSHARD_* knobs: defaults and validation", "[launch_env][env]") {
   namespace env = flatshard::env;
   unsetenv(env::kTimeoutMs);

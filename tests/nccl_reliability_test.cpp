@@ -20,12 +20,12 @@
 #include <cstdio>
 #include <thread>
 
-#include "benchmarks/gpt.h"
 #include "collectives/launch_env.h"
 #include "collectives/nccl_communicator.h"
 #include "nccl_test_main.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;

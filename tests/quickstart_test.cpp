@@ -7,10 +7,10 @@
 #include <iostream>
 #include <mutex>
 
-#include "benchmarks/gpt.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 

@@ -1,5 +1,5 @@
 // 100 training steps of the tiny GPT sharded on 2 threads: the live CPU bytes after warm-up do
-// not grow (benchmarks/counting_allocator.h counts every CPU storage ATen allocates). A leak
+// not grow (profiling/counting_allocator.h counts every CPU storage ATen allocates). A leak
 // of as little as 1 KiB per step is caught (the control below shows the check bites).
 #include <catch2/catch.hpp>
 
@@ -7,11 +7,11 @@
 
 #include <mutex>
 
-#include "benchmarks/counting_allocator.h"
-#include "benchmarks/gpt.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
+#include "profiling/counting_allocator.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
@@ -23,7 +23,7 @@ constexpr int kSteps = 100, kWarmup = 10;
 // Live bytes (all ranks) at the end of each step, measured while every rank is parked between
 // two barriers. `leak_per_step` bytes are deliberately kept per step (the control).
 std::vector<int64_t> live_bytes_per_step(int64_t leak_per_step) {
-  auto& counter = bench::CountingCpuAllocator::install();
+  auto& counter = profiling::CountingCpuAllocator::install();
   std::vector<int64_t> live;
   std::vector<at::Tensor> leaked;
   run_ranks(2, [&](Communicator& comm) {

@@ -25,7 +25,7 @@
 
 #include <unistd.h>
 
-#include "benchmarks/gpt.h"
+#include "models/gpt.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"

@@ -17,9 +17,9 @@
 #include <iostream>
 #include <map>
 
-#include "benchmarks/gpt.h"
 #include "fsdp/explain.h"
 #include "fsdp/meta_init.h"
+#include "models/gpt.h"
 #include "wrap_policies/spec.h"
 
 namespace {

@@ -18,7 +18,7 @@ import argparse
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--params", type=float, default=944.15e6)  # 1B GPT preset (benchmarks/gpt.cpp)
+    ap.add_argument("--params", type=float, default=944.15e6)  # 1B GPT preset (models/gpt.cpp)
     ap.add_argument("--compute-ms", type=float, default=108.0)  # RESULTS.md, 4 seq/GPU, H200
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--inter-GBps", type=float, default=50.0)   # 400 Gb/s per GPU

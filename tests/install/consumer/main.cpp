@@ -9,11 +9,11 @@
 #include <cstdio>
 #include <mutex>
 
-#include "benchmarks/gpt.h"
 #include "checkpoint/checkpoint.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
+#include "models/gpt.h"
 #include "wrap_policies/spec.h"
 
 int main(int argc, char** argv) {

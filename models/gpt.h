@@ -1,4 +1,4 @@
-// flatshard/benchmarks/gpt.h — the reference GPT decoder used by the tests and the benchmark.
+// flatshard/models/gpt.h — the reference GPT decoder used by the tests and the benchmark.
 //
 // Contract
 //   * Architecture (pre-LayerNorm GPT-2 style, no dropout):

@@ -1,4 +1,4 @@
-// flatshard/benchmarks/counting_allocator.h — a c10 CPU allocator that counts live bytes.
+// flatshard/profiling/counting_allocator.h — a c10 CPU allocator that counts live bytes.
 //
 // Why: LibTorch has no CPU memory statistics (only the CUDA caching allocator keeps them), and
 // flatshard-bench wants the peak memory of a CPU run. The CPU allocator sees every CPU storage
@@ -20,7 +20,7 @@
 #include <cstdint>
 
 namespace flatshard {
-namespace bench {
+namespace profiling {
 
 class CountingCpuAllocator {
  public:
@@ -35,5 +35,5 @@ class CountingCpuAllocator {
   CountingCpuAllocator() = default;
 };
 
-}  // namespace bench
+}  // namespace profiling
 }  // namespace flatshard

@@ -1,5 +1,5 @@
-// flatshard/benchmarks/counting_allocator.cpp — see counting_allocator.h for the contract.
-#include "benchmarks/counting_allocator.h"
+// flatshard/profiling/counting_allocator.cpp — see counting_allocator.h for the contract.
+#include "profiling/counting_allocator.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -12,7 +12,7 @@
 #include <mutex>
 
 namespace flatshard {
-namespace bench {
+namespace profiling {
 
 namespace {
 
@@ -86,5 +86,5 @@ void CountingCpuAllocator::reset_peak() {
   g_peak.store(g_current.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
-}  // namespace bench
+}  // namespace profiling
 }  // namespace flatshard

@@ -1,4 +1,4 @@
-// flatshard/benchmarks/kernel_profile.h — where a step's device time goes, kernel by kernel.
+// flatshard/profiling/kernel_profile.h — where a step's device time goes, kernel by kernel.
 //
 // flatshard-bench --kernel-profile records a few extra steps after the measured ones with the
 // PyTorch profiler (Kineto over CUPTI: every kernel, memcpy and memset on every stream, with
@@ -24,7 +24,7 @@
 #include <vector>
 
 namespace flatshard {
-namespace bench {
+namespace profiling {
 
 struct KernelRecord {
   std::string name;
@@ -59,5 +59,5 @@ KernelProfile summarize_kernels(const std::vector<KernelRecord>& records, int st
 void start_kernel_profile();
 std::vector<KernelRecord> stop_kernel_profile();
 
-}  // namespace bench
+}  // namespace profiling
 }  // namespace flatshard

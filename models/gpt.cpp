@@ -1,5 +1,5 @@
-// flatshard/benchmarks/gpt.cpp — see gpt.h for the contract.
-#include "benchmarks/gpt.h"
+// flatshard/models/gpt.cpp — see gpt.h for the contract.
+#include "models/gpt.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>

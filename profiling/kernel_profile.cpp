@@ -1,5 +1,5 @@
-// flatshard/benchmarks/kernel_profile.cpp — see kernel_profile.h for the contract.
-#include "benchmarks/kernel_profile.h"
+// flatshard/profiling/kernel_profile.cpp — see kernel_profile.h for the contract.
+#include "profiling/kernel_profile.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
@@ -10,7 +10,7 @@
 #include <utility>
 
 namespace flatshard {
-namespace bench {
+namespace profiling {
 
 namespace {
 
@@ -137,5 +137,5 @@ std::vector<KernelRecord> stop_kernel_profile() {
   return out;
 }
 
-}  // namespace bench
+}  // namespace profiling
 }  // namespace flatshard
