@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "fsdp/trace_format.h"
+#include "support/format.h"
 
 namespace flatshard {
 
@@ -37,18 +38,6 @@ constexpr double kLargerFactor = 1.5;
 std::string ms(double us) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f", us / 1000.0);
-  return buf;
-}
-
-std::string bytes_text(int64_t b) {
-  char buf[32];
-  if (b >= (int64_t{1} << 20)) {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
-  } else if (b >= 1024) {
-    std::snprintf(buf, sizeof buf, "%.1f KiB", static_cast<double>(b) / 1024);
-  } else {
-    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
-  }
   return buf;
 }
 
@@ -173,7 +162,7 @@ std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace
         larger_max = std::max(larger_max, o.all_gather_call_us);
     if (larger_max > 0 && u.all_gather_call_us > kLargerFactor * larger_max &&
         !(median_ag_call_us > 0 && u.all_gather_call_us > kOutlierFactor * median_ag_call_us)) {
-      return "its all-gathers (" + bytes_text(u.gathered_bytes) + ") take " +
+      return "its all-gathers (" + format_bytes(u.gathered_bytes) + ") take " +
              ms(u.all_gather_call_us) + " ms each, longer than those of units 4x its size or "
              "more (at most " + ms(larger_max) + " ms): a delayed rank or slow link, not the "
              "plan (synchronous CPU collectives cannot be hidden by prefetch)";
@@ -194,14 +183,14 @@ std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace
     return "its reduction is not hidden by the next unit's backward: group layers (every=2) "
            "or reduce in bf16 (MixedPrecision::reduce_dtype)";
   if (u.gathered_bytes > 0 && u.gathered_bytes < kLatencyBoundBytes)
-    return "its all-gather (" + bytes_text(u.gathered_bytes) +
+    return "its all-gather (" + format_bytes(u.gathered_bytes) +
            ") is latency-bound: group layers: every=2";
   const bool forward = u.all_gather_forward_us >= u.all_gather_backward_us;
   const int depth = forward ? meta.forward_prefetch : meta.backward_prefetch;
   if (depth < 2)
     return std::string("raise ") + (forward ? "forward_prefetch" : "backward_prefetch") +
            " (now " + std::to_string(depth) + ")";
-  return "its all-gather (" + bytes_text(u.gathered_bytes) +
+  return "its all-gather (" + format_bytes(u.gathered_bytes) +
          ") outlasts the compute it overlaps: group layers (every=2) or gather in bf16";
 }
 
@@ -545,24 +534,15 @@ std::string TraceSummary::to_string() const {
        << "\n";
   const std::vector<std::string> header = {"unit",   "fwd ms", "bwd ms",  "AG fwd ms", "AG bwd ms",
                                            "RS ms",  "host gap ms", "exposed ms", "AG/step", "AG size"};
-  std::vector<std::vector<std::string>> rows = {header};
+  TextTable table(header);
   for (const auto& u : units) {
     char n[32];
     std::snprintf(n, sizeof n, "%.1f", u.all_gathers);
-    rows.push_back({u.unit, ms(u.forward_us), ms(u.backward_us), ms(u.all_gather_forward_us),
-                    ms(u.all_gather_backward_us), ms(u.reduce_us), gpu ? ms(u.host_gap_us) : "-",
-                    ms(u.exposed()), n, u.gathered_bytes ? bytes_text(u.gathered_bytes) : "-"});
+    table.add_row({u.unit, ms(u.forward_us), ms(u.backward_us), ms(u.all_gather_forward_us),
+                   ms(u.all_gather_backward_us), ms(u.reduce_us), gpu ? ms(u.host_gap_us) : "-",
+                   ms(u.exposed()), n, u.gathered_bytes ? format_bytes(u.gathered_bytes) : "-"});
   }
-  std::vector<size_t> w(header.size(), 0);
-  for (const auto& r : rows)
-    for (size_t c = 0; c < r.size(); ++c) w[c] = std::max(w[c], r[c].size());
-  for (const auto& r : rows) {
-    for (size_t c = 0; c < r.size(); ++c) {
-      const std::string fill(w[c] - r[c].size(), ' ');
-      os << (c ? "  " : "") << (c == 0 ? r[c] + fill : fill + r[c]);
-    }
-    os << "\n";
-  }
+  os << table;
   if (gpu) {
     os << "largest GPU idle gaps:\n";
     if (largest_gaps.empty()) os << "  none\n";

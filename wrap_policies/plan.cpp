@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "support/format.h"
+
 namespace flatshard {
 
 const char* to_string(ShardingStrategy s) {
@@ -27,14 +29,6 @@ std::string options_text(const UnitOptions& o) {
   return s;
 }
 
-// Left-aligned text cells, right-aligned numbers; widths from the content so long module paths
-// never break the columns.
-std::string pad(const std::string& s, size_t w, bool right) {
-  if (s.size() >= w) return s;
-  std::string fill(w - s.size(), ' ');
-  return right ? fill + s : s + fill;
-}
-
 }  // namespace
 
 int64_t Plan::total_numel() const {
@@ -51,27 +45,16 @@ const UnitSpec* Plan::find(const std::string& name) const {
 
 std::string Plan::to_string() const {
   const std::vector<std::string> header = {"#", "unit", "strategy", "modules", "params", "numel"};
-  const std::vector<bool> right = {true, false, false, true, true, true};
-  std::vector<std::vector<std::string>> rows = {header};
+  using A = TextTable::Align;
+  TextTable table(header, {A::kRight, A::kLeft, A::kLeft, A::kRight, A::kRight, A::kRight});
   for (size_t i = 0; i < units.size(); ++i) {
     const auto& u = units[i];
-    rows.push_back({std::to_string(i), u.name, options_text(u.options),
-                    std::to_string(u.module_paths.size()), std::to_string(u.param_names.size()),
-                    std::to_string(u.numel)});
+    table.add_row({std::to_string(i), u.name, options_text(u.options),
+                   std::to_string(u.module_paths.size()), std::to_string(u.param_names.size()),
+                   std::to_string(u.numel)});
   }
-  std::vector<size_t> width(header.size(), 0);
-  for (const auto& r : rows)
-    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], r[c].size());
-
   std::ostringstream os;
-  for (const auto& r : rows) {
-    for (size_t c = 0; c < r.size(); ++c) {
-      if (c) os << "  ";
-      // No trailing blanks on the last column.
-      os << (c + 1 == r.size() && !right[c] ? r[c] : pad(r[c], width[c], right[c]));
-    }
-    os << '\n';
-  }
+  os << table;
   os << "units: " << units.size() << ", total numel: " << total_numel()
      << ", tied params: " << tied.size();
   if (!empty_units.empty()) os << ", empty units dropped: " << empty_units.size();
