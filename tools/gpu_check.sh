@@ -3,8 +3,8 @@
 #     bash tools/gpu_check.sh
 # Steps (each a function below; add new ones to STEPS):
 #   configure   cmake with torch's CMake prefix and NCCL from python3's torch wheel, the staged
-#               .device-deps/ (Abseil, Catch2 v2; see ../shared/tools/stage-device-deps.sh) if
-#               present, -DFLATSHARD_GPU_TESTS=ON
+#               .device-deps/ (Abseil, Catch2 v2, nlohmann-json; see ../shared/tools/stage-device-deps.sh;
+#               zlib: tools/stage_device_zlib.sh) if present, -DFLATSHARD_GPU_TESTS=ON
 #   build       the GPU targets (GPU_CHECK_BUILD_ALL=1: every target)
 #   gpu_tests   ctest -L gpu -LE hsdp (each launches itself with torchrun on min(2, #GPUs) GPUs)
 #   hsdp        gpu_hsdp_test: HSDP on 2 GPUs as 2x1 and 1x2 (replicate x shard; needs 2 GPUs)
@@ -67,6 +67,10 @@ step_configure() {
   prefix="$tp"
   [ -d .device-deps/catch2-prefix ] && prefix="$ROOT/.device-deps/catch2-prefix;$prefix"
   [ -d .device-deps/absl-prefix ] && prefix="$prefix;$ROOT/.device-deps/absl-prefix"
+  [ -d .device-deps/json-prefix ] && prefix="$prefix;$ROOT/.device-deps/json-prefix"
+  # zlib's headers, where the GPU image has none (tools/stage_device_zlib.sh stages them).
+  [ -d .device-deps/zlib-prefix ] && [ ! -f /usr/include/zlib.h ] &&
+    prefix="$prefix;$ROOT/.device-deps/zlib-prefix"
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
   # A stale cache can keep a wrong NCCL (GPU.md): configure fresh.
