@@ -22,7 +22,7 @@ def main():
     ap.add_argument("--compute-ms", type=float, default=108.0)  # RESULTS.md, 4 seq/GPU, H200
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--inter-GBps", type=float, default=50.0)   # 400 Gb/s per GPU
-    ap.add_argument("--intra-GBps", type=float, default=270.0)  # NVLink busbw measured (DESIGN.md)
+    ap.add_argument("--intra-GBps", type=float, default=270.0)  # NVLink busbw measured (docs/design.md)
     ap.add_argument("--units", type=int, default=17)            # per-layer plan: 16 blocks + root
     ap.add_argument("--param-bytes", type=int, default=2)       # bf16 all-gather
     ap.add_argument("--reduce-bytes", type=int, nargs="+", default=[4, 2])  # fp32, bf16 reduce
