@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include "support/format.h"
+
 namespace flatshard {
 
 ProgressReporter::ProgressReporter(const ProgressFn& fn, double log_after_seconds, int rank,
@@ -34,9 +36,10 @@ void ProgressReporter::finish() {
 
 void ProgressReporter::log(const char* state) {
   logged_ = true;
-  std::fprintf(stderr, "flatshard: %s: %s, %lld/%lld units, %.1f MiB on rank 0, %.0f s\n",
+  std::fprintf(stderr, "flatshard: %s: %s, %lld/%lld units, %s on rank 0, %.0f s\n",
                what_.c_str(), state, static_cast<long long>(p_.units_done),
-               static_cast<long long>(p_.units_total), p_.bytes_done / 1048576.0, p_.seconds);
+               static_cast<long long>(p_.units_total), format_bytes(p_.bytes_done).c_str(),
+               p_.seconds);
 }
 
 }  // namespace flatshard
