@@ -145,6 +145,21 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
 // --- modules
 // --------------------------------------------------------------------------------------
 
+namespace {
+
+// A Linear on [..., in] through flatshard::call, as one 2-D matmul. LibTorch's
+// torch::nn::functional::linear (what LinearImpl::forward calls) fuses the bias into the GEMM
+// (addmm) only for 2-D inputs; a 3-D input takes matmul + an in-place bias add, one more kernel
+// per Linear in forward (and a slower GEMM without the epilogue) than PyTorch's F.linear.
+at::Tensor linear(torch::nn::Linear& m, const at::Tensor& x) {
+  auto out_sizes = x.sizes().vec();
+  const at::Tensor y = flatshard::call(m, x.reshape({-1, x.size(-1)}));
+  out_sizes.back() = y.size(-1);
+  return y.view(out_sizes);
+}
+
+}  // namespace
+
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg)
     : torch::nn::Module("CausalSelfAttention"), n_heads_(cfg.n_heads) {
   qkv = register_module("qkv", torch::nn::Linear(cfg.d_model, 3 * cfg.d_model));
@@ -158,12 +173,12 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   // zero tensor of the whole qkv output per slice and adds them (on the 1B GPT on an H200: ~130
   // strided elementwise kernels, ~12 ms of a 100 ms step); split's backward is one cat.
   const int64_t hd = d / n_heads_;
-  const auto parts = flatshard::call(qkv, x).split(d, /*dim=*/2);
+  const auto parts = linear(qkv, x).split(d, /*dim=*/2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, n_heads_, hd}).transpose(1, 2); };
   const at::Tensor y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]),
                                                         heads(parts[2]), /*attn_mask=*/{},
                                                         /*dropout_p=*/0.0, /*is_causal=*/true);
-  return flatshard::call(proj, y.transpose(1, 2).reshape({B, T, d}));
+  return linear(proj, y.transpose(1, 2).reshape({B, T, d}));
 }
 
 MLPImpl::MLPImpl(const GPTConfig& cfg) : torch::nn::Module("MLP") {
@@ -172,7 +187,7 @@ MLPImpl::MLPImpl(const GPTConfig& cfg) : torch::nn::Module("MLP") {
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  return flatshard::call(proj, at::gelu(flatshard::call(fc, x), /*approximate=*/"tanh"));
+  return linear(proj, at::gelu(linear(fc, x), /*approximate=*/"tanh"));
 }
 
 BlockImpl::BlockImpl(const GPTConfig& cfg) : torch::nn::Module("Block") {
