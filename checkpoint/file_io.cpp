@@ -9,11 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
-#include <cerrno>
 #include <cstring>
+#include <random>
 
 namespace flatshard {
 
@@ -223,8 +223,10 @@ bool remove_tree(const std::string& path) noexcept {
   return ::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0;
 }
 
-std::string read_text_file(const std::string& path) {
+std::string read_text_file(const std::string& path, int64_t max_bytes) {
   InputFile f(path);
+  TORCH_CHECK(f.size() <= max_bytes, "checkpoint: '", path, "' is ", f.size(),
+              " bytes, more than the ", max_bytes, " it may have; refusing to read it");
   std::string text(static_cast<size_t>(f.size()), '\0');
   if (!text.empty()) f.read(0, text.data(), text.size());
   return text;
@@ -257,8 +259,8 @@ std::string resolve_save_dir(const std::string& dir_arg) {
 }
 
 void check_plain_name(const std::string& name, const std::string& what) {
-  TORCH_CHECK(!name.empty() && name != "." && name != ".." &&
-                  name.find('/') == std::string::npos && name.find('\0') == std::string::npos,
+  TORCH_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+                  name.find('\0') == std::string::npos,
               what, ": file name '", printable(name),
               "' is not a plain name inside the checkpoint directory (no '/', not '.' or "
               "'..'); refusing it");
@@ -311,8 +313,8 @@ std::string find_backup(const std::string& dir, const std::string& manifest_name
     std::string list;
     for (const auto& f : found) list += (list.empty() ? "'" : ", '") + f + "'";
     TORCH_CHECK(false, "checkpoint: '", dir, "' is missing and ", found.size(),
-                " flatshard backups of it exist (", list,
-                "); move the one to keep to '", dir, "' by hand");
+                " flatshard backups of it exist (", list, "); move the one to keep to '", dir,
+                "' by hand");
   }
   return found.empty() ? "" : found.front();
 }
@@ -354,6 +356,7 @@ std::string begin_save(const std::string& dir, const std::string& manifest_name,
       ::rmdir(s.path.c_str());  // only if empty: never a user's files
     }
   }
+  make_dirs(parent_of(dir));  // "ckpt/step-1000": the parent may not exist yet
   std::string token, staging;
   for (int attempt = 0;; ++attempt) {
     token = random_token();
@@ -367,12 +370,11 @@ std::string begin_save(const std::string& dir, const std::string& manifest_name,
   return staging;
 }
 
-void publish(const std::string& dir, const std::string& staging, const IoHook& hook,
-             bool durable, bool use_exchange) {
+void publish(const std::string& dir, const std::string& staging, const IoHook& hook, bool durable,
+             bool use_exchange) {
   const size_t at = staging.rfind(kStagingInfix);
   TORCH_INTERNAL_ASSERT(at != std::string::npos, "not a staging directory: ", staging);
-  const std::string backup =
-      dir + kBackupInfix + staging.substr(at + std::strlen(kStagingInfix));
+  const std::string backup = dir + kBackupInfix + staging.substr(at + std::strlen(kStagingInfix));
   call(hook, IoPoint::Kind::kPublish, dir);
   std::string previous;  // where the replaced checkpoint ends up (marked: begin_save adopted it)
   if (!lstat_is(dir, any_mode)) {

@@ -128,7 +128,8 @@ std::vector<std::string> list_dir(const std::string& path);
 void make_dirs(const std::string& path);
 // rm -rf that never throws; false if something could not be removed.
 bool remove_tree(const std::string& path) noexcept;
-std::string read_text_file(const std::string& path);
+// The whole file; throws, naming it, if it is larger than `max_bytes`.
+std::string read_text_file(const std::string& path, int64_t max_bytes = int64_t{1} << 30);
 // Writes `text` to `path` via AtomicFile.
 void write_text_file_atomic(const std::string& path, const std::string& text, const IoHook& hook,
                             bool durable);
@@ -166,8 +167,8 @@ bool has_marker(const std::string& path);
 // debris and returns a fresh staging directory.
 std::string begin_save(const std::string& dir, const std::string& manifest_name, bool durable,
                        const std::function<void(const std::string&)>& check_existing);
-void publish(const std::string& dir, const std::string& staging, const IoHook& hook,
-             bool durable, bool use_exchange);
+void publish(const std::string& dir, const std::string& staging, const IoHook& hook, bool durable,
+             bool use_exchange);
 // Best effort, after a failed save: removes the staging directory. Never throws.
 void abandon_save(const std::string& staging) noexcept;
 // If `dir` is missing and a complete, marked backup of it exists (a save stopped between the

@@ -139,9 +139,7 @@ struct StagedValue {
 
 }  // namespace
 
-Manifest read_manifest(const std::string& dir) {
-  return read_manifest_at(normalize_dir(dir));
-}
+Manifest read_manifest(const std::string& dir) { return read_manifest_at(normalize_dir(dir)); }
 
 bool recover_checkpoint(const std::string& dir) {
   return recover_interrupted_save(dir, kManifestName);

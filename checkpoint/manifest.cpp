@@ -47,7 +47,7 @@ std::vector<int64_t> parse_ints(const json::Node& j) {
   return v;
 }
 
-// Note [Strict manifest]: a member this build does not know is an error naming it (a newer
+// A member this build does not know is an error naming it (Note [Strict manifest]: a newer
 // writer bumps the format version instead of adding fields a reader would silently ignore).
 void only(const json::Node& j, std::initializer_list<const char*> known) {
   for (const auto& [key, value] : j.members()) {
@@ -104,19 +104,23 @@ ValueRecord parse_value(const json::Node& j) {
   return v;
 }
 
-
 std::string dims(const std::vector<int64_t>& v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
 }
 
-// Note [Strict manifest]: a CRC guards against accidents, not against someone who edits a
-// manifest and recomputes it, so everything a load relies on is checked here, before any file
-// is opened: plain file names (Note [Checkpoint confinement]); shapes whose products fit int64;
-// each value's pieces sorted, non-overlapping and covering its elements exactly; every piece's
-// tensor (and optimizer field) present in its file's record with the value's dtype and the
-// piece's element count; step counts >= 0 and equal within a unit; names unique.
+// Note [Strict manifest]
+// A CRC guards against accidents, not against someone who edits a manifest and recomputes it,
+// so everything a load relies on is checked here, before any file is opened: the format
+// version first (its own message for newer versions), unknown fields (parse), duplicate keys
+// (support/json.h), plain file names (Note [Checkpoint confinement]); shapes whose products
+// fit int64; each value's pieces sorted, non-overlapping and covering its elements exactly;
+// every piece's tensor (and optimizer field) present in its file's record with the value's
+// dtype and the piece's element count; step counts >= 0, 0 without an optimizer and equal
+// within a unit (a load gives a unit one step count); names unique. What it cannot check is
+// whether the values are the ones that were saved: that needs a signature (README, "Trust
+// model").
 void validate(const Manifest& m, const std::string& path) {
   std::unordered_map<std::string, const FileRecord*> files;
   for (const FileRecord& f : m.files) {
@@ -129,23 +133,22 @@ void validate(const Manifest& m, const std::string& path) {
       const TensorEntry& e = t.entry;
       TORCH_CHECK(names.insert(e.name).second, where, ": tensor '", e.name, "' is listed twice");
       int64_t n = 0, bytes = 0;
-      TORCH_CHECK(checked_numel(e.shape, &n) &&
-                      !__builtin_mul_overflow(n, static_cast<int64_t>(c10::elementSize(e.dtype)),
-                                              &bytes),
-                  where, ": tensor '", e.name, "' has shape ", dims(e.shape),
-                  ", which has a negative dimension or more elements than int64 holds");
-      TORCH_CHECK(0 <= e.begin && e.begin <= e.end && e.end - e.begin == bytes, where,
-                  ": tensor '", e.name, "' (", safetensors_dtype_name(e.dtype), " ",
-                  dims(e.shape), ") has data_offsets [", e.begin, ", ", e.end, "], expected ",
-                  bytes, " bytes");
+      TORCH_CHECK(
+          checked_numel(e.shape, &n) &&
+              !__builtin_mul_overflow(n, static_cast<int64_t>(c10::elementSize(e.dtype)), &bytes),
+          where, ": tensor '", e.name, "' has shape ", dims(e.shape),
+          ", which has a negative dimension or more elements than int64 holds");
+      TORCH_CHECK(0 <= e.begin && e.begin <= e.end && e.end - e.begin == bytes, where, ": tensor '",
+                  e.name, "' (", safetensors_dtype_name(e.dtype), " ", dims(e.shape),
+                  ") has data_offsets [", e.begin, ", ", e.end, "], expected ", bytes, " bytes");
     }
   }
   std::vector<std::string> fields;
   if (m.optimizer) {
     if (!m.optimizer->file.empty()) {
       check_plain_name(m.optimizer->file, path + ": optimizer file");
-      TORCH_CHECK(files.count(m.optimizer->file), path, ": optimizer file '",
-                  m.optimizer->file, "' is not listed in the manifest's files");
+      TORCH_CHECK(files.count(m.optimizer->file), path, ": optimizer file '", m.optimizer->file,
+                  "' is not listed in the manifest's files");
     }
     std::unordered_set<std::string> seen;
     for (const std::string& f : m.optimizer->fields) {
@@ -159,8 +162,8 @@ void validate(const Manifest& m, const std::string& path) {
   std::unordered_set<std::string> names;
   std::unordered_map<std::string, const ValueRecord*> unit_step;
   auto check_value = [&](const ValueRecord& v, bool param) {
-    const std::string where = path + ": " + (param ? "parameter" : "buffer") + " '" +
-                              v.name.substr(0, 200) + "'";
+    const std::string where =
+        path + ": " + (param ? "parameter" : "buffer") + " '" + v.name.substr(0, 200) + "'";
     TORCH_CHECK(names.insert(v.name).second, where, " is listed twice");
     for (const auto& a : v.aliases)
       TORCH_CHECK(names.insert(a).second, where, ": tied name '", a, "' is listed twice");
@@ -185,8 +188,8 @@ void validate(const Manifest& m, const std::string& path) {
                                 std::to_string(p.begin) + ", " + std::to_string(p.end) + ")";
       check_plain_name(p.file, piece);
       TORCH_CHECK(p.begin <= p.end, piece, " is reversed");
-      TORCH_CHECK(p.begin >= expect, piece, " overlaps the previous pieces, which end at ",
-                  expect, " (pieces must be sorted and disjoint)");
+      TORCH_CHECK(p.begin >= expect, piece, " overlaps the previous pieces, which end at ", expect,
+                  " (pieces must be sorted and disjoint)");
       TORCH_CHECK(p.begin == expect, piece, " leaves elements [", expect, ", ", p.begin,
                   ") uncovered");
       TORCH_CHECK(p.end <= numel, piece, " runs past the value's ", numel, " elements");
@@ -349,7 +352,8 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (m.kind != "sharded" && m.kind != "full") kind.fail("unknown kind '" + m.kind + "'");
   const json::Node world = doc.at("world_size");
   const int64_t w = world.as_int();
-  if (w < 1 || w > (int64_t{1} << 24)) world.fail("world_size " + std::to_string(w) + " is not in [1, 2^24]");
+  if (w < 1 || w > (int64_t{1} << 24))
+    world.fail("world_size " + std::to_string(w) + " is not in [1, 2^24]");
   m.world_size = static_cast<int>(w);
   const json::Node chunk = doc.at("crc_chunk_bytes");
   m.crc_chunk_bytes = chunk.as_int();

@@ -147,11 +147,11 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
   int64_t expect = 0;
   for (const auto& e : h.tensors_) {
     int64_t numel = 0, want = 0;
-    TORCH_CHECK(checked_numel(e.shape, &numel) &&
-                    !__builtin_mul_overflow(
-                        numel, static_cast<int64_t>(c10::elementSize(e.dtype)), &want),
-                path, ": tensor '", e.name, "' has shape ", shape_string(e.shape),
-                ", whose size overflows int64");
+    TORCH_CHECK(
+        checked_numel(e.shape, &numel) &&
+            !__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(e.dtype)), &want),
+        path, ": tensor '", e.name, "' has shape ", shape_string(e.shape),
+        ", whose size overflows int64");
     TORCH_CHECK(e.begin == expect && e.end - e.begin == want, path, ": tensor '", e.name, "' (",
                 safetensors_dtype_name(e.dtype), " ", shape_string(e.shape), ", data_offsets [",
                 e.begin, ", ", e.end, "]) does not follow the previous tensor", " at ", expect,

@@ -70,8 +70,8 @@ TensorFileReader::TensorFileReader(const std::string& dir, const FileRecord& rec
                 " unexpected bytes after the last tensor)");
     TORCH_CHECK(file_.size() >= data_start, path,
                 ": truncated inside the safetensors header: the file has only ", file_.size(),
-                " bytes, the manifest says ", record.bytes, " (the header alone takes ",
-                data_start, ")");
+                " bytes, the manifest says ", record.bytes, " (the header alone takes ", data_start,
+                ")");
     for (const auto& t : record.tensors)
       TORCH_CHECK(data_start + t.entry.end <= file_.size(), path, ": truncated: the file has ",
                   file_.size(), " bytes, the manifest says ", record.bytes, "; tensor '",

@@ -127,8 +127,10 @@ TEST_CASE(
               }
               std::lock_guard<std::mutex> lock(mu);
               if (refused.find("recover_checkpoint") == std::string::npos)
-                failures.push_back(what + ": a load of the missing directory did not point at "
-                                   "recover_checkpoint: " + refused);
+                failures.push_back(what +
+                                   ": a load of the missing directory did not point at "
+                                   "recover_checkpoint: " +
+                                   refused);
               if (!recover_checkpoint(dir)) failures.push_back(what + ": nothing recovered");
             }
             const std::string d = diff_params(*current, load_fresh(dir));

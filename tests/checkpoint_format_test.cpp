@@ -250,8 +250,8 @@ TEST_CASE("a save never replaces a directory that is not a checkpoint", "[checkp
 }
 
 TEST_CASE("check_plain_name refuses paths", "[checkpoint][format][trust]") {
-  for (const std::string& bad : std::vector<std::string>{"", ".", "..", "../x", "a/b", "/etc/passwd",
-                                                         std::string("a\0b", 3)})
+  for (const std::string& bad : std::vector<std::string>{"", ".", "..", "../x", "a/b",
+                                                         "/etc/passwd", std::string("a\0b", 3)})
     CHECK_THROWS_WITH(check_plain_name(bad, "entry"), Contains("not a plain name"));
   check_plain_name("shard-00000-of-00002.safetensors", "entry");
   check_plain_name("..x", "entry");  // a name, not a parent

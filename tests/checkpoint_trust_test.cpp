@@ -103,8 +103,8 @@ void tamper(const std::string& dir, F&& edit) {
   edit(doc);
   const std::string dumped = doc.dump(1);
   const std::string body = dumped.substr(0, dumped.size() - 2);  // without "\n}"
-  write_bytes(path, body + ",\n\"manifest_crc32\": \"" + crc32_hex(crc32(body.data(), body.size())) +
-                        "\"\n}\n");
+  write_bytes(path, body + ",\n\"manifest_crc32\": \"" +
+                        crc32_hex(crc32(body.data(), body.size())) + "\"\n}\n");
 }
 
 // The first parameter whose pieces are split over both shards.
@@ -255,8 +255,8 @@ TEST_CASE("trust: a manifest dtype must be the file's", "[checkpoint][trust]") {
     CAPTURE(dtype);
     const std::string dir = s.copy(std::string("dtype-") + dtype);
     tamper(dir, [&](json::Json& doc) { doc["params"][0]["dtype"] = dtype; });
-    REQUIRE_THROWS_WITH(load1(dir), Contains(std::string("the value is ") + dtype) &&
-                                        Contains("is F32"));
+    REQUIRE_THROWS_WITH(load1(dir),
+                        Contains(std::string("the value is ") + dtype) && Contains("is F32"));
     auto plain = g::GPT(ckpt_cfg(), 3);
     REQUIRE_THROWS_WITH(load_full_into_module(*plain, dir), Contains("is F32"));
   }
@@ -317,6 +317,9 @@ TEST_CASE("trust: a save deletes nothing beside the checkpoint that flatshard di
   CHECK(read_bytes(dir + ".saving/keep.txt") == "mine.saving");
   CHECK(side_dirs(dir, kManifestName).empty());
   CHECK(diff_params(second, load1(dir)) == "");
+  // A path whose parents do not exist yet ("ckpt/step-1000") is created.
+  const Params nested = save1(tmp / "runs/a/step-1", 5);
+  CHECK(diff_params(nested, load1(tmp / "runs/a/step-1")) == "");
   // An unmarked directory with flatshard's new side name is not flatshard's either.
   const std::string lookalike = dir + kStagingInfix + "0000000000000000";
   make_dirs(lookalike);
@@ -325,13 +328,13 @@ TEST_CASE("trust: a save deletes nothing beside the checkpoint that flatshard di
   CHECK(read_bytes(lookalike + "/keep.txt") == "mine");
 }
 
-TEST_CASE("trust: a load never substitutes a backup; recovery is explicit",
-          "[checkpoint][trust]") {
+TEST_CASE("trust: a load never substitutes a backup; recovery is explicit", "[checkpoint][trust]") {
   const Saved& s = saved();
   // A missing <dir> beside the user's own <dir>.old (a complete checkpoint): not loaded.
   const std::string dir = s.tmp / "gone";
   copy_dir(s.tmp / "ckpt", dir + ".old");
-  REQUIRE_THROWS_WITH(load1(dir), Contains("no checkpoint at") && Contains("manifest.json is missing"));
+  REQUIRE_THROWS_WITH(load1(dir),
+                      Contains("no checkpoint at") && Contains("manifest.json is missing"));
   REQUIRE_THROWS_WITH(recover_checkpoint(dir), Contains("no complete flatshard backup"));
   // A save into it creates a fresh checkpoint and leaves the user's .old alone.
   const Params fresh = save1(dir, 4);
@@ -342,7 +345,8 @@ TEST_CASE("trust: a load never substitutes a backup; recovery is explicit",
   const std::string d2 = s.tmp / "interrupted";
   const std::string backup = d2 + kBackupInfix + "0123456789abcdef";
   copy_dir(s.tmp / "ckpt", backup);
-  write_bytes(backup + "/" + kMarkerName, "flatshard checkpoint directory\ntoken 0123456789abcdef\n");
+  write_bytes(backup + "/" + kMarkerName,
+              "flatshard checkpoint directory\ntoken 0123456789abcdef\n");
   REQUIRE_THROWS_WITH(load1(d2), Contains("recover_checkpoint") && Contains(backup));
   REQUIRE(recover_checkpoint(d2));
   CHECK(diff_params(s.params, load1(d2)) == "");
@@ -360,7 +364,7 @@ TEST_CASE("trust: foreign files inside an existing checkpoint make a save refuse
                                          Contains("'eval'") && Contains("did not write"));
   CHECK(read_bytes(dir + "/notes.txt") == "my notes");
   CHECK(is_directory(dir + "/eval"));
-  CHECK(diff_params(first, load1(dir)) == "");  // the checkpoint is untouched
+  CHECK(diff_params(first, load1(dir)) == "");   // the checkpoint is untouched
   CHECK(side_dirs(dir, kManifestName).empty());  // and the refused save left nothing behind
   // Once they are moved out, the save goes ahead.
   ::unlink((dir + "/notes.txt").c_str());

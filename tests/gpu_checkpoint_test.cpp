@@ -108,8 +108,7 @@ TEST_CASE("GPU checkpoint: sharded and full saves reload into other plans", "[gp
       torch::optim::AdamW opt(fsdp->parameters(),
                               torch::optim::AdamWOptions(flatshard_test::kGpuParityLr));
       load_checkpoint(*fsdp, &opt, from);
-      CHECK(first_difference(saved, flatshard_test::to_cpu_map(fsdp->gather_full_params())) ==
-            "");
+      CHECK(first_difference(saved, flatshard_test::to_cpu_map(fsdp->gather_full_params())) == "");
       train_step(model, opt, 2);
       const double resumed = eval_loss(model, 3);
       CAPTURE(uninterrupted, resumed);
