@@ -18,11 +18,17 @@
 //   names, as state_dict() lists it) and `optim.safetensors` (`<name>.exp_avg`, ...), gathering
 //   one unit at a time to CPU, so the model need not fit on one device. Both write
 //   `manifest.json` last (checkpoint/manifest.h) and are crash safe: the directory is replaced
-//   only once the new checkpoint is complete (Note [Checkpoint publication], file_io.h).
+//   only once the new checkpoint is complete (Note [Checkpoint publication], file_io.h). A save
+//   deletes nothing flatshard did not make: it refuses an existing directory holding files the
+//   checkpoint did not write (naming them), touches only its own marked side directories
+//   beside it, and follows a `dir` that is a symlink (the link is kept).
 // - Loads read either kind, at any world size, into any plan of the same model: parameters are
 //   matched by name (or tied alias) and each rank reads only the ranges its shards need.
 //   Everything it reads is checked: sizes, header and data CRC-32s, names, dtypes and shapes;
-//   errors name the file, the tensor, expected and actual values, and the rank.
+//   errors name the file, the tensor, expected and actual values, and the rank. The manifest is
+//   untrusted input: it is validated whole before any file is opened (Note [Strict manifest],
+//   manifest.cpp) and names only plain files inside `dir` (Note [Checkpoint confinement]). A
+//   missing `dir` is an error, never silently replaced by a backup (see recover_checkpoint).
 // - Optimizer: torch::optim::AdamW or Adam built on ShardedModel::parameters(). Their per-unit
 //   state (step, exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad) is saved per parameter and
 //   resharded like the parameters, so a resumed run continues exactly. A new unit whose
@@ -101,6 +107,14 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
 // the module lacks.
 void load_full_into_module(torch::nn::Module& module, const std::string& dir,
                            const LoadOptions& options = {});
+
+// Not collective (call it on one rank, before the load). A save that stopped between the two
+// renames of the fallback publication (filesystems without RENAME_EXCHANGE; Note [Checkpoint
+// publication]) leaves `dir` missing and the previous checkpoint in flatshard's marked backup
+// `<dir>.flatshard-old-<token>`; a load then fails naming it. This renames that backup back to
+// `dir`, says so on stderr and returns true; false if `dir` already holds a checkpoint. Throws
+// if `dir` is missing and no complete, marked backup exists (it never guesses further).
+bool recover_checkpoint(const std::string& dir);
 
 // The manifest of the checkpoint at `dir`, checked (e.g. to find its kind or step count).
 Manifest read_manifest(const std::string& dir);

@@ -10,7 +10,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <random>
 
 namespace flatshard {
 
@@ -42,6 +45,53 @@ std::string parent_of(const std::string& path) {
 void rename_or_throw(const std::string& from, const std::string& to) {
   TORCH_CHECK(::rename(from.c_str(), to.c_str()) == 0, "checkpoint: cannot rename '", from,
               "' to '", to, "': ", os_error());
+}
+
+const char* file_type(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m) || S_ISBLK(m)) return "a device";
+  if (S_ISLNK(m)) return "a symbolic link";
+  return "not a regular file";
+}
+
+bool lstat_is(const std::string& path, bool (*pred)(mode_t)) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && pred(st.st_mode);
+}
+bool is_dir_mode(mode_t m) { return S_ISDIR(m); }
+bool is_reg_mode(mode_t m) { return S_ISREG(m); }
+bool any_mode(mode_t) { return true; }
+
+std::string base_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// `s` for an error message: at most 200 bytes, control bytes as '?'.
+std::string printable(const std::string& s) {
+  std::string out = s.substr(0, 200);
+  for (char& c : out)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return out;
+}
+
+// 16 hex digits from the OS's random source: names and markers of one save.
+std::string random_token() {
+  std::random_device rd;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+  return buf;
+}
+
+constexpr const char* kMarkerLine = "flatshard checkpoint directory";
+
+void write_marker(const std::string& dir, const std::string& token, bool durable) {
+  write_text_file_atomic(join_path(dir, kMarkerName),
+                         std::string(kMarkerLine) + "\ntoken " + token + "\n" +
+                             "flatshard may replace or remove this directory\n",
+                         IoHook{}, durable);
 }
 
 void call(const IoHook& hook, IoPoint::Kind kind, const std::string& path, int64_t bytes = 0) {
@@ -97,10 +147,16 @@ void AtomicFile::commit() {
 }
 
 InputFile::InputFile(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  // Note [Checkpoint confinement]: no symlink is followed, no FIFO can block the open.
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  TORCH_CHECK(fd_ >= 0 || errno != ELOOP, "checkpoint: '", path_,
+              "' is a symbolic link; checkpoint files must be regular files inside the "
+              "checkpoint directory (refusing to follow it)");
   TORCH_CHECK(fd_ >= 0, "checkpoint: cannot open '", path_, "': ", os_error());
   struct stat st;
   TORCH_CHECK(::fstat(fd_, &st) == 0, "checkpoint: cannot stat '", path_, "': ", os_error());
+  TORCH_CHECK(S_ISREG(st.st_mode), "checkpoint: '", path_, "' is ", file_type(st.st_mode),
+              ", not a regular file; refusing to read it");
   size_ = st.st_size;
 }
 
@@ -167,8 +223,10 @@ bool remove_tree(const std::string& path) noexcept {
   return ::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0;
 }
 
-std::string read_text_file(const std::string& path) {
+std::string read_text_file(const std::string& path, int64_t max_bytes) {
   InputFile f(path);
+  TORCH_CHECK(f.size() <= max_bytes, "checkpoint: '", path, "' is ", f.size(),
+              " bytes, more than the ", max_bytes, " it may have; refusing to read it");
   std::string text(static_cast<size_t>(f.size()), '\0');
   if (!text.empty()) f.read(0, text.data(), text.size());
   return text;
@@ -188,32 +246,138 @@ std::string normalize_dir(const std::string& dir) {
   return d;
 }
 
-void begin_save(const std::string& dir, const std::string& manifest_name, bool durable) {
-  const std::string staging = staging_dir(dir), retired = retired_dir(dir);
-  if (!path_exists(dir) && path_exists(join_path(retired, manifest_name))) {
-    // An earlier two-rename publication stopped between its renames: put the checkpoint back.
-    rename_or_throw(retired, dir);
-  }
-  if (path_exists(dir)) {
-    TORCH_CHECK(is_directory(dir), "checkpoint: '", dir, "' exists and is not a directory");
-    TORCH_CHECK(path_exists(join_path(dir, manifest_name)) || list_dir(dir).empty(),
-                "checkpoint: refusing to replace '", dir,
-                "': it is neither empty nor a "
-                "checkpoint (it has no ",
-                manifest_name, "); choose another directory");
-  }
-  TORCH_CHECK(remove_tree(staging), "checkpoint: cannot remove the stale staging directory '",
-              staging, "': ", os_error());
-  remove_tree(retired);  // `dir` holds the checkpoint (restored above if need be)
-  make_dirs(staging);
-  if (durable) fsync_path(parent_of(staging));
+std::string resolve_save_dir(const std::string& dir_arg) {
+  const std::string dir = normalize_dir(dir_arg);
+  if (!lstat_is(dir, [](mode_t m) { return S_ISLNK(m); })) return dir;
+  char* target = ::realpath(dir.c_str(), nullptr);
+  TORCH_CHECK(target != nullptr, "checkpoint: '", dir,
+              "' is a symbolic link whose target cannot be resolved (", os_error(),
+              "); create the target directory or remove the link");
+  std::string out = target;
+  std::free(target);
+  return out;
 }
 
-void publish(const std::string& dir, const IoHook& hook, bool durable, bool use_exchange) {
-  const std::string staging = staging_dir(dir), retired = retired_dir(dir);
+void check_plain_name(const std::string& name, const std::string& what) {
+  TORCH_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+                  name.find('\0') == std::string::npos,
+              what, ": file name '", printable(name),
+              "' is not a plain name inside the checkpoint directory (no '/', not '.' or "
+              "'..'); refusing it");
+}
+
+bool has_marker(const std::string& path) {
+  const std::string marker = join_path(path, kMarkerName);
+  if (!lstat_is(path, is_dir_mode) || !lstat_is(marker, is_reg_mode)) return false;
+  try {
+    InputFile f(marker);
+    const size_t n = std::strlen(kMarkerLine);
+    if (f.size() < static_cast<int64_t>(n) || f.size() > 4096) return false;
+    std::string head(n, '\0');
+    f.read(0, head.data(), n);
+    return head == kMarkerLine;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+std::vector<SideDir> side_dirs(const std::string& dir, const std::string& manifest_name) {
+  const std::string parent = parent_of(dir), base = base_of(dir);
+  std::vector<SideDir> out;
+  if (!is_directory(parent)) return out;
+  for (const std::string& name : list_dir(parent)) {
+    SideDir s;
+    if (name.rfind(base + kBackupInfix, 0) == 0) {
+      s.backup = true;
+    } else if (name.rfind(base + kStagingInfix, 0) != 0) {
+      continue;
+    }
+    s.path = join_path(parent, name);
+    s.marked = has_marker(s.path);
+    s.complete = s.marked && lstat_is(join_path(s.path, manifest_name), is_reg_mode);
+    out.push_back(std::move(s));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const SideDir& a, const SideDir& b) { return a.path < b.path; });
+  return out;
+}
+
+namespace {
+
+// The one complete, marked backup of `dir` ("" if none); throws if there are several.
+std::string find_backup(const std::string& dir, const std::string& manifest_name) {
+  std::vector<std::string> found;
+  for (const SideDir& s : side_dirs(dir, manifest_name))
+    if (s.backup && s.complete) found.push_back(s.path);
+  if (found.size() > 1) {
+    std::string list;
+    for (const auto& f : found) list += (list.empty() ? "'" : ", '") + f + "'";
+    TORCH_CHECK(false, "checkpoint: '", dir, "' is missing and ", found.size(),
+                " flatshard backups of it exist (", list, "); move the one to keep to '", dir,
+                "' by hand");
+  }
+  return found.empty() ? "" : found.front();
+}
+
+void restore_backup(const std::string& dir, const std::string& backup, bool durable) {
+  rename_or_throw(backup, dir);
+  if (durable) fsync_path(parent_of(dir));
+  std::fprintf(stderr,
+               "flatshard: checkpoint '%s' was missing (a save stopped between its two renames); "
+               "restored the previous checkpoint from '%s'\n",
+               dir.c_str(), backup.c_str());
+}
+
+}  // namespace
+
+std::string begin_save(const std::string& dir, const std::string& manifest_name, bool durable,
+                       const std::function<void(const std::string&)>& check_existing) {
+  if (!lstat_is(dir, any_mode)) {
+    const std::string backup = find_backup(dir, manifest_name);
+    if (!backup.empty()) restore_backup(dir, backup, durable);
+  }
+  if (lstat_is(dir, any_mode)) {
+    TORCH_CHECK(lstat_is(dir, is_dir_mode), "checkpoint: '", dir,
+                "' exists and is not a directory");
+    const bool checkpoint = path_exists(join_path(dir, manifest_name));
+    TORCH_CHECK(checkpoint || list_dir(dir).empty(), "checkpoint: refusing to replace '", dir,
+                "': it is neither empty nor a checkpoint (it has no ", manifest_name,
+                "); choose another directory");
+    if (checkpoint && check_existing) check_existing(dir);
+    // Adopt it (Note [Checkpoint publication]): after the exchange it sits at a side name and
+    // must be recognisable as flatshard's if a crash stops its removal.
+    if (!has_marker(dir)) write_marker(dir, random_token(), durable);
+  }
+  for (const SideDir& s : side_dirs(dir, manifest_name)) {
+    if (s.marked) {
+      TORCH_CHECK(remove_tree(s.path), "checkpoint: cannot remove the stale side directory '",
+                  s.path, "' of an earlier save: ", os_error());
+    } else {
+      ::rmdir(s.path.c_str());  // only if empty: never a user's files
+    }
+  }
+  make_dirs(parent_of(dir));  // "ckpt/step-1000": the parent may not exist yet
+  std::string token, staging;
+  for (int attempt = 0;; ++attempt) {
+    token = random_token();
+    staging = dir + kStagingInfix + token;
+    if (::mkdir(staging.c_str(), 0755) == 0) break;
+    TORCH_CHECK(errno == EEXIST && attempt < 3, "checkpoint: cannot create the staging directory '",
+                staging, "': ", os_error());
+  }
+  write_marker(staging, token, durable);
+  if (durable) fsync_path(parent_of(staging));
+  return staging;
+}
+
+void publish(const std::string& dir, const std::string& staging, const IoHook& hook, bool durable,
+             bool use_exchange) {
+  const size_t at = staging.rfind(kStagingInfix);
+  TORCH_INTERNAL_ASSERT(at != std::string::npos, "not a staging directory: ", staging);
+  const std::string backup = dir + kBackupInfix + staging.substr(at + std::strlen(kStagingInfix));
   call(hook, IoPoint::Kind::kPublish, dir);
-  std::string previous;  // where the replaced checkpoint ends up
-  if (!path_exists(dir)) {
+  std::string previous;  // where the replaced checkpoint ends up (marked: begin_save adopted it)
+  if (!lstat_is(dir, any_mode)) {
     rename_or_throw(staging, dir);
   } else if (use_exchange &&
              ::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
@@ -222,23 +386,47 @@ void publish(const std::string& dir, const IoHook& hook, bool durable, bool use_
     TORCH_CHECK(!use_exchange || errno == EINVAL || errno == ENOSYS || errno == ENOTSUP,
                 "checkpoint: cannot exchange '", staging, "' and '", dir, "': ", os_error());
     // Two renames; see Note [Checkpoint publication].
-    rename_or_throw(dir, retired);
+    rename_or_throw(dir, backup);
     call(hook, IoPoint::Kind::kPublish, dir);  // `dir` is missing until the next rename
     rename_or_throw(staging, dir);
-    previous = retired;
+    previous = backup;
   }
   if (durable) fsync_path(parent_of(dir));
   call(hook, IoPoint::Kind::kCleanup, dir);
-  if (!previous.empty()) remove_tree(previous);
+  if (!previous.empty() && has_marker(previous)) remove_tree(previous);
 }
 
-void abandon_save(const std::string& dir) noexcept { remove_tree(staging_dir(dir)); }
+void abandon_save(const std::string& staging) noexcept {
+  if (!staging.empty() && has_marker(staging)) remove_tree(staging);
+}
 
-std::string resolve_checkpoint_dir(const std::string& dir, const std::string& manifest_name) {
-  if (path_exists(join_path(dir, manifest_name))) return dir;
-  const std::string retired = retired_dir(dir);
-  if (!path_exists(dir) && path_exists(join_path(retired, manifest_name))) return retired;
-  return dir;
+bool recover_interrupted_save(const std::string& dir_arg, const std::string& manifest_name) {
+  const std::string dir = resolve_save_dir(dir_arg);
+  if (path_exists(join_path(dir, manifest_name))) return false;
+  TORCH_CHECK(!lstat_is(dir, any_mode), "checkpoint: '", dir, "' exists but holds no ",
+              manifest_name, "; not recovering over it");
+  const std::string backup = find_backup(dir, manifest_name);
+  TORCH_CHECK(!backup.empty(), "checkpoint: '", dir,
+              "' is missing and no complete flatshard backup of it (", dir, kBackupInfix,
+              "<token>/ holding ", kMarkerName, " and ", manifest_name, ") exists to recover from");
+  restore_backup(dir, backup, /*durable=*/true);
+  return true;
+}
+
+std::string describe_side_dirs(const std::string& dir, const std::string& manifest_name) {
+  std::string out;
+  try {
+    for (const SideDir& s : side_dirs(dir, manifest_name)) {
+      if (!s.marked) continue;
+      if (s.backup && s.complete && !path_exists(dir))
+        out += "; an interrupted save left the previous checkpoint in '" + s.path +
+               "': flatshard::recover_checkpoint(\"" + dir + "\") restores it";
+      else
+        out += "; '" + s.path + "' is debris of an interrupted save (ignored)";
+    }
+  } catch (const c10::Error&) {
+  }
+  return out;
 }
 
 }  // namespace flatshard

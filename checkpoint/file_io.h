@@ -1,19 +1,50 @@
 // flatshard/checkpoint/file_io.h — crash-safe files and directories for checkpoints.
 //
 // Note [Checkpoint publication]
-// A save never writes into the directory it replaces:
-//   1. every file is written into the staging directory `<dir>.saving/` under `<name>.tmp`,
-//      fsynced, then renamed to `<name>` (a file under its final name is complete);
-//   2. the manifest is written last, the same way (a staging directory with a manifest is
-//      complete);
-//   3. publication: if `<dir>` does not exist, rename(staging, dir). Otherwise the two are
-//      swapped atomically with renameat2(RENAME_EXCHANGE) and the previous checkpoint, now at
-//      `<dir>.saving`, is removed. On filesystems without RENAME_EXCHANGE (e.g. NFS) it takes two
-//      renames, dir -> `<dir>.old` then staging -> dir; a crash between them leaves the previous
-//      checkpoint at `<dir>.old`, which resolve_checkpoint_dir() finds and the next save restores.
-// So at every instant either `<dir>` or `<dir>.old` holds a complete checkpoint, and what a
-// crash leaves behind (`.tmp` files, `<dir>.saving`) is ignored by loads and removed by the next
+// A checkpoint directory comes from other machines, people and tools, and sits among the
+// user's own files, so a save deletes nothing flatshard cannot prove it made, and a load reads
+// nothing outside the checkpoint (Note [Checkpoint confinement]).
+// - Ownership marker. Every directory flatshard creates for a save carries `.flatshard-checkpoint`
+//   (kMarkerName: a fixed first line plus the save's random token). flatshard's own side
+//   directories are `<dir>.flatshard-saving-<token>` (staging) and `<dir>.flatshard-old-<token>`
+//   (backup, two-rename fallback only); it removes such a directory only if it holds the marker
+//   (an unmarked one is rmdir'ed if empty — a crash between mkdir and the marker's write — and
+//   otherwise left alone). Nothing else beside `<dir>` is ever touched: a user's `<dir>.old` or
+//   `<dir>.saving` is not flatshard's.
+// - An existing `<dir>` is replaced only if it is empty or a checkpoint holding nothing but its
+//   manifest, the files the manifest lists and the marker. Foreign files inside it are an error
+//   naming them (the save refuses; nothing is moved or deleted). A checkpoint written before
+//   markers existed, or an empty directory, is adopted: the marker is written into it once it
+//   has passed that check, so a crash after the swap below still leaves it recognisable.
+// - A `<dir>` that is a symbolic link is followed: the save publishes at the link's target (its
+//   parent holds the side directories); the link itself is kept and names the new checkpoint.
+//   A dangling link is an error.
+// Steps of a save:
+//   1. begin_save(): restore an interrupted two-rename publication (step 3b), check `<dir>`,
+//      remove flatshard's marked debris of earlier saves, create a fresh staging directory
+//      `<dir>.flatshard-saving-<token>` with its marker;
+//   2. every file is written there under `<name>.tmp`, fsynced, renamed to `<name>` (a file under
+//      its final name is complete); the manifest is written last (a staging directory with a
+//      manifest is complete);
+//   3. publication: if `<dir>` does not exist, rename(staging, dir). Otherwise (a) the two are
+//      swapped atomically with renameat2(RENAME_EXCHANGE) and the previous checkpoint, now at the
+//      staging name (marked), is removed; or (b) where RENAME_EXCHANGE is missing (e.g. NFS), two
+//      renames: dir -> `<dir>.flatshard-old-<token>`, staging -> dir, then the backup is removed.
+// So at every instant `<dir>` or flatshard's marked backup holds a complete checkpoint; kill -9
+// at any point leaves the previous checkpoint loadable. A crash between the renames of 3b
+// leaves `<dir>` missing: a load then fails and names the backup (it never substitutes it
+// silently); recover_interrupted_save() (flatshard::recover_checkpoint) restores it explicitly
+// and logs it, and so does the next save's begin_save(). Debris (`.tmp` files, marked staging
+// or backup directories beside a present `<dir>`) is ignored by loads and removed by the next
 // save. Two concurrent saves to one directory are not supported.
+//
+// Note [Checkpoint confinement]
+// Every file a manifest names must be a plain name (check_plain_name: no '/', not "." or "..",
+// no NUL), so it lies in the checkpoint directory itself; InputFile opens it with O_NOFOLLOW
+// (a symlink is refused, wherever it points) and O_NONBLOCK (a FIFO cannot block the open) and
+// refuses anything fstat does not call a regular file; a reader compares its size with the
+// manifest before reading a byte of it. The checkpoint directory itself may be a symlink (the
+// user chose that path).
 //
 // Fault injection: every write, rename and publication step first calls an IoHook (if set);
 // tests throw from it (or stop the process there) to interrupt a save at that exact point.
@@ -65,7 +96,8 @@ class AtomicFile {
   int64_t written_ = 0;
 };
 
-// Read-only file with positional reads. Errors name the file.
+// Read-only regular file with positional reads (Note [Checkpoint confinement]: opened with
+// O_NOFOLLOW | O_NONBLOCK, refused unless fstat says it is a regular file). Errors name the file.
 class InputFile {
  public:
   explicit InputFile(std::string path);
@@ -96,26 +128,55 @@ std::vector<std::string> list_dir(const std::string& path);
 void make_dirs(const std::string& path);
 // rm -rf that never throws; false if something could not be removed.
 bool remove_tree(const std::string& path) noexcept;
-std::string read_text_file(const std::string& path);
+// The whole file; throws, naming it, if it is larger than `max_bytes`.
+std::string read_text_file(const std::string& path, int64_t max_bytes = int64_t{1} << 30);
 // Writes `text` to `path` via AtomicFile.
 void write_text_file_atomic(const std::string& path, const std::string& text, const IoHook& hook,
                             bool durable);
 
-// `dir` without a trailing separator (the staging and retired names derive from it).
+// `dir` without a trailing separator (the side directories' names derive from it).
 std::string normalize_dir(const std::string& dir);
-inline std::string staging_dir(const std::string& dir) { return dir + ".saving"; }
-inline std::string retired_dir(const std::string& dir) { return dir + ".old"; }
+// normalize_dir(), and a symbolic link replaced by its target (Note [Checkpoint publication]);
+// throws naming a dangling link.
+std::string resolve_save_dir(const std::string& dir);
 
-// Steps of Note [Checkpoint publication], run by one rank. begin_save(): restores
-// `<dir>.old` if an interrupted publication left `<dir>` missing, refuses to replace a `<dir>`
-// that is neither empty nor a checkpoint (has no `manifest_name`), and creates a fresh, empty
-// staging directory.
-void begin_save(const std::string& dir, const std::string& manifest_name, bool durable);
-void publish(const std::string& dir, const IoHook& hook, bool durable, bool use_exchange);
+// Note [Checkpoint confinement]: throws unless `name` is a plain file name inside the
+// checkpoint directory; `what` says which manifest entry holds it.
+void check_plain_name(const std::string& name, const std::string& what);
+
+inline constexpr const char* kMarkerName = ".flatshard-checkpoint";
+inline constexpr const char* kStagingInfix = ".flatshard-saving-";
+inline constexpr const char* kBackupInfix = ".flatshard-old-";
+
+// A flatshard side directory of `dir` (Note [Checkpoint publication]).
+struct SideDir {
+  std::string path;
+  bool backup = false;    // `<dir>.flatshard-old-*` (else staging)
+  bool marked = false;    // holds flatshard's marker
+  bool complete = false;  // marked and holds `manifest_name`
+};
+// Entries beside `dir` named like flatshard's staging or backup directories.
+std::vector<SideDir> side_dirs(const std::string& dir, const std::string& manifest_name);
+// True if `path` is a directory holding flatshard's marker.
+bool has_marker(const std::string& path);
+
+// Steps of Note [Checkpoint publication], run by one rank. begin_save(): restores an
+// interrupted two-rename publication (logged), refuses a `<dir>` that is not a directory or is
+// neither empty nor a checkpoint (has no `manifest_name`), calls `check_existing(dir)` on an
+// existing one (the caller refuses foreign files there), adopts it (marker), removes marked
+// debris and returns a fresh staging directory.
+std::string begin_save(const std::string& dir, const std::string& manifest_name, bool durable,
+                       const std::function<void(const std::string&)>& check_existing);
+void publish(const std::string& dir, const std::string& staging, const IoHook& hook, bool durable,
+             bool use_exchange);
 // Best effort, after a failed save: removes the staging directory. Never throws.
-void abandon_save(const std::string& dir) noexcept;
-// The directory a load should read: `dir` if it holds `manifest_name`, else `<dir>.old` if that
-// does (an interrupted publication), else `dir` (the caller reports what is missing).
-std::string resolve_checkpoint_dir(const std::string& dir, const std::string& manifest_name);
+void abandon_save(const std::string& staging) noexcept;
+// If `dir` is missing and a complete, marked backup of it exists (a save stopped between the
+// two renames of step 3b), renames the backup to `dir`, says so on stderr and returns true.
+// False if `dir` holds `manifest_name` (nothing to recover). Throws otherwise, naming what it
+// found.
+bool recover_interrupted_save(const std::string& dir, const std::string& manifest_name);
+// For a load's "no checkpoint" error: what side directories of `dir` hold ("" if none).
+std::string describe_side_dirs(const std::string& dir, const std::string& manifest_name);
 
 }  // namespace flatshard

@@ -118,12 +118,10 @@ class RecordIndex {
 
 Manifest read_manifest_at(const std::string& dir) {
   const std::string path = join_path(dir, kManifestName);
-  if (!path_exists(path)) {
-    std::string hint;
-    if (path_exists(staging_dir(dir)))
-      hint = "; '" + staging_dir(dir) + "' is an interrupted save (ignored)";
-    TORCH_CHECK(false, "no checkpoint at '", dir, "': ", kManifestName, " is missing", hint);
-  }
+  // No fallback to a backup (Note [Checkpoint publication]): a missing checkpoint is an error
+  // that says what an interrupted save left and how to recover it.
+  TORCH_CHECK(path_exists(path), "no checkpoint at '", dir, "': ", kManifestName, " is missing",
+              describe_side_dirs(dir, kManifestName));
   return Manifest::parse(read_text_file(path), path);
 }
 
@@ -141,8 +139,10 @@ struct StagedValue {
 
 }  // namespace
 
-Manifest read_manifest(const std::string& dir) {
-  return read_manifest_at(resolve_checkpoint_dir(normalize_dir(dir), kManifestName));
+Manifest read_manifest(const std::string& dir) { return read_manifest_at(normalize_dir(dir)); }
+
+bool recover_checkpoint(const std::string& dir) {
+  return recover_interrupted_save(dir, kManifestName);
 }
 
 void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
@@ -150,7 +150,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   at::NoGradGuard no_grad;
   Communicator& comm = model.comm();
   const int rank = comm.rank();
-  const std::string dir = resolve_checkpoint_dir(normalize_dir(dir_arg), kManifestName);
+  const std::string dir = normalize_dir(dir_arg);
   const std::string what = "load_checkpoint('" + dir + "')";
 
   std::exception_ptr err;
@@ -240,7 +240,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
 void load_full_into_module(torch::nn::Module& module, const std::string& dir_arg,
                            const LoadOptions& o) {
   at::NoGradGuard no_grad;
-  const std::string dir = resolve_checkpoint_dir(normalize_dir(dir_arg), kManifestName);
+  const std::string dir = normalize_dir(dir_arg);
   const std::string what = "load_full_into_module('" + dir + "')";
   std::vector<StagedValue> staged;
   try {

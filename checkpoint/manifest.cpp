@@ -5,6 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "checkpoint/file_io.h"
 
 #include "checkpoint/crc32.h"
 #include "support/json.h"
@@ -43,6 +47,19 @@ std::vector<int64_t> parse_ints(const json::Node& j) {
   return v;
 }
 
+// A member this build does not know is an error naming it (Note [Strict manifest]: a newer
+// writer bumps the format version instead of adding fields a reader would silently ignore).
+void only(const json::Node& j, std::initializer_list<const char*> known) {
+  for (const auto& [key, value] : j.members()) {
+    bool ok = false;
+    for (const char* k : known) ok = ok || key == k;
+    if (ok) continue;
+    std::string list;
+    for (const char* k : known) list += std::string(list.empty() ? "" : ", ") + k;
+    j.fail("unknown field '" + key.substr(0, 100) + "' (this build knows " + list + ")");
+  }
+}
+
 // Errors inside one named entry also name it: the pointer says where, the name which one.
 template <class F>
 void naming(const std::string& label, const std::string& name, F&& parse) {
@@ -70,6 +87,7 @@ ValueRecord parse_value(const json::Node& j) {
   ValueRecord v;
   v.name = j.at("name").as_string();
   naming("entry", v.name, [&] {
+    only(j, {"name", "dtype", "shape", "tied", "unit", "step", "pieces"});
     const json::Node dtype = j.at("dtype");
     v.dtype = safetensors_dtype(dtype.as_string(), dtype.where() + " ('" + v.name + "')");
     v.shape = parse_ints(j.at("shape"));
@@ -77,18 +95,136 @@ ValueRecord parse_value(const json::Node& j) {
       for (const auto& a : t->items()) v.aliases.push_back(a.as_string());
     if (const auto u = j.find("unit")) v.unit = u->as_string();
     v.step = j.at("step").as_int();
-    for (const auto& p : j.at("pieces").items())
+    for (const auto& p : j.at("pieces").items()) {
+      only(p, {"file", "begin", "end"});
       v.pieces.push_back(
           Piece{p.at("file").as_string(), p.at("begin").as_int(), p.at("end").as_int()});
+    }
   });
   return v;
+}
+
+std::string dims(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+// Note [Strict manifest]
+// A CRC guards against accidents, not against someone who edits a manifest and recomputes it,
+// so everything a load relies on is checked here, before any file is opened: the format
+// version first (its own message for newer versions), unknown fields (parse), duplicate keys
+// (support/json.h), plain file names (Note [Checkpoint confinement]); shapes whose products
+// fit int64; each value's pieces sorted, non-overlapping and covering its elements exactly;
+// every piece's tensor (and optimizer field) present in its file's record with the value's
+// dtype and the piece's element count; step counts >= 0, 0 without an optimizer and equal
+// within a unit (a load gives a unit one step count); names unique. What it cannot check is
+// whether the values are the ones that were saved: that needs a signature (README, "Trust
+// model").
+void validate(const Manifest& m, const std::string& path) {
+  std::unordered_map<std::string, const FileRecord*> files;
+  for (const FileRecord& f : m.files) {
+    const std::string where = path + ": file '" + f.name.substr(0, 200) + "'";
+    check_plain_name(f.name, where);
+    TORCH_CHECK(files.emplace(f.name, &f).second, where, " is listed twice");
+    TORCH_CHECK(f.bytes >= 0, where, ": negative size ", f.bytes);
+    std::unordered_set<std::string> names;
+    for (const FileTensor& t : f.tensors) {
+      const TensorEntry& e = t.entry;
+      TORCH_CHECK(names.insert(e.name).second, where, ": tensor '", e.name, "' is listed twice");
+      int64_t n = 0, bytes = 0;
+      TORCH_CHECK(
+          checked_numel(e.shape, &n) &&
+              !__builtin_mul_overflow(n, static_cast<int64_t>(c10::elementSize(e.dtype)), &bytes),
+          where, ": tensor '", e.name, "' has shape ", dims(e.shape),
+          ", which has a negative dimension or more elements than int64 holds");
+      TORCH_CHECK(0 <= e.begin && e.begin <= e.end && e.end - e.begin == bytes, where, ": tensor '",
+                  e.name, "' (", safetensors_dtype_name(e.dtype), " ", dims(e.shape),
+                  ") has data_offsets [", e.begin, ", ", e.end, "], expected ", bytes, " bytes");
+    }
+  }
+  std::vector<std::string> fields;
+  if (m.optimizer) {
+    if (!m.optimizer->file.empty()) {
+      check_plain_name(m.optimizer->file, path + ": optimizer file");
+      TORCH_CHECK(files.count(m.optimizer->file), path, ": optimizer file '", m.optimizer->file,
+                  "' is not listed in the manifest's files");
+    }
+    std::unordered_set<std::string> seen;
+    for (const std::string& f : m.optimizer->fields) {
+      TORCH_CHECK(f == "exp_avg" || f == "exp_avg_sq" || f == "max_exp_avg_sq", path,
+                  ": unknown optimizer field '", f.substr(0, 100),
+                  "' (known: exp_avg, exp_avg_sq, max_exp_avg_sq)");
+      TORCH_CHECK(seen.insert(f).second, path, ": optimizer field '", f, "' is listed twice");
+    }
+    fields = m.optimizer->fields;
+  }
+  std::unordered_set<std::string> names;
+  std::unordered_map<std::string, const ValueRecord*> unit_step;
+  auto check_value = [&](const ValueRecord& v, bool param) {
+    const std::string where =
+        path + ": " + (param ? "parameter" : "buffer") + " '" + v.name.substr(0, 200) + "'";
+    TORCH_CHECK(names.insert(v.name).second, where, " is listed twice");
+    for (const auto& a : v.aliases)
+      TORCH_CHECK(names.insert(a).second, where, ": tied name '", a, "' is listed twice");
+    int64_t numel = 0;
+    TORCH_CHECK(checked_numel(v.shape, &numel), where, ": shape ", dims(v.shape),
+                " has a negative dimension or more elements than int64 holds");
+    TORCH_CHECK(v.step >= 0, where, ": negative optimizer step count ", v.step);
+    if (param) {
+      TORCH_CHECK(m.optimizer || v.step == 0, where, ": step count ", v.step,
+                  " but the checkpoint has no optimizer state");
+      auto [it, fresh] = unit_step.emplace(v.unit, &v);
+      TORCH_CHECK(fresh || it->second->step == v.step, where, ": step count ", v.step,
+                  " differs from that of '", it->second->name, "' (", it->second->step,
+                  ") in the same unit '", v.unit, "'");
+    } else {
+      TORCH_CHECK(v.step == 0, where, ": buffers carry no optimizer state, but step is ", v.step);
+    }
+    int64_t expect = 0;  // elements covered so far, in order
+    for (size_t i = 0; i < v.pieces.size(); ++i) {
+      const Piece& p = v.pieces[i];
+      const std::string piece = where + ": piece " + std::to_string(i) + " [" +
+                                std::to_string(p.begin) + ", " + std::to_string(p.end) + ")";
+      check_plain_name(p.file, piece);
+      TORCH_CHECK(p.begin <= p.end, piece, " is reversed");
+      TORCH_CHECK(p.begin >= expect, piece, " overlaps the previous pieces, which end at ", expect,
+                  " (pieces must be sorted and disjoint)");
+      TORCH_CHECK(p.begin == expect, piece, " leaves elements [", expect, ", ", p.begin,
+                  ") uncovered");
+      TORCH_CHECK(p.end <= numel, piece, " runs past the value's ", numel, " elements");
+      expect = p.end;
+      auto tensor_of = [&](const std::string& file, const std::string& tensor) {
+        auto f = files.find(file);
+        TORCH_CHECK(f != files.end(), piece, ": file '", file,
+                    "' is not listed in the manifest's files");
+        const FileTensor* t = f->second->find(tensor);
+        TORCH_CHECK(t != nullptr, piece, ": file '", file, "' has no tensor '", tensor, "'");
+        const TensorEntry& e = t->entry;
+        TORCH_CHECK(e.dtype == v.dtype, piece, ": tensor '", tensor, "' in '", file, "' is ",
+                    safetensors_dtype_name(e.dtype), ", the value is ",
+                    safetensors_dtype_name(v.dtype));
+        TORCH_CHECK(e.numel() == p.end - p.begin &&
+                        (e.shape == std::vector<int64_t>{p.end - p.begin} || e.shape == v.shape),
+                    piece, ": tensor '", tensor, "' in '", file, "' has shape ", dims(e.shape),
+                    ", expected [", p.end - p.begin, "] or ", dims(v.shape));
+      };
+      tensor_of(p.file, v.name);
+      if (param)
+        for (const std::string& f : fields)
+          tensor_of(m.optimizer->file.empty() ? p.file : m.optimizer->file, v.name + "." + f);
+    }
+    TORCH_CHECK(expect == numel, where, ": pieces cover elements [0, ", expect, ") of its ", numel);
+  };
+  for (const ValueRecord& v : m.params) check_value(v, true);
+  for (const ValueRecord& v : m.buffers) check_value(v, false);
 }
 
 }  // namespace
 
 int64_t ValueRecord::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) n *= d;  // parse() checked that it does not overflow
   return n;
 }
 
@@ -124,9 +260,11 @@ FileRecord parse_file_record(const json::Node& j) {
   FileRecord f;
   f.name = j.at("name").as_string();
   naming("file", f.name, [&] {
+    only(j, {"name", "bytes", "header_crc32", "tensors"});
     f.bytes = j.at("bytes").as_int();
     f.header_crc32 = parse_crc(j.at("header_crc32"));
     for (const auto& t : j.at("tensors").items()) {
+      only(t, {"name", "dtype", "shape", "data_offsets", "crc32"});
       FileTensor ft;
       ft.entry.name = t.at("name").as_string();
       const json::Node dtype = t.at("dtype");
@@ -188,29 +326,42 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
               "truncated or was not written by flatshard");
   const json::Json parsed = json::parse(text, path);
   const json::Node doc(parsed, path);  // errors below name the path and the field
+  // The version first: a newer writer may have changed anything after it, the checksum too.
+  const json::Node version = doc.at("version");
+  const int64_t v = version.as_int();
+  if (v > kCheckpointFormatVersion)
+    version.fail("format version " + std::to_string(v) + " was written by a newer flatshard; " +
+                 "this build reads version " + std::to_string(kCheckpointFormatVersion) +
+                 " (upgrade flatshard to load it)");
+  if (v != kCheckpointFormatVersion)
+    version.fail("format version " + std::to_string(v) + " is not supported (this build reads " +
+                 "version " + std::to_string(kCheckpointFormatVersion) + ")");
   const uint32_t want = crc32(text.data(), at);
   const uint32_t got = parse_crc(doc.at("manifest_crc32"));
   TORCH_CHECK(got == want, path, ": manifest checksum mismatch (stored ", crc32_hex(got),
               ", computed ", crc32_hex(want), "): the manifest is corrupt");
+  only(doc, {"format", "version", "kind", "world_size", "crc_chunk_bytes", "optimizer", "units",
+             "params", "buffers", "files", "manifest_crc32"});
   Manifest m;
   const json::Node format = doc.at("format");
   if (format.as_string() != kFormatName)
     format.fail("format is '" + format.as_string() + "', expected '" + kFormatName + "'");
-  const json::Node version = doc.at("version");
-  m.version = static_cast<int>(version.as_int());
-  if (m.version != kCheckpointFormatVersion)
-    version.fail("format version " + std::to_string(m.version) +
-                 " is not supported (this build reads version " +
-                 std::to_string(kCheckpointFormatVersion) + ")");
+  m.version = static_cast<int>(v);
   const json::Node kind = doc.at("kind");
   m.kind = kind.as_string();
   if (m.kind != "sharded" && m.kind != "full") kind.fail("unknown kind '" + m.kind + "'");
-  m.world_size = static_cast<int>(doc.at("world_size").as_int());
+  const json::Node world = doc.at("world_size");
+  const int64_t w = world.as_int();
+  if (w < 1 || w > (int64_t{1} << 24))
+    world.fail("world_size " + std::to_string(w) + " is not in [1, 2^24]");
+  m.world_size = static_cast<int>(w);
   const json::Node chunk = doc.at("crc_chunk_bytes");
   m.crc_chunk_bytes = chunk.as_int();
-  if (m.crc_chunk_bytes <= 0) chunk.fail("crc_chunk_bytes must be positive");
+  if (m.crc_chunk_bytes <= 0 || m.crc_chunk_bytes > (int64_t{1} << 40))
+    chunk.fail("crc_chunk_bytes must be in [1, 2^40]");
   const json::Node o = doc.at("optimizer");
   if (!o.is_null()) {
+    only(o, {"type", "fields", "file", "lr", "betas", "eps", "weight_decay", "amsgrad"});
     OptimizerRecord r;
     r.type = o.at("type").as_string();
     for (const auto& f : o.at("fields").items()) r.fields.push_back(f.as_string());
@@ -226,12 +377,15 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     r.amsgrad = o.at("amsgrad").as_bool();
     m.optimizer = r;
   }
-  for (const auto& u : doc.at("units").items())
+  for (const auto& u : doc.at("units").items()) {
+    only(u, {"name", "strategy", "numel", "padded_numel"});
     m.units.push_back(UnitRecord{u.at("name").as_string(), u.at("strategy").as_string(),
                                  u.at("numel").as_int(), u.at("padded_numel").as_int()});
+  }
   for (const auto& p : doc.at("params").items()) m.params.push_back(parse_value(p));
   for (const auto& b : doc.at("buffers").items()) m.buffers.push_back(parse_value(b));
   for (const auto& f : doc.at("files").items()) m.files.push_back(parse_file_record(f));
+  validate(m, path);
   return m;
 }
 

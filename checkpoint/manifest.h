@@ -16,6 +16,12 @@
 // The manifest carries its own CRC-32 (`manifest_crc32`, over the text before it); parse()
 // checks it and every field, throwing with the path and the field at fault (a JSON Pointer,
 // e.g. "manifest.json: /params/3/step: expected an integer, got 1.5 (entry 'wte.weight')").
+// The CRC catches accidents, not edits (anyone can recompute it), so parse() also validates
+// the whole manifest before a load opens any file (Note [Strict manifest], manifest.cpp): a
+// newer format version is refused first with its own message; unknown fields, duplicate keys
+// (support/json.h), file names that are not plain names, shapes overflowing int64, pieces that
+// are unsorted, overlap or leave gaps, a piece whose file tensor has another dtype or element
+// count, negative step counts and step counts that differ within a unit are all errors.
 #pragma once
 
 #include <c10/core/ScalarType.h>

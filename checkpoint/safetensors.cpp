@@ -38,6 +38,14 @@ int64_t TensorEntry::numel() const {
   return n;
 }
 
+bool checked_numel(const std::vector<int64_t>& shape, int64_t* numel) {
+  int64_t n = 1;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return false;
+  *numel = n;
+  return true;
+}
+
 const char* safetensors_dtype_name(at::ScalarType t) {
   for (const auto& [st, name] : kDtypes)
     if (st == t) return name;
@@ -138,7 +146,12 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
   });
   int64_t expect = 0;
   for (const auto& e : h.tensors_) {
-    const int64_t want = e.numel() * static_cast<int64_t>(c10::elementSize(e.dtype));
+    int64_t numel = 0, want = 0;
+    TORCH_CHECK(
+        checked_numel(e.shape, &numel) &&
+            !__builtin_mul_overflow(numel, static_cast<int64_t>(c10::elementSize(e.dtype)), &want),
+        path, ": tensor '", e.name, "' has shape ", shape_string(e.shape),
+        ", whose size overflows int64");
     TORCH_CHECK(e.begin == expect && e.end - e.begin == want, path, ": tensor '", e.name, "' (",
                 safetensors_dtype_name(e.dtype), " ", shape_string(e.shape), ", data_offsets [",
                 e.begin, ", ", e.end, "]) does not follow the previous tensor", " at ", expect,

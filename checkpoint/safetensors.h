@@ -66,6 +66,10 @@ class SafetensorsHeader {
   std::unordered_map<std::string, size_t> by_name_;
 };
 
+// The product of `shape` into *numel; false if a dimension is negative or the product
+// overflows int64 (a hostile header's shape must not wrap around to a small size).
+bool checked_numel(const std::vector<int64_t>& shape, int64_t* numel);
+
 // "F32", "BF16", "F16", "F64", "I64", "I32", "I16", "I8", "U8", "BOOL".
 const char* safetensors_dtype_name(at::ScalarType t);
 // The inverse; throws naming `what` and the known names.

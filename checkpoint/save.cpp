@@ -4,6 +4,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <unordered_map>
 
@@ -256,6 +257,34 @@ std::vector<FileRecord> write_full(const SaveSource& s, const Manifest& m,
   return records;
 }
 
+// begin_save's check of an existing checkpoint directory (Note [Checkpoint publication]): it
+// may hold only what flatshard wrote there — its manifest, the files the manifest lists and the
+// marker. Anything else is the user's, and the save refuses rather than delete it.
+void check_only_checkpoint_files(const std::string& dir) {
+  const std::string path = join_path(dir, kManifestName);
+  Manifest old;
+  try {
+    old = Manifest::parse(read_text_file(path), path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "checkpoint: refusing to replace '", dir, "': its ", kManifestName,
+                " cannot be read, so flatshard cannot tell its files from anyone else's (",
+                e.msg(), "); remove or move the directory yourself");
+  }
+  std::vector<std::string> foreign;
+  for (const std::string& name : list_dir(dir)) {
+    bool ours = name == kManifestName || name == kMarkerName;
+    for (const auto& f : old.files) ours = ours || f.name == name;
+    if (!ours) foreign.push_back(name);
+  }
+  if (foreign.empty()) return;
+  std::sort(foreign.begin(), foreign.end());
+  std::string list;
+  for (size_t i = 0; i < foreign.size() && i < 10; ++i) list += (i ? ", '" : "'") + foreign[i] + "'";
+  TORCH_CHECK(false, "checkpoint: refusing to replace '", dir, "': it holds ", foreign.size(),
+              " file(s) the checkpoint did not write: ", list, foreign.size() > 10 ? ", ..." : "",
+              "; move them out (a save replaces the whole directory) or save elsewhere");
+}
+
 }  // namespace
 
 // The save of one shard group: its ranks hold the whole model between them.
@@ -264,8 +293,8 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   at::NoGradGuard no_grad;
   Communicator& comm = model.comm();
   const int rank = comm.rank(), world = comm.world_size();
-  const std::string dir = normalize_dir(dir_arg);
-  const std::string staging = staging_dir(dir);
+  std::string dir = normalize_dir(dir_arg);
+  std::string staging;  // begin_save's, on rank 0; then sent to every rank
   const std::string what = "save_checkpoint('" + dir + "')";
   TORCH_CHECK(o.crc_chunk_bytes > 0, what, ": crc_chunk_bytes must be positive");
 
@@ -275,11 +304,15 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   try {
     source.emplace(read_source(model, optimizer));
     manifest = describe(*source, o.kind, world, o.crc_chunk_bytes);
-    if (rank == 0) begin_save(dir, kManifestName, o.durable);
+    if (rank == 0) {
+      dir = resolve_save_dir(dir);  // a symlink is followed (Note [Checkpoint publication])
+      staging = begin_save(dir, kManifestName, o.durable, check_only_checkpoint_files);
+    }
   } catch (...) {
     err = std::current_exception();
   }
   agree(comm, err, what);
+  staging = all_gather_text(comm, staging).front();
 
   try {
     ProgressReporter progress(o.progress, o.log_after_seconds, rank, what,
@@ -305,7 +338,7 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
       try {
         write_text_file_atomic(join_path(staging, kManifestName), manifest.to_json(), o.fault_hook,
                                o.durable);
-        publish(dir, o.fault_hook, o.durable, o.use_rename_exchange);
+        publish(dir, staging, o.fault_hook, o.durable, o.use_rename_exchange);
       } catch (...) {
         err = std::current_exception();
       }
@@ -314,7 +347,7 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   } catch (...) {
     // Whatever is in the staging directory now is incomplete, or the previous checkpoint
     // displaced by publish(): never needed again.
-    if (rank == 0) abandon_save(dir);
+    if (rank == 0) abandon_save(staging);
     throw;
   }
 }

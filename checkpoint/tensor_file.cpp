@@ -59,14 +59,31 @@ TensorFileReader::TensorFileReader(const std::string& dir, const FileRecord& rec
                                    int64_t crc_chunk)
     : file_(join(dir, record.name)), record_(record), crc_chunk_(crc_chunk) {
   const std::string& path = file_.path();
+  // Note [Checkpoint confinement]: the size first, before a byte is read, and described from
+  // the manifest's record (what should be there), never from the file's own bytes.
+  if (file_.size() != record.bytes) {
+    int64_t data_bytes = 0;
+    for (const auto& t : record.tensors) data_bytes = std::max(data_bytes, t.entry.end);
+    const int64_t data_start = record.bytes - data_bytes;
+    TORCH_CHECK(file_.size() <= record.bytes, path, ": ", file_.size(),
+                " bytes, the manifest says ", record.bytes, " (", file_.size() - record.bytes,
+                " unexpected bytes after the last tensor)");
+    TORCH_CHECK(file_.size() >= data_start, path,
+                ": truncated inside the safetensors header: the file has only ", file_.size(),
+                " bytes, the manifest says ", record.bytes, " (the header alone takes ", data_start,
+                ")");
+    for (const auto& t : record.tensors)
+      TORCH_CHECK(data_start + t.entry.end <= file_.size(), path, ": truncated: the file has ",
+                  file_.size(), " bytes, the manifest says ", record.bytes, "; tensor '",
+                  t.entry.name, "' needs bytes [", data_start + t.entry.begin, ", ",
+                  data_start + t.entry.end, ")");
+  }
   std::string raw = SafetensorsHeader::read_raw(file_);
   const uint32_t got = crc32(raw.data(), raw.size());
   TORCH_CHECK(got == record.header_crc32, path, ": header checksum mismatch (manifest says ",
               crc32_hex(record.header_crc32), ", file has ", crc32_hex(got),
               "): the safetensors header is corrupt or belongs to another save");
   const SafetensorsHeader h = SafetensorsHeader::parse(std::move(raw), path, file_.size());
-  TORCH_CHECK(file_.size() == record.bytes, path, ": ", file_.size(), " bytes, the manifest says ",
-              record.bytes);
   TORCH_CHECK(h.tensors().size() == record.tensors.size(), path, ": header lists ",
               h.tensors().size(), " tensors, the manifest ", record.tensors.size());
   for (const auto& t : record.tensors) {

@@ -8,6 +8,10 @@
 //   checkpoint and is SIGKILLed while parked in the hook at chosen points (mid-file, before the
 //   manifest's rename, before publication, after it); then the directory loads as the previous
 //   (or, after publication, the new) checkpoint, and the next save cleans up the debris.
+// - The new rules under the same faults: a user's `<dir>.old` and `<dir>.saving` survive every
+//   interrupted save and every cleanup; a save stopped between the fallback's two renames
+//   leaves `<dir>` missing, a load then refuses and names recover_checkpoint, which restores
+//   the previous checkpoint.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -82,6 +86,10 @@ TEST_CASE(
       std::vector<std::string> failures;
       std::vector<std::vector<IoPoint>> points(2);
       int attempts = 0;
+      make_dirs(dir + ".old");  // the user's, not flatshard's (today's names were these)
+      make_dirs(dir + ".saving");
+      write_bytes(dir + ".old/keep.txt", "mine");
+      write_bytes(dir + ".saving/keep.txt", "mine");
       run_ranks(2, [&](Communicator& comm) {
         const int rank = comm.rank();
         auto model = g::GPT(ckpt_cfg(), 11);
@@ -108,6 +116,23 @@ TEST_CASE(
         auto check = [&](const std::string& what) {
           comm.barrier();
           if (rank == 0) {
+            if (!path_exists(dir)) {
+              // Stopped between the fallback's two renames: a load refuses (no silent backup)
+              // and names the way back; recovery is explicit.
+              std::string refused;
+              try {
+                load_fresh(dir);
+              } catch (const c10::Error& e) {
+                refused = e.what();
+              }
+              std::lock_guard<std::mutex> lock(mu);
+              if (refused.find("recover_checkpoint") == std::string::npos)
+                failures.push_back(what +
+                                   ": a load of the missing directory did not point at "
+                                   "recover_checkpoint: " +
+                                   refused);
+              if (!recover_checkpoint(dir)) failures.push_back(what + ": nothing recovered");
+            }
             const std::string d = diff_params(*current, load_fresh(dir));
             std::lock_guard<std::mutex> lock(mu);
             if (!d.empty()) failures.push_back(what + ": " + d);
@@ -165,8 +190,12 @@ TEST_CASE(
         current = &b;
         check("final save");
         std::lock_guard<std::mutex> lock(mu);
-        if (path_exists(staging_dir(dir)) || path_exists(retired_dir(dir)))
-          failures.push_back("staging or retired directory left behind");
+        if (!side_dirs(dir, kManifestName).empty())
+          failures.push_back("staging or backup directory left behind");
+        // The user's own look-alikes beside the checkpoint survived every fault and cleanup.
+        if (read_bytes(dir + ".old/keep.txt") != "mine" ||
+            read_bytes(dir + ".saving/keep.txt") != "mine")
+          failures.push_back("a save removed the user's " + dir + ".old or .saving");
       });
       CAPTURE(attempts);
       for (const auto& f : failures) FAIL_CHECK(f);
@@ -279,7 +308,12 @@ TEST_CASE("a save killed by SIGKILL keeps the previous checkpoint", "[checkpoint
     REQUIRE(WIFSIGNALED(status));
     // Published only once the hook's kCleanup point is reached.
     REQUIRE(diff_params(k == cleanup ? b : a, load_fresh(dir)) == "");
-    if (k < publish) REQUIRE(path_exists(staging_dir(dir)));  // the debris the kill left
+    if (k < publish) {  // the debris the kill left: flatshard's marked staging directory
+      const auto side = side_dirs(dir, kManifestName);
+      REQUIRE(side.size() == 1);
+      REQUIRE(side[0].marked);
+      REQUIRE(!side[0].backup);
+    }
   }
   // The next save replaces the debris and publishes.
   run_ranks(2, [&](Communicator& comm) {
@@ -290,5 +324,5 @@ TEST_CASE("a save killed by SIGKILL keeps the previous checkpoint", "[checkpoint
     save_checkpoint(*fsdp, &opt, dir);
   });
   REQUIRE(diff_params(a, load_fresh(dir)) == "");
-  REQUIRE(!path_exists(staging_dir(dir)));
+  REQUIRE(side_dirs(dir, kManifestName).empty());
 }

@@ -3,6 +3,7 @@
 // tests/json_test.cpp), safetensors per its spec (and against the reference implementation:
 // tests/safetensors_interop_test.cpp).
 #include <ATen/ATen.h>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -40,6 +41,8 @@ Manifest small_manifest() {
   m.kind = "sharded";
   m.world_size = 2;
   m.crc_chunk_bytes = 8;
+  m.optimizer = OptimizerRecord{};  // step counts need one (its state fields: none here)
+  m.optimizer->type = "AdamW";
   ValueRecord v;
   v.name = "wte.weight";
   v.shape = {2, 3};
@@ -54,7 +57,7 @@ Manifest small_manifest() {
   FileTensor t;
   t.entry.name = "wte.weight";
   t.entry.shape = {2, 3};
-  t.entry.begin = INT64_MAX - 24;
+  t.entry.begin = INT64_MAX - 25;  // 24 bytes: 6 F32 elements
   t.entry.end = INT64_MAX - 1;
   t.crc32 = {0x01020304u, 0xffffffffu};
   f.tensors.push_back(t);
@@ -85,7 +88,7 @@ TEST_CASE("manifest: round trip, int64 extremes exact", "[checkpoint][format][js
   REQUIRE(m.files[0].tensors.size() == 1);
   CHECK(m.files[0].bytes == INT64_MAX);
   CHECK(m.files[0].header_crc32 == 0xdeadbeefu);
-  CHECK(m.files[0].tensors[0].entry.begin == INT64_MAX - 24);
+  CHECK(m.files[0].tensors[0].entry.begin == INT64_MAX - 25);
   CHECK(m.files[0].tensors[0].entry.end == INT64_MAX - 1);
   CHECK(m.files[0].tensors[0].crc32 == std::vector<uint32_t>{0x01020304u, 0xffffffffu});
   REQUIRE(m.params.size() == 1);
@@ -220,20 +223,36 @@ TEST_CASE("a save never replaces a directory that is not a checkpoint", "[checkp
   flatshard_test::TempDir tmp;
   const std::string dir = tmp / "mine";
   make_dirs(dir);
-  begin_save(dir, kManifestName, false);  // empty: fine
-  abandon_save(dir);
-  CHECK(!path_exists(staging_dir(dir)));
+  const std::string staging = begin_save(dir, kManifestName, false, {});  // empty: fine
+  CHECK(has_marker(staging));
+  CHECK(has_marker(dir));  // adopted: it will be swapped out and must be recognisable then
+  abandon_save(staging);
+  CHECK(!path_exists(staging));
+  ::unlink((dir + "/" + kMarkerName).c_str());
   flatshard_test::write_bytes(dir + "/notes.txt", "precious");
-  CHECK_THROWS_WITH(begin_save(dir, kManifestName, false),
+  CHECK_THROWS_WITH(begin_save(dir, kManifestName, false, {}),
                     Contains("refusing to replace") && Contains(dir));
   CHECK(flatshard_test::read_bytes(dir + "/notes.txt") == "precious");
-  // An interrupted two-rename publication left only <dir>.old: loads find it, saves restore it.
+  // An interrupted two-rename publication left only flatshard's marked, complete backup:
+  // loads do not use it; recover_interrupted_save() and the next save restore it.
   const std::string ckpt = tmp / "ckpt";
-  make_dirs(retired_dir(ckpt));
-  flatshard_test::write_bytes(retired_dir(ckpt) + "/" + kManifestName, "{}");
-  CHECK(resolve_checkpoint_dir(ckpt, kManifestName) == retired_dir(ckpt));
-  begin_save(ckpt, kManifestName, false);
+  const std::string backup = ckpt + kBackupInfix + "0123456789abcdef";
+  make_dirs(backup);
+  flatshard_test::write_bytes(backup + "/" + kManifestName, "{}");
+  CHECK_THROWS_WITH(recover_interrupted_save(ckpt, kManifestName), Contains("no complete"));
+  flatshard_test::write_bytes(backup + "/" + kMarkerName, "flatshard checkpoint directory\n");
+  CHECK(describe_side_dirs(ckpt, kManifestName).find("recover_checkpoint") != std::string::npos);
+  const std::string s2 = begin_save(ckpt, kManifestName, false, {});
   CHECK(path_exists(ckpt + "/" + kManifestName));
-  CHECK(!path_exists(retired_dir(ckpt)));
-  CHECK(is_directory(staging_dir(ckpt)));
+  CHECK(!path_exists(backup));
+  CHECK(is_directory(s2));
+  CHECK(recover_interrupted_save(ckpt, kManifestName) == false);  // nothing to recover
+}
+
+TEST_CASE("check_plain_name refuses paths", "[checkpoint][format][trust]") {
+  for (const std::string& bad : std::vector<std::string>{"", ".", "..", "../x", "a/b",
+                                                         "/etc/passwd", std::string("a\0b", 3)})
+    CHECK_THROWS_WITH(check_plain_name(bad, "entry"), Contains("not a plain name"));
+  check_plain_name("shard-00000-of-00002.safetensors", "entry");
+  check_plain_name("..x", "entry");  // a name, not a parent
 }

@@ -83,7 +83,7 @@ step_configure() {
 
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
-                 gpu_hsdp_test flatshard-collectives-bench flatshard-bench flatshard-trace)
+                 gpu_hsdp_test gpu_checkpoint_test flatshard-collectives-bench flatshard-bench flatshard-trace)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
