@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -62,13 +63,17 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
-// A private folder for this run (removed at exit with what the tests put in it).
+// A private folder for this run (removed at exit with what the tests put in it). Its name is
+// kept in a plain buffer: the atexit handler runs after static strings are destroyed.
+char g_dir[4096];
 const std::string& dir() {
   static const std::string d = [] {
     const char* tmp = std::getenv("TMPDIR");
     std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/flatshard_tools_trust_XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    std::atexit([] { (void)std::system(("rm -rf " + quote(dir())).c_str()); });
+    if (pattern.size() >= sizeof g_dir || ::mkdtemp(pattern.data()) == nullptr)
+      throw std::runtime_error("mkdtemp failed");
+    std::memcpy(g_dir, pattern.c_str(), pattern.size() + 1);
+    std::atexit([] { (void)std::system(("rm -rf " + quote(g_dir)).c_str()); });
     return pattern;
   }();
   return d;
