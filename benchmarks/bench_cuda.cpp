@@ -56,6 +56,18 @@ std::string cuda_device_name(int index) {
   return "";
 }
 
+std::optional<int64_t> cuda_device_memory(int index) {
+#if FLATSHARD_WITH_CUDA
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) == cudaSuccess)
+    return static_cast<int64_t>(prop.totalGlobalMem);
+  (void)cudaGetLastError();
+#else
+  (void)index;
+#endif
+  return std::nullopt;
+}
+
 // --- the wiring point of the NCCL backend ------------------------------------------------------
 CudaRank open_cuda_rank(int local_rank) {
 #if FLATSHARD_BENCH_HAS_NCCL

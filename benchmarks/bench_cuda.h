@@ -16,7 +16,9 @@
 #pragma once
 
 #include <functional>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "benchmarks/bench_run.h"
@@ -29,6 +31,8 @@ std::string cuda_unavailable_reason();
 int cuda_device_count();
 // "NVIDIA H200" for device `index` ("" without CUDA).
 std::string cuda_device_name(int index);
+// Total memory of device `index` in bytes; nullopt without CUDA or when the query fails.
+std::optional<int64_t> cuda_device_memory(int index);
 
 struct CudaRank {
   std::shared_ptr<Communicator> comm;

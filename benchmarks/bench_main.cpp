@@ -6,9 +6,17 @@
 // the same seed and data; rank 0 prints the table and writes JSON/CSV/SVG.
 //
 // Exit codes: 0 all runs ok; 1 a result check failed (loss differs from the reference run);
-// 2 usage error (one line "flatshard-bench: error: ..." on stderr); 3 runtime failure.
+// 2 usage error (one line "flatshard-bench: error: ..." on stderr); 3 runtime failure (an output
+// file that could not be written included: it is left as it was, support/output_file.h).
+//
+// The environment is read after --help (which never reads it) and before anything runs: every
+// set launcher variable must be valid (collectives/launch_env.h), also on cpu where none is
+// used, and every FLATSHARD_* knob (collectives/env.h), also those only the NCCL path reads; a
+// bad one is a usage error naming it. On cpu the threads' collective timeout is
+// FLATSHARD_TIMEOUT_MS when set, else 60 s.
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -16,11 +24,14 @@
 #include "benchmarks/bench_cuda.h"
 #include "benchmarks/bench_granularity.h"
 #include "benchmarks/bench_launch.h"
+#include "benchmarks/bench_memory.h"
 #include "benchmarks/bench_options.h"
 #include "benchmarks/bench_plot.h"
 #include "benchmarks/bench_progress.h"
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
+#include "collectives/env.h"
+#include "support/output_file.h"
 
 namespace fb = flatshard::bench;
 
@@ -59,7 +70,7 @@ int report(const fb::BenchOptions& o, int world, const std::string& device_descr
                                    std::move(results));
   fb::print_table(rep, std::cout);
   fb::print_kernel_profiles(rep, std::cout);
-  std::cout.flush();
+  flatshard::flush_stdout();
   if (!o.json_path.empty()) fb::write_json(rep, o.json_path);
   if (!o.csv_path.empty()) fb::write_csv(rep, o.csv_path);
   if (!o.plot_path.empty()) fb::write_svg(rep, o.plot_path);
@@ -72,16 +83,24 @@ void check_outputs(const fb::BenchOptions& o) {
   fb::check_writable("--plot", o.plot_path);
 }
 
+// FLATSHARD_TIMEOUT_MS when set (validated by env::check_all), else the threads backend's 60 s.
+std::chrono::milliseconds cpu_timeout() {
+  namespace env = flatshard::env;
+  return env::get(env::kTimeoutMs).empty() ? std::chrono::milliseconds(60000) : env::timeout();
+}
+
 int run_cpu(const fb::BenchOptions& o) {
+  fb::check_memory(o, o.nproc, std::nullopt);
   const auto grans = plan_granularities(o);
   check_outputs(o);
   const fb::RunConfig config = run_config(o);
+  const std::chrono::milliseconds timeout = cpu_timeout();
   fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());
   std::vector<fb::RunResult> results;
   for (size_t i = 0; i < grans.size(); ++i) {
     auto fn = progress.start(grans[i].label, static_cast<int>(i), static_cast<int>(grans.size()),
                              o.warmup);
-    results.push_back(fb::run_on_cpu_threads(config, grans[i], o.nproc, fn));
+    results.push_back(fb::run_on_cpu_threads(config, grans[i], o.nproc, fn, timeout));
     progress.finish(results.back());
   }
   return report(o, o.nproc,
@@ -101,6 +120,7 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
   if (env.local_rank >= gpus)
     throw fb::UsageError("local rank " + std::to_string(env.local_rank) + " has no GPU: " +
                          std::to_string(gpus) + " visible");
+  fb::check_memory(o, env.world_size, fb::cuda_device_memory(env.local_rank));
   const auto grans = plan_granularities(o);
   if (env.rank == 0) check_outputs(o);
   fb::CudaRank rank = fb::open_cuda_rank(env.local_rank);
@@ -139,6 +159,7 @@ int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::L
   if (n > gpus)
     throw fb::UsageError("--nproc " + std::to_string(n) + " exceeds the " +
                          std::to_string(gpus) + " visible GPUs (one rank per GPU)");
+  fb::check_memory(o, n, fb::cuda_device_memory(0));  // before n processes allocate anything
   return fb::launch_local_ranks(n, argv);
 }
 
@@ -148,14 +169,30 @@ int main(int argc, char** argv) {
   int rank = 0;
   bool launched = false;
   try {
+    // The command line first: --help prints and exits without reading the environment.
+    std::optional<fb::ParseResult> parsed;
+    std::string usage_error;
+    try {
+      parsed = fb::parse_command_line(argc, argv);
+    } catch (const fb::UsageError& e) {
+      usage_error = e.what();
+    }
+    if (parsed && parsed->exit_now) {
+      flatshard::flush_stdout();
+      return 0;
+    }
     const std::optional<flatshard::LaunchEnv> env = fb::launcher_env();
     launched = env.has_value();
     rank = env ? env->rank : 0;
-    fb::ParseResult parsed = fb::parse_command_line(argc, argv);
-    if (parsed.exit_now) return 0;
+    if (!parsed) throw fb::UsageError(usage_error);  // now that the rank is known: rank 0 says it
+    try {
+      flatshard::env::check_all();
+    } catch (const c10::Error& e) {
+      throw fb::UsageError(e.what_without_backtrace());
+    }
     // Launcher variables only matter for cuda: a cpu run under srun/torchrun is a plain run.
-    return run(parsed.options, argv,
-               parsed.options.device == fb::DeviceKind::kCuda ? env : std::nullopt);
+    return run(parsed->options, argv,
+               parsed->options.device == fb::DeviceKind::kCuda ? env : std::nullopt);
   } catch (const fb::UsageError& e) {
     if (rank == 0) std::cerr << "flatshard-bench: error: " << e.what() << std::endl;
     return kExitUsage;

@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "support/output_file.h"
+
 namespace flatshard {
 namespace bench {
 
@@ -155,11 +157,7 @@ std::string render_svg(const Report& rep) {
 }
 
 void write_svg(const Report& rep, const std::string& path) {
-  std::ofstream f(path, std::ios::out | std::ios::trunc);
-  if (!f) throw std::runtime_error("cannot write SVG to '" + path + "': " + std::strerror(errno));
-  f << render_svg(rep);
-  f.close();
-  if (!f) throw std::runtime_error("writing SVG to '" + path + "' failed");
+  write_file(path, render_svg(rep), "--plot");
 }
 
 }  // namespace bench

@@ -5,7 +5,7 @@
 // labelled y axis with round tick values, the value printed above every bar, and the
 // granularity under it (long policy specs are shortened with an ellipsis; the full label is the
 // bar's tooltip). Hand-written SVG 1.1, no scripts or external resources; text is XML-escaped.
-// Throws std::runtime_error naming the path when the file cannot be written.
+// write_svg writes like write_json (bench_report.h): whole or not at all; throws c10::Error.
 #pragma once
 
 #include <string>

@@ -14,6 +14,7 @@
 
 #include "support/format.h"
 #include "support/json.h"
+#include "support/output_file.h"
 
 namespace flatshard {
 namespace bench {
@@ -77,18 +78,6 @@ const char* strategy_name(ShardingStrategy s) {
     case ShardingStrategy::kFullShard: break;
   }
   return "full";
-}
-
-std::ofstream open_or_throw(const std::string& what, const std::string& path) {
-  std::ofstream f(path, std::ios::out | std::ios::trunc);
-  if (!f) throw std::runtime_error("cannot write " + what + " to '" + path + "': " +
-                                   std::strerror(errno));
-  return f;
-}
-
-void close_or_throw(std::ofstream& f, const std::string& what, const std::string& path) {
-  f.close();
-  if (!f) throw std::runtime_error("writing " + what + " to '" + path + "' failed");
 }
 
 }  // namespace
@@ -320,9 +309,7 @@ void write_json(const Report& rep, const std::string& path) {
     j << "}}";
   }
   j << "\n  ]\n}\n";
-  std::ofstream f = open_or_throw("JSON", path);
-  f << j.str();
-  close_or_throw(f, "JSON", path);
+  write_file(path, j.str(), "--json");
 }
 
 void write_csv(const Report& rep, const std::string& path) {
@@ -344,16 +331,15 @@ void write_csv(const Report& rep, const std::string& path) {
       << opt(r.run.exposed_comm_share) << ',' << r.run.peak_memory_bytes << ','
       << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << '\n';
   }
-  std::ofstream f = open_or_throw("CSV", path);
-  f << s.str();
-  close_or_throw(f, "CSV", path);
+  write_file(path, s.str(), "--csv");
 }
 
 void check_writable(const std::string& flag, const std::string& path) {
-  if (path.empty()) return;
-  std::ofstream f(path, std::ios::out | std::ios::trunc);
-  if (!f) throw UsageError(flag + " '" + path + "': cannot open for writing: " +
-                           std::strerror(errno));
+  try {
+    check_output_path(path, flag);
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
 }
 
 }  // namespace bench

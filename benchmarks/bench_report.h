@@ -9,8 +9,9 @@
 //   the same weights and data, so any larger difference is a sharding bug, not noise.
 // - JSON and CSV hold the same numbers as the table, unrounded; unknown values are null / empty.
 //   The JSON schema is written out in write_json's comment in bench_report.cpp.
-// - write_json/write_csv throw std::runtime_error naming the path when the file cannot be
-//   written.
+// - write_json/write_csv write through support/output_file.h: a temporary renamed over the path
+//   once every write succeeded, so a failed run or a full disk leaves an existing file as it was;
+//   they throw c10::Error naming the flag, the path and the failed step.
 #pragma once
 
 #include <optional>
@@ -57,8 +58,9 @@ void print_kernel_profiles(const Report& report, std::ostream& out);
 void write_json(const Report& report, const std::string& path);
 void write_csv(const Report& report, const std::string& path);
 
-// Opens `path` for writing (truncating it) and closes it again, so that an unwritable output
-// path fails before minutes of benchmarking; throws UsageError naming `flag` and the path.
+// Fails before minutes of benchmarking if `path` could not be written at the end (missing or
+// unwritable folder, a directory): creates and removes a temporary next to it, never touching
+// `path` itself (support/output_file.h); throws UsageError naming `flag` and the path.
 void check_writable(const std::string& flag, const std::string& path);
 
 }  // namespace bench

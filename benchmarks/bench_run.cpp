@@ -163,7 +163,8 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
 }
 
 RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granularity,
-                             int world_size, const ProgressFn& progress) {
+                             int world_size, const ProgressFn& progress,
+                             std::chrono::milliseconds timeout) {
   profiling::CountingCpuAllocator& mem = profiling::CountingCpuAllocator::install();
   DeviceHooks hooks;
   hooks.memory_current = [&mem] { return mem.current_bytes(); };
@@ -180,7 +181,7 @@ RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granula
       std::lock_guard<std::mutex> lock(mu);
       result = std::move(r);
     }
-  });
+  }, timeout);
   result.peak_memory_bytes = (result.peak_memory_bytes - baseline) / world;
   return result;
 }

@@ -20,6 +20,7 @@
 // - The returned result is this rank's; callers use rank 0's.
 #pragma once
 
+#include <chrono>
 #include <c10/core/Device.h>
 
 #include <cstdint>
@@ -104,8 +105,10 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
 // `local` runs one unsharded replica per rank thread, concurrently and without communicating:
 // the threads share the machine's cores, so a floor measured on one thread alone would be
 // faster than any rank can be and the ratio would show core contention, not sharding cost.
+// `timeout`: of the threads' collectives (a rank that never arrives fails every rank).
 RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granularity,
-                             int world_size, const ProgressFn& progress);
+                             int world_size, const ProgressFn& progress,
+                             std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
 
 // Median of step times (mean of the middle two for an even count; 0 for none).
 double median(std::vector<double> v);

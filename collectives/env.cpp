@@ -31,6 +31,10 @@ const std::vector<Knob>& knobs() {
       {kUpcastKernel, "1",
        "1: flatshard's vectorized bf16 -> fp32 kernel for reduced gradient shards (when built "
        "with nvcc); 0: ATen's conversion"},
+      {kTrace, "",
+       "path of each rank's Chrome/Perfetto trace (\"{rank}\" or .rank<R> per rank; \"nvtx\": "
+       "NVTX ranges only); unset: no trace unless TraceOptions::path is set"},
+      {kTraceSteps, "64", "steps recorded with FLATSHARD_TRACE, from the first"},
   };
   return table;
 }
@@ -46,10 +50,12 @@ int64_t get_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   errno = 0;
   char* end = nullptr;
   const long long x = std::strtoll(v.c_str(), &end, 10);
-  TORCH_CHECK(errno == 0 && end != v.c_str() && *end == '\0', "environment variable ", name, "='",
-              v, "' is not an integer");
-  TORCH_CHECK(x >= lo && x <= hi, "environment variable ", name, "=", x, " is out of range [", lo,
-              ", ", hi, "]");
+  // errno: too large for long long (strtoll saturates); the value then is out of range too.
+  const bool parsed = end != v.c_str() && *end == '\0';
+  TORCH_CHECK(parsed, "environment variable ", name, "='", v,
+              "' is not an integer: expected an integer in [", lo, ", ", hi, "]");
+  TORCH_CHECK(errno == 0 && x >= lo && x <= hi, "environment variable ", name, "='", v,
+              "' is out of range: expected an integer in [", lo, ", ", hi, "]");
   return x;
 }
 
@@ -77,6 +83,20 @@ bool nccl_terminate_on_error() { return get_bool(kNcclTerminateOnError, false); 
 bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
 bool debug() { return get_bool(kDebug, false); }
 bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
+std::string trace_path() { return get(kTrace); }
+int trace_steps() { return static_cast<int>(get_int(kTraceSteps, 64, 0, 1000000)); }
+
+void check_all() {
+  timeout();
+  store_timeout();
+  nccl_watchdog();
+  watchdog_poll();
+  nccl_terminate_on_error();
+  nccl_eager_connect();
+  debug();
+  upcast_kernel();
+  trace_steps();
+}
 
 }  // namespace env
 }  // namespace flatshard

@@ -3,8 +3,9 @@
 // Contract
 // - Each knob has a name, a default and a meaning (the table `knobs()`; tools print it).
 // - Readers validate: a value that does not parse, or is out of range, throws c10::Error naming
-//   the variable, the value it holds and what is accepted. An unset or empty variable yields the
-//   default.
+//   the variable, the value it holds and what is accepted ("environment variable
+//   FLATSHARD_TIMEOUT_MS='0' is out of range: expected an integer in [1, 1099511627776]"). An
+//   unset or empty variable yields the default. check_all() validates all of them at once.
 // - Values are read when asked (no caching), so tests may setenv() before constructing objects.
 //
 // The launcher's own variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) are not knobs; they are read
@@ -60,8 +61,20 @@ inline constexpr const char* kDebug = "FLATSHARD_DEBUG";
 // ATen instead of flatshard's vectorized kernel (flat_param/upcast.h), for A/B measurements.
 inline constexpr const char* kUpcastKernel = "FLATSHARD_UPCAST_KERNEL";
 
+// FLATSHARD_TRACE (default unset = off): where each rank writes its Chrome/Perfetto trace when
+// ShardingOptions::trace.path is empty (fsdp/trace.h; same syntax: "{rank}", ".rank<R>", "nvtx").
+inline constexpr const char* kTrace = "FLATSHARD_TRACE";
+// FLATSHARD_TRACE_STEPS (default 64): steps recorded with FLATSHARD_TRACE, from the first.
+inline constexpr const char* kTraceSteps = "FLATSHARD_TRACE_STEPS";
+
 // The table of all knobs above (name, default, meaning), in declaration order.
 const std::vector<Knob>& knobs();
+
+// Reads every knob of the table with its typed accessor, so a bad value fails now, naming the
+// variable, its value and what is accepted, whichever of them this program goes on to use (the
+// threads backend on CPU reads fewer than NCCL does; a typo must not depend on the device).
+// Tools call it after their --help has been handled, never before.
+void check_all();
 
 // Raw value, or "" when unset.
 std::string get(const char* name);
@@ -79,6 +92,8 @@ bool nccl_terminate_on_error();
 bool nccl_eager_connect();
 bool debug();
 bool upcast_kernel();
+std::string trace_path();  // "" when unset
+int trace_steps();
 
 }  // namespace env
 }  // namespace flatshard

@@ -47,9 +47,12 @@ class Reader {
     errno = 0;
     char* end = nullptr;
     const long x = std::strtol(v.c_str(), &end, 10);
-    TORCH_CHECK(errno == 0 && end != v.c_str() && (prefix_only || *end == '\0'),
-                "flatshard rendezvous (", launcher_, "): ", name, "='", v,
-                "' is not an integer");
+    TORCH_CHECK(end != v.c_str() && (prefix_only || *end == '\0'), "flatshard rendezvous (",
+                launcher_, "): ", name, "='", v, "' is not an integer: expected one in [", lo,
+                ", ", hi, "]");
+    // errno: beyond long's range (strtol saturates), so out of [lo, hi] too: say the text.
+    TORCH_CHECK(errno == 0, "flatshard rendezvous (", launcher_, "): ", name, "=", v,
+                " is out of range [", lo, ", ", hi, "]");
     TORCH_CHECK(x >= lo && x <= hi, "flatshard rendezvous (", launcher_, "): ", name, "=", x,
                 " is out of range [", lo, ", ", hi, "]");
     return static_cast<int>(x);
@@ -106,6 +109,32 @@ int uniform_tasks_per_node(const std::string& v, int world_size) {
   return common >= 1 && common <= world_size ? static_cast<int>(common) : -1;
 }
 
+// Every integer launcher variable and what a set value must be on its own; the launcher that is
+// used then checks how they relate (RANK < WORLD_SIZE, ...). SLURM_TASKS_PER_NODE is absent:
+// it is only a hint (uniform_tasks_per_node above).
+struct IntVar {
+  const char* name;
+  const char* launcher;
+  long lo, hi;
+  bool prefix_only;
+};
+constexpr IntVar kIntVars[] = {
+    {"RANK", "torchrun", 0, kMaxRanks - 1, false},
+    {"WORLD_SIZE", "torchrun", 1, kMaxRanks, false},
+    {"LOCAL_RANK", "torchrun", 0, kMaxRanks - 1, false},
+    {"LOCAL_WORLD_SIZE", "torchrun", 1, kMaxRanks, false},
+    {"TORCHELASTIC_RESTART_COUNT", "torchrun", 0, 1L << 30, false},
+    {"SLURM_PROCID", "SLURM", 0, kMaxRanks - 1, false},
+    {"SLURM_NTASKS", "SLURM", 1, kMaxRanks, false},
+    {"SLURM_LOCALID", "SLURM", 0, kMaxRanks - 1, false},
+    {"SLURM_NTASKS_PER_NODE", "SLURM", 1, kMaxRanks, true},
+    {"OMPI_COMM_WORLD_RANK", "Open MPI", 0, kMaxRanks - 1, false},
+    {"OMPI_COMM_WORLD_SIZE", "Open MPI", 1, kMaxRanks, false},
+    {"OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI", 0, kMaxRanks - 1, false},
+    {"OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI", 1, kMaxRanks, false},
+    {"MASTER_PORT", "store", 1, 65535, false},
+};
+
 std::optional<std::string> getenv_lookup(const char* name) {
   const char* v = std::getenv(name);
   if (!v) return std::nullopt;
@@ -134,7 +163,21 @@ LaunchEnv LaunchEnv::from_env() { return from_lookup(getenv_lookup); }
 
 std::optional<LaunchEnv> LaunchEnv::ranks_from_env() { return ranks_from_lookup(getenv_lookup); }
 
+void LaunchEnv::check_variables(const Lookup& lookup) {
+  for (const IntVar& v : kIntVars) {
+    Reader r(lookup, v.launcher);
+    r.optional_int(v.name, 0, v.lo, v.hi, v.prefix_only);
+  }
+  if (auto agent = Reader(lookup, "torchrun").raw("TORCHELASTIC_USE_AGENT_STORE"))
+    TORCH_CHECK(*agent == "True" || *agent == "False",
+                "flatshard rendezvous (torchrun): TORCHELASTIC_USE_AGENT_STORE='", *agent,
+                "' must be True or False");
+}
+
+void LaunchEnv::check_env() { check_variables(getenv_lookup); }
+
 std::optional<LaunchEnv> LaunchEnv::ranks_from_lookup(const Lookup& lookup) {
+  check_variables(lookup);
   LaunchEnv e;
   const bool has_rank = lookup("RANK").value_or("") != "";
   const bool has_slurm = lookup("SLURM_PROCID").value_or("") != "";

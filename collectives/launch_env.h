@@ -14,6 +14,13 @@
 //   client, and keys live under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>" so that a
 //   restarted worker group never reads a previous attempt's keys.
 // - Missing or malformed variables throw c10::Error naming the variable and its value.
+// - Every variable above that is set (non-empty) must be valid on its own, whichever launcher
+//   is used and whether or not the program goes on to need it: RANK=-1, WORLD_SIZE=0,
+//   MASTER_PORT=junk or 70000, TORCHELASTIC_USE_AGENT_STORE=yes are errors naming the variable,
+//   its value and the accepted range (check_variables; from_lookup and ranks_from_lookup start
+//   with it). A stray bad value would otherwise be ignored on one path (flatshard-bench on CPU
+//   never opens a store) and fatal on another. SLURM_TASKS_PER_NODE is only a hint and is
+//   never an error.
 // - Pure parsing: no sockets, no CUDA (the store is made by collectives/rendezvous.h).
 #pragma once
 
@@ -54,6 +61,11 @@ struct LaunchEnv {
   // are before deciding what to do (flatshard-bench launches one process per GPU itself then).
   static std::optional<LaunchEnv> ranks_from_env();
   static std::optional<LaunchEnv> ranks_from_lookup(const Lookup& lookup);
+
+  // The per-variable checks alone (see the contract): throws on the first set variable that is
+  // malformed or out of its range; unset ones are fine.
+  static void check_variables(const Lookup& lookup);
+  static void check_env();
 };
 
 const char* to_string(LaunchEnv::Launcher launcher);

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "collectives/communicator.h"
+#include "collectives/env.h"
 #include "fsdp/trace_format.h"
 #if FLATSHARD_WITH_CUDA
 #include <nvtx3/nvToolsExt.h>
@@ -151,16 +152,10 @@ std::unique_ptr<Tracer> Tracer::create(const ShardingOptions& options, Communica
   std::string path = options.trace.path;
   int max_steps = options.trace.max_steps;
   if (path.empty()) {
-    const char* env = std::getenv("FLATSHARD_TRACE");
-    if (env == nullptr || *env == '\0') return nullptr;
-    path = env;
-    if (const char* steps = std::getenv("FLATSHARD_TRACE_STEPS"); steps && *steps) {
-      char* end = nullptr;
-      const long v = std::strtol(steps, &end, 10);
-      TORCH_CHECK(end && *end == '\0' && v >= 0 && v <= 1000000, "FLATSHARD_TRACE_STEPS='",
-                  steps, "': expected a number of steps in [0, 1000000]");
-      max_steps = static_cast<int>(v);
-    }
+    // Both knobs are declared and validated in collectives/env.h.
+    path = env::trace_path();
+    if (path.empty()) return nullptr;
+    if (!env::get(env::kTraceSteps).empty()) max_steps = env::trace_steps();
   }
   TORCH_CHECK(max_steps >= 0, "TraceOptions::max_steps must be >= 0, got ", max_steps);
   path = path == "nvtx" ? "" : trace_file_for_rank(path, comm.rank(), comm.world_size());

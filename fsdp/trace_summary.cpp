@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
+
+#include <sys/stat.h>
 
 #include "fsdp/trace_format.h"
 #include "support/format.h"
@@ -99,8 +102,19 @@ RankTrace rank_meta(const json& other) {
               "flatshard trace format version ", version->dump(), ": this reader reads version ",
               tf::kVersion);
   RankTrace t;
-  t.rank = static_cast<int>(number_at(other, k::kRank, "otherData"));
-  t.world_size = static_cast<int>(number_or(other, k::kWorldSize, 1));
+  // Both bound the casts and the per-rank maps below: a rank must be an integer in
+  // [0, world_size) (a hand-edited 1e30 or -1 would otherwise be undefined behaviour or a
+  // phantom rank).
+  const double world = number_or(other, k::kWorldSize, 1);
+  TORCH_CHECK(world >= 1 && world <= (1 << 24) && world == std::floor(world),
+              "otherData: world_size must be an integer in [1, ", 1 << 24, "], got ",
+              member(other, k::kWorldSize)->dump());
+  t.world_size = static_cast<int>(world);
+  const double rank = number_at(other, k::kRank, "otherData");
+  TORCH_CHECK(rank >= 0 && rank < world && rank == std::floor(rank),
+              "otherData: rank must be an integer in [0, world_size - 1] = [0, ", t.world_size - 1,
+              "], got ", member(other, k::kRank)->dump());
+  t.rank = static_cast<int>(rank);
   t.device = string_or(other, k::kDevice, "?");
   t.forward_prefetch = static_cast<int>(number_or(other, k::kForwardPrefetch, 1));
   t.backward_prefetch = static_cast<int>(number_or(other, k::kBackwardPrefetch, 1));
@@ -418,7 +432,13 @@ std::vector<RankTrace> read_traces(const json& doc) {
     ranks.push_back(rank_meta(*other));
   }
   std::map<int, size_t> by_rank;
-  for (size_t i = 0; i < ranks.size(); ++i) by_rank[ranks[i].rank] = i;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(by_rank.emplace(ranks[i].rank, i).second, "rank ", ranks[i].rank,
+                " appears twice in one merged trace");
+    TORCH_CHECK(ranks[i].world_size == ranks.front().world_size, "rank ", ranks[i].rank,
+                " has world_size ", ranks[i].world_size, ", rank ", ranks.front().rank, " has ",
+                ranks.front().world_size, ": not one run");
+  }
   for (const auto& e : *events) {
     if (string_or(e, k::kPh, "") != k::kPhComplete) continue;
     TraceEvent ev = trace_event(e);
@@ -443,10 +463,27 @@ json read_trace_json(const std::string& path) {
 
 std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
   std::vector<RankTrace> out;
+  std::map<int, std::string> file_of_rank;            // rank -> the file it came from
+  std::map<std::pair<dev_t, ino_t>, std::string> seen;  // the same file under two names
   for (const auto& p : paths) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      const auto [it, fresh] = seen.emplace(std::make_pair(st.st_dev, st.st_ino), p);
+      TORCH_CHECK(fresh, "'", p, "' is the same file as '", it->second,
+                  "': each trace file may be given once (its ranks would count twice)");
+    }
     const json doc = read_trace_json(p);  // its errors name the file
     try {
-      for (auto& r : read_traces(doc)) out.push_back(std::move(r));
+      for (auto& r : read_traces(doc)) {
+        if (!out.empty())
+          TORCH_CHECK(r.world_size == out.front().world_size, "rank ", r.rank, " has world_size ",
+                      r.world_size, " but '", file_of_rank.at(out.front().rank), "' has ",
+                      out.front().world_size, ": the files are not from one run");
+        const auto [it, fresh] = file_of_rank.emplace(r.rank, p);
+        TORCH_CHECK(fresh, "rank ", r.rank, " is in '", it->second, "' and again in '", p,
+                    "': give each rank's trace once (two runs, or a file and its merge?)");
+        out.push_back(std::move(r));
+      }
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, p, ": ", e.what_without_backtrace());
     }

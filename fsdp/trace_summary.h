@@ -48,10 +48,14 @@ struct RankTrace {
 
 // One rank per flatshard trace document; a merged document (flatshard-trace --merge) yields one
 // per rank it holds. Throws c10::Error on JSON that is not a flatshard trace of
-// trace_format::kVersion.
+// trace_format::kVersion (the marker), whose rank is not an integer in [0, world_size), or
+// (merged) that holds a rank twice or ranks of different world sizes.
 std::vector<RankTrace> read_traces(const nlohmann::json& doc);
 // One file's JSON; throws c10::Error naming the file if it cannot be read or is not JSON.
 nlohmann::json read_trace_json(const std::string& path);
+// read_traces of every file, and across them: the same file twice (by name or through another
+// name of it), a rank in two files (naming both), or files of different world sizes are errors
+// — each would be counted as more ranks than the run had.
 std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths);
 // Several per-rank documents as one Chrome trace (events concatenated, otherData of each rank
 // kept under "flatshard_ranks").

@@ -3,7 +3,9 @@
 #include <catch2/catch.hpp>
 
 #include <map>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "collectives/env.h"
 #include "collectives/launch_env.h"
@@ -145,4 +147,81 @@ TEST_CASE("FLATSHARD_* knobs: defaults and validation", "[launch_env][env]") {
   CHECK(env::nccl_terminate_on_error());
   unsetenv(env::kNcclTerminateOnError);
   CHECK(env::knobs().size() >= 5);
+}
+
+TEST_CASE("every set launcher variable must be valid, even when no launcher is used",
+          "[launch_env][errors]") {
+  using Catch::Contains;
+  auto ranks = [](const std::map<std::string, std::string>& vars) {
+    return LaunchEnv::ranks_from_lookup([&](const char* name) -> std::optional<std::string> {
+      auto it = vars.find(name);
+      if (it == vars.end()) return std::nullopt;
+      return it->second;
+    });
+  };
+  // No rank variable: nothing launched, but a stray bad value is still an error (flatshard-bench
+  // on cpu would otherwise ignore what the NCCL path rejects).
+  CHECK_THROWS_WITH(ranks({{"WORLD_SIZE", "0"}}),
+                    Contains("(torchrun): WORLD_SIZE=0 is out of range [1, 16777216]"));
+  CHECK_THROWS_WITH(ranks({{"MASTER_PORT", "junk"}}),
+                    Contains("(store): MASTER_PORT='junk' is not an integer: expected one in [1, "
+                             "65535]"));
+  CHECK_THROWS_WITH(ranks({{"MASTER_PORT", "0"}}), Contains("MASTER_PORT=0 is out of range"));
+  CHECK_THROWS_WITH(ranks({{"RANK", "-1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}),
+                    Contains("RANK=-1 is out of range [0, "));
+  CHECK_THROWS_WITH(ranks({{"SLURM_NTASKS", "x"}}), Contains("SLURM_NTASKS='x' is not an integer"));
+  CHECK_THROWS_WITH(ranks({{"OMPI_COMM_WORLD_SIZE", "99999999999999999999"}}),
+                    Contains("OMPI_COMM_WORLD_SIZE=99999999999999999999 is out of range"));
+  CHECK_THROWS_WITH(ranks({{"TORCHELASTIC_USE_AGENT_STORE", "1"}}),
+                    Contains("TORCHELASTIC_USE_AGENT_STORE='1' must be True or False"));
+  // The same through the full parse, where the launcher used is another one.
+  auto v = torchrun();
+  v["SLURM_NTASKS"] = "0";
+  CHECK_THROWS_WITH(parse(v), Contains("(SLURM): SLURM_NTASKS=0 is out of range"));
+  // Valid values, a hint that does not parse, and empty (= unset) values are fine.
+  CHECK_FALSE(ranks({{"WORLD_SIZE", "4"}, {"MASTER_PORT", "29500"}, {"MASTER_ADDR", "h"},
+                     {"SLURM_TASKS_PER_NODE", "garbage"}, {"RANK", ""}})
+                  .has_value());
+}
+
+TEST_CASE("FLATSHARD_* knobs: check_all names the variable, its value and the range",
+          "[launch_env][env]") {
+  namespace env = flatshard::env;
+  using Catch::Contains;
+  for (const auto& k : env::knobs()) unsetenv(k.name);
+  CHECK_NOTHROW(env::check_all());  // unset: every default
+  struct Case {
+    const char* name;
+    const char* value;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {env::kTimeoutMs, "0", "FLATSHARD_TIMEOUT_MS='0' is out of range: expected an integer in [1, "
+                             "1099511627776]"},
+      {env::kTimeoutMs, "-1", "FLATSHARD_TIMEOUT_MS='-1' is out of range"},
+      {env::kTimeoutMs, "abc", "FLATSHARD_TIMEOUT_MS='abc' is not an integer: expected an integer "
+                               "in [1, 1099511627776]"},
+      {env::kTimeoutMs, "99999999999999999999", "FLATSHARD_TIMEOUT_MS='99999999999999999999' is "
+                                                "out of range"},
+      {env::kStoreTimeoutMs, "0", "FLATSHARD_STORE_TIMEOUT_MS='0' is out of range"},
+      {env::kWatchdogPollMs, "60001", "FLATSHARD_WATCHDOG_POLL_MS='60001' is out of range"},
+      {env::kDebug, "2", "FLATSHARD_DEBUG='2' is not a boolean"},
+      {env::kUpcastKernel, "maybe", "FLATSHARD_UPCAST_KERNEL='maybe' is not a boolean"},
+      {env::kTraceSteps, "-1", "FLATSHARD_TRACE_STEPS='-1' is out of range: expected an integer in "
+                               "[0, 1000000]"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.name, c.value);
+    setenv(c.name, c.value, 1);
+    CHECK_THROWS_WITH(env::check_all(), Contains(c.says));
+    unsetenv(c.name);
+  }
+  // Every knob of the table is one the check reads: a bad value of each fails.
+  for (const auto& k : env::knobs()) {
+    if (std::string(k.name) == env::kTrace) continue;  // a path: any text
+    CAPTURE(k.name);
+    setenv(k.name, "not-a-value", 1);
+    CHECK_THROWS_WITH(env::check_all(), Contains(k.name));
+    unsetenv(k.name);
+  }
 }

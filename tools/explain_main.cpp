@@ -10,21 +10,40 @@
 //
 // The reference GPT is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
+// Its module objects do live on the host (~20 KB a layer), so sizes are checked first, without
+// building anything: at most kMaxLayers layers and kMaxParameters parameters (a clear error with
+// the numbers instead of std::bad_alloc or minutes of allocation).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <iostream>
+#include <limits>
 #include <map>
 
 #include "fsdp/explain.h"
+#include "support/output_file.h"
 #include "fsdp/meta_init.h"
 #include "models/gpt.h"
 #include "wrap_policies/spec.h"
 
 namespace {
 
-// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "123456" (bytes).
+// Sanity bounds of the model flags: 2^16 layers (every layer's modules are host objects; explain
+// is linear in layers, ~1.5 ms each), 1e15 parameters (a thousand times today's largest
+// models; keeps every byte count, x4 copies of fp32 state, far inside int64).
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
+constexpr long double kMaxParameters = 1e15L;
+
+// The GPT's parameter count (models/gpt.h's closed form) in long double: no int64 overflow.
+long double parameters(const flatshard::gpt::GPTConfig& c) {
+  const long double d = c.d_model;
+  return static_cast<long double>(c.vocab) * d * (c.tie_embeddings ? 1 : 2) +
+         static_cast<long double>(c.seq_len) * d +
+         static_cast<long double>(c.n_layers) * (12 * d * d + 13 * d) + 2 * d;
+}
+
+// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "123456" (bytes); at most int64's max.
 int64_t parse_bytes(const std::string& text) {
   size_t pos = 0;
   double v = 0;
@@ -44,7 +63,14 @@ int64_t parse_bytes(const std::string& text) {
     throw CLI::ValidationError("--memory-limit", "'" + text +
                                                      "' is not a size (suffixes: K/M/G/T or "
                                                      "KiB/MiB/GiB/TiB = binary, KB/MB/GB/TB = decimal)");
-  return static_cast<int64_t>(std::llround(v * it->second));
+  // 2^63 is the first double past int64; llround of anything at or above it is undefined.
+  const double bytes = v * it->second;
+  if (!(bytes < 0x1p63))
+    throw CLI::ValidationError(
+        "--memory-limit", "'" + text + "' is too large: at most " +
+                              std::to_string(std::numeric_limits<int64_t>::max()) +
+                              " bytes (8 EiB)");
+  return static_cast<int64_t>(std::llround(bytes));
 }
 
 // Integer options: "--world: must be >= 1, got 0" instead of CLI11's range with 300 digits.
@@ -151,6 +177,14 @@ int main(int argc, char** argv) {
     if (overrides["n-layers"]) cfg.n_layers = overrides["n-layers"];
     if (overrides["seq-len"]) cfg.seq_len = overrides["seq-len"];
     cfg.tie_embeddings = tied;
+    TORCH_CHECK(cfg.n_layers <= kMaxLayers, "--n-layers ", cfg.n_layers,
+                " is more than explain builds (at most ", kMaxLayers,
+                " layers: each is a set of host objects, even on the meta device)");
+    const long double params = parameters(cfg);
+    TORCH_CHECK(params <= kMaxParameters, "the model would have ",
+                static_cast<double>(params), " parameters (", cfg.to_string(),
+                "), more than the sanity bound of ", static_cast<double>(kMaxParameters),
+                "; check --vocab, --d-model, --n-layers and --seq-len");
 
     flatshard::gpt::GPT model{nullptr};
     {
@@ -178,6 +212,7 @@ int main(int argc, char** argv) {
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();
     std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate, cost).to_string();
+    flatshard::flush_stdout();
   } catch (const CLI::Error& e) {
     return app.exit(e);
   } catch (const c10::Error& e) {

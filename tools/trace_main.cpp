@@ -4,15 +4,18 @@
 //   FLATSHARD_TRACE=/tmp/run.json ./train            # one file per rank: /tmp/run.rank<R>.json
 //   flatshard-trace /tmp/run.rank*.json
 //   flatshard-trace --merge /tmp/all.json /tmp/run.rank*.json   # one file for ui.perfetto.dev
+//
+// Exit code 1 on any error: an input that is not a flatshard trace, a rank given twice, a
+// --merge file or standard output that cannot be written (the --merge file is then unchanged).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
-#include <fstream>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
 
 #include "fsdp/trace_summary.h"
+#include "support/output_file.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flatshard-trace: summarise flatshard trace files (one per rank, or merged)"};
@@ -34,16 +37,16 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   opts.skip_first_step = !keep_first;
   try {
+    // Every input is checked (marker, rank, duplicates) before anything is written.
+    const auto ranks = flatshard::read_trace_files(files);
     if (!merge.empty()) {
       std::vector<nlohmann::json> docs;
       for (const auto& f : files) docs.push_back(flatshard::read_trace_json(f));
-      std::ofstream out(merge);
-      TORCH_CHECK(out.good(), "cannot write '", merge, "'");
-      out << flatshard::merge_traces(docs).dump() << "\n";
-      TORCH_CHECK(out.good(), "writing '", merge, "' failed");
+      // Whole or not at all: an existing file survives a failed write (support/output_file.h).
+      flatshard::write_file(merge, flatshard::merge_traces(docs).dump() + "\n", "--merge");
     }
-    const auto ranks = flatshard::read_trace_files(files);
     std::cout << flatshard::summarize(ranks, opts).to_string();
+    flatshard::flush_stdout();
   } catch (const c10::Error& e) {
     std::cerr << "flatshard-trace: " << e.what_without_backtrace() << "\n";
     return 1;

@@ -1,0 +1,105 @@
+// flatshard/benchmarks/bench_memory.cpp — see bench_memory.h for the contract.
+#include "benchmarks/bench_memory.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "benchmarks/bench_granularity.h"
+
+namespace flatshard {
+namespace bench {
+
+namespace {
+
+// "1.5 GiB", also for sizes far beyond int64 (support/format.h's format_bytes takes int64_t).
+std::string bytes_text(long double b) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+  int u = 0;
+  while (b >= 1024 && u < 8) b /= 1024, ++u;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0Lf %s" : "%.4Lg %s", b, units[u]);
+  return buf;
+}
+
+long double parameters(const gpt::GPTConfig& c) {
+  const long double d = c.d_model;
+  return static_cast<long double>(c.vocab) * d * (c.tie_embeddings ? 1 : 2) +
+         static_cast<long double>(c.seq_len) * d +
+         static_cast<long double>(c.n_layers) * (12 * d * d + 13 * d) + 2 * d;
+}
+
+long double activations(const BenchOptions& o) {
+  const gpt::GPTConfig& c = o.model;
+  const long double tokens = static_cast<long double>(o.batch) * c.seq_len;
+  const long double per_layer =
+      16 * tokens * c.d_model + 2 * static_cast<long double>(o.batch) * c.n_heads * c.seq_len *
+                                    static_cast<long double>(c.seq_len);
+  const long double values = c.n_layers * per_layer + 2 * tokens * c.vocab;
+  return values * (o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4);
+}
+
+bool has_local(const BenchOptions& o) {
+  for (const auto& g : split_granularities(o.granularity_flags))
+    if (g == "local") return true;
+  return false;
+}
+
+}  // namespace
+
+std::optional<int64_t> available_host_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  long long kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit)
+    if (key == "MemAvailable:") return static_cast<int64_t>(kib) * 1024;
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0) return static_cast<int64_t>(pages) * page;
+  return std::nullopt;
+}
+
+void check_memory(const BenchOptions& o, int world, std::optional<int64_t> device_memory) {
+  const long double p = parameters(o.model);
+  const long double state = 16 * p, planning = 4 * p, act = activations(o);
+  const bool local = has_local(o);
+  const int ranks = std::max(world, 1);
+  auto refuse = [&](const std::string& where, long double need, const std::string& breakdown,
+                    long double have, const std::string& source) {
+    std::ostringstream os;
+    os << "the model does not fit: " << o.model.to_string() << " has "
+       << static_cast<double>(p) << " parameters and needs at least " << bytes_text(need)
+       << " of " << where << " (" << breakdown << ") but " << bytes_text(have) << " is "
+       << source << "; use a smaller model (--layers, --d-model, --vocab, --seq, --batch)";
+    throw UsageError(os.str());
+  };
+  const std::optional<int64_t> host = available_host_memory();
+  if (o.device == DeviceKind::kCpu) {
+    const long double need = std::max(planning, ranks * act + (local ? ranks : 1) * state);
+    if (host && need > *host)
+      refuse("host memory",
+             need, std::to_string(ranks) + " rank thread(s) x " + bytes_text(act) +
+                       " activations + " + (local ? std::to_string(ranks) + " x " : "") +
+                       bytes_text(state) + " fp32 weights, gradients and AdamW state",
+             *host, "available (MemAvailable, /proc/meminfo)");
+    return;
+  }
+  const long double per_gpu = act + (local ? state : state / ranks);
+  if (device_memory && per_gpu > *device_memory)
+    refuse("memory per GPU", per_gpu,
+           bytes_text(act) + " activations + " + bytes_text(local ? state : state / ranks) +
+               " fp32 weights, gradients and AdamW state" + (local ? " (local: unsharded)" : ""),
+           *device_memory, "the GPU's total memory");
+  if (host && ranks * planning > *host)
+    refuse("host memory", ranks * planning,
+           std::to_string(ranks) + " process(es) x " + bytes_text(planning) +
+               " fp32 planning model",
+           *host, "available (MemAvailable, /proc/meminfo)");
+}
+
+}  // namespace bench
+}  // namespace flatshard
