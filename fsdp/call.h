@@ -24,7 +24,8 @@
 // resharded, reads the freed buffer (ATen: "setStorage: ... out of bounds for storage of size
 // 0" for view ops; kernels get a null pointer) — don't keep views of parameters across calls.
 // NO_SHARD units are always gathered and never guarded. Parameters of a destroyed ShardedModel
-// stay guarded: gather them (gather_full_params(), a full checkpoint) before destroying it.
+// stay guarded: gather them (gather_full_params(), a full checkpoint) before destroying it. A
+// backward through a graph built before the ShardedModel was destroyed throws naming the unit.
 //
 // Eval: under NoGradGuard every unit reshards after its forward. A forward in grad mode keeps
 // what a backward needs (the root, SHARD_GRAD_OP units) until its outputs' autograd graph is

@@ -76,13 +76,21 @@ struct StepLease {
 
 namespace {
 
-// Owned by a PreBackward node: its only job is to hold the step's lease as long as the node.
+// Owned by a PreBackward node: holds the step's lease as long as the node. Runs before the
+// node's backward, which would otherwise follow a dangling runtime pointer when the
+// ShardedModel was destroyed before this backward: that is an error naming the unit instead.
 struct LeaseHook : public torch::autograd::FunctionPreHook {
-  explicit LeaseHook(std::shared_ptr<StepLease> l) : lease(std::move(l)) {}
+  LeaseHook(std::shared_ptr<StepLease> l, const std::string& unit, int rank)
+      : lease(std::move(l)), unit_name(unit), rank(rank) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    TORCH_CHECK(!lease->runtime.expired(), "flatshard: backward through unit '", unit_name,
+                "' (rank ", rank, ") after its ShardedModel was destroyed; the ShardedModel "
+                "must outlive every forward and backward through the model");
     return grads;
   }
   std::shared_ptr<StepLease> lease;
+  std::string unit_name;
+  int rank;
 };
 
 }  // namespace
@@ -180,7 +188,8 @@ bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
     lease = std::make_shared<StepLease>(anchor_, step_.load());
     lease_ = lease;
   }
-  wrapped.front().grad_fn()->add_pre_hook(std::make_unique<LeaseHook>(std::move(lease)));
+  wrapped.front().grad_fn()->add_pre_hook(
+      std::make_unique<LeaseHook>(std::move(lease), unit.name(), comm_.rank()));
   for (size_t k = 0; k < idx.size(); ++k) outputs[idx[k]] = wrapped[k];
   return true;
 }

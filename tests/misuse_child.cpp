@@ -125,6 +125,13 @@ std::map<std::string, Scenario> scenarios() {
     fsdp.reset();
     train_step(net, comm.rank());
   };
+  s["backward_after_destroy"] = [](Communicator& comm) {
+    auto net = Forgetful();
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm);
+    auto loss = flatshard::call(net, batch(comm.rank())).pow(2).mean();
+    fsdp.reset();
+    loss.backward();
+  };
   // fully_shard twice on one model, and on a part of a sharded model; the first ShardedModel
   // still trains afterwards.
   s["fully_shard_twice"] = [](Communicator& comm) {

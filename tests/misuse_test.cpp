@@ -110,6 +110,8 @@ TEST_CASE("sharded parameters after the ShardedModel is destroyed: an error, not
   require_error("after_destroy_read", 2,
                 {"parameter 'fc.weight' of unit 'fc'", "After the ShardedModel is destroyed"});
   require_error("after_destroy_forward", 2, {"of unit '", "After the ShardedModel is destroyed"});
+  require_error("backward_after_destroy", 2,
+                {"backward through unit '<root>' (rank ", "after its ShardedModel was destroyed"});
 }
 
 TEST_CASE("fully_shard twice is an error before anything is built", "[misuse]") {
