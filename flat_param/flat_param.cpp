@@ -32,6 +32,32 @@ bool storage_is_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0
 
 namespace {
 
+// The deleter of every guard storage's (null) DataPtr: never called with data, and it marks
+// the storage as a guard for is_guarded_param().
+void guard_deleter(void*) {}
+
+// Note [Guarded sharded parameters]
+// Why not leave the parameters on full()'s 0-byte storage: its data pointer is null, and only
+// the typed data_ptr<T>() checks for that ("data is not allocated yet"). TensorIterator (every
+// elementwise op, reductions like sum) takes the untyped pointer and dereferences null: a
+// segfault. View ops (t() in linear) fail earlier with ATen's "setStorage: ... out of bounds
+// for storage of size 0", which names neither flatshard nor the unit. A guard is a StorageImpl
+// whose data accessors throw (release_data_and_set_meta_custom_data_ptr_error_msg_, what
+// PyTorch uses for storage-less fake tensors): StorageImpl::data() and mutable_data() check it,
+// and every kernel, typed or not, reaches the data through them, on the host, before any
+// launch — so it is the same on CPU and CUDA. Its byte size is full()'s, so views and bounds
+// checks pass and the first data access raises our message. The flag cannot be cleared, which
+// is why each parameter gets its own guard for the unit's life instead of full()'s storage
+// being flagged and unflagged; one guard per parameter also lets the message name it.
+c10::Storage make_guard(size_t nbytes, c10::Device device, std::string message) {
+  c10::Storage guard(c10::Storage::use_byte_size_t(), nbytes,
+                     c10::DataPtr(nullptr, nullptr, &guard_deleter, device),
+                     /*allocator=*/nullptr, /*resizable=*/false);
+  guard.unsafeGetStorageImpl()->release_data_and_set_meta_custom_data_ptr_error_msg_(
+      std::move(message));
+  return guard;
+}
+
 // Allocates a tensor whose storage we may later resize (at::empty's is resizable).
 at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device device) {
   return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
@@ -110,13 +136,50 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     params_[i].param.set_data(
         full_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]));
   }
-  if (config_.sharded) resize_tensor_storage(full_, 0);
+  if (config_.sharded) {
+    const size_t nbytes = static_cast<size_t>(layout_.padded_numel) * full_.element_size();
+    for (const auto& p : params_) {
+      guards_.push_back(make_guard(
+          nbytes, full_.device(),
+          "flatshard: parameter '" + p.name + "' of unit '" + unit_name_ + "' (rank " +
+              std::to_string(comm_.rank()) +
+              ") was read while the unit is sharded: outside its unit's flatshard::call it "
+              "holds no values. Enter the module through flatshard::call(module, args...) or "
+              "flatshard::enter(module, fn) instead of calling its forward() directly; between "
+              "steps read parameters with ShardedModel::gather_full_params(). After the "
+              "ShardedModel is destroyed its sharded parameters have no values: gather them "
+              "(or save a checkpoint) first."));
+    }
+    resize_tensor_storage(full_, 0);
+    guard_params();
+  }
+}
+
+void FlatParam::guard_params() {
+  if (!attached_ || guards_.empty()) return;
+  for (size_t i = 0; i < params_.size(); ++i)
+    params_[i].param.unsafeGetTensorImpl()->set_storage_keep_dtype(guards_[i]);
+  attached_ = false;
+}
+
+void FlatParam::attach_params() {
+  if (attached_) return;
+  TORCH_INTERNAL_ASSERT(is_unsharded(), "unit '", unit_name_,
+                        "': attach_params() before the buffer is gathered");
+  for (auto& p : params_) p.param.unsafeGetTensorImpl()->set_storage_keep_dtype(full_.storage());
+  attached_ = true;
+}
+
+bool is_guarded_param(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return false;
+  return t.storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks().get_deleter() ==
+         &guard_deleter;
 }
 
 bool FlatParam::is_unsharded() const { return storage_is_allocated(full_) || layout_.padded_numel == 0; }
 bool FlatParam::has_full_grad() const { return full_grad_.defined(); }
 
-void FlatParam::unshard(c10::Stream stream) {
+void FlatParam::unshard(c10::Stream stream, bool attach) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
   const at::Tensor master = master_.detach();
@@ -124,6 +187,7 @@ void FlatParam::unshard(c10::Stream stream) {
     if (!full_aliases_master_) full_.copy_(master);
   } else {
     resize_tensor_storage(full_, layout_.padded_numel);
+    if (attach) attach_params();
     if (layout_.padded_numel == 0) return;
     at::Tensor slot = full_.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel);
     slot.copy_(master);
@@ -136,6 +200,7 @@ void FlatParam::unshard(c10::Stream stream) {
 
 void FlatParam::reshard() {
   if (!config_.sharded) return;
+  guard_params();
   resize_tensor_storage(full_, 0);
 }
 

@@ -11,6 +11,13 @@
 //   Note [Unsharded buffer lifetime]: views never change; only the storage behind full() is
 //   freed and re-created, so autograd's saved references to parameters stay usable as long as
 //   the buffer is regathered before they are read (pre-backward does that).
+// - Note [Guarded sharded parameters]: while a sharded unit's parameters are not attached
+//   (after reshard(), or gathered by unshard(stream, /*attach=*/false) for a prefetch), each
+//   parameter's TensorImpl points at its own guard storage instead of full()'s: no data, the
+//   full buffer's byte size (so views and shape checks pass), and a data access that throws a
+//   c10::Error naming the unit and the parameter and saying what to do. attach_params() points
+//   them back at full()'s storage. Only the storage pointer changes: the TensorImpl (what
+//   autograd saved and the optimizer check compares) and its sizes, strides and offset stay.
 // - Gradients: prepare_grad() gives full_grad() storage (not zeroed); after each parameter's
 //   AccumulateGrad, accept_grad(i) moves its .grad into the flat buffer and points .grad at its
 //   view there, so further backward passes add in place (Note [Flat gradient without
@@ -77,10 +84,17 @@ class FlatParam {
   bool has_full_grad() const;
 
   // Gathers full() from the master shards (cast to param_dtype) on `stream`. For replicated
-  // units: recasts master into full() when they are separate buffers.
-  void unshard(c10::Stream stream);
-  // Frees full()'s storage (sharded units only; a no-op for replicated ones).
+  // units: recasts master into full() when they are separate buffers. `attach`: the parameters
+  // read full() from now on (attach_params()); false leaves them guarded (a prefetch: the
+  // caller attaches them once the consumer is ordered after the gather).
+  void unshard(c10::Stream stream, bool attach = true);
+  // Frees full()'s storage and guards the parameters (sharded units only; a no-op for
+  // replicated ones). Note [Guarded sharded parameters].
   void reshard();
+  // Points the parameters at full()'s storage (idempotent); full() must be gathered.
+  void attach_params();
+  // Whether the parameters read full() (always true for replicated units).
+  bool params_attached() const { return attached_; }
   // Allocates full_grad() (uninitialised; NaN with poison_padding). No-op if it is already
   // prepared (gradient accumulation across backward passes).
   void prepare_grad();
@@ -115,8 +129,8 @@ class FlatParam {
   bool hybrid() const { return replicate_ != nullptr && replicate_->world_size() > 1; }
 
  private:
-  void resize_storage(const at::Tensor& t, int64_t numel);
   void clear_param_grads();
+  void guard_params();
 
   std::string unit_name_;
   std::vector<ParamRef> params_;
@@ -134,11 +148,18 @@ class FlatParam {
   bool defer_grad_copies_ = false;
   bool full_aliases_master_ = false;  // replicated fp32: no second copy
   std::vector<std::pair<int64_t, int64_t>> padding_;  // [begin, end) gaps of the flat buffer
+  // Note [Guarded sharded parameters]: per parameter, the storage it points at while guarded
+  // (sharded units only; empty for replicated ones).
+  std::vector<c10::Storage> guards_;
+  bool attached_ = true;  // the parameters point at full()'s storage
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold
 // `numel` elements of its dtype, on its device. numel == 0 frees it.
 void resize_tensor_storage(const at::Tensor& t, int64_t numel);
 bool storage_is_allocated(const at::Tensor& t);
+// True when `t` reads a guard storage of a sharded parameter (Note [Guarded sharded
+// parameters]): a parameter (or a view of one) of a sharded unit that is not gathered.
+bool is_guarded_param(const at::Tensor& t);
 
 }  // namespace flatshard

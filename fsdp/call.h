@@ -8,9 +8,29 @@
 // is not (the first module of) a unit it is a plain forward call plus one hash lookup. Models
 // written this way run unchanged when not sharded at all.
 //
-// Calling a sharded unit's forward directly (bypassing flatshard::call) reads parameters whose
-// storage is freed, and ATen throws "The tensor has a non-zero number of elements, but its data
-// is not allocated yet". That message does not name the unit; nothing checks call sites today.
+// Outside its unit's call a sharded parameter holds no values (Note [Guarded sharded
+// parameters], flat_param/flat_param.h): calling a sharded unit's forward directly (a
+// forgotten flatshard::call), reading a parameter between steps (p.sum(), p.item(), printing,
+// copying it), or after the ShardedModel is destroyed throws a c10::Error at the first data
+// access, on CPU and CUDA alike:
+//   flatshard: parameter 'blocks.0.norm.weight' of unit 'blocks.0' (rank 1) was read while the
+//   unit is sharded: ... Enter the module through flatshard::call(module, args...) or
+//   flatshard::enter(module, fn) instead of calling its forward() directly; between steps read
+//   parameters with ShardedModel::gather_full_params(). ...
+// A unit's parameters are readable from its entry (its first member call in a forward, or its
+// pre-backward) until it reshards; a unit only prefetched (gathered ahead of its call) stays
+// guarded. Limits: metadata (sizes, dtype, device, requires_grad) and views (t(), narrow) never
+// throw, only data does; a view taken while the unit was gathered, kept and read after it
+// resharded, reads the freed buffer (ATen: "setStorage: ... out of bounds for storage of size
+// 0" for view ops; kernels get a null pointer) — don't keep views of parameters across calls.
+// NO_SHARD units are always gathered and never guarded. Parameters of a destroyed ShardedModel
+// stay guarded: gather them (gather_full_params(), a full checkpoint) before destroying it. A
+// backward through a graph built before the ShardedModel was destroyed throws naming the unit.
+//
+// Eval: under NoGradGuard every unit reshards after its forward. A forward in grad mode keeps
+// what a backward needs (the root, SHARD_GRAD_OP units) until its outputs' autograd graph is
+// gone; without a backward, dropping the outputs reshards everything (Note [Forward without
+// backward], fsdp/runtime.cpp).
 //
 // Supported return types of `forward`: at::Tensor, std::vector<at::Tensor>, std::tuple of tensors
 // (non-tensor elements pass through). Thread rule: a model is driven by one thread at a time.

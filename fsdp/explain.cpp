@@ -195,18 +195,13 @@ void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if
 
 // `root_owners`: the modules owning the root unit's parameters, with their numel;
 // `shard_numel_if_sharded`: see warn_replication.
-void add_warnings(Explanation& e,
+void add_warnings(Explanation& e, const std::string& unmatched_warning,
                   const std::vector<std::pair<std::string, int64_t>>& root_owners,
                   const std::vector<int64_t>& shard_numel_if_sharded) {
   const auto& units = e.units;
   const double total = static_cast<double>(std::max<int64_t>(e.total_numel, 1));
 
-  if (e.matched_modules == 0 && units.size() == 1) {
-    e.warnings.push_back(
-        "the policy matched no module: the root unit holds the whole model, which is gathered at "
-        "once (no overlap, peak = the full model); check the type names and paths (the plan "
-        "lists none)");
-  }
+  if (!unmatched_warning.empty()) e.warnings.push_back(unmatched_warning);
   warn_fragmentation(e);
   warn_replication(e, shard_numel_if_sharded);
   // One unit holding most of the model.
@@ -488,7 +483,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       e.fitting_prefetch = lo;
     }
   }
-  add_warnings(e, root_owners, shard_numel_if_sharded);
+  add_warnings(e, plan.unmatched_warning(), root_owners, shard_numel_if_sharded);
   return e;
 }
 

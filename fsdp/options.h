@@ -55,6 +55,11 @@ struct ShardingOptions {
   int64_t debug_sleep_before_reduce_cycles = 0;
 
   TraceOptions trace;
+
+  // A plan whose policy matched no module (so the root unit holds the whole model, e.g. a
+  // misspelt type=DecoderLayr) makes fully_shard warn (TORCH_WARN, the text of
+  // Plan::unmatched_warning(), as explain() prints it); strict_plan makes it an error instead.
+  bool strict_plan = false;
 };
 
 // Queues a device sleep of `cycles` on `stream` (CUDA); a no-op on CPU.

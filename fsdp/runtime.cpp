@@ -3,6 +3,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 #include <algorithm>
 
@@ -48,6 +49,54 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
 
 }  // namespace
 
+// Note [Forward without backward]
+// A forward in grad mode keeps what backward needs: the root and SHARD_GRAD_OP units stay
+// gathered until the end of backward. When no backward comes (an eval loop that forgot
+// NoGradGuard), nothing used to free them before the next step. The rule: a step's forward
+// state lives as long as the autograd graph it built. Every PreBackward node of the step holds
+// the step's lease (a pre-hook it owns, LeaseHook); when the last node is destroyed — the user
+// dropped every output — and no backward began, the step closes: every unit reshards and the
+// next forward starts a new step. While a backward is possible (any output alive, or two
+// forwards summed before one backward) the step stays open, as before. A release inside a
+// flatshard::call (an output dropped mid-forward) is deferred until the outermost call
+// returns, so no unit is resharded while it runs. A forward that hooked nothing (NoGradGuard,
+// or outputs that do not require grad) closes its step when the root's call returns. The
+// lease finds the runtime through a weak anchor: a graph may outlive the ShardedModel.
+struct StepLease {
+  StepLease(std::weak_ptr<Runtime*> r, uint64_t s) : runtime(std::move(r)), step(s) {}
+  ~StepLease() {
+    try {
+      if (auto rt = runtime.lock()) (*rt)->on_step_graph_released(step);
+    } catch (...) {  // no throw from destructors (STYLE.md 5); resharding does not throw
+    }
+  }
+  std::weak_ptr<Runtime*> runtime;
+  uint64_t step;
+};
+
+namespace {
+
+// Owned by a PreBackward node: holds the step's lease as long as the node. Runs before the
+// node's backward, which would otherwise follow a dangling runtime pointer when the
+// ShardedModel was destroyed before this backward: that is an error naming the unit instead.
+struct LeaseHook : public torch::autograd::FunctionPreHook {
+  LeaseHook(std::shared_ptr<StepLease> l, const std::string& unit, int rank)
+      : lease(std::move(l)), unit_name(unit), rank(rank) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    TORCH_CHECK(!lease->runtime.expired(), "flatshard: backward through unit '", unit_name,
+                "' (rank ", rank, ") after its ShardedModel was destroyed; the ShardedModel "
+                "must outlive every forward and backward through the model");
+    return grads;
+  }
+  std::shared_ptr<StepLease> lease;
+  std::string unit_name;
+  int rank;
+};
+
+}  // namespace
+
+Runtime::~Runtime() { anchor_.reset(); }  // leases alive in graphs now find nothing
+
 Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate)
     : comm_(comm),
       replicate_(replicate),
@@ -63,6 +112,7 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* repl
                            options_.debug_sleep_before_all_gather_cycles,
                            options_.debug_sleep_before_reduce_cycles});
   debug_order_ = env::debug();
+  anchor_ = std::make_shared<Runtime*>(this);
 }
 
 c10::Stream Runtime::compute_stream() const { return comm_.current_stream(); }
@@ -74,7 +124,11 @@ void Runtime::set_requires_grad_sync(bool v) {
 
 void Runtime::pre_forward(Unit& unit, const torch::nn::Module* member) {
   TraceScope trace(tracer(), TraceKind::kPreForward, &unit.trace_info());
-  if (unit.is_root()) on_root_enter();
+  if (unit.is_root()) {
+    call_depth_ = 0;  // the outermost call (frames left by a forward that threw are gone)
+    on_root_enter();
+  }
+  ++call_depth_;
   if (unit.mark_called_in_forward()) on_first_forward_entry(unit);  // may prefetch later units
   unit.pre_forward(member);
 }
@@ -83,8 +137,37 @@ void Runtime::post_forward(Unit& unit, const torch::nn::Module* member,
                            std::vector<at::Tensor>& outputs) {
   trace_end(tracer(), TraceKind::kForward, unit.trace_info());
   const bool grad = at::GradMode::is_enabled();
-  if (grad && hook_outputs(unit, outputs)) pending_backward_ = true;
-  unit.post_forward(member, grad);
+  // Outputs that require no grad arm no backward: the unit reshards as under NoGradGuard.
+  const bool hooked = grad && hook_outputs(unit, outputs);
+  if (hooked) pending_backward_ = true;
+  unit.post_forward(member, hooked);
+  if (call_depth_ > 0) --call_depth_;
+  // Note [Forward without backward]: the step's graph is gone already, or there never was one.
+  if (call_depth_ == 0 && !backward_active_ &&
+      (release_deferred_ || (unit.is_root() && lease_.expired())))
+    close_forward_step();
+}
+
+void Runtime::on_step_graph_released(uint64_t step) {
+  if (step != step_.load() || backward_active_) return;  // that step ended (its backward ran)
+  if (call_depth_ > 0) {
+    release_deferred_ = true;
+    return;
+  }
+  close_forward_step();
+}
+
+void Runtime::close_forward_step() {
+  for (auto& u : units_) {
+    u->reshard();
+    u->reset_step_state();
+  }
+  if (!forward_order_.empty()) last_forward_order_ = std::move(forward_order_);
+  forward_order_.clear();
+  pending_backward_ = false;
+  release_deferred_ = false;
+  lease_.reset();
+  step_.fetch_add(1);
 }
 
 bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
@@ -99,6 +182,14 @@ bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
   if (diff.empty()) return false;
   auto wrapped = PreBackward::apply(reinterpret_cast<int64_t>(this),
                                     reinterpret_cast<int64_t>(&unit), at::TensorList(diff));
+  // Note [Forward without backward]: the node holds the step's lease.
+  std::shared_ptr<StepLease> lease = lease_.lock();
+  if (!lease) {
+    lease = std::make_shared<StepLease>(anchor_, step_.load());
+    lease_ = lease;
+  }
+  wrapped.front().grad_fn()->add_pre_hook(
+      std::make_unique<LeaseHook>(std::move(lease), unit.name(), comm_.rank()));
   for (size_t k = 0; k < idx.size(); ++k) outputs[idx[k]] = wrapped[k];
   return true;
 }
@@ -133,15 +224,11 @@ void Runtime::on_first_forward_entry(Unit& unit) {
 void Runtime::on_root_enter() {
   if (!backward_active_ && !pending_backward_ && forward_order_.empty())
     step_guard_.on_step_start(units_, comm_.rank());
-  // A forward that armed no backward (eval, no_grad) left its step state behind: close it, so
-  // this forward starts a fresh step. Two forwards before one backward keep accumulating.
+  // A forward that armed no backward left its step state behind (its root call did not
+  // return: it threw): close it, so this forward starts a fresh step. Two forwards before one
+  // backward keep accumulating.
   if (backward_active_ || pending_backward_ || forward_order_.empty()) return;
-  for (auto& u : units_) {
-    u->reshard();
-    u->reset_step_state();
-  }
-  last_forward_order_ = std::move(forward_order_);
-  forward_order_.clear();
+  close_forward_step();
 }
 
 void Runtime::on_first_pre_backward(Unit& unit) {
@@ -186,6 +273,9 @@ void Runtime::finalize_backward() {
   forward_order_.clear();
   backward_active_ = false;
   pending_backward_ = false;
+  release_deferred_ = false;
+  lease_.reset();
+  step_.fetch_add(1);  // this step's lease, when its graph is freed, finds its step ended
   step_guard_.on_backward_end(units_, requires_grad_sync_, comm_.rank());
   trace_step_end(tracer());
 }

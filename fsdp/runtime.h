@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -33,6 +35,7 @@ class Module;
 namespace flatshard {
 
 class Runtime;
+struct StepLease;
 
 namespace detail {
 // The module -> (runtime, unit) registry behind flatshard::call (fsdp/call.cpp). A module may
@@ -46,6 +49,9 @@ class Runtime {
  public:
   // `replicate`: the HSDP replicate group (collectives/sharding_mesh.h), or nullptr.
   Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate = nullptr);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
 
   Communicator& comm() { return comm_; }  // the shard group
   Communicator* replicate() const { return replicate_; }
@@ -78,12 +84,18 @@ class Runtime {
   void pre_backward(Unit& unit);
   // Runs when the autograd engine finishes a backward pass that touched our units.
   void finalize_backward();
+  // Note [Forward without backward]: every autograd node this step's forward hooked is gone
+  // and no backward began (an eval forward that forgot NoGradGuard, its outputs dropped).
+  // Called from StepLease's destructor; `step` is the step the lease was made in.
+  void on_step_graph_released(uint64_t step);
 
  private:
   void on_root_enter();                 // every entry of the root unit (a new forward may begin)
   void on_first_forward_entry(Unit& unit);  // records the order; forward prefetch
   void on_first_pre_backward(Unit& unit);   // backward order, end-of-backward; backward prefetch
   bool hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs);  // true: some were hooked
+  // Ends a step whose forward can have no backward: reshards every unit, resets step state.
+  void close_forward_step();
   std::vector<std::string> unit_names() const;
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
@@ -104,6 +116,16 @@ class Runtime {
   bool backward_active_ = false;
   bool pending_backward_ = false;  // this step's forward armed a pre-backward hook
   bool requires_grad_sync_ = true;
+  // Note [Forward without backward]: the step's lease, shared by every PreBackward node of the
+  // step; when the last node dies before a backward began, the step closes. `step_` counts
+  // closed steps, so a lease outliving its step (the graph freed after backward) does nothing.
+  // Atomic: a node may die on an autograd thread after its backward (then it only reads).
+  std::weak_ptr<StepLease> lease_;
+  std::atomic<uint64_t> step_{0};
+  int call_depth_ = 0;             // flatshard::call / enter frames of this model on the stack
+  bool release_deferred_ = false;  // the lease died inside a call: close when the frames unwind
+  // What leases hold instead of `this`, so a graph outliving the ShardedModel finds it gone.
+  std::shared_ptr<Runtime*> anchor_;
   StepGuard step_guard_;  // optimizer misuse checks between steps (fsdp/step_guard.h)
   bool debug_order_ = false;  // FLATSHARD_DEBUG: cross-rank unit order check (fsdp/order_check.h)
   std::unique_ptr<Tracer> tracer_;  // declared last: destroyed (and written) first

@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "fsdp/call.h"
 #include "fsdp/fingerprint.h"
 #include "fsdp/resolve.h"
 #include "fsdp/runtime.h"
@@ -27,10 +28,38 @@ struct ModelIndex {
 // Parameters already given to a unit, by identity (tied parameters have several names).
 using Claimed = std::unordered_set<const c10::TensorImpl*>;
 
-void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& plan) {
+void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& plan,
+                  const ShardingOptions& options, int rank) {
   TORCH_CHECK(model != nullptr, "fully_shard: model is null");
   TORCH_CHECK(!plan.units.empty() && plan.units.front().is_root,
               "fully_shard: the plan must start with the root unit (use make_plan)");
+  const std::string unmatched = plan.unmatched_warning();
+  if (!unmatched.empty()) {
+    TORCH_CHECK(!options.strict_plan, "fully_shard (strict_plan): ", unmatched, " (rank ", rank,
+                ")");
+    TORCH_WARN("fully_shard: ", unmatched);
+  }
+}
+
+// fully_shard on a model (or part of one) that is already sharded: the parameters are views
+// of another ShardedModel's flat buffers and hold no values. Checked before anything is built
+// (the first ShardedModel stays intact); local and the same on every rank.
+void check_not_sharded(torch::nn::Module& model, int rank) {
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    const detail::UnitEntry e = detail::find_unit(item.value().get());
+    TORCH_CHECK(e.unit == nullptr, "fully_shard: module '",
+                item.key().empty() ? "<root>" : item.key(),
+                "' already belongs to unit '", e.unit->name(),
+                "' of a live ShardedModel (rank ", rank,
+                "): fully_shard was applied twice to the same model. Keep the first "
+                "ShardedModel, or destroy it and shard a fresh model");
+  }
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK(!is_guarded_param(item.value()), "fully_shard: parameter '", item.key(),
+                "' is already sharded by another fully_shard (rank ", rank,
+                "), live or destroyed: its values are in that ShardedModel's master shards. "
+                "Shard a fresh model (load it from gather_full_params() or a checkpoint)");
+  }
 }
 
 // Before any other collective: ranks that disagree fail here, naming the difference. With
@@ -148,7 +177,8 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
 ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
                            const ShardingMesh& mesh, ShardingOptions options)
     : model_(std::move(model)), plan_(std::move(plan)), comm_(checked_shard(mesh)), mesh_(mesh) {
-  check_inputs(model_, plan_);
+  check_inputs(model_, plan_, options, comm_.rank());
+  check_not_sharded(*model_, comm_.rank());
   runtime_ = std::make_unique<Runtime>(comm_, std::move(options),
                                        mesh_.hybrid() ? mesh_.replicate : nullptr);
   check_setup_agrees(*model_, plan_, runtime_->options(), comm_, mesh_);
@@ -224,22 +254,37 @@ void ShardedModel::set_requires_gradient_sync(bool sync) {
   runtime_->set_requires_grad_sync(sync);
 }
 
-double ShardedModel::clip_grad_norm_(double max_norm) {
+double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm must be positive, got ", max_norm);
-  at::Tensor sumsq = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
-  for (auto& u : runtime_->units()) {
-    const at::Tensor& g = u->flat().master().grad();
+  // One squared norm per unit, summed across ranks in one all-reduce: the total is their sum,
+  // and a non-finite total can name the first unit it comes from (any rank's shard).
+  const auto& units = runtime_->units();
+  at::Tensor sumsq = at::zeros({static_cast<int64_t>(units.size())},
+                               at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
+  for (size_t i = 0; i < units.size(); ++i) {
+    const at::Tensor& g = units[i]->flat().master().grad();
     if (!g.defined()) continue;
     // A replicated unit's gradient is identical on every rank: count it on rank 0 only.
-    if (u->strategy() == ShardingStrategy::kNoShard && comm_.rank() != 0) continue;
-    sumsq.add_(g.pow(2).sum());
+    if (units[i]->strategy() == ShardingStrategy::kNoShard && comm_.rank() != 0) continue;
+    sumsq[static_cast<int64_t>(i)].copy_(g.pow(2).sum());
   }
-  comm_.all_reduce(sumsq, ReduceOp::kSum, comm_.current_stream());
-  const double total = std::sqrt(sumsq.item<double>());
+  if (!units.empty()) comm_.all_reduce(sumsq, ReduceOp::kSum, comm_.current_stream());
+  const at::Tensor per_unit = sumsq.to(at::kDouble).cpu();
+  const double total = std::sqrt(per_unit.sum().item<double>());
+  if (error_if_nonfinite && !std::isfinite(total)) {
+    const double* v = per_unit.data_ptr<double>();
+    size_t first = 0;
+    while (first + 1 < units.size() && std::isfinite(v[first])) ++first;
+    TORCH_CHECK(false, "clip_grad_norm_: the total gradient norm is ", total, " (rank ",
+                comm_.rank(), "); the first unit with a non-finite gradient is '",
+                units[first]->name(), "' (squared norm ", v[first],
+                "). Gradients were left unchanged; pass error_if_nonfinite=false to clip "
+                "anyway (as torch.nn.utils.clip_grad_norm_)");
+  }
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
-    for (auto& u : runtime_->units()) {
+    for (auto& u : units) {
       at::Tensor g = u->flat().master().grad();
       if (g.defined()) g.mul_(coef);
     }

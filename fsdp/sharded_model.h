@@ -9,8 +9,11 @@
 // - Collective: every rank calls fully_shard with the same plan and options, on models with the
 //   same parameter shapes. Parameters must already be on comm.device().
 // - The model is changed in place: each planned parameter becomes a view of its unit's flat
-//   buffer (storage freed while sharded). Modules run unchanged; parents enter units through
-//   flatshard::call (fsdp/call.h), and the training loop enters the root the same way.
+//   buffer (storage freed while sharded; reading it then throws naming it, fsdp/call.h).
+//   Modules run unchanged; parents enter units through flatshard::call (fsdp/call.h), and the
+//   training loop enters the root the same way. A model (or part of one) already sharded is
+//   rejected before anything is built. A plan whose policy matched no module warns
+//   (ShardingOptions::strict_plan: fails).
 // - The optimizer must be built on parameters() (fp32 master shards, one tensor per unit).
 //   Gradients arrive there averaged over ranks, after backward returns.
 // - Parameters unused in a step get zero gradients (like FSDP's flat parameters).
@@ -103,8 +106,10 @@ class ShardedModel {
   // Clips the global gradient norm across all shards and units (replicated units counted
   // once) like torch.nn.utils.clip_grad_norm_; returns the total norm before clipping.
   // Collective. With HSDP over the shard group only: replicas hold identical gradients, so
-  // the shard group's norm already is the global one.
-  double clip_grad_norm_(double max_norm);
+  // the shard group's norm already is the global one. error_if_nonfinite (torch's option of
+  // that name): a NaN or infinite total throws on every rank, naming the first unit (plan
+  // order) whose gradient is non-finite, and leaves the gradients unchanged.
+  double clip_grad_norm_(double max_norm, bool error_if_nonfinite = false);
 
   // Collective: the full fp32 value of every planned parameter, by original name, on every
   // rank (gathered from the master shards; with HSDP within the shard group). Tied

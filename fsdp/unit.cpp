@@ -81,7 +81,9 @@ void Unit::unshard(bool for_backward) {
   stream_wait_stream(ag, ctx_.compute_stream(), scratch_);
   TraceScope trace(ctx_.tracer, TraceKind::kAllGather, &trace_info_);
   device_sleep(ag, ctx_.debug_sleep_before_all_gather_cycles);
-  flat_->unshard(ag);
+  // Guarded until the unit is entered (Note [Guarded sharded parameters]): a prefetched unit's
+  // parameters become readable only once the compute stream waits for this gather.
+  flat_->unshard(ag, /*attach=*/false);
   all_gather_done_.record(ag);
   all_gather_pending_ = true;
   state_ = UnitState::kUnsharded;
@@ -132,6 +134,7 @@ void Unit::pre_forward(const torch::nn::Module*) {
     unshard(/*for_backward=*/false);
   }
   wait_unsharded();
+  flat_->attach_params();
 }
 
 void Unit::post_forward(const torch::nn::Module*, bool grad_enabled) {
@@ -143,6 +146,7 @@ void Unit::post_forward(const torch::nn::Module*, bool grad_enabled) {
 void Unit::pre_backward() {
   unshard(/*for_backward=*/true);
   wait_unsharded();
+  flat_->attach_params();
   // With sync on, this backward reduces the unit: the gradient copies can wait for the reduce
   // stream (Note [Flat gradient without zero-fill] in flat_param.cpp).
   flat_->set_defer_grad_copies(requires_grad_sync_);

@@ -93,7 +93,8 @@ class Unit {
   // copy on the first member call), then order the compute stream after the all-gather.
   void pre_forward(const torch::nn::Module* member);
   // A member's forward ran: after the unit's last member call, reshard if it reshards after
-  // forward or if grad mode is off (no backward will come).
+  // forward or if no backward will come (`grad_enabled`: the runtime passes whether it hooked
+  // this call's outputs for backward; false under NoGradGuard or when none requires grad).
   void post_forward(const torch::nn::Module* member, bool grad_enabled);
   void pre_backward();         // unshard again; prepare the flat gradient
   void post_backward();        // reduce (if syncing) + reshard; idempotent per backward

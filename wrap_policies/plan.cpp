@@ -20,6 +20,13 @@ const char* to_string(ShardingStrategy s) {
   return "?";
 }
 
+std::string Plan::unmatched_warning() const {
+  if (matched_modules != 0 || units.size() != 1) return "";
+  return "the policy matched no module: the root unit holds the whole model, which is gathered "
+         "at once (no overlap, peak = the full model); check the type names and paths (the plan "
+         "lists none)";
+}
+
 namespace {
 
 // "default" when the rule set nothing, so the table shows what fully_shard()'s options decide.

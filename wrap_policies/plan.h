@@ -67,6 +67,10 @@ struct Plan {
   std::string to_string() const;
   int64_t total_numel() const;
   int64_t match_count() const { return matched_modules; }
+  // The warning for a plan whose policy matched no module, so the root unit holds the whole
+  // model; "" otherwise. One text, used by explain() and by fully_shard (which warns, or fails
+  // with ShardingOptions::strict_plan).
+  std::string unmatched_warning() const;
   // The unit named `name`, or nullptr.
   const UnitSpec* find(const std::string& name) const;
 };
