@@ -2,13 +2,14 @@
 // GPU is involved: units, bytes, collectives per step, predicted peak memory, warnings.
 //
 //   flatshard-explain --preset 1b --policy type=Block --world 8
+//   flatshard-explain --model llama --preset 7b --world 8        (default policy: type=DecoderLayer)
 //   flatshard-explain --preset small --n-layers 12 --policy "every=2,type=Block" --world 4
 //                     --param-dtype bf16 --prefetch 2 --memory-limit 2GiB    (one line)
 //   flatshard-explain --preset 1b --policy type=Block --world 8 --replicate 16   (HSDP)
 //   flatshard-explain --preset 1b --policy "type=Linear|LayerNorm|Embedding" --world 8
 //                     --collective-latency-us 80 --reference-step-ms 45      (one line)
 //
-// The reference GPT is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
+// The reference model (--model gpt | llama, models/family.h) is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -19,7 +20,7 @@
 
 #include "fsdp/explain.h"
 #include "fsdp/meta_init.h"
-#include "models/gpt.h"
+#include "models/family.h"
 #include "wrap_policies/spec.h"
 
 namespace {
@@ -83,26 +84,29 @@ CLI::Validator number_above(double lo, bool or_equal) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"flatshard-explain: what a wrap policy does to the reference GPT at a world size "
+  CLI::App app{"flatshard-explain: what a wrap policy does to a reference model at a world size "
                "(units, bytes, collectives per step, predicted peak memory, warnings). Builds "
                "nothing but shapes."};
-  std::string preset = "small", policy = "type=Block", strategy = "full";
+  std::string family = "gpt", preset = "small", policy, strategy = "full";
   std::string param_dtype = "fp32", reduce_dtype, memory_limit;
   int world = 0, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
   int64_t align = 8;
   flatshard::ExplainOptions cost;
   bool keep = false, tied = false, show_plan = false;
   std::map<std::string, int64_t> overrides;
-  app.add_option("--preset", preset, "GPT preset: tiny, small, 1b")
-      ->check(CLI::IsMember({"tiny", "small", "1b"}))
+  app.add_option("--model", family, "model family: gpt (models/gpt.h), llama (models/llama.h)")
+      ->check(CLI::IsMember({"gpt", "llama"}))
+      ->capture_default_str();
+  app.add_option("--preset", preset, "preset: tiny, small, 1b; llama also 7b")
+      ->check(CLI::IsMember({"tiny", "small", "1b", "7b"}))
       ->capture_default_str();
   for (const char* key : {"vocab", "d-model", "n-heads", "n-layers", "seq-len"})
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
         ->check(at_least(1));
-  app.add_flag("--tied", tied, "tie lm_head.weight to wte.weight");
+  app.add_flag("--tied", tied, "tie lm_head.weight to the token embedding");
   app.add_option("--policy", policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
-                                     "\"every=2,type=Block\"; \"none\": root only")
-      ->capture_default_str();
+                                     "\"every=2,type=Block\"; \"none\": root only (default: "
+                                     "one unit per layer: type=Block, llama type=DecoderLayer)");
   app.add_option("--world", world, "number of ranks (with --replicate: ranks per shard group)")
       ->required()
       ->check(at_least(1));
@@ -144,18 +148,20 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    auto cfg = flatshard::gpt::GPTConfig::preset(preset);
-    if (overrides["vocab"]) cfg.vocab = overrides["vocab"];
-    if (overrides["d-model"]) cfg.d_model = overrides["d-model"];
-    if (overrides["n-heads"]) cfg.n_heads = overrides["n-heads"];
-    if (overrides["n-layers"]) cfg.n_layers = overrides["n-layers"];
-    if (overrides["seq-len"]) cfg.seq_len = overrides["seq-len"];
-    cfg.tie_embeddings = tied;
+    namespace fm = flatshard::models;
+    auto cfg = fm::ModelConfig::preset(fm::parse_family(family), preset);
+    if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
+    if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
+    if (overrides["n-heads"]) cfg.n_heads() = overrides["n-heads"];
+    if (overrides["n-layers"]) cfg.n_layers() = overrides["n-layers"];
+    if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
+    cfg.tie_embeddings() = tied;
+    if (policy.empty()) policy = "type=" + fm::family_modules(cfg.family).layer_type;
 
-    flatshard::gpt::GPT model{nullptr};
+    std::shared_ptr<torch::nn::Module> model;
     {
       flatshard::MetaInit meta;  // shapes only: nothing is allocated or initialised
-      model = flatshard::gpt::GPT(cfg, /*seed=*/0);
+      model = cfg.build(/*seed=*/0);
     }
     flatshard::check_on_meta(*model);
 
@@ -174,7 +180,8 @@ int main(int argc, char** argv) {
     if (!memory_limit.empty()) limit = parse_bytes(memory_limit);
 
     const auto plan = flatshard::make_plan(*model, flatshard::parse_policy(policy));
-    std::cout << "model: GPT " << cfg.to_string() << " (" << flatshard::gpt::num_parameters(cfg)
+    std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
+              << cfg.num_parameters()
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();
     std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate, cost).to_string();
