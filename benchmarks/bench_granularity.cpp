@@ -83,7 +83,8 @@ std::vector<std::string> split_granularities(const std::vector<std::string>& fla
   return out;
 }
 
-Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model) {
+Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model,
+                                const models::FamilyModules& modules) {
   Granularity g;
   g.label = label;
   if (label == "local") {
@@ -95,17 +96,17 @@ Granularity resolve_granularity(const std::string& label, const torch::nn::Modul
     return g;
   }
   if (label == "leaf") {
-    g.policy = parse_spec(label, "type=Linear|LayerNorm|Embedding");
+    g.policy = parse_spec(label, "type=" + modules.leaf_types);
   } else if (label == "layer") {
-    g.policy = parse_spec(label, "type=Block");
+    g.policy = parse_spec(label, "type=" + modules.layer_type);
   } else if (label == "noshard") {
-    g.policy = parse_spec(label, "noshard:type=Block;root:noshard");
+    g.policy = parse_spec(label, "noshard:type=" + modules.layer_type + ";root:noshard");
   } else if (label.rfind("every-", 0) == 0) {
     const int64_t k = every_k(label);
     if (k < 1)
       throw UsageError("granularity '" + label +
                        "': expected every-K with K a positive integer, e.g. every-2");
-    g.policy = parse_spec(label, "every=" + std::to_string(k) + ",type=Block");
+    g.policy = parse_spec(label, "every=" + std::to_string(k) + ",type=" + modules.layer_type);
   } else {
     g.policy = parse_spec(label, label);
   }
@@ -117,8 +118,7 @@ Granularity resolve_granularity(const std::string& label, const torch::nn::Modul
   }
   if (g.plan.matched_modules == 0)
     throw UsageError("granularity '" + label + "' (policy '" + g.policy.to_spec() +
-                     "') matches no module of the model; the GPT's types are GPT, Block, "
-                     "CausalSelfAttention, MLP, Linear, LayerNorm, Embedding");
+                     "') matches no module of the model; its types are " + modules.type_names);
   return g;
 }
 

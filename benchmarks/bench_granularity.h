@@ -8,7 +8,8 @@
 //   ',' again), so "layer,every=2,type=Block" is ["layer", "every=2,type=Block"]. Empty pieces
 //   are errors. Pieces of different flags never join.
 // - resolve_granularity() maps a label to a Policy (names: see the --help footer in
-//   bench_options.cpp) and makes its plan on `model` (pure; runs nothing). It throws UsageError
+//   bench_options.cpp) with the module types of `modules` (the model's family: layer = one unit
+//   per layer type, leaf = one per leaf type) and makes its plan on `model` (pure; runs nothing). It throws UsageError
 //   for an unknown name, a malformed spec (the parser's message, which names the column and the
 //   token) and a policy that matches no module — except `model` and `local`, which match
 //   nothing by design.
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "models/family.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/policy.h"
 
@@ -38,7 +40,8 @@ struct Granularity {
 
 std::vector<std::string> split_granularities(const std::vector<std::string>& flags);
 
-Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model);
+Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model,
+                                const models::FamilyModules& modules);
 
 }  // namespace bench
 }  // namespace flatshard

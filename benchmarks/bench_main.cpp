@@ -43,10 +43,11 @@ constexpr int kExitFailure = 3;
 
 std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
   // One CPU model for planning only (plans are data); freed before the runs build their own.
-  flatshard::gpt::GPT planning(o.model, o.seed);
+  const std::shared_ptr<torch::nn::Module> planning = o.model.build(o.seed);
+  const auto& modules = flatshard::models::family_modules(o.model.family);
   std::vector<fb::Granularity> out;
   for (const auto& label : fb::split_granularities(o.granularity_flags))
-    out.push_back(fb::resolve_granularity(label, *planning));
+    out.push_back(fb::resolve_granularity(label, *planning, modules));
   return out;
 }
 

@@ -26,20 +26,12 @@ std::string bytes_text(long double b) {
   return buf;
 }
 
-long double parameters(const gpt::GPTConfig& c) {
-  const long double d = c.d_model;
-  return static_cast<long double>(c.vocab) * d * (c.tie_embeddings ? 1 : 2) +
-         static_cast<long double>(c.seq_len) * d +
-         static_cast<long double>(c.n_layers) * (12 * d * d + 13 * d) + 2 * d;
-}
-
 long double activations(const BenchOptions& o) {
-  const gpt::GPTConfig& c = o.model;
-  const long double tokens = static_cast<long double>(o.batch) * c.seq_len;
+  const models::ModelConfig& c = o.model;
+  const long double T = c.seq_len(), tokens = static_cast<long double>(o.batch) * T;
   const long double per_layer =
-      16 * tokens * c.d_model + 2 * static_cast<long double>(o.batch) * c.n_heads * c.seq_len *
-                                    static_cast<long double>(c.seq_len);
-  const long double values = c.n_layers * per_layer + 2 * tokens * c.vocab;
+      16 * tokens * c.d_model() + 2 * static_cast<long double>(o.batch) * c.n_heads() * T * T;
+  const long double values = c.n_layers() * per_layer + 2 * tokens * c.vocab();
   return values * (o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4);
 }
 
@@ -64,7 +56,7 @@ std::optional<int64_t> available_host_memory() {
 }
 
 void check_memory(const BenchOptions& o, int world, std::optional<int64_t> device_memory) {
-  const long double p = parameters(o.model);
+  const long double p = o.model.num_parameters_bound();
   const long double state = 16 * p, planning = 4 * p, act = activations(o);
   const bool local = has_local(o);
   const int ranks = std::max(world, 1);

@@ -16,13 +16,14 @@ namespace {
 constexpr const char* kDefaultGranularities = "local,leaf,layer,every-2,model,noshard";
 
 const char* kFooter = R"(Granularities (comma list; default local,leaf,layer,every-2,model,noshard):
-  local     unsharded, no communication: the floor (plain GPT + AdamW). On cpu every rank
+  local     unsharded, no communication: the floor (plain model + AdamW). On cpu every rank
             thread trains its own replica at once, so the floor shares the cores too
-  leaf      every Linear/LayerNorm/Embedding is a unit (the ZeRO-3-like extreme)
-  layer     one unit per transformer Block            (policy type=Block)
-  every-K   K consecutive Blocks per unit             (policy every=K,type=Block)
+  leaf      every Linear/LayerNorm/Embedding is a unit (the ZeRO-3-like extreme; llama:
+            Linear/RMSNorm/Embedding)
+  layer     one unit per transformer layer            (policy type=Block; llama: DecoderLayer)
+  every-K   K consecutive layers per unit             (policy every=K,type=Block)
   model     the whole model is one unit (the root only)
-  noshard   per-Block units and the root, all NO_SHARD (DDP-like: gradients all-reduced)
+  noshard   per-layer units and the root, all NO_SHARD (DDP-like: gradients all-reduced)
   SPEC      any wrap-policy spec, e.g. 'size>=1e6' or 'noshard:path=lm_head;type=Block'.
             A piece that is not one of the names above continues the spec before it, so
             'every=2,type=Block' stays one spec; give two specs with commas in two flags.
@@ -62,13 +63,13 @@ const char* dtype_name(c10::ScalarType t) { return t == c10::kBFloat16 ? "bf16" 
 
 ParseResult parse_command_line(int argc, char** argv) {
   CLI::App app{
-      "flatshard-bench: trains a GPT for a few steps at several sharding granularities and "
+      "flatshard-bench: trains a GPT (or --model llama) for a few steps at several sharding granularities and "
       "reports collectives, bytes, step time, throughput, MFU, exposed communication and peak "
       "memory per granularity, checking that every run computes the same loss.",
       "flatshard-bench"};
   app.footer(kFooter);
 
-  std::string preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
+  std::string family = "gpt", preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
       optimizer = "adamw";
   int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
   int nproc = 0, prefetch = 1, warmup = 2, steps = 0, kernel_profile = 0;
@@ -77,9 +78,13 @@ ParseResult parse_command_line(int argc, char** argv) {
   BenchOptions o;
 
   auto* g_model = "Model";
-  auto* o_preset = app.add_option("--preset", preset, "tiny | small | 1b (default: see below)")
-                       ->check(CLI::IsMember({"tiny", "small", "1b"}))
-                       ->group(g_model);
+  app.add_option("--model", family, "gpt (models/gpt.h, default) | llama (models/llama.h)")
+      ->check(CLI::IsMember({"gpt", "llama"}))
+      ->group(g_model);
+  auto* o_preset =
+      app.add_option("--preset", preset, "tiny | small | 1b; llama also 7b (default: see below)")
+          ->check(CLI::IsMember({"tiny", "small", "1b", "7b"}))
+          ->group(g_model);
   auto* o_layers =
       app.add_option("--layers", layers, "override: transformer blocks")->group(g_model);
   auto* o_dmodel = app.add_option("--d-model", d_model, "override: model width")->group(g_model);
@@ -167,24 +172,24 @@ ParseResult parse_command_line(int argc, char** argv) {
 
   o.preset = o_preset->count() ? preset : (cuda ? "1b" : "small");
   try {
-    o.model = gpt::GPTConfig::preset(o.preset);
+    o.model = models::ModelConfig::preset(models::parse_family(family), o.preset);
   } catch (const c10::Error& e) {
-    throw UsageError(first_line(e.what_without_backtrace()));
+    throw UsageError("--model " + family + ": " + first_line(e.what_without_backtrace()));
   }
-  if (!o_preset->count() && !cuda) o.model.seq_len = 128;
+  if (!o_preset->count() && !cuda) o.model.seq_len() = 128;
   auto override_size = [](CLI::Option* opt, int64_t value, int64_t& field) {
     if (!opt->count()) return;
     require(value > 0, opt->get_name(), "> 0", value);
     field = value;
   };
-  override_size(o_layers, layers, o.model.n_layers);
-  override_size(o_dmodel, d_model, o.model.d_model);
-  override_size(o_heads, heads, o.model.n_heads);
-  override_size(o_seq, seq, o.model.seq_len);
-  override_size(o_vocab, vocab, o.model.vocab);
-  if (o.model.d_model % o.model.n_heads != 0) {
+  override_size(o_layers, layers, o.model.n_layers());
+  override_size(o_dmodel, d_model, o.model.d_model());
+  override_size(o_heads, heads, o.model.n_heads());
+  override_size(o_seq, seq, o.model.seq_len());
+  override_size(o_vocab, vocab, o.model.vocab());
+  if (o.model.d_model() % o.model.n_heads() != 0) {
     std::ostringstream os;
-    os << "--heads " << o.model.n_heads << " does not divide --d-model " << o.model.d_model;
+    os << "--heads " << o.model.n_heads() << " does not divide --d-model " << o.model.d_model();
     throw UsageError(os.str());
   }
   try {

@@ -10,6 +10,8 @@
 //
 // Defaults (chosen so `make bench` — CPU, 2 ranks as threads — runs in well under a minute on
 // 2 cores while the granularities still differ):
+// --model gpt (default) or llama; the presets and the granularities' module types are the
+// family's (models/family.h).
 //            preset  overrides     batch  steps  param dtype  nproc
 //   cpu      small   seq 128       2      5      fp32         2 (threads)
 //   cuda     1b      -             4      20     bf16         visible GPUs (processes)
@@ -22,7 +24,7 @@
 #include <vector>
 
 #include "fsdp/options.h"
-#include "models/gpt.h"
+#include "models/family.h"
 
 namespace flatshard {
 namespace bench {
@@ -37,8 +39,8 @@ enum class DeviceKind { kCpu, kCuda };
 const char* to_string(DeviceKind d);
 
 struct BenchOptions {
-  std::string preset;     // the preset the model starts from
-  gpt::GPTConfig model;   // preset + overrides, validated
+  std::string preset;          // the preset the model starts from
+  models::ModelConfig model;   // --model family, preset + overrides, validated
   int64_t batch = 0;      // sequences per rank per step
   // --granularity values as given, one entry per flag (split by bench_granularity.h).
   std::vector<std::string> granularity_flags;

@@ -146,9 +146,10 @@ std::string render_svg(const Report& rep) {
       << "\" font-family=\"sans-serif\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << "<text x=\"" << kWidth / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"13\">"
-      << xml("flatshard-bench: GPT " + rep.options.preset + " (L" +
-             std::to_string(m.n_layers) + " d" + std::to_string(m.d_model) + " T" +
-             std::to_string(m.seq_len) + "), " + rep.device_description)
+      << xml("flatshard-bench: " + std::string(models::display_name(m.family)) + " " +
+             rep.options.preset + " (L" + std::to_string(m.n_layers()) + " d" +
+             std::to_string(m.d_model()) + " T" + std::to_string(m.seq_len()) + "), " +
+             rep.device_description)
       << "</text>\n";
   panel(svg, 20, "Median step time (whiskers: min-max)", "step time (ms)", "#4878b0", time);
   panel(svg, 20 + kPanelHeight, "Peak memory per rank", "peak memory (MiB)", "#e08a3c", memory);

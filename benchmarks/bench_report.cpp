@@ -106,10 +106,10 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     row.host_issue_ms = median(run.host_issue_ms);
     row.min_ms = *std::min_element(run.step_ms.begin(), run.step_ms.end());
     row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
-    const double tokens = static_cast<double>(options.batch * options.model.seq_len);
+    const double tokens = static_cast<double>(options.batch * options.model.seq_len());
     row.tokens_per_s_per_gpu = tokens / (row.median_ms * 1e-3);
     if (options.peak_tflops)
-      row.mfu = row.tokens_per_s_per_gpu * gpt::flops_per_token(options.model) /
+      row.mfu = row.tokens_per_s_per_gpu * options.model.flops_per_token() /
                 (*options.peak_tflops * 1e12);
     row.run = std::move(run);
     rep.rows.push_back(std::move(row));
@@ -133,10 +133,11 @@ void print_table(const Report& rep, std::ostream& out) {
   const BenchOptions& o = rep.options;
   const auto& m = o.model;
   const auto& mp = o.sharding.mixed_precision;
-  out << "flatshard-bench: GPT preset " << o.preset << " (vocab " << m.vocab << ", d_model "
-      << m.d_model << ", heads " << m.n_heads << ", layers " << m.n_layers << ", seq "
-      << m.seq_len << "; " << fixed(gpt::num_parameters(m) / 1e6, 2) << " M params, "
-      << fixed(gpt::flops_per_token(m) / 1e6, 1) << " MFLOP/token)\n"
+  out << "flatshard-bench: " << models::display_name(m.family) << " preset " << o.preset
+      << " (vocab " << m.vocab() << ", d_model " << m.d_model() << ", heads " << m.n_heads()
+      << ", layers " << m.n_layers() << ", seq " << m.seq_len() << "; "
+      << fixed(m.num_parameters() / 1e6, 2) << " M params, "
+      << fixed(m.flops_per_token() / 1e6, 1) << " MFLOP/token)\n"
       << "  " << rep.device_description << "; batch " << o.batch << " seq/rank/step; strategy "
       << strategy_name(o.sharding.strategy) << "; params " << dtype_name(mp.param_dtype)
       << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << "; prefetch "
@@ -215,7 +216,7 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 
 // Schema (every key always present; null where unknown):
 // { "tool": "flatshard-bench",
-//   "model": {"preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
+//   "model": {"family" ("gpt" | "llama"), "preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
 //             "flops_per_token"},
 //   "device", "device_description", "world_size", "batch" (sequences per rank per step),
 //   "strategy", "param_dtype", "reduce_dtype", "prefetch", "optimizer", "warmup", "steps", "seed",
@@ -238,11 +239,12 @@ void write_json(const Report& rep, const std::string& path) {
   const auto& mp = o.sharding.mixed_precision;
   std::ostringstream j;
   j << "{\n  \"tool\": \"flatshard-bench\",\n"
-    << "  \"model\": {\"preset\": " << json_string(o.preset) << ", \"vocab\": " << m.vocab
-    << ", \"d_model\": " << m.d_model << ", \"n_heads\": " << m.n_heads
-    << ", \"n_layers\": " << m.n_layers << ", \"seq_len\": " << m.seq_len
-    << ", \"params\": " << gpt::num_parameters(m)
-    << ", \"flops_per_token\": " << number(gpt::flops_per_token(m)) << "},\n"
+    << "  \"model\": {\"family\": " << json_string(models::family_name(m.family))
+    << ", \"preset\": " << json_string(o.preset) << ", \"vocab\": " << m.vocab()
+    << ", \"d_model\": " << m.d_model() << ", \"n_heads\": " << m.n_heads()
+    << ", \"n_layers\": " << m.n_layers() << ", \"seq_len\": " << m.seq_len()
+    << ", \"params\": " << m.num_parameters()
+    << ", \"flops_per_token\": " << number(m.flops_per_token()) << "},\n"
     << "  \"device\": " << json_string(to_string(o.device)) << ",\n"
     << "  \"device_description\": " << json_string(rep.device_description) << ",\n"
     << "  \"world_size\": " << rep.world_size << ",\n"

@@ -15,6 +15,7 @@
 #include "fsdp/call.h"
 #include "fsdp/fused_adamw.h"
 #include "fsdp/sharded_model.h"
+#include "models/model_init.h"
 #include "profiling/counting_allocator.h"
 
 namespace flatshard {
@@ -57,15 +58,15 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     comm = timed.get();
   }
 
-  gpt::GPT model(config.model, config.seed);
+  const std::shared_ptr<torch::nn::Module> model = config.model.build(config.seed);
   std::unique_ptr<ShardedModel> fsdp;
   std::vector<at::Tensor> params;
   if (granularity.local) {
     model->to(hooks.device, param_dtype);
-    params = gpt::unique_parameters(*model);
+    params = models::unique_parameters(*model);
   } else {
     model->to(hooks.device);
-    fsdp = fully_shard(model.ptr(), granularity.plan, *comm, config.sharding);
+    fsdp = fully_shard(model, granularity.plan, *comm, config.sharding);
     params = fsdp->parameters();
   }
   std::unique_ptr<torch::optim::AdamW> optimizer =
@@ -75,8 +76,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
   for (int s = 0; s < total; ++s) {
-    auto b = gpt::synthetic_batch(config.model, config.batch, static_cast<int64_t>(config.seed),
-                                  rank, s);
+    auto b = config.model.synthetic_batch(config.batch, static_cast<int64_t>(config.seed), rank, s);
     batches.emplace_back(b.first.to(hooks.device), b.second.to(hooks.device));
   }
 
@@ -113,7 +113,8 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   auto train_step = [&](int b, auto&& after_backward) {
     opt.zero_grad();
     const auto& batch = batches[static_cast<size_t>(b)];
-    at::Tensor loss = enter(model, [&] { return model->loss(batch.first, batch.second); });
+    at::Tensor loss =
+        enter(model, [&] { return config.model.loss(*model, batch.first, batch.second); });
     loss.backward();
     after_backward();
     opt.step();

@@ -1,9 +1,9 @@
-// flatshard/benchmarks/bench_run.h — one granularity run: build the GPT, shard it per the plan,
+// flatshard/benchmarks/bench_run.h — one granularity run: build the model, shard it per the plan,
 // train warmup + measured steps, and measure.
 //
 // Contract
 // - train_rank() is one rank's part of a run, collective over `group` (every rank calls it with
-//   the same config and granularity). Every rank builds GPT(model, seed) (bit-identical), moves
+//   the same config and granularity). Every rank builds model.build(seed) (bit-identical), moves
 //   it to hooks.device, shards it over `group` with the granularity's plan and trains it with
 //   AdamW on synthetic_batch(model, batch, seed, rank, step). Batches are made before timing.
 //   A local run never shards or communicates: the model is cast to the param dtype and trained
@@ -33,7 +33,7 @@
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
-#include "models/gpt.h"
+#include "models/family.h"
 #include "profiling/kernel_profile.h"
 
 namespace flatshard {
@@ -45,7 +45,7 @@ using profiling::KernelProfile;
 
 // Everything a run needs besides the granularity; identical on every rank.
 struct RunConfig {
-  gpt::GPTConfig model;
+  models::ModelConfig model;  // family and sizes
   int64_t batch = 1;  // sequences per rank per step
   uint64_t seed = 0;
   int warmup = 2;

@@ -68,6 +68,35 @@ uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
+// Buffers are not in any unit, so they are described at setup level: names, shapes, dtypes
+// and device types always (broadcast_buffers, fsdp/buffers.h, needs them equal); with
+// sync_module_states off also a hash of the values, since nothing will make them equal then.
+void add_buffers(std::vector<FingerprintEntry>& fp, const torch::nn::Module& model,
+                 bool sync_module_states) {
+  const std::string setup = "setup";
+  const auto buffers = model.named_buffers(/*recurse=*/true);
+  fp.push_back({setup, "buffers", str(buffers.size())});
+  for (const auto& item : buffers) {
+    const std::string what = "buffer '" + item.key() + "'";
+    const at::Tensor& b = item.value();
+    if (!b.defined()) {
+      fp.push_back({setup, what, "undefined"});
+      continue;
+    }
+    fp.push_back({setup, what + " shape", str(b.sizes())});
+    fp.push_back({setup, what + " dtype", str(b.scalar_type())});
+    fp.push_back({setup, what + " device type", str(b.device().type())});
+    if (sync_module_states || b.is_meta()) continue;
+    const at::Tensor bytes = b.detach().cpu().contiguous().view({-1}).view(at::kByte);
+    const std::string raw(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
+                          static_cast<size_t>(bytes.numel()));
+    std::ostringstream h;
+    h << "fnv1a:" << std::hex << fnv1a(raw);
+    fp.push_back({setup, what + " values (sync_module_states is off: ranks must hold equal values)",
+                  h.str()});
+  }
+}
+
 }  // namespace
 
 std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, const Plan& plan,
@@ -84,6 +113,9 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
   fp.push_back({setup, "option mixed_precision.reduce_dtype",
                 options.mixed_precision.reduce_dtype ? str(*options.mixed_precision.reduce_dtype)
                                                      : "default"});
+  fp.push_back({setup, "option mixed_precision.buffer_dtype",
+                options.mixed_precision.buffer_dtype ? str(*options.mixed_precision.buffer_dtype)
+                                                     : "default"});
   fp.push_back({setup, "option align", str(options.align)});
   fp.push_back({setup, "option sync_module_states", options.sync_module_states ? "true" : "false"});
   fp.push_back({setup, "plan units", str(plan.units.size())});
@@ -92,6 +124,8 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
     for (const auto& o : others) v += (v.empty() ? "" : ", ") + o;
     fp.push_back({setup, "tied parameter '" + first + "'", "[" + v + "]"});
   }
+
+  add_buffers(fp, model, options.sync_module_states);
 
   std::unordered_map<std::string, at::Tensor> params;
   for (const auto& item : model.named_parameters(/*recurse=*/true))

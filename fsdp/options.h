@@ -18,6 +18,11 @@ struct MixedPrecision {
   c10::ScalarType param_dtype = c10::kFloat;
   // dtype of the gradient reduce-scatter / all-reduce. Default: param_dtype.
   std::optional<c10::ScalarType> reduce_dtype;
+  // dtype floating-point buffers (module.named_buffers()) are cast to at setup; integer and
+  // bool buffers keep theirs. Default: every buffer keeps its own dtype, whatever param_dtype
+  // is — buffers are not parameters and are not cast with them (a rotary inv_freq, for one,
+  // must stay fp32: fsdp/buffers.h). Buffers are never sharded.
+  std::optional<c10::ScalarType> buffer_dtype;
 };
 
 // Per-unit step traces (fsdp/trace.h). Off by default; off costs one null-pointer test per hook.
@@ -43,7 +48,9 @@ struct ShardingOptions {
   // recorded on the previous step; in backward, the next N in reverse forward order.
   int forward_prefetch = 1;
   int backward_prefetch = 1;
-  // Broadcast rank 0's initial parameter values at setup, so ranks need not initialise alike.
+  // Broadcast rank 0's initial parameter and buffer values at setup (within the shard group,
+  // then across replicas with HSDP), so ranks need not initialise alike. Off: ranks must hold
+  // equal values; the setup fingerprint compares buffer values and fails naming the buffer.
   bool sync_module_states = true;
   // Alignment of each parameter inside a flat parameter, in elements.
   int64_t align = 8;

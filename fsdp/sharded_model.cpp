@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "fsdp/buffers.h"
 #include "fsdp/call.h"
 #include "fsdp/fingerprint.h"
 #include "fsdp/resolve.h"
@@ -73,6 +74,17 @@ void check_setup_agrees(const torch::nn::Module& model, const Plan& plan,
     const int S = comm.world_size(), j = comm.rank();
     check_ranks_agree(fingerprint, *mesh.replicate, [S, j](int i) { return i * S + j; });
   }
+}
+
+// Buffers are not sharded (fsdp/buffers.h): after the fingerprint agreed on their names,
+// shapes and dtypes, cast them per buffer_dtype and, with sync_module_states, make them global
+// rank 0's: within the shard group, then across replicas (as flat parameters do).
+void setup_buffers(torch::nn::Module& model, const ShardingOptions& options, Communicator& comm,
+                   const ShardingMesh& mesh) {
+  cast_buffers(model, options.mixed_precision.buffer_dtype);
+  if (!options.sync_module_states) return;
+  broadcast_buffers(model, comm);
+  if (mesh.hybrid()) broadcast_buffers(model, *mesh.replicate);
 }
 
 ModelIndex index_model(torch::nn::Module& model) {
@@ -182,6 +194,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
   runtime_ = std::make_unique<Runtime>(comm_, std::move(options),
                                        mesh_.hybrid() ? mesh_.replicate : nullptr);
   check_setup_agrees(*model_, plan_, runtime_->options(), comm_, mesh_);
+  setup_buffers(*model_, runtime_->options(), comm_, mesh_);
   const ModelIndex index = index_model(*model_);
   const Claimed claimed = build_units(plan_, index, model_.get(), comm_, *runtime_);
   check_every_param_claimed(index, claimed, comm_.rank());

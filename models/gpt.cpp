@@ -5,54 +5,22 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <mutex>
 #include <sstream>
 #include <unordered_set>
 
 #include "fsdp/call.h"
+#include "models/model_init.h"
+#include "models/synthetic_language.h"
 
 namespace flatshard {
 namespace gpt {
 
 namespace {
 
-// splitmix64 finalizer: spreads (seed, rank, step) over the whole 64-bit seed space so that
-// neighbouring ranks/steps get unrelated streams.
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
-
-// torch::nn::Linear/Embedding draw their default init from the global CPU generator; we overwrite
-// those values anyway, and restoring the state keeps "build a reference model, then draw data
-// from the global RNG" reproducible whether or not a GPT was built in between.
-class GlobalRngRestorer {
- public:
-  GlobalRngRestorer() : gen_(at::detail::getDefaultCPUGenerator()) {
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    state_ = gen_.get_state();
-  }
-  ~GlobalRngRestorer() {
-    try {
-      std::lock_guard<std::mutex> lock(gen_.mutex());
-      gen_.set_state(state_);
-    } catch (...) {  // never throw from a destructor; the RNG then merely stays advanced
-    }
-  }
-  GlobalRngRestorer(const GlobalRngRestorer&) = delete;
-  GlobalRngRestorer& operator=(const GlobalRngRestorer&) = delete;
-
- private:
-  at::Generator gen_;
-  at::Tensor state_;
-};
 
 }  // namespace
 
@@ -119,27 +87,11 @@ double flops_per_token(const GPTConfig& cfg) {
 std::pair<at::Tensor, at::Tensor> synthetic_batch(const GPTConfig& cfg, int64_t batch, int64_t seed,
                                                   int rank, int64_t step) {
   cfg.validate();
-  TORCH_CHECK(batch > 0, "synthetic_batch: batch must be > 0, got ", batch);
-  const uint64_t s = mix64(mix64(mix64(static_cast<uint64_t>(seed)) ^ static_cast<uint64_t>(rank)) ^
-                           static_cast<uint64_t>(step));
-  at::Generator gen = at::detail::createCPUGenerator(s);
-  // No lock here: the ATen sampling kernels take the generator's mutex themselves.
-  const at::Tensor start = at::randint(0, cfg.vocab, {batch, 1}, gen, at::kLong);
-  const at::Tensor stride = at::randint(1, 17, {batch, 1}, gen, at::kLong);
-  const at::Tensor j = at::arange(cfg.seq_len + 1, at::kLong).unsqueeze(0);  // [1, T + 1]
-  const at::Tensor seq = (start + stride * j).remainder(cfg.vocab);          // [B, T + 1]
-  using at::indexing::Slice;
-  return {seq.index({Slice(), Slice(0, cfg.seq_len)}).contiguous(),
-          seq.index({Slice(), Slice(1, cfg.seq_len + 1)}).contiguous()};
+  return models::synthetic_tokens(cfg.vocab, cfg.seq_len, batch, seed, rank, step);
 }
 
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
-  std::vector<at::Tensor> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& p : module.parameters(/*recurse=*/true)) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  }
-  return out;
+  return models::unique_parameters(module);
 }
 
 // --- modules
@@ -204,7 +156,7 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 
 GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed) : torch::nn::Module("GPT"), cfg_(cfg) {
   cfg_.validate();
-  GlobalRngRestorer restore_global_rng;
+  models::GlobalRngRestorer restore_global_rng;
   const int64_t d = cfg_.d_model;
 
   // Built before wte so that, when tied, wte can adopt lm_head's weight tensor itself (the

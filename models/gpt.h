@@ -83,19 +83,13 @@ int64_t num_parameters(const GPTConfig& cfg);
 // convention counts it anyway. MFU = tokens/s · flops_per_token / peak FLOP/s.
 double flops_per_token(const GPTConfig& cfg);
 
-// A deterministic batch of a learnable synthetic language, as int64 CPU tensors [batch, seq_len]:
-// each row is an arithmetic progression mod vocab, s_j = (start + stride·j) mod V, with start
-// uniform in [0, V) and stride uniform in [1, 16] drawn per row; idx = s[0..T), targets =
-// s[1..T] (next-token prediction). The next token is predictable from the two before it, so
-// the loss can fall towards ~0 on fresh batches (the first positions stay uncertain).
-// Deterministic per (seed, rank, step): the rows are drawn from a private generator seeded with
-// a hash of the three, independent of the global RNG, of the device and of other calls; ranks
-// (and steps) get different data.
+// A deterministic batch of the synthetic language (models/synthetic_language.h, shared with the
+// other model families) at cfg.vocab and cfg.seq_len: int64 CPU tensors [batch, seq_len], idx and
+// next-token targets, deterministic per (seed, rank, step).
 std::pair<at::Tensor, at::Tensor> synthetic_batch(const GPTConfig& cfg, int64_t batch, int64_t seed,
                                                   int rank, int64_t step = 0);
 
-// The distinct parameters of `module` in registration order (first occurrence wins), i.e.
-// parameters() with tied tensors listed once. Use it for optimizers and parameter counts.
+// models::unique_parameters (models/model_init.h): parameters() with tied tensors listed once.
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
 
 // --- modules ------------------------------------------------------------------------------------

@@ -2,13 +2,14 @@
 // GPU is involved: units, bytes, collectives per step, predicted peak memory, warnings.
 //
 //   flatshard-explain --preset 1b --policy type=Block --world 8
+//   flatshard-explain --model llama --preset 7b --world 8        (default policy: type=DecoderLayer)
 //   flatshard-explain --preset small --n-layers 12 --policy "every=2,type=Block" --world 4
 //                     --param-dtype bf16 --prefetch 2 --memory-limit 2GiB    (one line)
 //   flatshard-explain --preset 1b --policy type=Block --world 8 --replicate 16   (HSDP)
 //   flatshard-explain --preset 1b --policy "type=Linear|LayerNorm|Embedding" --world 8
 //                     --collective-latency-us 80 --reference-step-ms 45      (one line)
 //
-// The reference GPT is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
+// The reference model (--model gpt | llama, models/family.h) is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
 // Its module objects do live on the host (~20 KB a layer), so sizes are checked first, without
 // building anything: at most kMaxLayers layers and kMaxParameters parameters (a clear error with
@@ -24,7 +25,7 @@
 #include "fsdp/explain.h"
 #include "support/output_file.h"
 #include "fsdp/meta_init.h"
-#include "models/gpt.h"
+#include "models/family.h"
 #include "wrap_policies/spec.h"
 
 namespace {
@@ -34,14 +35,6 @@ namespace {
 // models; keeps every byte count, x4 copies of fp32 state, far inside int64).
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr long double kMaxParameters = 1e15L;
-
-// The GPT's parameter count (models/gpt.h's closed form) in long double: no int64 overflow.
-long double parameters(const flatshard::gpt::GPTConfig& c) {
-  const long double d = c.d_model;
-  return static_cast<long double>(c.vocab) * d * (c.tie_embeddings ? 1 : 2) +
-         static_cast<long double>(c.seq_len) * d +
-         static_cast<long double>(c.n_layers) * (12 * d * d + 13 * d) + 2 * d;
-}
 
 // "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "123456" (bytes); at most int64's max.
 int64_t parse_bytes(const std::string& text) {
@@ -109,26 +102,29 @@ CLI::Validator number_above(double lo, bool or_equal) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"flatshard-explain: what a wrap policy does to the reference GPT at a world size "
+  CLI::App app{"flatshard-explain: what a wrap policy does to a reference model at a world size "
                "(units, bytes, collectives per step, predicted peak memory, warnings). Builds "
                "nothing but shapes."};
-  std::string preset = "small", policy = "type=Block", strategy = "full";
+  std::string family = "gpt", preset = "small", policy, strategy = "full";
   std::string param_dtype = "fp32", reduce_dtype, memory_limit;
   int world = 0, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
   int64_t align = 8;
   flatshard::ExplainOptions cost;
   bool keep = false, tied = false, show_plan = false;
   std::map<std::string, int64_t> overrides;
-  app.add_option("--preset", preset, "GPT preset: tiny, small, 1b")
-      ->check(CLI::IsMember({"tiny", "small", "1b"}))
+  app.add_option("--model", family, "model family: gpt (models/gpt.h), llama (models/llama.h)")
+      ->check(CLI::IsMember({"gpt", "llama"}))
+      ->capture_default_str();
+  app.add_option("--preset", preset, "preset: tiny, small, 1b; llama also 7b")
+      ->check(CLI::IsMember({"tiny", "small", "1b", "7b"}))
       ->capture_default_str();
   for (const char* key : {"vocab", "d-model", "n-heads", "n-layers", "seq-len"})
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
         ->check(at_least(1));
-  app.add_flag("--tied", tied, "tie lm_head.weight to wte.weight");
+  app.add_flag("--tied", tied, "tie lm_head.weight to the token embedding");
   app.add_option("--policy", policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
-                                     "\"every=2,type=Block\"; \"none\": root only")
-      ->capture_default_str();
+                                     "\"every=2,type=Block\"; \"none\": root only (default: "
+                                     "one unit per layer: type=Block, llama type=DecoderLayer)");
   app.add_option("--world", world, "number of ranks (with --replicate: ranks per shard group)")
       ->required()
       ->check(at_least(1));
@@ -170,26 +166,28 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    auto cfg = flatshard::gpt::GPTConfig::preset(preset);
-    if (overrides["vocab"]) cfg.vocab = overrides["vocab"];
-    if (overrides["d-model"]) cfg.d_model = overrides["d-model"];
-    if (overrides["n-heads"]) cfg.n_heads = overrides["n-heads"];
-    if (overrides["n-layers"]) cfg.n_layers = overrides["n-layers"];
-    if (overrides["seq-len"]) cfg.seq_len = overrides["seq-len"];
-    cfg.tie_embeddings = tied;
-    TORCH_CHECK(cfg.n_layers <= kMaxLayers, "--n-layers ", cfg.n_layers,
+    namespace fm = flatshard::models;
+    auto cfg = fm::ModelConfig::preset(fm::parse_family(family), preset);
+    if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
+    if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
+    if (overrides["n-heads"]) cfg.n_heads() = overrides["n-heads"];
+    if (overrides["n-layers"]) cfg.n_layers() = overrides["n-layers"];
+    if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
+    cfg.tie_embeddings() = tied;
+    if (policy.empty()) policy = "type=" + fm::family_modules(cfg.family).layer_type;
+    TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--n-layers ", cfg.n_layers(),
                 " is more than explain builds (at most ", kMaxLayers,
                 " layers: each is a set of host objects, even on the meta device)");
-    const long double params = parameters(cfg);
+    const long double params = cfg.num_parameters_bound();
     TORCH_CHECK(params <= kMaxParameters, "the model would have ",
                 static_cast<double>(params), " parameters (", cfg.to_string(),
                 "), more than the sanity bound of ", static_cast<double>(kMaxParameters),
                 "; check --vocab, --d-model, --n-layers and --seq-len");
 
-    flatshard::gpt::GPT model{nullptr};
+    std::shared_ptr<torch::nn::Module> model;
     {
       flatshard::MetaInit meta;  // shapes only: nothing is allocated or initialised
-      model = flatshard::gpt::GPT(cfg, /*seed=*/0);
+      model = cfg.build(/*seed=*/0);
     }
     flatshard::check_on_meta(*model);
 
@@ -208,7 +206,8 @@ int main(int argc, char** argv) {
     if (!memory_limit.empty()) limit = parse_bytes(memory_limit);
 
     const auto plan = flatshard::make_plan(*model, flatshard::parse_policy(policy));
-    std::cout << "model: GPT " << cfg.to_string() << " (" << flatshard::gpt::num_parameters(cfg)
+    std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
+              << cfg.num_parameters()
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();
     std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate, cost).to_string();

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """PyTorch running the same model as flatshard-bench: the reference every speed ratio is taken against.
 
-The model is flatshard's reference GPT (models/gpt.h) written again in PyTorch: pre-LayerNorm
+--model llama: flatshard's LLaMA-style decoder (models/llama.h) written again in PyTorch, same
+presets (LLAMA_PRESETS), init and synthetic data; fsdp2-block shards per DecoderLayer, fsdp2-leaf
+per Linear / RMSNorm / Embedding. tests/llama_test.cpp checks its logits against the C++ model.
+
+The default model is flatshard's reference GPT (models/gpt.h) written again in PyTorch: pre-LayerNorm
 GPT-2 blocks (qkv and proj Linear with bias, causal scaled_dot_product_attention, GELU-tanh MLP
 of width 4d), learned position embedding, untied lm_head without bias; init N(0, 0.02), the two
 residual projections N(0, 0.02 / sqrt(2 L)), biases 0, LayerNorm 1/0. Batches are the same
@@ -112,6 +116,142 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def llama_hidden(d, multiple_of=256):
+    """SwiGLU width, the LLaMA rule of models/llama.h: multiple_of * ceil(floor(8d/3) / multiple_of)."""
+    return multiple_of * -(-(8 * d // 3) // multiple_of)
+
+
+LLAMA_PRESETS = {
+    # models/llama.h LlamaConfig::preset: vocab, d, heads, kv_heads, layers, seq, hidden
+    "tiny": dict(vocab=512, d=64, heads=4, kv_heads=2, layers=2, seq=32, hidden=llama_hidden(64, 32)),
+    "small": dict(vocab=4096, d=256, heads=8, kv_heads=4, layers=4, seq=256, hidden=llama_hidden(256)),
+    "1b": dict(vocab=32000, d=2048, heads=16, kv_heads=16, layers=16, seq=2048, hidden=llama_hidden(2048)),
+    "7b": dict(vocab=32000, d=4096, heads=32, kv_heads=32, layers=32, seq=4096, hidden=llama_hidden(4096)),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate(x, cos, sin):
+    """RoPE, rotate-half layout: pairs (x[i], x[i + hd/2]) turned by angle p * inv_freq[i]."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.q = nn.Linear(d, heads * self.hd, bias=False)
+        self.k = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        g = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, self.heads * self.hd))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d, heads, kv_heads, hidden, eps):
+        super().__init__()
+        self.input_norm = RMSNorm(d, eps)
+        self.attn = LlamaAttention(d, heads, kv_heads)
+        self.post_attn_norm = RMSNorm(d, eps)
+        self.mlp = SwiGLU(d, hidden)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Llama(nn.Module):
+    """models/llama.h: RMSNorm, RoPE (inv_freq fp32), grouped-query attention, SwiGLU, no biases."""
+
+    def __init__(self, vocab, d, heads, kv_heads, layers, seq, hidden, norm_eps=1e-5,
+                 rope_theta=10000.0, tied=False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d, heads, kv_heads, hidden, norm_eps) for _ in range(layers))
+        self.norm = RMSNorm(d, norm_eps)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.hd, self.rope_theta = d // heads, rope_theta
+        self.register_buffer("rope_inv_freq", self._inv_freq(None), persistent=False)
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith("attn.o.weight") or name.endswith("mlp.down.weight"):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _inv_freq(self, device):
+        i2 = torch.arange(0, self.hd, 2, dtype=torch.float32, device=device)
+        return 1.0 / (self.rope_theta ** (i2 / self.hd))
+
+    def _apply(self, fn, recurse=True):
+        # inv_freq stays fp32 under .to(bf16), as RotaryEmbeddingImpl::to in models/llama.cpp:
+        # recomputed in fp32 on whatever device the buffer went to.
+        out = super()._apply(fn, recurse)
+        self.rope_inv_freq = self._inv_freq(self.rope_inv_freq.device)
+        return out
+
+    def logits(self, idx):
+        t = idx.shape[1]
+        angles = torch.outer(torch.arange(t, device=idx.device, dtype=torch.float32), self.rope_inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def forward(self, idx, targets):
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def llama_num_parameters(vocab, d, heads, kv_heads, layers, seq, hidden, tied=False):
+    kv = kv_heads * (d // heads)
+    return vocab * d * (1 if tied else 2) + layers * (2 * d + 2 * d * d + 2 * d * kv + 3 * d * hidden) + d
+
+
+def llama_flops_per_token(vocab, d, heads, kv_heads, layers, seq, hidden):
+    kv = kv_heads * (d // heads)
+    return 6 * (layers * (2 * d * d + 2 * d * kv + 3 * d * hidden) + vocab * d) + 12 * layers * d * seq
+
+
 def num_parameters(vocab, d, layers, seq):
     return 2 * vocab * d + seq * d + layers * (12 * d * d + 13 * d) + 2 * d
 
@@ -133,10 +273,9 @@ def dtype_of(name):
 
 
 def build(mode, args, cfg, device, world):
-    vocab, d, heads, layers, seq = cfg
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = GPT(vocab, d, heads, layers, seq)
+        model = Llama(**cfg) if args.model == "llama" else GPT(*cfg)
     if mode == "plain":
         return model.to(dtype_of(args.param_dtype))
     if mode == "ddp":
@@ -147,9 +286,9 @@ def build(mode, args, cfg, device, world):
     mp = MixedPrecisionPolicy(param_dtype=dtype_of(args.param_dtype),
                               reduce_dtype=dtype_of(args.reduce_dtype or args.param_dtype))
     if mode == "fsdp2-block":
-        units = list(model.blocks)
+        units = list(model.layers if args.model == "llama" else model.blocks)
     elif mode == "fsdp2-leaf":
-        units = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
+        units = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding))]
     else:
         raise SystemExit(f"torch_reference: unknown mode '{mode}' (plain, ddp, fsdp2-block, fsdp2-leaf)")
     for m in units:
@@ -158,8 +297,18 @@ def build(mode, args, cfg, device, world):
     return model
 
 
-def run(mode, args, cfg, device, rank, world):
+def sizes(args, cfg):
+    """(vocab, seq, params, flops_per_token, description) of either family's config."""
+    if args.model == "llama":
+        return (cfg["vocab"], cfg["seq"], llama_num_parameters(**cfg), llama_flops_per_token(**cfg),
+                "LLaMA " + " ".join(f"{k}={v}" for k, v in cfg.items()))
     vocab, d, heads, layers, seq = cfg
+    return (vocab, seq, num_parameters(vocab, d, layers, seq), flops_per_token(vocab, d, layers, seq),
+            f"GPT vocab={vocab} d={d} heads={heads} layers={layers} seq={seq}")
+
+
+def run(mode, args, cfg, device, rank, world):
+    vocab, seq, _, fpt, _ = sizes(args, cfg)
     torch.cuda.empty_cache()
     model = build(mode, args, cfg, device, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
@@ -195,7 +344,7 @@ def run(mode, args, cfg, device, rank, world):
         "mode": mode, "world_size": 1 if mode == "plain" else world, "batch": args.batch,
         "step_ms": ms, "host_ms": statistics.median(issue_ms), "peak_mib": peak / 2**20,
         "tokens_per_s_per_gpu": tok,
-        "mfu": tok * flops_per_token(vocab, d, layers, seq) / (args.peak_tflops * 1e12),
+        "mfu": tok * fpt / (args.peak_tflops * 1e12),
         "loss_step0": loss0, "optimizer": args.optimizer,
     }
     del model, opt, batches
@@ -204,7 +353,9 @@ def run(mode, args, cfg, device, rank, world):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    ap.add_argument("--model", default="gpt", choices=["gpt", "llama"],
+                    help="model family: the GPT of models/gpt.h or the LLaMA of models/llama.h")
+    ap.add_argument("--preset", default="1b", choices=sorted(set(PRESETS) | set(LLAMA_PRESETS)))
     ap.add_argument("--layers", type=int)
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     ap.add_argument("--modes", default="plain,fsdp2-block,fsdp2-leaf")
@@ -219,12 +370,20 @@ def main():
     args = ap.parse_args()
     if args.warmup < 0 or args.steps < 1 or args.batch < 1:
         ap.error(f"need --warmup >= 0, --steps >= 1, --batch >= 1 (got {args.warmup}, {args.steps}, {args.batch})")
-    cfg = list(PRESETS[args.preset])
-    if args.layers is not None:
-        if args.layers < 1:
-            ap.error(f"--layers must be >= 1, got {args.layers}")
-        cfg[3] = args.layers
-    cfg = tuple(cfg)
+    presets = LLAMA_PRESETS if args.model == "llama" else PRESETS
+    if args.preset not in presets:
+        ap.error(f"--preset {args.preset} is not a {args.model} preset ({', '.join(sorted(presets))})")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be >= 1, got {args.layers}")
+    if args.model == "llama":
+        cfg = dict(LLAMA_PRESETS[args.preset])
+        if args.layers is not None:
+            cfg["layers"] = args.layers
+    else:
+        cfg = list(PRESETS[args.preset])
+        if args.layers is not None:
+            cfg[3] = args.layers
+        cfg = tuple(cfg)
     if not torch.cuda.is_available():
         sys.exit("torch_reference: needs a CUDA GPU (it is the GPU floor flatshard-bench is compared with)")
 
@@ -249,10 +408,9 @@ def main():
         if rank == 0:
             print(f"[torch_reference] {mode}: {row['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
     if rank == 0:
-        vocab, d, heads, layers, seq = cfg
+        _, _, params, _, desc = sizes(args, cfg)
         print(f"# PyTorch {torch.__version__}, {torch.cuda.get_device_name(device)}, world {world}, "
-              f"GPT vocab={vocab} d={d} heads={heads} layers={layers} seq={seq} "
-              f"({num_parameters(vocab, d, layers, seq) / 1e9:.2f} B params), batch {args.batch}/GPU, "
+              f"{desc} ({params / 1e9:.2f} B params), batch {args.batch}/GPU, "
               f"optimizer {args.optimizer}")
         base = next((r["step_ms"] for r in rows if r["mode"] == "plain"), None)
         print(f"{'mode':<12} {'step ms':>8} {'x plain':>8} {'host ms':>8} {'peak MiB':>9} {'tok/s/GPU':>10} {'MFU':>6} {'loss0':>7}")

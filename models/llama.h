@@ -1,0 +1,221 @@
+// flatshard/models/llama.h — the reference LLaMA-style decoder: the second model family of the
+// tests, tools and benchmark (the first is models/gpt.h), so nothing in flatshard can quietly
+// depend on one family's module names.
+//
+// Contract
+//   * Architecture (pre-RMSNorm, rotary positions, SwiGLU, no bias anywhere, no dropout):
+//       x = embed_tokens(idx);  (cos, sin) = rope(T)
+//       for each DecoderLayer:  x = x + attn(input_norm(x), cos, sin)
+//                               x = x + mlp(post_attn_norm(x))
+//       logits = lm_head(norm(x))                        // [B, T, vocab]
+//     RMSNorm(x) = x / sqrt(mean(x², last dim) + eps) · weight, computed in fp32 and cast back
+//     to x's dtype before the weight multiplies (as LLaMA does).
+//     attn: q Linear d -> H·hd, k and v Linear d -> Hkv·hd, rotary embedding on q and k, each
+//     k/v head shared by H/Hkv consecutive q heads (grouped-query attention; Hkv = H is plain
+//     multi-head), causal scaled_dot_product_attention, o Linear H·hd -> d. hd = d / H.
+//     mlp: down(silu(gate(x)) · up(x)); gate, up Linear d -> hidden, down hidden -> d.
+//   * Rotary embedding (RoPE, the "rotate half" layout of HF transformers): the registered fp32
+//     buffer rope.inv_freq[i] = theta^(-2i/hd), i in [0, hd/2). For position p, angle
+//     a_{p,i} = p · inv_freq[i]; a head vector x (hd values) becomes
+//       out[i]        = x[i] · cos a − x[i + hd/2] · sin a
+//       out[i + hd/2] = x[i + hd/2] · cos a + x[i] · sin a          (i < hd/2)
+//     i.e. each pair (x[i], x[i + hd/2]) is rotated by a_{p,i}, so q·k after RoPE depends only on
+//     the positions' difference. cos/sin are computed in fp32 from inv_freq and cast to the
+//     dtype of q/k when applied. inv_freq is a buffer, not a parameter: it is not trained, not
+//     sharded, and stays fp32 when the model is cast with ->to(dtype) (RotaryEmbedding overrides
+//     to()) or sharded with bf16 compute (MixedPrecision::buffer_dtype, fsdp/options.h, keeps
+//     buffers' own dtype by default).
+//   * Every parent->child call goes through flatshard::call (fsdp/call.h), so any module — a leaf
+//     Linear or RMSNorm, a DecoderLayer, the whole model — can be a sharding unit.
+//   * Module paths: embed_tokens, rope, layers.<i>, layers.<i>.{input_norm, attn, attn.q,
+//     attn.k, attn.v, attn.o, post_attn_norm, mlp, mlp.gate, mlp.up, mlp.down}, norm, lm_head.
+//     Parameters: <linear>.weight, <norm>.weight, embed_tokens.weight; buffer: rope.inv_freq.
+//     Module::name() is the short type name: "Llama", "DecoderLayer", "Attention", "MLP",
+//     "RMSNorm", "RotaryEmbedding" (torch leaves keep LibTorch's names: "torch::nn::LinearImpl",
+//     "torch::nn::EmbeddingImpl"), so wrap policies can match layers by the type name
+//     "DecoderLayer" and leaves by "Linear|RMSNorm|Embedding".
+//   * Deterministic init: Llama(cfg, seed) draws every parameter from a private CPU generator
+//     seeded with `seed`, in module registration order; the global CPU RNG is left as found.
+//     Built on CPU in fp32 (works under flatshard::MetaInit, fsdp/meta_init.h: shapes only).
+//     Init values: Linear/Embedding weights ~ N(0, init_std); the residual projections
+//     (attn.o, mlp.down) ~ N(0, init_std / sqrt(2 · n_layers)) when scaled_residual_init;
+//     RMSNorm weights 1.
+//   * tie_embeddings (default off, as LLaMA): lm_head.weight and embed_tokens.weight are one
+//     tensor; hand optimizers models::unique_parameters(model) (models/model_init.h).
+//   * Dtypes: parameters may be fp32 or bf16; loss() computes the cross-entropy in fp32.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace flatshard {
+namespace llama {
+
+struct LlamaConfig {
+  int64_t vocab = 32000;
+  int64_t d_model = 2048;
+  int64_t n_heads = 16;
+  int64_t n_kv_heads = 0;  // key/value heads; 0: n_heads (no grouping). Must divide n_heads.
+  int64_t n_layers = 16;
+  int64_t seq_len = 2048;  // maximum sequence length; also T in flops_per_token
+  // SwiGLU hidden size; 0: the LLaMA rule, multiple_of · ceil(floor(8·d/3) / multiple_of).
+  int64_t hidden = 0;
+  int64_t multiple_of = 256;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = false;
+  double init_std = 0.02;
+  bool scaled_residual_init = true;  // residual projections get init_std / sqrt(2 L)
+
+  // Named presets (each passes validate()); kv = n_kv_heads, h = hidden (from the rule):
+  //   "tiny"  vocab 512,   d 64,   heads 4,  kv 2,  layers 2,  seq 32,   h 192   (~0.16 M)
+  //   "small" vocab 4096,  d 256,  heads 8,  kv 4,  layers 4,  seq 256,  h 768   (~5.2 M)
+  //   "1b"    vocab 32000, d 2048, heads 16, kv 16, layers 16, seq 2048, h 5632  (~0.95 B)
+  //   "7b"    vocab 32000, d 4096, heads 32, kv 32, layers 32, seq 4096, h 11008 (~6.74 B,
+  //           LLaMA-2 7B's shapes)
+  // tiny uses multiple_of 32 (the rule's 256 would make its MLP 4d wide). Throws c10::Error
+  // naming the known presets for any other name.
+  static LlamaConfig preset(const std::string& name);
+
+  // Throws c10::Error with the offending values: every size > 0 (n_kv_heads, hidden >= 0),
+  // n_heads divides d_model, n_kv_heads divides n_heads, the head dim is even (RoPE rotates
+  // pairs), rope_theta > 1, norm_eps > 0, init_std finite and >= 0.
+  void validate() const;
+
+  int64_t head_dim() const { return d_model / n_heads; }
+  int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+  int64_t hidden_size() const;  // hidden, or the LLaMA rule when hidden == 0
+  // One line, e.g. "vocab=512 d_model=64 n_heads=4 n_kv_heads=2 n_layers=2 seq_len=32
+  // hidden=192 tied=0".
+  std::string to_string() const;
+};
+
+// Number of distinct parameter elements of Llama(cfg), in closed form (kv = kv_heads()·hd,
+// h = hidden_size()):
+//   V·d·(tied ? 1 : 2) + L·(2·d + 2·d² + 2·d·kv + 3·d·h) + d
+// (per layer: two RMSNorm weights, q and o d², k and v d·kv, gate/up/down d·h; final norm d).
+int64_t num_parameters(const LlamaConfig& cfg);
+
+// Training FLOPs per token, the convention of gpt::flops_per_token (PaLM appendix B):
+//   6·N + 12·L·d·T,   N = L·(2·d² + 2·d·kv + 3·d·h) + V·d,   T = cfg.seq_len
+// N counts every matmul weight (the output projection whether tied or not); left out: the
+// embedding gather, norms, RoPE, SiLU and the gating product, softmax.
+double flops_per_token(const LlamaConfig& cfg);
+
+// A batch of the shared synthetic language (models/synthetic_language.h) at cfg.vocab and
+// cfg.seq_len: int64 CPU [batch, seq_len] tokens and next-token targets, per (seed, rank, step).
+std::pair<at::Tensor, at::Tensor> synthetic_batch(const LlamaConfig& cfg, int64_t batch,
+                                                  int64_t seed, int rank, int64_t step = 0);
+
+// x: [..., T, hd] (any leading dims), cos/sin: [T, hd/2] -> x rotated per the contract, in x's
+// dtype (cos and sin are cast to it).
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// --- modules ------------------------------------------------------------------------------------
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  at::Tensor forward(const at::Tensor& x);  // [..., dim] -> [..., dim]
+
+  at::Tensor weight;  // [dim], init 1
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+class RotaryEmbeddingImpl : public torch::nn::Module {
+ public:
+  RotaryEmbeddingImpl(int64_t head_dim, double theta);
+  // (cos, sin) of the angles p · inv_freq for positions p in [0, T): fp32 [T, hd/2] each, on
+  // inv_freq's device.
+  std::tuple<at::Tensor, at::Tensor> forward(int64_t T);
+
+  // inv_freq stays fp32 whatever dtype the model is cast to (devices still move): in bf16 the
+  // angles p · inv_freq at p ~ 2048 would be off by several radians. A buffer dtype asked for
+  // explicitly (MixedPrecision::buffer_dtype) bypasses this.
+  using torch::nn::Module::to;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+
+  at::Tensor inv_freq;  // buffer [hd/2], fp32
+};
+TORCH_MODULE(RotaryEmbedding);
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const LlamaConfig& cfg);
+  // x [B, T, d], cos/sin [T, hd/2] -> [B, T, d]
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  torch::nn::Linear q{nullptr};  // d -> H·hd
+  torch::nn::Linear k{nullptr};  // d -> Hkv·hd
+  torch::nn::Linear v{nullptr};  // d -> Hkv·hd
+  torch::nn::Linear o{nullptr};  // H·hd -> d
+ private:
+  int64_t n_heads_, n_kv_heads_;
+};
+TORCH_MODULE(Attention);
+
+class MLPImpl : public torch::nn::Module {
+ public:
+  explicit MLPImpl(const LlamaConfig& cfg);
+  at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+
+  torch::nn::Linear gate{nullptr};  // d -> hidden
+  torch::nn::Linear up{nullptr};    // d -> hidden
+  torch::nn::Linear down{nullptr};  // hidden -> d
+};
+TORCH_MODULE(MLP);
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  explicit DecoderLayerImpl(const LlamaConfig& cfg);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+  RMSNorm input_norm{nullptr};
+  Attention attn{nullptr};
+  RMSNorm post_attn_norm{nullptr};
+  MLP mlp{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+class LlamaImpl : public torch::nn::Module {
+ public:
+  // Validates cfg, builds on CPU in fp32 and initializes from `seed` (see the contract above).
+  explicit LlamaImpl(const LlamaConfig& cfg, uint64_t seed = 0);
+
+  // idx: int64 [B, T] with 1 <= T <= seq_len -> logits [B, T, vocab] in the parameters' dtype.
+  at::Tensor forward(const at::Tensor& idx);
+  // Mean next-token cross-entropy of forward(idx) against targets (int64 [B, T]), fp32 scalar.
+  at::Tensor loss(const at::Tensor& idx, const at::Tensor& targets);
+
+  const LlamaConfig& config() const { return cfg_; }
+  // Typed holders of the layers registered under "layers" (flatshard::call needs the type).
+  const std::vector<DecoderLayer>& layers() const { return layers_; }
+
+  torch::nn::Embedding embed_tokens{nullptr};  // [vocab, d]
+  RotaryEmbedding rope{nullptr};               // holds the inv_freq buffer; no parameters
+  torch::nn::ModuleList layers_list{nullptr};  // registered as "layers"
+  RMSNorm norm{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // d -> vocab; weight is embed_tokens' when tied
+
+ private:
+  void init_parameters(uint64_t seed);
+
+  LlamaConfig cfg_;
+  std::vector<DecoderLayer> layers_;  // same modules as layers_list, kept typed
+};
+TORCH_MODULE(Llama);
+
+}  // namespace llama
+}  // namespace flatshard
