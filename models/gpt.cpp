@@ -15,15 +15,6 @@
 namespace flatshard {
 namespace gpt {
 
-namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
-
 // --- config
 // ---------------------------------------------------------------------------------------
 
@@ -196,7 +187,8 @@ void GPTImpl::init_parameters(uint64_t seed) {
     const std::string& path = item.key();
     torch::nn::Module* m = item.value().get();
     if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m)) {
-      const bool residual = ends_with(path, "attn.proj") || ends_with(path, "mlp.proj");
+      const bool residual =
+          models::path_ends_with(path, "attn.proj") || models::path_ends_with(path, "mlp.proj");
       if (fresh(lin->weight))
         lin->weight.normal_(0.0, residual ? residual_std : cfg_.init_std, gen);
       if (lin->bias.defined() && fresh(lin->bias)) lin->bias.zero_();

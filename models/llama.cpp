@@ -15,15 +15,6 @@
 namespace flatshard {
 namespace llama {
 
-namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
-
 // --- config -------------------------------------------------------------------------------------
 
 LlamaConfig LlamaConfig::preset(const std::string& name) {
@@ -254,7 +245,8 @@ void LlamaImpl::init_parameters(uint64_t seed) {
     const std::string& path = item.key();
     torch::nn::Module* m = item.value().get();
     if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m)) {
-      const bool residual = ends_with(path, "attn.o") || ends_with(path, "mlp.down");
+      const bool residual =
+          models::path_ends_with(path, "attn.o") || models::path_ends_with(path, "mlp.down");
       if (fresh(lin->weight))
         lin->weight.normal_(0.0, residual ? residual_std : cfg_.init_std, gen);
     } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m)) {

@@ -11,11 +11,14 @@
 //   * unique_parameters(module): parameters() with tied tensors listed once (first occurrence
 //     wins, registration order). LibTorch's parameters() does not deduplicate; use this for
 //     optimizers and parameter counts.
+//   * path_ends_with(path, suffix): whether a module path ends in `suffix` (how the families
+//     find their residual projections at init).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <string>
 #include <vector>
 
 namespace flatshard {
@@ -34,6 +37,11 @@ class GlobalRngRestorer {
 };
 
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
+
+inline bool path_ends_with(const std::string& path, const std::string& suffix) {
+  return path.size() >= suffix.size() &&
+         path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
 
 }  // namespace models
 }  // namespace flatshard
