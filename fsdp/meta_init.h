@@ -16,7 +16,10 @@
 // makes the included key win over the CPU key of the options.
 //
 // Contract
-// - Thread-local and scoped: only this thread, only inside the scope. Nest-safe.
+// - Thread-local and scoped: only this thread, only inside the scope. Nest-safe. Leaving the
+//   scope restores the thread's whole key set as it was: the include guard alone does not (a
+//   DispatchKeySet difference keeps backend bits, so the Meta bit stayed and every later op on
+//   the thread failed with "found at least two devices, meta and cpu").
 // - Only for constructing modules. Running a forward, reading values (item(), data_ptr()) or
 //   copying data inside the scope is wrong: values of meta tensors do not exist.
 // - Code that bypasses the dispatcher (e.g. at::detail::empty_cpu, from_blob) still allocates;
@@ -43,6 +46,7 @@ class MetaInit {
   MetaInit& operator=(const MetaInit&) = delete;
 
  private:
+  c10::impl::ForceDispatchKeyGuard restore_;  // first: saves the key set, restores it last
   c10::impl::IncludeDispatchKeyGuard include_meta_{c10::DispatchKey::Meta};
   c10::impl::ExcludeDispatchKeyGuard exclude_backend_select_{c10::DispatchKey::BackendSelect};
 };

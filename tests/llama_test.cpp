@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
-#include <thread>
 
 #include "fsdp/meta_init.h"
 #include "models/family.h"
@@ -262,15 +261,17 @@ TEST_CASE("LLaMA in bf16 keeps the fp32 inv_freq; tied embeddings share one tens
 }
 
 TEST_CASE("LLaMA builds on the meta device: 1b preset, nothing allocated", "[llama][meta]") {
-  // On its own thread: leaving a MetaInit scope leaves the Meta backend bit in the thread's
-  // included dispatch keys (c10's DispatchKeySet subtraction keeps backend bits), so later
-  // non-factory ops on that thread dispatch to Meta kernels ("found at least two devices, meta
-  // and cpu"). flatshard-explain never computes after it; this test binary does.
   Llama model{nullptr};
-  std::thread([&] {
+  {
     flatshard::MetaInit meta;
     model = Llama(LlamaConfig::preset("1b"), 0);
-  }).join();
+  }
+  // Leaving the scope restores the thread's dispatch keys: plain CPU ops work again on this
+  // thread (the include guard alone left the Meta backend bit set, and this failed with
+  // "found at least two devices, meta and cpu").
+  const at::Tensor x = at::ones({3}) * 2 + at::arange(3);
+  CHECK(x.device().is_cpu());
+  CHECK(x.sum().item<double>() == 9.0);
   flatshard::check_on_meta(*model);
   CHECK(model->rope->inv_freq.is_meta());
   CHECK(model->rope->inv_freq.sizes() == at::IntArrayRef({2048 / 16 / 2}));
