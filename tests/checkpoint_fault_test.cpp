@@ -44,19 +44,6 @@ void train(g::GPT model, torch::optim::AdamW& opt, Communicator& comm, int from,
   }
 }
 
-// Loads `dir` into a fresh model on a 1-rank world with another plan; its full parameters.
-Params load_fresh(const std::string& dir) {
-  Params out;
-  run_ranks(1, [&](Communicator& comm) {
-    auto model = g::GPT(ckpt_cfg(), 3);
-    auto fsdp = fully_shard(model.ptr(), ckpt_plan(*model, "every=2,type=Block"), comm);
-    torch::optim::AdamW opt(fsdp->parameters(), ckpt_adamw());
-    load_checkpoint(*fsdp, &opt, dir);
-    out = to_map(fsdp->gather_full_params());
-  });
-  return out;
-}
-
 const char* kind_name(IoPoint::Kind k) {
   switch (k) {
     case IoPoint::Kind::kWrite:

@@ -67,19 +67,6 @@ const Saved& saved() {
   return s;
 }
 
-// Loads `dir` into a fresh model (1 rank, another plan, AdamW); its full parameters.
-Params load1(const std::string& dir) {
-  Params out;
-  run_ranks(1, [&](Communicator& comm) {
-    auto model = g::GPT(ckpt_cfg(), 3);
-    auto fsdp = fully_shard(model.ptr(), ckpt_plan(*model, "every=2,type=Block"), comm);
-    torch::optim::AdamW opt(fsdp->parameters(), ckpt_adamw());
-    load_checkpoint(*fsdp, &opt, dir);
-    out = to_map(fsdp->gather_full_params());
-  });
-  return out;
-}
-
 // A fresh model (initial values from `seed`) saved to `dir` at world 1; its parameters.
 Params save1(const std::string& dir, uint64_t seed, const CheckpointOptions& o = {}) {
   Params out;
@@ -120,7 +107,7 @@ json::Json& split_param(json::Json& doc) {
 TEST_CASE("trust: tampering helper leaves a loadable manifest", "[checkpoint][trust]") {
   const std::string dir = saved().copy("untouched");
   tamper(dir, [](json::Json&) {});
-  REQUIRE(diff_params(saved().params, load1(dir)) == "");
+  REQUIRE(diff_params(saved().params, load_fresh(dir)) == "");
 }
 
 TEST_CASE("trust: file names in the manifest cannot leave the checkpoint directory",
@@ -139,7 +126,7 @@ TEST_CASE("trust: file names in the manifest cannot leave the checkpoint directo
       for (auto& piece : p["pieces"])
         if (piece["file"] == kShard1) piece["file"] = moved;
   });
-  REQUIRE_THROWS_WITH(load1(dir), Contains("'" + moved + "'") && Contains("not a plain name"));
+  REQUIRE_THROWS_WITH(load_fresh(dir), Contains("'" + moved + "'") && Contains("not a plain name"));
   // An absolute path to a file that is not ours: refused by name; nothing of it is echoed.
   const std::string abs = s.copy("absolute");
   const std::string secret = s.tmp / "secret.txt";
@@ -152,7 +139,7 @@ TEST_CASE("trust: file names in the manifest cannot leave the checkpoint directo
         if (piece["file"] == kShard1) piece["file"] = secret;
   });
   try {
-    load1(abs);
+    load_fresh(abs);
     FAIL("an absolute file name was accepted");
   } catch (const c10::Error& e) {
     const std::string msg = e.what();
@@ -164,7 +151,7 @@ TEST_CASE("trust: file names in the manifest cannot leave the checkpoint directo
   ::unlink((link + "/" + kShard1).c_str());
   REQUIRE(::symlink((s.tmp / ("outside/" + std::string(kShard1))).c_str(),
                     (link + "/" + kShard1).c_str()) == 0);
-  REQUIRE_THROWS_WITH(load1(link), Contains(kShard1) && Contains("symbolic link"));
+  REQUIRE_THROWS_WITH(load_fresh(link), Contains(kShard1) && Contains("symbolic link"));
 }
 
 // Child side of the FIFO test (this binary re-executed): loads FLATSHARD_TRUST_CHILD_DIR and
@@ -240,13 +227,13 @@ TEST_CASE("trust: overlapping or gapped pieces are refused before any read",
     second["begin"] = second["begin"].get<int64_t>() - 1;
     second["end"] = second["end"].get<int64_t>() - 1;
   });
-  REQUIRE_THROWS_WITH(load1(dir), Contains("'" + name + "'") && Contains("overlaps"));
+  REQUIRE_THROWS_WITH(load_fresh(dir), Contains("'" + name + "'") && Contains("overlaps"));
   const std::string gap = s.copy("gap");
   tamper(gap, [&](json::Json& doc) {
     auto& second = split_param(doc)["pieces"][1];
     second["begin"] = second["begin"].get<int64_t>() + 1;
   });
-  REQUIRE_THROWS_WITH(load1(gap), Contains("uncovered"));
+  REQUIRE_THROWS_WITH(load_fresh(gap), Contains("uncovered"));
 }
 
 TEST_CASE("trust: a manifest dtype must be the file's", "[checkpoint][trust]") {
@@ -255,7 +242,7 @@ TEST_CASE("trust: a manifest dtype must be the file's", "[checkpoint][trust]") {
     CAPTURE(dtype);
     const std::string dir = s.copy(std::string("dtype-") + dtype);
     tamper(dir, [&](json::Json& doc) { doc["params"][0]["dtype"] = dtype; });
-    REQUIRE_THROWS_WITH(load1(dir),
+    REQUIRE_THROWS_WITH(load_fresh(dir),
                         Contains(std::string("the value is ") + dtype) && Contains("is F32"));
     auto plain = g::GPT(ckpt_cfg(), 3);
     REQUIRE_THROWS_WITH(load_full_into_module(*plain, dir), Contains("is F32"));
@@ -268,7 +255,7 @@ TEST_CASE("trust: optimizer step counts are >= 0 and agree within a unit", "[che
   tamper(dir, [](json::Json& doc) {
     for (auto& p : doc["params"]) p["step"] = -5;  // all of them: only the sign is wrong
   });
-  REQUIRE_THROWS_WITH(load1(dir), Contains("negative optimizer step count -5"));
+  REQUIRE_THROWS_WITH(load_fresh(dir), Contains("negative optimizer step count -5"));
   const std::string mixed = s.copy("mixed-step");
   tamper(mixed, [](json::Json& doc) { doc["params"][1]["step"] = 7; });
   REQUIRE_THROWS_WITH(read_manifest(mixed), Contains("step count 7 differs"));
@@ -284,7 +271,7 @@ TEST_CASE("trust: shapes whose product overflows int64 are refused", "[checkpoin
   });
   REQUIRE_THROWS_WITH(read_manifest(dir),
                       Contains("'wte.weight'") && Contains("more elements than int64 holds"));
-  REQUIRE_THROWS_WITH(load1(dir), Contains("more elements than int64 holds"));
+  REQUIRE_THROWS_WITH(load_fresh(dir), Contains("more elements than int64 holds"));
 }
 
 TEST_CASE("trust: unknown fields and newer format versions are refused by name",
@@ -316,10 +303,10 @@ TEST_CASE("trust: a save deletes nothing beside the checkpoint that flatshard di
   CHECK(read_bytes(dir + ".old/keep.txt") == "mine.old");
   CHECK(read_bytes(dir + ".saving/keep.txt") == "mine.saving");
   CHECK(side_dirs(dir, kManifestName).empty());
-  CHECK(diff_params(second, load1(dir)) == "");
+  CHECK(diff_params(second, load_fresh(dir)) == "");
   // A path whose parents do not exist yet ("ckpt/step-1000") is created.
   const Params nested = save1(tmp / "runs/a/step-1", 5);
-  CHECK(diff_params(nested, load1(tmp / "runs/a/step-1")) == "");
+  CHECK(diff_params(nested, load_fresh(tmp / "runs/a/step-1")) == "");
   // An unmarked directory with flatshard's new side name is not flatshard's either.
   const std::string lookalike = dir + kStagingInfix + "0000000000000000";
   make_dirs(lookalike);
@@ -333,12 +320,12 @@ TEST_CASE("trust: a load never substitutes a backup; recovery is explicit", "[ch
   // A missing <dir> beside the user's own <dir>.old (a complete checkpoint): not loaded.
   const std::string dir = s.tmp / "gone";
   copy_dir(s.tmp / "ckpt", dir + ".old");
-  REQUIRE_THROWS_WITH(load1(dir),
+  REQUIRE_THROWS_WITH(load_fresh(dir),
                       Contains("no checkpoint at") && Contains("manifest.json is missing"));
   REQUIRE_THROWS_WITH(recover_checkpoint(dir), Contains("no complete flatshard backup"));
   // A save into it creates a fresh checkpoint and leaves the user's .old alone.
   const Params fresh = save1(dir, 4);
-  CHECK(diff_params(fresh, load1(dir)) == "");
+  CHECK(diff_params(fresh, load_fresh(dir)) == "");
   CHECK(path_exists(dir + ".old/manifest.json"));
   // flatshard's own backup (what a save stopped between its two renames leaves): the load
   // names it; recover_checkpoint restores it.
@@ -347,9 +334,9 @@ TEST_CASE("trust: a load never substitutes a backup; recovery is explicit", "[ch
   copy_dir(s.tmp / "ckpt", backup);
   write_bytes(backup + "/" + kMarkerName,
               "flatshard checkpoint directory\ntoken 0123456789abcdef\n");
-  REQUIRE_THROWS_WITH(load1(d2), Contains("recover_checkpoint") && Contains(backup));
+  REQUIRE_THROWS_WITH(load_fresh(d2), Contains("recover_checkpoint") && Contains(backup));
   REQUIRE(recover_checkpoint(d2));
-  CHECK(diff_params(s.params, load1(d2)) == "");
+  CHECK(diff_params(s.params, load_fresh(d2)) == "");
   CHECK(!recover_checkpoint(d2));
 }
 
@@ -364,13 +351,13 @@ TEST_CASE("trust: foreign files inside an existing checkpoint make a save refuse
                                          Contains("'eval'") && Contains("did not write"));
   CHECK(read_bytes(dir + "/notes.txt") == "my notes");
   CHECK(is_directory(dir + "/eval"));
-  CHECK(diff_params(first, load1(dir)) == "");   // the checkpoint is untouched
+  CHECK(diff_params(first, load_fresh(dir)) == "");   // the checkpoint is untouched
   CHECK(side_dirs(dir, kManifestName).empty());  // and the refused save left nothing behind
   // Once they are moved out, the save goes ahead.
   ::unlink((dir + "/notes.txt").c_str());
   ::rmdir((dir + "/eval").c_str());
   const Params second = save1(dir, 2);
-  CHECK(diff_params(second, load1(dir)) == "");
+  CHECK(diff_params(second, load_fresh(dir)) == "");
 }
 
 TEST_CASE("trust: a checkpoint path that is a symlink is followed and kept",
@@ -388,6 +375,6 @@ TEST_CASE("trust: a checkpoint path that is a symlink is followed and kept",
   REQUIRE(::lstat(link.c_str(), &st) == 0);
   CHECK(S_ISLNK(st.st_mode));  // the link is kept and names the new checkpoint
   CHECK(path_exists(tmp / "real/ck/manifest.json"));
-  CHECK(diff_params(second, load1(link)) == "");
+  CHECK(diff_params(second, load_fresh(link)) == "");
   CHECK(side_dirs(tmp / "real/ck", kManifestName).empty());
 }

@@ -83,6 +83,20 @@ inline std::string diff_params(const Params& want, const Params& got) {
   return "";
 }
 
+// Loads `dir` into a fresh model on a 1-rank world with another plan (every=2,type=Block) and
+// AdamW; its full parameters.
+inline Params load_fresh(const std::string& dir) {
+  Params out;
+  flatshard::run_ranks(1, [&](flatshard::Communicator& comm) {
+    auto model = g::GPT(ckpt_cfg(), 3);
+    auto fsdp = flatshard::fully_shard(model.ptr(), ckpt_plan(*model, "every=2,type=Block"), comm);
+    torch::optim::AdamW opt(fsdp->parameters(), ckpt_adamw());
+    flatshard::load_checkpoint(*fsdp, &opt, dir);
+    out = to_map(fsdp->gather_full_params());
+  });
+  return out;
+}
+
 struct CkptRun {
   int world = 2;
   std::string plan = "type=Block";
