@@ -110,3 +110,21 @@ TEST_CASE("FusedAdamW on a sharded model's flat master shards", "[fsdp][optim]")
                   (pa[i].second - pb[i].second).abs().max().item<double>());
   });
 }
+
+TEST_CASE("FusedAdamW bumps the version counters of what it writes", "[optim]") {
+  // ATen's _fused_adamw_ writes in place without bumping versions; version-based checks (the
+  // StepGuard's "did the optimizer change any master?") must still see the step. Empty tensors
+  // (shard views a rank holds nothing of) are in the list too.
+  auto ps = make_params(3);
+  ps.push_back(at::zeros({0}, at::kFloat).requires_grad_(true));
+  set_grads(ps, 0);
+  ps.back().mutable_grad() = at::zeros({0}, at::kFloat);
+  FusedAdamW opt(ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  std::vector<int64_t> before;
+  for (auto& p : ps) before.push_back(static_cast<int64_t>(p._version()));
+  opt.step();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(static_cast<int64_t>(ps[i]._version()) > before[i]);
+  }
+}
