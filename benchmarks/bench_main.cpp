@@ -60,6 +60,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.steps = o.steps;
   c.sharding = o.sharding;
   c.fused_optimizer = o.fused_optimizer;
+  c.param_groups = o.param_groups;
   c.time_collectives = o.device == fb::DeviceKind::kCpu;
   c.kernel_profile_steps = o.kernel_profile_steps;
   return c;

@@ -133,6 +133,11 @@ ParseResult parse_command_line(int argc, char** argv) {
                  "ATen kernel per device and dtype); every run, local included, uses it")
       ->check(CLI::IsMember({"adamw", "fused"}))
       ->group(g_run);
+  app.add_flag("--param-groups", o.param_groups,
+               "two optimizer groups by parameter name (no weight decay on norms and biases), "
+               "over ShardedModel::named_parameters(): per-parameter shard views instead of one "
+               "master per unit (local: the model's parameters); measures what groups cost")
+      ->group(g_run);
   auto* o_kprof =
       app.add_option("--kernel-profile", kernel_profile,
                      "cuda: after the measured steps, profile N more (PyTorch profiler, CUPTI) "

@@ -52,6 +52,9 @@ struct BenchOptions {
   int steps = 0;              // measured steps
   uint64_t seed = 0;          // model init and data; every granularity uses the same
   bool fused_optimizer = false;  // --optimizer fused: flatshard::FusedAdamW for every run
+  // --param-groups: two AdamW groups by parameter name (no weight decay on norms and biases),
+  // over ShardedModel::named_parameters() (local: the model's parameters)
+  bool param_groups = false;
   int kernel_profile_steps = 0;  // --kernel-profile N (cuda only)
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;

@@ -142,7 +142,8 @@ void print_table(const Report& rep, std::ostream& out) {
       << strategy_name(o.sharding.strategy) << "; params " << dtype_name(mp.param_dtype)
       << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << "; prefetch "
       << o.sharding.forward_prefetch << "; optimizer "
-      << (o.fused_optimizer ? "FusedAdamW" : "AdamW") << "; " << o.warmup << " warmup + " << o.steps
+      << (o.fused_optimizer ? "FusedAdamW" : "AdamW")
+      << (o.param_groups ? " (2 groups by name over per-parameter views)" : "") << "; " << o.warmup << " warmup + " << o.steps
       << " measured steps; seed " << o.seed << "\n\n";
 
   TextTable table({"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step",
@@ -255,6 +256,7 @@ void write_json(const Report& rep, const std::string& path) {
     << json_string(dtype_name(mp.reduce_dtype.value_or(mp.param_dtype))) << ",\n"
     << "  \"prefetch\": " << o.sharding.forward_prefetch << ",\n"
     << "  \"optimizer\": " << json_string(o.fused_optimizer ? "fused" : "adamw") << ",\n"
+    << "  \"param_groups\": " << (o.param_groups ? "true" : "false") << ",\n"
     << "  \"warmup\": " << o.warmup << ",\n"
     << "  \"steps\": " << o.steps << ",\n"
     << "  \"seed\": " << o.seed << ",\n"

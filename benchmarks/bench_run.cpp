@@ -42,6 +42,29 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+namespace {
+
+// --param-groups: the usual recipe's two groups by name: weight decay except on norms and
+// biases (names containing "bias" or "norm", or LayerNorm's "ln").
+std::vector<torch::optim::OptimizerParamGroup> name_groups(
+    const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  std::vector<at::Tensor> decay, no_decay;
+  for (const auto& [name, p] : named) {
+    if (!p.requires_grad()) continue;
+    const bool plain = name.find("bias") != std::string::npos ||
+                       name.find("norm") != std::string::npos ||
+                       name.find("ln") != std::string::npos;
+    (plain ? no_decay : decay).push_back(p);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw_options()));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    adamw_options().weight_decay(0)));
+  return groups;
+}
+
+}  // namespace
+
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
                      const DeviceHooks& hooks, const ProgressFn& progress) {
   TORCH_CHECK(granularity.local || group != nullptr, "train_rank: granularity '",
@@ -61,17 +84,32 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   const std::shared_ptr<torch::nn::Module> model = config.model.build(config.seed);
   std::unique_ptr<ShardedModel> fsdp;
   std::vector<at::Tensor> params;
+  std::vector<std::pair<std::string, at::Tensor>> named;  // --param-groups
   if (granularity.local) {
     model->to(hooks.device, param_dtype);
     params = models::unique_parameters(*model);
+    if (config.param_groups)
+      for (const auto& p : model->named_parameters())
+        if (std::find_if(named.begin(), named.end(), [&](const auto& kv) {
+              return kv.second.unsafeGetTensorImpl() == p.value().unsafeGetTensorImpl();
+            }) == named.end())
+          named.emplace_back(p.key(), p.value());
   } else {
     model->to(hooks.device);
     fsdp = fully_shard(model, granularity.plan, *comm, config.sharding);
     params = fsdp->parameters();
+    if (config.param_groups) named = fsdp->named_parameters();
   }
-  std::unique_ptr<torch::optim::AdamW> optimizer =
-      config.fused_optimizer ? std::make_unique<FusedAdamW>(params, adamw_options())
-                             : std::make_unique<torch::optim::AdamW>(params, adamw_options());
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  if (config.param_groups) {
+    optimizer = config.fused_optimizer
+                    ? std::make_unique<FusedAdamW>(name_groups(named), adamw_options())
+                    : std::make_unique<torch::optim::AdamW>(name_groups(named), adamw_options());
+  } else {
+    optimizer = config.fused_optimizer
+                    ? std::make_unique<FusedAdamW>(params, adamw_options())
+                    : std::make_unique<torch::optim::AdamW>(params, adamw_options());
+  }
   torch::optim::AdamW& opt = *optimizer;
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;

@@ -52,6 +52,7 @@ struct RunConfig {
   int steps = 5;
   ShardingOptions sharding;
   bool fused_optimizer = false;  // flatshard::FusedAdamW instead of torch::optim::AdamW
+  bool param_groups = false;     // by name, no decay on norms/biases (BenchOptions::param_groups)
   // Wrap the communicator in a TimedCommunicator and report the exposed-communication share
   // (meaningful on synchronous backends only: the CPU one).
   bool time_collectives = false;

@@ -199,7 +199,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
         (k == 0 ? s.master : s.fields.emplace_back()) = buf;
       }
       if (want) {
-        check_optimizer_holds(*optimizer, f.master(), f.unit_name());
+        check_optimizer_holds(*optimizer, f);
         s.step = recs.front()->step;
         for (const ValueRecord* r : recs)
           TORCH_CHECK(r->step == s.step, "unit '", f.unit_name(), "' gets parameters with ",
@@ -232,7 +232,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
     if (!want) continue;
     std::vector<at::Tensor> fields;
     for (const auto& t : staged[u].fields) fields.push_back(t.to(master.device()));
-    set_optimizer_state(*optimizer, *want, f.master(), staged[u].step, std::move(fields));
+    set_unit_optimizer_state(*optimizer, *want, f, staged[u].step, fields);
   }
   for (auto& b : buffers) b.target.copy_(b.value);
 }

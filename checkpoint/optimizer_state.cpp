@@ -4,6 +4,7 @@
 #include <torch/optim/adamw.h>
 
 #include <memory>
+#include <unordered_set>
 
 namespace flatshard {
 
@@ -63,15 +64,6 @@ OptimizerRecord describe_optimizer(const torch::optim::Optimizer& opt) {
               "(Adam and AdamW are); pass nullptr to save or load the model alone");
 }
 
-void check_optimizer_holds(const torch::optim::Optimizer& opt, const at::Tensor& param,
-                           const std::string& unit) {
-  for (const auto& g : opt.param_groups())
-    for (const auto& p : g.params())
-      if (p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) return;
-  TORCH_CHECK(false, "checkpoint: the optimizer does not hold the master shard of unit '", unit,
-              "'; build it on ShardedModel::parameters() of this model");
-}
-
 int64_t get_optimizer_state(const torch::optim::Optimizer& opt, const OptimizerRecord& record,
                             const at::Tensor& param, std::vector<at::Tensor>& fields) {
   fields.assign(record.fields.size(), at::Tensor());
@@ -89,6 +81,83 @@ void set_optimizer_state(torch::optim::Optimizer& opt, const OptimizerRecord& re
   TORCH_INTERNAL_ASSERT(fields.size() == record.fields.size());
   opt.state()[key] = is_adamw(opt) ? make<torch::optim::AdamWParamState>(step, fields)
                                    : make<torch::optim::AdamParamState>(step, fields);
+}
+
+namespace {
+
+std::unordered_set<const c10::TensorImpl*> held_params(const torch::optim::Optimizer& opt) {
+  std::unordered_set<const c10::TensorImpl*> held;
+  for (const auto& g : opt.param_groups())
+    for (const auto& p : g.params()) held.insert(p.unsafeGetTensorImpl());
+  return held;
+}
+
+// The indices of `flat`'s shard views the optimizer holds (empty when it holds the master).
+std::vector<size_t> held_views(const torch::optim::Optimizer& opt, const FlatParam& flat,
+                               bool& holds_master) {
+  const auto held = held_params(opt);
+  holds_master = held.count(flat.master().unsafeGetTensorImpl()) > 0;
+  std::vector<size_t> views;
+  if (holds_master) return views;
+  for (size_t i = 0; i < flat.shard_views().size(); ++i)
+    if (flat.trainable(i) && held.count(flat.shard_views()[i].tensor.unsafeGetTensorImpl()))
+      views.push_back(i);
+  TORCH_CHECK(!views.empty() || !flat.any_trainable() || flat.layout().padded_numel == 0,
+              "checkpoint: the optimizer holds neither the master shard of unit '",
+              flat.unit_name(), "' nor views of its parameters; build it on "
+              "ShardedModel::parameters() or named_parameters() of this model");
+  return views;
+}
+
+}  // namespace
+
+void check_optimizer_holds(const torch::optim::Optimizer& opt, const FlatParam& flat) {
+  bool holds_master = false;
+  held_views(opt, flat, holds_master);
+}
+
+int64_t get_unit_optimizer_state(const torch::optim::Optimizer& opt, const OptimizerRecord& record,
+                                 const FlatParam& flat, std::vector<at::Tensor>& fields) {
+  fields.assign(record.fields.size(), at::Tensor());
+  if (flat.layout().padded_numel == 0 || !flat.any_trainable()) return 0;
+  bool holds_master = false;
+  const std::vector<size_t> views = held_views(opt, flat, holds_master);
+  if (holds_master) return get_optimizer_state(opt, record, flat.master(), fields);
+  int64_t step = 0;
+  std::string first;  // the view whose step the others must match
+  std::vector<at::Tensor> one;
+  for (size_t i : views) {
+    const ShardView& v = flat.shard_views()[i];
+    const int64_t s = get_optimizer_state(opt, record, v.tensor, one);
+    if (s == 0) continue;
+    TORCH_CHECK(first.empty() || s == step, "checkpoint: unit '", flat.unit_name(),
+                "' holds parameters at different optimizer step counts: '", first, "' (", step,
+                ") and '", flat.params()[i].name, "' (", s, "); a unit's state is saved with one "
+                "step count");
+    if (first.empty()) {
+      first = flat.params()[i].name;
+      step = s;
+      for (auto& f : fields) f = at::zeros_like(flat.master().detach());
+    }
+    for (size_t k = 0; k < fields.size(); ++k)
+      if (one[k].defined()) fields[k].narrow(0, v.begin, v.numel()).copy_(one[k].reshape({-1}));
+  }
+  return step;
+}
+
+void set_unit_optimizer_state(torch::optim::Optimizer& opt, const OptimizerRecord& record,
+                              const FlatParam& flat, int64_t step,
+                              const std::vector<at::Tensor>& fields) {
+  if (flat.layout().padded_numel == 0 || !flat.any_trainable()) return;
+  bool holds_master = false;
+  const std::vector<size_t> views = held_views(opt, flat, holds_master);
+  if (holds_master) return set_optimizer_state(opt, record, flat.master(), step, fields);
+  for (size_t i : views) {
+    const ShardView& v = flat.shard_views()[i];
+    std::vector<at::Tensor> slice;
+    for (const auto& f : fields) slice.push_back(f.narrow(0, v.begin, v.numel()).clone());
+    set_optimizer_state(opt, record, v.tensor, step, std::move(slice));
+  }
 }
 
 }  // namespace flatshard

@@ -46,10 +46,7 @@ SaveSource read_source(const ShardedModel& model, const torch::optim::Optimizer*
     const FlatParam& f = model.unit(u).flat();
     std::vector<at::Tensor> fields(s.optim ? s.optim->fields.size() : 0);  // undefined: none
     int64_t step = 0;
-    if (s.optim && f.layout().padded_numel > 0) {
-      check_optimizer_holds(*opt, f.master(), f.unit_name());
-      step = get_optimizer_state(*opt, *s.optim, f.master(), fields);
-    }
+    if (s.optim) step = get_unit_optimizer_state(*opt, *s.optim, f, fields);
     s.steps.push_back(step);
     s.fields.push_back(std::move(fields));
   }

@@ -6,6 +6,7 @@
 #endif
 #include <c10/core/StreamGuard.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "flat_param/upcast.h"
@@ -58,6 +59,15 @@ c10::Storage make_guard(size_t nbytes, c10::Device device, std::string message) 
   return guard;
 }
 
+// Elements [begin, begin + n) of the 1-D `t` as a tensor over the same storage that is not an
+// autograd view of it: a leaf of its own (a shard view the optimizer holds) or a .grad that
+// Optimizer::zero_grad may detach_() (which views refuse).
+at::Tensor storage_slice(const at::Tensor& t, int64_t begin, int64_t n) {
+  at::Tensor out = at::empty({0}, t.options());
+  out.set_(t.storage(), t.storage_offset() + begin, {n}, {1});
+  return out;
+}
+
 // Allocates a tensor whose storage we may later resize (at::empty's is resizable).
 at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device device) {
   return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
@@ -93,6 +103,8 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     TORCH_CHECK(p.param.is_leaf(), "unit '", unit_name_, "': parameter '", p.name,
                 "' is not a leaf tensor");
     shapes.push_back(p.param.sizes().vec());
+    trainable_.push_back(p.param.requires_grad());
+    if (trainable_.back()) ++num_trainable_;
   }
   layout_ = FlatLayout::make(shapes, world, config_.align);
   pending_.resize(params_.size());
@@ -122,7 +134,24 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
   } else {
     master_ = init;
   }
-  master_.requires_grad_(true);
+  // Note [Frozen parameters]: a unit of frozen parameters only has no optimizer parameter.
+  master_.requires_grad_(num_trainable_ > 0);
+  // Note [Original-parameter views]: views by storage (set_), not autograd views of master_,
+  // so each is a leaf of its own whose .grad the optimizer reads.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t base = config_.sharded ? layout_.shard_begin(comm_.rank()) : 0;
+    const int64_t size = master_.numel();
+    const int64_t b = std::clamp<int64_t>(layout_.offsets[i] - base, 0, size);
+    const int64_t e = std::clamp<int64_t>(layout_.offsets[i] + layout_.numels[i] - base, 0, size);
+    ShardView v;
+    v.begin = b;
+    v.end = std::max(b, e);
+    v.param_begin = v.numel() > 0 ? b + base - layout_.offsets[i] : 0;
+    v.tensor = storage_slice(master_, v.begin, v.numel());
+    if (trainable_[i]) v.tensor.requires_grad_(true);
+    views_.push_back(std::move(v));
+  }
+  views_active_ = num_trainable_ > 0 && num_trainable_ < params_.size();
 
   full_aliases_master_ = !config_.sharded && config_.param_dtype == at::kFloat;
   if (full_aliases_master_) {
@@ -242,6 +271,16 @@ void FlatParam::accept_grad(size_t i) {
   at::Tensor& g = params_[i].param.mutable_grad();
   if (!g.defined()) return;
   at::NoGradGuard no_grad;
+  if (defer_grad_copies_ && !full_grad_.defined()) {
+    // No flat gradient yet, so .grad cannot be a view of it: remember it for reduce_grad(),
+    // which allocates the flat gradient only if it needs one (Note [One-rank reduction]).
+    TORCH_CHECK(g.scalar_type() == config_.param_dtype && g.device() == comm_.device(),
+                "unit '", unit_name_, "': the gradient of '", params_[i].name, "' is ",
+                g.scalar_type(), " on ", g.device(), " but the flat gradient is ",
+                config_.param_dtype, " on ", comm_.device(), " (rank ", comm_.rank(), ")");
+    pending_[i] = g;
+    return;
+  }
   prepare_grad();
   at::Tensor region = full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]);
   if (g.data_ptr() == region.data_ptr() && g.numel() == region.numel()) {
@@ -269,9 +308,56 @@ void FlatParam::accept_grad(size_t i) {
   g = region.view(layout_.shapes[i]);
 }
 
+bool FlatParam::one_rank_reduce() const {
+  return comm_.world_size() == 1 && !hybrid() &&
+         (config_.reduce_dtype == config_.param_dtype || config_.reduce_dtype == at::kFloat);
+}
+
+// Note [One-rank reduction]
+// With one rank in the group (and no replicas) the reduction is the identity, and the flat
+// gradient exists only to feed it: reduce_grad() writes each parameter's gradient straight into
+// its region of master().grad (one read of the compute-dtype gradient, one fp32 write: the
+// upcast copy_), zeroes padding and regions no gradient reached, and allocates no flat
+// gradient and no reduced buffer. Against the general path (copy into the flat gradient, the
+// one-rank "reduce-scatter" copy, then the upcast) that saves two compute-dtype copies of the
+// unit per step and two unit-sized buffers at the backward peak. Values are the same: the
+// general path's reduction of one rank changes nothing, and its upcast is exact. Only when the
+// reduce dtype rounds nothing (it is the compute dtype or fp32); a lower reduce dtype takes the
+// general path, whose rounding is then the requested behaviour.
+std::vector<at::Tensor> FlatParam::reduce_one_rank() {
+  std::vector<at::Tensor> in_use = absorb_view_grads();
+  at::Tensor& mg = master_.mutable_grad();
+  const bool fresh = !mg.defined();
+  if (fresh) mg = at::empty({master_.numel()}, master_.options().requires_grad(false));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor region = mg.narrow(0, layout_.offsets[i], layout_.numels[i]);
+    at::Tensor src;
+    if (pending_[i].defined()) {
+      src = pending_[i].reshape({-1});
+    } else if (full_grad_.defined() && grad_written_[i]) {
+      src = full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]);
+    }
+    if (!src.defined()) {
+      if (fresh) region.zero_();  // no gradient reached it: zero, as the general path
+    } else if (fresh) {
+      region.copy_(src);
+    } else {
+      region.add_(src);
+    }
+    if (pending_[i].defined()) in_use.push_back(std::move(pending_[i]));
+  }
+  if (fresh)
+    for (const auto& [b, e] : padding_) mg.narrow(0, b, e - b).zero_();
+  point_view_grads();
+  if (full_grad_.defined()) in_use.push_back(full_grad_);
+  drop_grad();
+  return in_use;
+}
+
 std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
+  if (one_rank_reduce()) return reduce_one_rank();
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
   // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
   // wrote. The pending gradients go to `in_use`: the compute stream allocated them.
@@ -305,16 +391,71 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   // Note [Reduce buffer lifetime].
   if (hybrid()) replicate_->all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
   at::Tensor g = to_float(reduced);
+  for (auto& t : absorb_view_grads()) in_use.push_back(std::move(t));
   at::Tensor& mg = master_.mutable_grad();
   if (mg.defined()) {
     mg.add_(g);
   } else {
     mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
   }
+  point_view_grads();
   in_use.push_back(full_grad_);
   in_use.push_back(send);
   drop_grad();
   return in_use;
+}
+
+int64_t FlatParam::master_version() const {
+  int64_t v = static_cast<int64_t>(master_._version());
+  for (const auto& view : views_) v += static_cast<int64_t>(view.tensor._version());
+  return v;
+}
+
+void FlatParam::set_views_active(bool active) {
+  views_active_ = active && num_trainable_ > 0;
+  point_view_grads();
+}
+
+void FlatParam::point_view_grads() {
+  if (!views_active_) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor& mg = master_.grad();
+  for (size_t i = 0; i < views_.size(); ++i) {
+    if (!trainable_[i]) continue;
+    ShardView& v = views_[i];
+    v.tensor.mutable_grad() = mg.defined() ? storage_slice(mg, v.begin, v.numel()) : at::Tensor();
+  }
+}
+
+std::vector<at::Tensor> FlatParam::absorb_view_grads() {
+  std::vector<at::Tensor> read;
+  if (!views_active_) return read;
+  at::NoGradGuard no_grad;
+  at::Tensor& mg = master_.mutable_grad();
+  bool any_set = false;
+  for (size_t i = 0; i < views_.size(); ++i)
+    any_set = any_set || (trainable_[i] && views_[i].tensor.grad().defined());
+  if (!any_set) {  // zero_grad(set_to_none) on every view: the next reduction starts afresh
+    mg = at::Tensor();
+    return read;
+  }
+  if (!mg.defined()) mg = at::zeros_like(master_.detach());
+  for (size_t i = 0; i < views_.size(); ++i) {
+    const ShardView& v = views_[i];
+    if (!trainable_[i] || v.numel() == 0) continue;
+    const at::Tensor& g = v.tensor.grad();
+    at::Tensor slice = mg.narrow(0, v.begin, v.numel());
+    if (!g.defined()) {
+      slice.zero_();  // this view's gradient was cleared: it counts as zero
+    } else if (g.data_ptr() != slice.data_ptr()) {
+      TORCH_CHECK(g.numel() == v.numel(), "unit '", unit_name_, "': the gradient set on the "
+                  "shard view of '", params_[i].name, "' has ", g.numel(), " elements, the view ",
+                  v.numel(), " (rank ", comm_.rank(), ")");
+      slice.copy_(g.reshape({-1}));  // replaced by the user: it is the whole gradient
+      read.push_back(g);
+    }
+  }
+  return read;
 }
 
 void FlatParam::drop_grad() {

@@ -18,6 +18,18 @@
 //   c10::Error naming the unit and the parameter and saying what to do. attach_params() points
 //   them back at full()'s storage. Only the storage pointer changes: the TensorImpl (what
 //   autograd saved and the optimizer check compares) and its sizes, strides and offset stay.
+// - Frozen parameters (requires_grad false at construction) stay in the flat buffer: gathered
+//   like the others (the forward reads them), never given a gradient (autograd computes none
+//   for them; their regions of the flat gradient are zeroed like padding), and not optimizer
+//   parameters. A unit with no trainable parameter never reduces (Note [Frozen parameters]).
+// - Note [Original-parameter views]: shard_views() gives, per original parameter, the part of
+//   it this rank's master() holds, as a 1-D tensor sharing master()'s storage (possibly empty),
+//   a leaf that requires grad iff the parameter is trainable: what an optimizer needs for
+//   parameter groups by name (FSDP's use_orig_params). With set_views_active(true) (always for
+//   units that mix frozen and trainable parameters) each reduction keeps the views' .grad equal
+//   to their slices of master().grad: before accumulating, a view whose .grad was cleared
+//   (zero_grad(set_to_none)) zeroes its slice and one the user replaced is copied in; after
+//   it, every trainable view's .grad is again its slice.
 // - Gradients: prepare_grad() gives full_grad() storage (not zeroed); after each parameter's
 //   AccumulateGrad, accept_grad(i) moves its .grad into the flat buffer and points .grad at its
 //   view there, so further backward passes add in place (Note [Flat gradient without
@@ -58,6 +70,16 @@ struct FlatParamConfig {
   bool poison_padding = false;
 };
 
+// The part of one original parameter inside this rank's master shard (Note [Original-parameter
+// views]): elements [begin, end) of master(), which are elements [param_begin, param_begin +
+// end - begin) of the flattened parameter.
+struct ShardView {
+  int64_t begin = 0, end = 0;
+  int64_t param_begin = 0;
+  at::Tensor tensor;  // 1-D over master()'s storage; requires grad iff the parameter is trainable
+  int64_t numel() const { return end - begin; }
+};
+
 struct ParamRef {
   std::string name;  // fully qualified, for messages
   at::Tensor param;  // the module's parameter handle (a leaf)
@@ -75,6 +97,27 @@ class FlatParam {
   const FlatParamConfig& config() const { return config_; }
   const std::vector<ParamRef>& params() const { return params_; }
   int64_t numel() const { return layout_.used_numel; }
+
+  // Whether parameter i requires grad (read once, at construction).
+  bool trainable(size_t i) const { return trainable_[i]; }
+  bool any_trainable() const { return num_trainable_ > 0; }
+  bool all_trainable() const { return num_trainable_ == params_.size(); }
+  size_t num_trainable() const { return num_trainable_; }
+  // Note [Original-parameter views]: one per parameter, in params() order.
+  const std::vector<ShardView>& shard_views() const { return views_; }
+  // Keep the views' .grad in step with master().grad from now on (idempotent; on by default for
+  // units with frozen and trainable parameters). Points them at master().grad at once.
+  void set_views_active(bool active);
+  bool views_active() const { return views_active_; }
+  // Views active: makes master().grad agree with the views' .grad (a cleared .grad is zero, a
+  // replaced one is copied in) on the current stream; undefined when every trainable view's
+  // .grad is cleared. Returns the replaced gradients read (the caller keeps them alive until
+  // the stream's work is done). No-op otherwise.
+  std::vector<at::Tensor> absorb_view_grads();
+
+  // Sum of the version counters of master() and its views: changes when any is written in
+  // place (an optimizer step on either).
+  int64_t master_version() const;
 
   at::Tensor& master() { return master_; }
   const at::Tensor& master() const { return master_; }
@@ -120,6 +163,11 @@ class FlatParam {
   // Clears the parameters' .grad and the pending gradients, frees full_grad() without reducing.
   void drop_grad();
 
+  // True when reduce_grad() skips the flat gradient and the collective: one rank, no replicas,
+  // a reduce dtype that rounds nothing (Note [One-rank reduction], flat_param.cpp). The flat
+  // gradient is then not needed before reduce_grad() when copies are deferred.
+  bool one_rank_reduce() const;
+
   // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
   // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP).
   int64_t all_gather_bytes() const;
@@ -131,9 +179,15 @@ class FlatParam {
  private:
   void clear_param_grads();
   void guard_params();
+  void point_view_grads();
+  std::vector<at::Tensor> reduce_one_rank();  // Note [One-rank reduction]
 
   std::string unit_name_;
   std::vector<ParamRef> params_;
+  std::vector<bool> trainable_;
+  size_t num_trainable_ = 0;
+  std::vector<ShardView> views_;
+  bool views_active_ = false;
   Communicator& comm_;
   Communicator* replicate_;  // HSDP replicate group; nullptr without HSDP
   FlatParamConfig config_;

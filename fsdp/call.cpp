@@ -51,8 +51,8 @@ void pre_forward(const UnitEntry& e, const torch::nn::Module* m) {
 
 at::Tensor cast_input(const UnitEntry& e, const at::Tensor& t) {
   const at::ScalarType dt = e.unit->flat().config().param_dtype;
-  if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.scalar_type() == dt) return t;
-  return t.to(dt);
+  if (!t.defined() || !at::isFloatingType(t.scalar_type())) return t;
+  return e.runtime->wrap_input(*e.unit, t.scalar_type() == dt ? t : t.to(dt));
 }
 
 void post_forward(const UnitEntry& e, const torch::nn::Module* m,

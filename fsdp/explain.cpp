@@ -65,6 +65,7 @@ std::string join(const std::vector<std::string>& v, size_t max_items) {
 std::string strategy_text(const UnitExplanation& u) {
   std::string s = to_string(u.strategy);
   if (u.strategy == ShardingStrategy::kFullShard && !u.reshard_after_forward) s += " keep";
+  if (u.frozen) s += " frozen";  // Note [Frozen parameters]: no reduction
   return s;
 }
 
@@ -81,13 +82,22 @@ UnitCounters expected_counters(const UnitExplanation& u, int64_t replicate_bytes
   UnitCounters c;
   if (u.padded_numel == 0) return c;  // Unit::has_collectives() is false
   c.replicate_bytes = replicate_bytes;
+  if (u.strategy == ShardingStrategy::kNoShard && u.frozen) {
+    c.replicate_bytes = 0;
+    return c;
+  }
   if (u.strategy == ShardingStrategy::kNoShard) {
     c.all_reduces = 1;
     c.bytes = u.reduce_bytes + replicate_bytes;
     return c;
   }
   c.forward_all_gathers = 1;
-  c.backward_all_gathers = u.reshard_after_forward ? 1 : 0;
+  c.backward_all_gathers = u.reshard_after_forward && u.backward_reads_params ? 1 : 0;
+  if (u.frozen) {  // Note [Frozen parameters]: no gradient, no reduction
+    c.replicate_bytes = 0;
+    c.bytes = (c.forward_all_gathers + c.backward_all_gathers) * u.all_gather_bytes;
+    return c;
+  }
   c.reduce_scatters = 1;
   c.replicate_all_reduces = replicate_bytes > 0 ? 1 : 0;
   c.bytes = (c.forward_all_gathers + c.backward_all_gathers) * u.all_gather_bytes + u.reduce_bytes +
@@ -281,9 +291,11 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
   MemoryEstimate m;
   const int n = static_cast<int>(units.size());
   for (const auto& u : units) {
-    m.persistent_bytes += 2 * u.master_bytes;  // master + its gradient
+    // master + its gradient (a frozen unit has none); AdamW state for the trainable part only
+    m.persistent_bytes += (u.frozen ? 1 : 2) * u.master_bytes;
     if (u.strategy == ShardingStrategy::kNoShard) m.persistent_bytes += u.gathered_bytes;
-    m.adamw_state_bytes += 2 * u.master_bytes;
+    m.adamw_state_bytes +=
+        2 * (u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes);
   }
   if (n == 0) return m;
   auto transient = [&](int j) {
@@ -397,6 +409,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     params.emplace(item.key(), item.value());
   std::vector<std::pair<std::string, int64_t>> root_owners;
   std::vector<int64_t> shard_numel_if_sharded;  // for the replication warning
+  bool any_trainable_before = false;            // a unit before this one trains
 
   for (size_t i = 0; i < plan.units.size(); ++i) {
     const UnitSpec& spec = plan.units[i];
@@ -411,11 +424,13 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     const c10::ScalarType param_dtype = settings.flat.param_dtype;
     const c10::ScalarType reduce_dtype = settings.flat.reduce_dtype;
     std::vector<std::vector<int64_t>> shapes;
+    std::vector<bool> trainable;
     for (const auto& name : spec.param_names) {
       auto it = params.find(name);
       TORCH_CHECK(it != params.end(), "explain: unit '", spec.name, "' names parameter '", name,
                   "', which the model does not have; was the plan made for another model?");
       shapes.push_back(it->second.sizes().vec());
+      trainable.push_back(it->second.requires_grad());
       if (spec.is_root) {
         const std::string owner = parent_path(name);
         auto o = std::find_if(root_owners.begin(), root_owners.end(),
@@ -445,6 +460,25 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +
                           (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
     u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
+    int64_t trainable_numel = 0, trainable_shard_numel = 0;
+    for (size_t k = 0; k < shapes.size(); ++k)
+      if (trainable[k]) trainable_numel += layout.numels[k];
+    // The most trainable elements one rank's shard holds (each shard is [r*S, (r+1)*S)).
+    for (int r = 0; r < layout.world_size && trainable_numel > 0; ++r) {
+      const int64_t lo = sharded ? layout.shard_begin(r) : 0;
+      const int64_t hi = sharded ? layout.shard_end(r) : layout.padded_numel;
+      int64_t n = 0;
+      for (size_t k = 0; k < shapes.size(); ++k)
+        if (trainable[k])
+          n += std::max<int64_t>(0, std::min(hi, layout.offsets[k] + layout.numels[k]) -
+                                        std::max(lo, layout.offsets[k]));
+      trainable_shard_numel = std::max(trainable_shard_numel, n);
+    }
+    u.frozen = !shapes.empty() && trainable_numel == 0;
+    u.trainable_master_bytes = trainable_shard_numel * elem_size(c10::kFloat);
+    if (u.frozen) u.grad_buffer_bytes = 0;
+    u.backward_reads_params = !u.frozen || any_trainable_before;
+    any_trainable_before = any_trainable_before || !u.frozen;
     const int64_t replicate_bytes =
         replicate_size > 1 ? (sharded ? layout.shard_numel : layout.padded_numel) *
                                  elem_size(reduce_dtype)

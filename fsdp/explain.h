@@ -81,6 +81,14 @@ struct UnitExplanation {
   // cast copy sent to the reduction when reduce dtype != param dtype.
   int64_t grad_buffer_bytes = 0;
   int64_t master_bytes = 0;  // fp32 master: shard_numel * 4; its gradient is the same again
+  // Note [Frozen parameters]: a unit whose parameters all have requires_grad false (no
+  // gradient, no reduction, no optimizer state), and the fp32 bytes of the trainable part of
+  // the largest rank's shard (what AdamW keeps state for; -1: all of master_bytes).
+  bool frozen = false;
+  int64_t trainable_master_bytes = -1;
+  // A frozen unit gathers in backward only when its inputs require grad; explain assumes they
+  // do when a unit before it in plan order (the root included) trains.
+  bool backward_reads_params = true;
   UnitCounters per_step;     // collectives and bytes of one step, as Unit::counters() shows
 };
 

@@ -152,6 +152,8 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
       fp.push_back({where, what + " shape", str(p.sizes())});
       fp.push_back({where, what + " dtype", str(p.scalar_type())});
       fp.push_back({where, what + " device type", str(p.device().type())});
+      // Frozen or not decides whether the unit reduces: ranks must agree.
+      fp.push_back({where, what + " requires_grad", p.requires_grad() ? "true" : "false"});
     }
   }
   return fp;

@@ -47,6 +47,40 @@ struct PreBackward : public torch::autograd::Function<PreBackward> {
   }
 };
 
+// Identity on an input of a frozen unit (Note [Frozen parameters]): its backward runs once the
+// gradient for that input is complete, i.e. when the unit's backward no longer needs its
+// parameters, and reports it. Its node carries an AnchorHook (below), so the unit pointer is
+// only followed while the ShardedModel lives.
+struct FrozenInput : public torch::autograd::Function<FrozenInput> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, int64_t unit_ptr,
+                            const at::Tensor& x) {
+    ctx->saved_data["unit"] = unit_ptr;
+    ctx->set_materialize_grads(false);
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<Unit*>(ctx->saved_data["unit"].toInt())->on_frozen_input(true);
+    return {at::Tensor(), grads[0]};
+  }
+};
+
+// Runs before a FrozenInput node's backward: an error naming the unit when the ShardedModel is
+// gone (as LeaseHook for the outputs), instead of following a dangling unit pointer.
+struct AnchorHook : public torch::autograd::FunctionPreHook {
+  AnchorHook(std::weak_ptr<Runtime*> a, const std::string& unit, int rank)
+      : anchor(std::move(a)), unit_name(unit), rank(rank) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    TORCH_CHECK(!anchor.expired(), "flatshard: backward through unit '", unit_name, "' (rank ",
+                rank, ") after its ShardedModel was destroyed; the ShardedModel must outlive "
+                "every forward and backward through the model");
+    return grads;
+  }
+  std::weak_ptr<Runtime*> anchor;
+  std::string unit_name;
+  int rank;
+};
+
 }  // namespace
 
 // Note [Forward without backward]
@@ -194,6 +228,16 @@ bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
   return true;
 }
 
+at::Tensor Runtime::wrap_input(Unit& unit, const at::Tensor& t) {
+  if (unit.flat().any_trainable() || !t.defined() || !t.requires_grad() ||
+      !at::GradMode::is_enabled())
+    return t;
+  unit.on_frozen_input(/*backward=*/false);
+  at::Tensor out = FrozenInput::apply(reinterpret_cast<int64_t>(&unit), t);
+  out.grad_fn()->add_pre_hook(std::make_unique<AnchorHook>(anchor_, unit.name(), comm_.rank()));
+  return out;
+}
+
 void Runtime::pre_backward(Unit& unit) {
   TraceScope trace(tracer(), TraceKind::kPreBackward, &unit.trace_info());
   if (unit.mark_pre_backward()) on_first_pre_backward(unit);  // prefetches the next units
@@ -222,8 +266,10 @@ void Runtime::on_first_forward_entry(Unit& unit) {
 }
 
 void Runtime::on_root_enter() {
-  if (!backward_active_ && !pending_backward_ && forward_order_.empty())
+  if (!backward_active_ && !pending_backward_ && forward_order_.empty()) {
     step_guard_.on_step_start(units_, comm_.rank());
+    for (const auto& u : units_) u->check_trainable_unchanged(comm_.rank());
+  }
   // A forward that armed no backward left its step state behind (its root call did not
   // return: it threw): close it, so this forward starts a fresh step. Two forwards before one
   // backward keep accumulating.

@@ -78,6 +78,11 @@ class Runtime {
   // backward enters pre_backward below), then the unit reshards per its strategy.
   void post_forward(Unit& unit, const torch::nn::Module* member, std::vector<at::Tensor>& outputs);
 
+  // A tensor argument of a call into `unit` (after the mixed-precision cast): for a unit with no
+  // trainable parameter, in grad mode, an input that requires grad is wrapped in an identity
+  // whose backward tells the unit its gradient is out (Note [Frozen parameters]); else `t`.
+  at::Tensor wrap_input(Unit& unit, const at::Tensor& t);
+
   // --- entered by autograd --------------------------------------------------------------
   // The backward of `unit`'s hooked outputs: the first one of a backward queues
   // finalize_backward; the unit's first one prefetches the next units; then the unit unshards.

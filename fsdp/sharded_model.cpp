@@ -219,8 +219,28 @@ const ShardingOptions& ShardedModel::options() const { return runtime_->options(
 
 std::vector<at::Tensor> ShardedModel::parameters() const {
   std::vector<at::Tensor> out;
-  for (auto& u : runtime_->units())
-    if (u->flat().layout().padded_numel > 0) out.push_back(u->flat().master());
+  for (auto& u : runtime_->units()) {
+    const FlatParam& f = u->flat();
+    if (f.layout().padded_numel == 0 || !f.any_trainable()) continue;
+    if (f.all_trainable()) {
+      out.push_back(f.master());
+      continue;
+    }
+    for (size_t i = 0; i < f.params().size(); ++i)
+      if (f.trainable(i) && f.shard_views()[i].numel() > 0)
+        out.push_back(f.shard_views()[i].tensor);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ShardedModel::named_parameters() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& u : runtime_->units()) {
+    FlatParam& f = u->flat();
+    f.set_views_active(true);
+    for (size_t i = 0; i < f.params().size(); ++i)
+      out.emplace_back(f.params()[i].name, f.shard_views()[i].tensor);
+  }
   return out;
 }
 
@@ -276,6 +296,7 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   at::Tensor sumsq = at::zeros({static_cast<int64_t>(units.size())},
                                at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
   for (size_t i = 0; i < units.size(); ++i) {
+    units[i]->flat().absorb_view_grads();  // zero_grad on the views since the reduction
     const at::Tensor& g = units[i]->flat().master().grad();
     if (!g.defined()) continue;
     // A replicated unit's gradient is identical on every rank: count it on rank 0 only.
@@ -327,7 +348,8 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool g
   at::NoGradGuard no_grad;
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& u : runtime_->units()) {
-    const FlatParam& f = u->flat();
+    FlatParam& f = u->flat();
+    if (grads) f.absorb_view_grads();  // zero_grad on the views since the reduction
     const FlatLayout& l = f.layout();
     at::Tensor master = f.master().detach();
     if (grads) master = f.master().grad().defined() ? f.master().grad() : at::zeros_like(master);

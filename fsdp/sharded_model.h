@@ -14,8 +14,12 @@
 //   training loop enters the root the same way. A model (or part of one) already sharded is
 //   rejected before anything is built. A plan whose policy matched no module warns
 //   (ShardingOptions::strict_plan: fails).
-// - The optimizer must be built on parameters() (fp32 master shards, one tensor per unit).
-//   Gradients arrive there averaged over ranks, after backward returns.
+// - The optimizer must be built on parameters() (fp32 master shards, one tensor per unit) or on
+//   named_parameters() (per-parameter views of them, for parameter groups). Gradients arrive
+//   there averaged over ranks, after backward returns.
+// - Frozen parameters (requires_grad false before fully_shard) may share units with trainable
+//   ones: no gradient is computed or reduced for them, they are no optimizer parameters, their
+//   values never change (Note [Frozen parameters], fsdp/unit.h). requires_grad is fixed at setup.
 // - Parameters unused in a step get zero gradients (like FSDP's flat parameters).
 // - The ShardedModel must outlive every forward/backward through the model and must be
 //   destroyed on every rank (it unregisters the units). Not copyable.
@@ -75,8 +79,20 @@ class ShardedModel {
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
 
-  // The optimizer's parameters: one fp32 master tensor per non-empty unit.
+  // The optimizer's parameters (fp32): per non-empty unit whose parameters all train, its master
+  // shard (one tensor: the fused one-launch path); per unit mixing frozen and trainable
+  // parameters, the non-empty shard views of its trainable ones; nothing for a wholly frozen
+  // unit (Note [Frozen parameters]). An optimizer on these never moves a frozen value.
   std::vector<at::Tensor> parameters() const;
+  // Per original parameter (plan order, tied aliases once, under their first name): this rank's
+  // part of its fp32 master shard, 1-D, possibly empty, requires_grad as the parameter (FSDP's
+  // use_orig_params; Note [Original-parameter views], flat_param/flat_param.h). For parameter
+  // groups by name:
+  //   for (auto& [name, p] : fsdp->named_parameters())
+  //     if (p.requires_grad()) (no_decay(name) ? plain : decayed).push_back(p);
+  // Calling it switches every unit to keeping the views' .grad current (a few host ops per
+  // parameter per step); build the optimizer on either these views or parameters(), not both.
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters();
   // Throws if `opt` holds a tensor that is not one of parameters() (naming it: the model's
   // original parameter by name, or its group/index); warns (TORCH_WARN) naming the units whose
   // master it lacks. Local, no collectives (fsdp/optimizer_check.cpp). Without this call, a

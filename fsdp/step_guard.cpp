@@ -10,7 +10,7 @@ void StepGuard::on_backward_end(const std::vector<std::unique_ptr<Unit>>& units,
                                 int rank) {
   versions_.resize(units.size());
   for (size_t i = 0; i < units.size(); ++i)
-    versions_[i] = static_cast<int64_t>(units[i]->flat().master()._version());
+    versions_[i] = units[i]->flat().master_version();
   last_ = reduced ? Last::kReduced : Last::kUnreduced;
 }
 
@@ -24,7 +24,7 @@ void StepGuard::on_step_start(const std::vector<std::unique_ptr<Unit>>& units, i
     const at::Tensor& m = units[i]->flat().master();
     if (units[i]->flat().layout().padded_numel == 0) continue;
     any_grad = any_grad || m.grad().defined();
-    if (!changed && static_cast<int64_t>(m._version()) != versions_[i]) changed = units[i].get();
+    if (!changed && units[i]->flat().master_version() != versions_[i]) changed = units[i].get();
   }
   if (last == Last::kUnreduced) {
     TORCH_CHECK(changed == nullptr, "flatshard (rank ", rank, "): the master shard of unit '",

@@ -35,6 +35,32 @@ struct GradReadyHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
+// Note [Frozen parameters]
+// A parameter with requires_grad false when fully_shard runs stays in its unit's flat buffer:
+// the forward reads it, so it is gathered like the others, but autograd computes no gradient
+// for it and it has no AccumulateGrad node, so the unit waits only for its trainable ones.
+// - A unit with no trainable parameter never reduces, prepares no flat gradient, and its master
+//   does not require grad (ShardedModel::parameters() leaves it out). Its backward still reads
+//   the parameters when its inputs require grad (a gradient for the layers before it); with no
+//   AccumulateGrad to tell when that backward is over, the runtime wraps those inputs in an
+//   identity (FrozenInput, fsdp/runtime.cpp) whose backward runs once the input's gradient is
+//   complete: after the last one the unit post-backwards and reshards at once instead of staying
+//   gathered to the end of backward (FSDP's "reshard-only" post-backward hook, same reason). A
+//   unit entered through flatshard::enter (no inputs to wrap) reshards at the end of backward.
+// - A unit mixing frozen and trainable parameters reduces its whole flat gradient in one
+//   reduce-scatter, the frozen ranges as zeros (like padding). Why not reduce the trainable
+//   ranges only: every rank's shard is a contiguous range of the flat buffer, so a trainable-
+//   only reduction needs either a second flat layout (and copies between the two per step) or
+//   one collective per trainable range — the per-tiny-tensor collectives the design removes. The
+//   price is the frozen fraction of the unit's reduce bytes; for a unit that is mostly frozen
+//   (adapters beside a frozen base layer), make the trainable modules units of their own.
+// - Frozen values never change: no gradient reaches them and no optimizer holds them
+//   (parameters() gives a mixed unit's trainable shard views, not its master: Note
+//   [Original-parameter views], flat_param/flat_param.h), so weight decay cannot move them.
+// - Fixed at setup: the fingerprint compares requires_grad across ranks (a rank that froze
+//   something else would skip a reduce-scatter the others issue), and a change afterwards is an
+//   error at the next step's start (check_trainable_unchanged), not silent.
+
 Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
            std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
            const UnitContext& context)
@@ -60,8 +86,11 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
                           flat_->reduce_bytes()};
   state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
   // After set_data (dtype may have changed), so these are the accumulators autograd will use.
+  // Note [Frozen parameters]: a frozen parameter has no AccumulateGrad node; the unit's
+  // gradients are in when every trainable one's has run.
   for (size_t i = 0; i < flat_->params().size(); ++i) {
     const ParamRef& p = flat_->params()[i];
+    if (!flat_->trainable(i)) continue;
     auto acc = torch::autograd::impl::grad_accumulator(p.param);
     TORCH_INTERNAL_ASSERT(acc, "unit '", spec_.name, "': no grad accumulator for '", p.name, "'");
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
@@ -149,8 +178,31 @@ void Unit::pre_backward() {
   flat_->attach_params();
   // With sync on, this backward reduces the unit: the gradient copies can wait for the reduce
   // stream (Note [Flat gradient without zero-fill] in flat_param.cpp).
+  if (!flat_->any_trainable()) return;  // frozen: the backward only reads the parameters
   flat_->set_defer_grad_copies(requires_grad_sync_);
-  flat_->prepare_grad();
+  // (With one rank the reduction reads the gradients directly: Note [One-rank reduction].)
+  if (!(requires_grad_sync_ && flat_->one_rank_reduce())) flat_->prepare_grad();
+}
+
+void Unit::on_frozen_input(bool backward) {
+  if (!backward) {
+    ++frozen_inputs_pending_;
+    return;
+  }
+  // The last input's gradient is out: the unit's backward is done with its parameters.
+  if (--frozen_inputs_pending_ == 0 && pre_backward_done_) post_backward();
+}
+
+void Unit::check_trainable_unchanged(int rank) const {
+  for (size_t i = 0; i < flat_->params().size(); ++i) {
+    const ParamRef& p = flat_->params()[i];
+    TORCH_CHECK(p.param.requires_grad() == flat_->trainable(i), "flatshard: parameter '",
+                p.name, "' of unit '", spec_.name, "' (rank ", rank, ") was ",
+                flat_->trainable(i) ? "trainable" : "frozen",
+                " when fully_shard ran and now has requires_grad=", p.param.requires_grad(),
+                ". Which parameters train is fixed at setup (it decides the unit's reduction "
+                "and its optimizer parameters): set requires_grad before fully_shard");
+  }
 }
 
 void Unit::on_grad_accumulated(size_t param_index) {
@@ -163,7 +215,7 @@ void Unit::post_backward() {
   post_backward_done_ = true;
   trace_end(ctx_.tracer, TraceKind::kBackward, trace_info_);
   if (requires_grad_sync_) {
-    if (has_collectives()) {
+    if (has_collectives() && flat_->any_trainable()) {
       const c10::Stream rs = ctx_.reduce_scatter_stream;
       // Note [Reduce buffer lifetime] (fsdp/reduce_buffers.h): the previous reduction's buffers
       // go back to the allocator once compute has waited for it; ours are held until the next.
@@ -195,6 +247,7 @@ void Unit::reset_step_state() {
   pre_backward_done_ = false;
   grads_ready_ = 0;
   post_backward_done_ = false;
+  frozen_inputs_pending_ = 0;
 }
 
 }  // namespace flatshard

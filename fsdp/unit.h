@@ -110,6 +110,15 @@ class Unit {
   // End of a backward pass: clears per-step state.
   void reset_step_state();
 
+  // Note [Frozen parameters]: a unit without trainable parameters gets no AccumulateGrad
+  // hook; the runtime wraps the inputs of its calls that require grad and reports each one in
+  // forward (backward=false) and when its gradient is computed (true): after the last, the
+  // unit's backward no longer reads its parameters and it post-backwards (reshards) at once
+  // instead of staying gathered until the end of backward.
+  void on_frozen_input(bool backward);
+  // Throws if a parameter's requires_grad differs from what it was at setup.
+  void check_trainable_unchanged(int rank) const;
+
   // --- driven by autograd: the unit's own GradReadyHook (unit-local) ----------------------
   void on_grad_accumulated(size_t param_index);  // one parameter's AccumulateGrad finished
 
@@ -154,6 +163,7 @@ class Unit {
   bool called_in_forward_ = false;
   bool pre_backward_done_ = false;
   int64_t grads_ready_ = 0;       // AccumulateGrad post hooks fired in this backward
+  int64_t frozen_inputs_pending_ = 0;  // frozen unit: wrapped inputs whose gradient is not out
   bool post_backward_done_ = false;
 };
 

@@ -15,49 +15,13 @@
 // by ~lr = 1e-2).
 #include <catch2/catch.hpp>
 
-#include "models/llama.h"
-#include "parity_util.h"
+#include "llama_parity_spec.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
 using namespace flatshard_test;
-namespace ll = flatshard::llama;
 
-namespace {
-
-ll::LlamaConfig parity_llama_config() {
-  ll::LlamaConfig c;
-  c.vocab = 97;
-  c.d_model = 36;
-  c.n_heads = 3;
-  c.n_kv_heads = 1;
-  c.n_layers = 3;
-  c.seq_len = 11;
-  c.hidden = 50;
-  return c;
-}
-
-ParitySpec llama_spec(int world, const std::string& policy_spec, bool tied = false) {
-  ParitySpec s;
-  s.world = world;
-  s.make_model = [tied] {
-    auto c = parity_llama_config();
-    c.tie_embeddings = tied;
-    return std::static_pointer_cast<torch::nn::Module>(ll::Llama(c, 11).ptr());
-  };
-  s.plan = [policy_spec](torch::nn::Module& m) {
-    return make_plan(m, policy_spec.empty() ? Policy{} : parse_policy(policy_spec));
-  };
-  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
-    auto model = std::static_pointer_cast<ll::LlamaImpl>(m);
-    auto [x, y] = ll::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
-    return enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
-  };
-  return s;
-}
-
-}  // namespace
 
 TEST_CASE("LLaMA: sharded training matches unsharded training", "[parity][llama]") {
   const std::vector<std::pair<std::string, std::string>> plans = {

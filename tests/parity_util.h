@@ -18,6 +18,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
+#include "fsdp/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 
 namespace flatshard_test {
@@ -70,6 +71,13 @@ struct ParitySpec {
   double clip = 0.0;                     // > 0: clip_grad_norm_ before the step
   double lr = 1e-2, weight_decay = 0.1;
   flatshard::ShardingOptions options;
+  // Fine-tuning: parameters this names are frozen (requires_grad false) before sharding, on
+  // both sides. The reference optimizer holds only the trainable ones.
+  std::function<bool(const std::string&)> frozen;
+  // Parameter groups by name (named_parameters()): when set, names it accepts form a second
+  // AdamW group without weight decay at half the learning rate, on both sides.
+  std::function<bool(const std::string&)> no_decay;
+  bool fused_adamw = false;  // sharded side: flatshard::FusedAdamW instead of AdamW
   // Builds the model on CPU with deterministic parameters.
   std::function<std::shared_ptr<torch::nn::Module>()> make_model;
   // Plan for a freshly built model.
@@ -78,17 +86,47 @@ struct ParitySpec {
   std::function<at::Tensor(const std::shared_ptr<torch::nn::Module>&, int rank, int step, int micro)> loss;
 };
 
+// Freezes the parameters s.frozen names.
+inline void apply_freeze(const ParitySpec& s, torch::nn::Module& model) {
+  if (!s.frozen) return;
+  for (auto& p : model.named_parameters())
+    if (s.frozen(p.key())) p.value().requires_grad_(false);
+}
+
+// The two AdamW groups of ParitySpec::no_decay over (name, tensor) pairs; trainable ones only.
+inline std::vector<torch::optim::OptimizerParamGroup> param_groups(
+    const ParitySpec& s, const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  std::vector<at::Tensor> decay, plain;
+  for (auto& [name, p] : named)
+    if (p.requires_grad()) (s.no_decay(name) ? plain : decay).push_back(p);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay)));
+  groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(s.lr / 2).weight_decay(0)));
+  return groups;
+}
+
 inline ParityRun run_reference(const ParitySpec& s) {
   auto model = s.make_model();
+  apply_freeze(s, *model);
   // Each distinct tensor once: LibTorch lists a tied parameter under every name, and AdamW
-  // would update it twice per step.
+  // would update it twice per step. Frozen ones not at all.
   std::vector<at::Tensor> params;
-  for (auto& p : model->parameters()) {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& p : model->named_parameters()) {
     bool seen = false;
-    for (auto& q : params) seen = seen || q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
-    if (!seen) params.push_back(p);
+    for (auto& q : params) seen = seen || q.unsafeGetTensorImpl() == p.value().unsafeGetTensorImpl();
+    if (!seen && p.value().requires_grad()) {
+      params.push_back(p.value());
+      named.emplace_back(p.key(), p.value());
+    }
   }
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
+  auto owned = s.no_decay ? std::make_unique<torch::optim::AdamW>(param_groups(s, named),
+                                                                 torch::optim::AdamWOptions(s.lr))
+                          : std::make_unique<torch::optim::AdamW>(
+                                params, torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
+  torch::optim::AdamW& opt = *owned;
   ParityRun out;
   for (int step = 0; step < s.steps; ++step) {
     opt.zero_grad();
@@ -109,7 +147,9 @@ inline ParityRun run_reference(const ParitySpec& s) {
     for (auto& p : params)
       if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     if (step == 0)
-      for (auto& p : model->named_parameters()) out.grads[p.key()] = p.value().grad().clone();
+      for (auto& p : model->named_parameters())
+        out.grads[p.key()] = p.value().grad().defined() ? p.value().grad().clone()
+                                                        : at::zeros_like(p.value());
     if (s.clip > 0) {
       std::vector<at::Tensor> grads;
       double sq = 0;
@@ -137,8 +177,18 @@ struct RankRun {
 inline RankRun train_sharded_rank(const ParitySpec& s,
                                   const std::shared_ptr<torch::nn::Module>& model,
                                   flatshard::ShardedModel& fsdp, int rank) {
-  torch::optim::AdamW opt(fsdp.parameters(),
-                          torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
+  std::unique_ptr<torch::optim::AdamW> owned;
+  const auto options = torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay);
+  if (s.no_decay) {
+    auto groups = param_groups(s, fsdp.named_parameters());
+    owned = s.fused_adamw ? std::make_unique<flatshard::FusedAdamW>(std::move(groups), options)
+                          : std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+  } else {
+    owned = s.fused_adamw ? std::make_unique<flatshard::FusedAdamW>(fsdp.parameters(), options)
+                          : std::make_unique<torch::optim::AdamW>(fsdp.parameters(), options);
+  }
+  torch::optim::AdamW& opt = *owned;
+  fsdp.check_optimizer(opt);
   RankRun r;
   for (int step = 0; step < s.steps; ++step) {
     opt.zero_grad();
@@ -166,6 +216,7 @@ inline ParityRun run_sharded(const ParitySpec& s) {
   std::mutex mu;
   flatshard::run_ranks(s.world, [&](flatshard::Communicator& comm) {
     auto model = s.make_model();
+    apply_freeze(s, *model);
     auto fsdp = flatshard::fully_shard(model, s.plan(*model), comm, s.options);
     RankRun r = train_sharded_rank(s, model, *fsdp, comm.rank());
     std::lock_guard<std::mutex> lock(mu);
