@@ -13,7 +13,8 @@
 //   fraction with recompute;
 // - dropout draws the same mask in the recompute, and backward leaves the caller's RNG stream as
 //   without recompute; a unit called twice per forward and two forwards before one backward;
-//   eval (NoGradGuard) runs normally; mixed precision (bf16) matches bitwise.
+//   eval (NoGradGuard) runs normally; mixed precision (bf16) matches bitwise;
+// - ranks that disagree on the option fail at setup (the fingerprint names it).
 #include <catch2/catch.hpp>
 
 #include <torch/nn/modules/linear.h>
@@ -443,4 +444,22 @@ TEST_CASE("recompute: dropout masks, RNG stream, repeated calls, two forwards, e
   }
   require_same_counters(pc, rc2);
   CHECK(at::equal(pe, re));
+}
+
+TEST_CASE("ranks that disagree on recompute fail at setup, naming the unit and the option",
+          "[recompute][fingerprint]") {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto net = TinyNet(5, 7, 2);
+    const UnitOptions o = comm.rank() == 1 ? recompute() : UnitOptions{};
+    errors[comm.rank()] = error_of([&] {
+      fully_shard(net.ptr(), manual_plan(*net, {{"blocks.0"}, {"blocks.1"}}, {UnitOptions{}, o}),
+                  comm);
+    });
+  });
+  for (const std::string& e : errors) {
+    CAPTURE(e);
+    CHECK(e.find("rank 1 differs from rank 0 at unit 2 'blocks.1': recompute true vs default") !=
+          std::string::npos);
+  }
 }
