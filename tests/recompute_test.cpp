@@ -297,7 +297,7 @@ TEST_CASE("LLaMA with every DecoderLayer recomputed matches unsharded training a
   check_family(llama_spec, "DecoderLayer");
 }
 
-TEST_CASE("recompute units nested in ordinary units, and bf16 mixed precision",
+TEST_CASE("recompute units nested in ordinary units, grouped, NO_SHARD, and in bf16",
           "[recompute][parity][gpt]") {
   // Per-leaf recompute inside per-layer units: the Linear leaves are entered from a Block's
   // forward with a temporary argument (x.reshape).
@@ -305,6 +305,19 @@ TEST_CASE("recompute units nested in ordinary units, and bf16 mixed precision",
     const ParityRun plain = run_sharded(gpt_parity_spec(2, "type=Block;type=Linear"));
     const ParityRun got = run_sharded(gpt_parity_spec(2, "type=Block;recompute:type=Linear"));
     require_parity(run_reference(gpt_parity_spec(2, "")), got);
+    require_identical(plain, got);
+    require_same_counters(plain.last_step_counters, got.last_step_counters);
+  }
+  // Grouped units (two Blocks per unit: a recompute node per member call) and a NO_SHARD
+  // recompute unit (nothing to gather; the recompute reads the replicated copy).
+  for (const auto& [plain_spec, rc_spec] : std::vector<std::pair<std::string, std::string>>{
+           {"every=2,type=Block", "recompute:every=2,type=Block"},
+           {"noshard:path=blocks.1;type=Block",
+            "noshard+recompute:path=blocks.1;recompute:type=Block"}}) {
+    CAPTURE(rc_spec);
+    const ParityRun plain = run_sharded(gpt_parity_spec(3, plain_spec));
+    const ParityRun got = run_sharded(gpt_parity_spec(3, rc_spec));
+    require_parity(run_reference(gpt_parity_spec(3, "")), got);
     require_identical(plain, got);
     require_same_counters(plain.last_step_counters, got.last_step_counters);
   }
