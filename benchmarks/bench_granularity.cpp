@@ -6,6 +6,7 @@
 #include <cctype>
 
 #include "benchmarks/bench_options.h"
+#include "fsdp/resolve.h"
 #include "wrap_policies/spec.h"
 
 namespace flatshard {
@@ -119,6 +120,21 @@ Granularity resolve_granularity(const std::string& label, const torch::nn::Modul
   if (g.plan.matched_modules == 0)
     throw UsageError("granularity '" + label + "' (policy '" + g.policy.to_spec() +
                      "') matches no module of the model; its types are " + modules.type_names);
+  return g;
+}
+
+Granularity with_recompute(Granularity g) {
+  if (g.local || g.plan.units.size() < 2) return g;
+  for (UnitSpec& u : g.plan.units)
+    if (!u.is_root) u.options.recompute = true;
+  try {
+    check_recompute_plan(g.plan);  // fully_shard's check, as a usage error before any run
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    throw UsageError("--recompute with granularity '" + g.label + "': " +
+                     msg.substr(0, msg.find('\n')));
+  }
+  g.label += "+recompute";
   return g;
 }
 

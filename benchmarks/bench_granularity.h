@@ -13,6 +13,9 @@
 //   for an unknown name, a malformed spec (the parser's message, which names the column and the
 //   token) and a policy that matches no module — except `model` and `local`, which match
 //   nothing by design.
+// - with_recompute() sets the recompute option on every non-root unit of a granularity's plan
+//   (--recompute) and appends "+recompute" to its label; `local` and plans without non-root
+//   units are returned unchanged.
 #pragma once
 
 #include <string>
@@ -39,6 +42,8 @@ struct Granularity {
 };
 
 std::vector<std::string> split_granularities(const std::vector<std::string>& flags);
+
+Granularity with_recompute(Granularity g);
 
 Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model,
                                 const models::FamilyModules& modules);

@@ -46,8 +46,10 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
   const std::shared_ptr<torch::nn::Module> planning = o.model.build(o.seed);
   const auto& modules = flatshard::models::family_modules(o.model.family);
   std::vector<fb::Granularity> out;
-  for (const auto& label : fb::split_granularities(o.granularity_flags))
-    out.push_back(fb::resolve_granularity(label, *planning, modules));
+  for (const auto& label : fb::split_granularities(o.granularity_flags)) {
+    fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
+    out.push_back(o.recompute ? fb::with_recompute(std::move(g)) : std::move(g));
+  }
   return out;
 }
 

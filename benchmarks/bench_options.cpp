@@ -27,6 +27,8 @@ const char* kFooter = R"(Granularities (comma list; default local,leaf,layer,eve
   SPEC      any wrap-policy spec, e.g. 'size>=1e6' or 'noshard:path=lm_head;type=Block'.
             A piece that is not one of the names above continues the spec before it, so
             'every=2,type=Block' stays one spec; give two specs with commas in two flags.
+            'recompute:type=Block' recomputes the layers (activation checkpointing), so
+            '--granularity layer,recompute:type=Block' measures with and without it.
 
 Defaults:  cpu: preset small with --seq 128, batch 2, 5 steps, fp32, 2 ranks as threads
            cuda: preset 1b, batch 4, 20 steps, bf16 params, one process per visible GPU
@@ -100,6 +102,10 @@ ParseResult parse_command_line(int argc, char** argv) {
                  "granularities / policy specs, comma list (below); repeatable")
       ->type_name("LIST")
       ->allow_extra_args(false)
+      ->group(g_shard);
+  app.add_flag("--recompute", o.recompute,
+               "recompute every non-root unit's forward in backward (activation checkpointing; "
+               "runs are labelled GRANULARITY+recompute; 'local' stays as is)")
       ->group(g_shard);
   app.add_option("--strategy", strategy, "default sharding strategy: full | grad_op | noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))

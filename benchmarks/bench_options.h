@@ -44,6 +44,9 @@ struct BenchOptions {
   int64_t batch = 0;      // sequences per rank per step
   // --granularity values as given, one entry per flag (split by bench_granularity.h).
   std::vector<std::string> granularity_flags;
+  // --recompute: every non-root unit of every granularity but `local` recomputes its forward in
+  // backward (UnitOptions::recompute; Note [Recompute] in fsdp/recompute.h).
+  bool recompute = false;
   DeviceKind device = DeviceKind::kCpu;
   int nproc = 0;              // ranks: threads on cpu; processes on cuda
   bool nproc_given = false;   // cuda: --nproc asks to launch that many processes

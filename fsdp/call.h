@@ -32,6 +32,11 @@
 // gone; without a backward, dropping the outputs reshards everything (Note [Forward without
 // backward], fsdp/runtime.cpp).
 //
+// Recompute units (activation checkpointing, Note [Recompute] in fsdp/recompute.h): in grad
+// mode call() runs the member's forward without saving activations and recomputes it in
+// backward; tensor arguments are at::Tensor or std::vector<at::Tensor>, other arguments are
+// copied. enter() on a recompute unit in grad mode throws.
+//
 // Supported return types of `forward`: at::Tensor, std::vector<at::Tensor>, std::tuple of tensors
 // (non-tensor elements pass through). Thread rule: a model is driven by one thread at a time.
 #pragma once
@@ -43,6 +48,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "fsdp/recompute.h"
 
 namespace torch {
 namespace nn {
@@ -142,6 +149,72 @@ auto run_unit(const UnitEntry& unit, const torch::nn::Module* m, Fn&& fn) {
 }
 }  // namespace detail
 
+namespace detail {
+// Tensor arguments of a recomputed call (Note [Recompute]): taken out of the stored copy of the
+// arguments (the autograd node saves them, nothing else holds them) and put back, detached, for
+// the recompute. Other argument types are stored by value.
+template <class T>
+struct ArgAdapter {
+  static void take(T&, std::vector<at::Tensor>&) {}
+  static void put(T&, const std::vector<at::Tensor>&, size_t&) {}
+};
+template <>
+struct ArgAdapter<at::Tensor> {
+  static void take(at::Tensor& t, std::vector<at::Tensor>& v) { v.push_back(std::move(t)); }
+  static void put(at::Tensor& t, const std::vector<at::Tensor>& v, size_t& i) { t = v[i++]; }
+};
+template <>
+struct ArgAdapter<std::vector<at::Tensor>> {
+  static void take(std::vector<at::Tensor>& ts, std::vector<at::Tensor>& v) {
+    for (auto& t : ts) v.push_back(std::move(t));
+  }
+  static void put(std::vector<at::Tensor>& ts, const std::vector<at::Tensor>& v, size_t& i) {
+    for (auto& t : ts) t = v[i++];
+  }
+};
+
+template <class M, class... Args>
+auto call_recomputed(const UnitEntry& unit, const torch::nn::Module* m, M& module,
+                     Args&&... args) {
+  using Stored = std::tuple<std::decay_t<Args>...>;
+  Stored stored(cast_arg(unit, std::forward<Args>(args))...);
+  std::vector<at::Tensor> inputs;
+  std::apply([&](auto&... a) { (ArgAdapter<std::decay_t<decltype(a)>>::take(a, inputs), ...); },
+             stored);
+  // A copy of the handle: the node may run after the caller's handle is gone.
+  auto forward = [handle = std::decay_t<M>(module),
+                  stored = std::move(stored)](const std::vector<at::Tensor>& tensors) {
+    Stored a = stored;
+    size_t i = 0;
+    std::apply(
+        [&](auto&... x) { (ArgAdapter<std::decay_t<decltype(x)>>::put(x, tensors, i), ...); }, a);
+    std::decay_t<M> h = handle;  // a non-const handle: forward() is not const
+    return std::apply([&](auto&... x) { return h->forward(x...); }, a);
+  };
+  using Out = decltype(forward(inputs));
+  pre_forward(unit, m);
+  RngStates rng = save_rng_states(unit);
+  Out out = [&] {
+    at::NoGradGuard no_grad;
+    return forward(inputs);
+  }();
+  std::vector<at::Tensor> tensors;
+  OutputAdapter<Out>::collect(out, tensors);
+  RecomputeFn flat = [forward](const std::vector<at::Tensor>& ts) {
+    Out o = forward(ts);
+    std::vector<at::Tensor> v;
+    OutputAdapter<Out>::collect(o, v);
+    return v;
+  };
+  tensors = attach_recompute(unit, m, std::move(inputs), std::move(tensors), std::move(flat),
+                             std::move(rng));
+  post_forward(unit, m, tensors);
+  size_t i = 0;
+  OutputAdapter<Out>::restore(out, tensors, i);
+  return out;
+}
+}  // namespace detail
+
 // Runs fn() as a unit-aware call of `module`: the unit (if `module` is one) is gathered before
 // and its outputs hooked after. Use it to enter a unit through a method other than forward,
 // e.g. the root:  auto loss = flatshard::enter(model, [&] { return model->loss(x, y); });
@@ -151,6 +224,7 @@ auto enter(M& module, Fn&& fn) {
   const torch::nn::Module* m = detail::module_of(module);
   const detail::UnitEntry unit = detail::find_unit(m);
   if (unit.unit == nullptr) return fn();
+  if (detail::recompute_active(unit)) detail::reject_enter_recompute(unit);
   return detail::run_unit(unit, m, std::forward<Fn>(fn));
 }
 
@@ -162,6 +236,8 @@ auto call(M& module, Args&&... args) {
   const torch::nn::Module* m = detail::module_of(module);
   const detail::UnitEntry unit = detail::find_unit(m);
   if (unit.unit == nullptr) return module->forward(std::forward<Args>(args)...);
+  if (detail::recompute_active(unit))
+    return detail::call_recomputed(unit, m, module, std::forward<Args>(args)...);
   return detail::run_unit(unit, m, [&] {
     return module->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
   });

@@ -65,6 +65,7 @@ std::string join(const std::vector<std::string>& v, size_t max_items) {
 std::string strategy_text(const UnitExplanation& u) {
   std::string s = to_string(u.strategy);
   if (u.strategy == ShardingStrategy::kFullShard && !u.reshard_after_forward) s += " keep";
+  if (u.recompute) s += " recompute";
   if (u.frozen) s += " frozen";  // Note [Frozen parameters]: no reduction
   return s;
 }
@@ -394,6 +395,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
   TORCH_CHECK(cost.collective_latency_us >= 0 && cost.reference_step_ms > 0,
               "explain: collective_latency_us must be >= 0 and reference_step_ms > 0, got ",
               cost.collective_latency_us, " and ", cost.reference_step_ms);
+  check_recompute_plan(plan);  // the same rejection fully_shard makes (fsdp/resolve.h)
   Explanation e;
   e.cost = cost;
   e.world_size = world_size;
@@ -421,6 +423,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     const ResolvedUnit settings = resolve_unit(spec, options, world_size);
     u.strategy = settings.strategy;
     u.reshard_after_forward = settings.reshard_after_forward;
+    u.recompute = settings.recompute;
     const c10::ScalarType param_dtype = settings.flat.param_dtype;
     const c10::ScalarType reduce_dtype = settings.flat.reduce_dtype;
     std::vector<std::vector<int64_t>> shapes;

@@ -26,7 +26,9 @@
 //   the reduced gradient — shard_numel (NO_SHARD: padded_numel) * sizeof(reduce_dtype) bytes,
 //   counted in bytes and replicate_bytes; sharded units also count it in replicate_all_reduces
 //   (NO_SHARD units count their two-hop all-reduce once, in all_reduces). A unit with no elements issues nothing. A unit entered
-//   twice per forward, or run without grad, differs; explain() cannot know that.
+//   twice per forward, or run without grad, differs; explain() cannot know that. A recompute
+//   unit (Note [Recompute]) issues the same collectives: its recompute reuses the backward
+//   all-gather. The table's strategy column shows "recompute"; activations are not predicted.
 // Estimates (a model of the runtime, stated in MemoryEstimate's comment):
 // - the predicted peak of unsharded memory, with the configured prefetch depths; the plan's
 //   unit order stands for the execution order (it is registration order; the runtime records the
@@ -71,6 +73,9 @@ struct UnitExplanation {
   int64_t padding() const { return padded_numel - numel; }
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   bool reshard_after_forward = false;
+  // Forward recomputed in backward (Note [Recompute]). explain predicts no activations, so this
+  // is shown, not costed: collectives and model-state memory are the same either way.
+  bool recompute = false;
 
   int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends (0 for NO_SHARD)
   int64_t reduce_bytes = 0;      // one reduce-scatter / all-reduce: bytes this rank sends

@@ -137,6 +137,7 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
     fp.push_back({where, "is root", u.is_root ? "true" : "false"});
     fp.push_back({where, "strategy", str(u.options.strategy)});
     fp.push_back({where, "reshard_after_forward", str(u.options.reshard_after_forward)});
+    fp.push_back({where, "recompute", str(u.options.recompute)});
     fp.push_back({where, "modules", str(u.module_paths.size())});
     for (size_t k = 0; k < u.module_paths.size(); ++k)
       fp.push_back({where, "module " + std::to_string(k), u.module_paths[k]});

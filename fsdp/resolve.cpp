@@ -15,6 +15,10 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
   const bool reshard = spec.options.reshard_after_forward.value_or(
       spec.is_root ? false : options.reshard_after_forward);
   r.reshard_after_forward = reshard && r.strategy == ShardingStrategy::kFullShard;
+  r.recompute = spec.options.recompute.value_or(false);
+  TORCH_CHECK(!(r.recompute && spec.is_root), "unit '", spec.name,
+              "': recompute is not supported on the root unit (its forward is the whole "
+              "model's); set it on the layers' units instead, e.g. recompute:type=Block");
 
   const auto& mp = options.mixed_precision;
   r.flat.sharded = r.strategy != ShardingStrategy::kNoShard;
@@ -25,6 +29,23 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
   r.flat.poison_padding = env::debug();
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
+}
+
+void check_recompute_plan(const Plan& plan) {
+  for (const UnitSpec& u : plan.units) {
+    if (!u.options.recompute.value_or(false)) continue;
+    for (const std::string& p : u.module_paths)
+      for (const UnitSpec& v : plan.units) {
+        if (&v == &u) continue;
+        for (const std::string& q : v.module_paths)
+          TORCH_CHECK(q.size() <= p.size() || q.compare(0, p.size() + 1, p + ".") != 0,
+                      "unit '", u.name, "' is recomputed but its member module '", p,
+                      "' contains module '", q, "' of unit '", v.name,
+                      "': a unit nested inside a recompute unit is not supported (its forward "
+                      "would run again inside the backward); recompute the inner unit "
+                      "instead, or drop the rule that makes it a unit");
+      }
+  }
 }
 
 }  // namespace flatshard

@@ -11,6 +11,10 @@
 //   except that the root defaults to false (its backward starts right after the forward ends);
 //   then true only for FULL_SHARD (SHARD_GRAD_OP keeps its parameters until backward by
 //   definition, NO_SHARD never frees them).
+// - recompute: the plan's unit option, else off (Note [Recompute], fsdp/recompute.h). On the
+//   root unit it is an error (its forward is the whole model's: the outermost call, entered
+//   through enter() with a closure whose tensor inputs are unknown); check_recompute_plan()
+//   rejects a recompute unit whose member modules contain another unit's members.
 // - FlatParamConfig: sharded unless NO_SHARD; param dtype = mixed_precision.param_dtype; reduce
 //   dtype = mixed_precision.reduce_dtype, else the param dtype; align and sync_module_states from
 //   the options; padding poisoned when FLATSHARD_DEBUG is on (collectives/env.h).
@@ -28,6 +32,7 @@ namespace flatshard {
 struct ResolvedUnit {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   bool reshard_after_forward = false;  // true only for FULL_SHARD units
+  bool recompute = false;              // forward recomputed in backward (Note [Recompute])
   FlatParamConfig flat;                // what the unit's FlatParam is built with
   int layout_world_size = 1;           // ranks the flat buffer is padded and sharded over
 };
@@ -35,5 +40,10 @@ struct ResolvedUnit {
 // `shard_world_size`: ranks of the shard group (all ranks without HSDP); must be >= 1.
 ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
                           int shard_world_size);
+
+// Throws c10::Error naming both units when a recompute unit's member module contains (is an
+// ancestor of) a member of another unit: the recompute would run that unit's forward again
+// inside a backward, outside its pre/post-forward (Note [Recompute]). Pure: reads paths only.
+void check_recompute_plan(const Plan& plan);
 
 }  // namespace flatshard

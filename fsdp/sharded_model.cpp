@@ -34,6 +34,7 @@ void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& p
   TORCH_CHECK(model != nullptr, "fully_shard: model is null");
   TORCH_CHECK(!plan.units.empty() && plan.units.front().is_root,
               "fully_shard: the plan must start with the root unit (use make_plan)");
+  check_recompute_plan(plan);  // Note [Recompute]: no unit nested inside a recompute unit
   const std::string unmatched = plan.unmatched_warning();
   if (!unmatched.empty()) {
     TORCH_CHECK(!options.strict_plan, "fully_shard (strict_plan): ", unmatched, " (rank ", rank,

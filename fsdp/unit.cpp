@@ -3,6 +3,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <unordered_set>
 
 namespace flatshard {
 
@@ -68,6 +71,7 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
       spec_(std::move(spec)),
       strategy_(settings.strategy),
       reshard_after_forward_(settings.reshard_after_forward),
+      recompute_(settings.recompute),
       members_(std::move(members)),
       ctx_(context) {
   flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), ctx_.comm, settings.flat,
@@ -96,6 +100,24 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
     grad_accumulators_.push_back(std::move(acc));
   }
+  // Note [Recompute]: the same tensors (parameter views never change, Note [Unsharded buffer
+  // lifetime]) for every step, so they are listed once.
+  if (recompute_) {
+    for (const torch::nn::Module* m : members_) {
+      std::vector<at::Tensor> leaves;
+      std::unordered_set<const c10::TensorImpl*> seen;
+      for (const at::Tensor& p : m->parameters(/*recurse=*/true))
+        if (seen.insert(p.unsafeGetTensorImpl()).second) leaves.push_back(p);
+      recompute_leaves_.push_back(std::move(leaves));
+    }
+  }
+}
+
+const std::vector<at::Tensor>& Unit::recompute_leaves(const torch::nn::Module* member) const {
+  for (size_t k = 0; k < members_.size(); ++k)
+    if (members_[k] == member && k < recompute_leaves_.size()) return recompute_leaves_[k];
+  static const std::vector<at::Tensor> kNone;
+  return kNone;
 }
 
 Unit::~Unit() {

@@ -75,6 +75,12 @@ class Unit {
   const UnitSpec& spec() const { return spec_; }
   ShardingStrategy strategy() const { return strategy_; }
   bool reshard_after_forward() const { return reshard_after_forward_; }
+  // Note [Recompute] (fsdp/recompute.h): forward run without saving activations, again in
+  // backward.
+  bool recompute() const { return recompute_; }
+  // A recompute unit's member `member`: the distinct parameters of its module tree (the unit's
+  // own and any tied ones it reads), the leaves the recompute differentiates. Empty otherwise.
+  const std::vector<at::Tensor>& recompute_leaves(const torch::nn::Module* member) const;
   bool is_root() const { return spec_.is_root; }
   UnitState state() const { return state_; }
   FlatParam& flat() { return *flat_; }
@@ -132,7 +138,9 @@ class Unit {
   UnitSpec spec_;
   ShardingStrategy strategy_;
   bool reshard_after_forward_;
+  bool recompute_;
   std::vector<const torch::nn::Module*> members_;
+  std::vector<std::vector<at::Tensor>> recompute_leaves_;  // per member; recompute units only
   const UnitContext& ctx_;  // streams, tracer, communicators, reduce buffers (runtime-owned)
   std::unique_ptr<FlatParam> flat_;
   TraceUnit trace_info_;  // filled once the flat parameter exists

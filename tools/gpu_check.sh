@@ -25,6 +25,12 @@
 #               and CUDA-event timestamps per unit) and NVTX ranges, then flatshard-trace's summary:
 #               exposed communication per unit, GPU idle gaps and their cause, host issue time vs
 #               GPU time per step
+#   vs_torch    one table against PyTorch running the same model (issue 19): per batch (4 and 1
+#               sequences per GPU, GPU_CHECK_VS_BATCHES), tools/torch_reference.py (plain single
+#               GPU, FSDP2 per block) and flatshard-bench (local, layer, leaf; FusedAdamW like the
+#               reference's fused AdamW) on the 1B GPT; step ms, x PyTorch plain, host ms and
+#               peak MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
+#               GPU_CHECK_VS_GRANULARITY replaces local,layer,leaf)
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
 #               every rank of nccl_reliability_test's GPT memory case (100 steps) and
 #               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
@@ -189,6 +195,45 @@ step_trace() {
     | tee "$LOGDIR/trace_summary.txt"
 }
 
+step_vs_torch() {
+  local b rc=0
+  for b in ${GPU_CHECK_VS_BATCHES:-4 1}; do
+    # shellcheck disable=SC2086
+    "$PYTHON" tools/torch_reference.py --preset 1b --batch "$b" --modes plain,fsdp2-block \
+      --json "$LOGDIR/torch_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/torch_b$b.txt" || rc=1
+    # shellcheck disable=SC2086
+    "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc 1 --preset 1b --batch "$b" \
+      --warmup 3 --steps 10 --optimizer fused \
+      --granularity "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" \
+      --json "$LOGDIR/flatshard_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/flatshard_b$b.txt" || rc=1
+  done
+  # shellcheck disable=SC2086
+  "$PYTHON" - "$LOGDIR" ${GPU_CHECK_VS_BATCHES:-4 1} <<'EOF' | tee "$LOGDIR/vs_torch.txt"
+import json, os, sys
+logdir, batches = sys.argv[1], sys.argv[2:]
+print("# 1 GPU, world 1, same model, bf16 compute, fp32 master, fused AdamW; x PyTorch = step ms / "
+      "PyTorch plain step ms at the same batch (tools/gpu_check.sh vs_torch, one call)")
+print(f"{'batch':>5} {'program':<10} {'mode':<14} {'step ms':>8} {'x PyTorch':>9} {'host ms':>8} {'peak MiB':>9}")
+for b in batches:
+    try:
+        t = json.load(open(os.path.join(logdir, f"torch_b{b}.json")))
+        f = json.load(open(os.path.join(logdir, f"flatshard_b{b}.json")))
+    except (OSError, ValueError) as e:
+        print(f"{b:>5} missing results: {e}")
+        continue
+    plain = next((r["step_ms"] for r in t["rows"] if r["mode"] == "plain"), None)
+    ratio = lambda ms: f"{ms / plain:9.3f}" if plain else f"{'-':>9}"
+    for r in t["rows"]:
+        print(f"{b:>5} {'PyTorch':<10} {r['mode']:<14} {r['step_ms']:8.1f} {ratio(r['step_ms'])} "
+              f"{r['host_ms']:8.1f} {r['peak_mib']:9.0f}")
+    for r in f["runs"]:
+        ms = r["step_ms"]["median"]
+        print(f"{b:>5} {'flatshard':<10} {r['granularity']:<14} {ms:8.1f} {ratio(ms)} "
+              f"{r['host_issue_ms_median']:8.1f} {r['peak_memory_bytes'] / 2**20:9.0f}")
+EOF
+  return $rc
+}
+
 step_sanitize() {
   local cs tool rc=0
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -211,7 +256,7 @@ step_sanitize() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused trace)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused trace vs_torch)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"

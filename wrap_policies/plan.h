@@ -24,8 +24,14 @@ const char* to_string(ShardingStrategy s);
 struct UnitOptions {
   std::optional<ShardingStrategy> strategy;
   std::optional<bool> reshard_after_forward;  // FULL_SHARD only; false behaves like SHARD_GRAD_OP
+  // Activation checkpointing: the unit's forward runs without saving activations and is run
+  // again in its backward (Note [Recompute], fsdp/recompute.h). Unset = off (ShardingOptions has
+  // no default for it). Not allowed on the root unit, nor on a unit whose member modules
+  // contain another unit's members (fully_shard and explain reject both, fsdp/resolve.h).
+  std::optional<bool> recompute;
   bool operator==(const UnitOptions& o) const {
-    return strategy == o.strategy && reshard_after_forward == o.reshard_after_forward;
+    return strategy == o.strategy && reshard_after_forward == o.reshard_after_forward &&
+           recompute == o.recompute;
   }
   bool operator!=(const UnitOptions& o) const { return !(*this == o); }
 };
@@ -62,8 +68,8 @@ struct Plan {
   // of `units`: a unit without a flat parameter would have nothing to gather.
   std::vector<std::string> empty_units;
 
-  // Human-readable table: one line per unit (name, modules, params, numel, strategy), then a
-  // summary line (units, total numel, tied parameters).
+  // Human-readable table: one line per unit (name, modules, params, numel, strategy with
+  // " recompute" when set), then a summary line (units, total numel, tied parameters).
   std::string to_string() const;
   int64_t total_numel() const;
   int64_t match_count() const { return matched_modules; }

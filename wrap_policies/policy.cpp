@@ -36,18 +36,27 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return s;
 }
 
-// The spec prefix for `o`, "" for no options. Combinations no prefix stands for print as an
-// explicit (unparseable) note rather than silently as something else.
+// The spec prefix for `o`, "" for no options: a strategy word, "recompute", or both joined by
+// '+' ("keep+recompute"). Combinations no prefix stands for print as an explicit (unparseable)
+// note rather than silently as something else.
 std::string prefix_text(const UnitOptions& o) {
-  if (o == UnitOptions{}) return "";
-  if (o == no_shard()) return "noshard";
-  if (o == shard_grad_op()) return "grad_op";
-  if (o == full_shard()) return "full";
-  if (o == full_shard_keep()) return "keep";
-  std::string s = "<options strategy=";
+  UnitOptions base = o;
+  base.recompute.reset();
+  std::string s;
+  if (base == no_shard()) s = "noshard";
+  if (base == shard_grad_op()) s = "grad_op";
+  if (base == full_shard()) s = "full";
+  if (base == full_shard_keep()) s = "keep";
+  const bool known = base == UnitOptions{} || !s.empty();
+  if (known && o.recompute != false) {  // unset or true
+    if (o.recompute) s += s.empty() ? "recompute" : "+recompute";
+    return s;
+  }
+  s = "<options strategy=";
   s += o.strategy ? to_string(*o.strategy) : "default";
   s += " reshard_after_forward=";
   s += o.reshard_after_forward ? (*o.reshard_after_forward ? "true" : "false") : "default";
+  if (o.recompute) s += *o.recompute ? " recompute=true" : " recompute=false";
   return s + ">";
 }
 
@@ -65,12 +74,23 @@ std::string term_text(const Term& t) {
   return "?";
 }
 
+UnitOptions with_strategy(ShardingStrategy s, std::optional<bool> reshard_after_forward) {
+  UnitOptions o;
+  o.strategy = s;
+  o.reshard_after_forward = reshard_after_forward;
+  return o;
+}
+
 }  // namespace
 
-UnitOptions no_shard() { return UnitOptions{ShardingStrategy::kNoShard, std::nullopt}; }
-UnitOptions shard_grad_op() { return UnitOptions{ShardingStrategy::kShardGradOp, std::nullopt}; }
-UnitOptions full_shard() { return UnitOptions{ShardingStrategy::kFullShard, std::nullopt}; }
-UnitOptions full_shard_keep() { return UnitOptions{ShardingStrategy::kFullShard, false}; }
+UnitOptions no_shard() { return with_strategy(ShardingStrategy::kNoShard, std::nullopt); }
+UnitOptions shard_grad_op() { return with_strategy(ShardingStrategy::kShardGradOp, std::nullopt); }
+UnitOptions full_shard() { return with_strategy(ShardingStrategy::kFullShard, std::nullopt); }
+UnitOptions full_shard_keep() { return with_strategy(ShardingStrategy::kFullShard, false); }
+UnitOptions recompute(UnitOptions base) {
+  base.recompute = true;
+  return base;
+}
 
 bool type_name_matches(const std::string& module_name, const std::string& type_name) {
   if (type_name.empty()) return false;

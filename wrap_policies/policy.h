@@ -111,6 +111,9 @@ UnitOptions no_shard();        // "noshard:"  NO_SHARD
 UnitOptions shard_grad_op();   // "grad_op:"  SHARD_GRAD_OP
 UnitOptions full_shard();      // "full:"     FULL_SHARD
 UnitOptions full_shard_keep(); // "keep:"     FULL_SHARD, no reshard after forward
+// `base` with activation checkpointing on: recompute() is "recompute:", recompute(full_shard_keep())
+// is "keep+recompute:" (Note [Recompute], fsdp/recompute.h).
+UnitOptions recompute(UnitOptions base = {});
 
 // True when module.name() denotes `type_name` (see by_type).
 bool type_name_matches(const std::string& module_name, const std::string& type_name);

@@ -16,7 +16,8 @@ namespace flatshard {
 namespace {
 
 const char* const kKeys = "one of: type, size, path, every";
-const char* const kOptions = "one of: noshard, grad_op, full, keep";
+const char* const kOptions = "one of: noshard, grad_op, full, keep, recompute";
+const char* const kRootOptions = "one of: noshard, grad_op, full, keep";
 const char* const kCountHelp = "a whole number such as 10000000, 1e7, 10M or 1.5k";
 constexpr int64_t kCountLimit = int64_t{1} << 62;
 
@@ -191,18 +192,16 @@ class Parser {
       fail(i_, "empty rule", "a rule such as type=Block (remove the extra ';')");
     Rule rule;
     const std::string word = ident();
-    if (!word.empty() && colon_follows()) {
-      ++i_;  // ':'
-      if (word == "root") {
+    if (!word.empty() && (colon_follows() || peek_is('+'))) {
+      if (word == "root" && peek_is(':')) {
+        ++i_;  // ':'
         parse_root_options(policy, start);
         return;
       }
-      if (word == "type" || word == "path" || word == "every" || word == "size")
-        fail(i_ - 1, "unexpected ':' after '" + word + "'",
+      if (peek_is(':') && (word == "type" || word == "path" || word == "every" || word == "size"))
+        fail(i_, "unexpected ':' after '" + word + "'",
              std::string("'") + (word == "size" ? ">=" : "=") + "' after '" + word + "'");
-      auto opts = option_named(word);
-      if (!opts) fail(start, "unknown option '" + word + "'", std::string(kOptions) + ", root");
-      rule.options = *opts;
+      rule.options = parse_options(word, start);
     } else {
       i_ = start;
     }
@@ -227,18 +226,64 @@ class Parser {
     policy.rules.push_back(std::move(rule));
   }
 
+  // options := option ('+' option)* ':'  with `first` (at `first_pos`) already read; at most
+  // one strategy word and one 'recompute'.
+  UnitOptions parse_options(const std::string& first, size_t first_pos) {
+    UnitOptions o;
+    std::string strategy_word;  // the strategy given so far, "" if none
+    std::string word = first;
+    size_t pos = first_pos;
+    while (true) {
+      if (word == "recompute") {
+        if (o.recompute) fail(pos, "'recompute' given twice", "at most one 'recompute' per rule");
+        o.recompute = true;
+      } else {
+        auto opts = option_named(word);
+        if (!opts) fail(pos, "unknown option '" + word + "'", std::string(kOptions) + ", root");
+        if (!strategy_word.empty())
+          fail(pos, "second strategy '" + word + "' after '" + strategy_word + "'",
+               "one strategy per rule (noshard, grad_op, full or keep), optionally +recompute");
+        strategy_word = word;
+        o.strategy = opts->strategy;
+        o.reshard_after_forward = opts->reshard_after_forward;
+      }
+      skip_ws();
+      if (!peek_is('+')) break;
+      ++i_;
+      skip_ws();
+      pos = i_;
+      word = ident();
+      if (word.empty())
+        fail(pos, at_end() ? "missing option after '+'" : "unexpected " + quoted_token(pos) +
+                                                              " after '+'",
+             kOptions);
+    }
+    if (!peek_is(':') || peek_is(':', 1))
+      fail(i_, "unexpected " + quoted_token(i_) + " after the options",
+           "':' and the rule's terms, as in keep+recompute:type=Block");
+    ++i_;  // ':'
+    return o;
+  }
+
   void parse_root_options(Policy& policy, size_t root_pos) {
     if (root_seen_) fail(root_pos, "root options given twice", "at most one root:OPTION");
     root_seen_ = true;
     skip_ws();
     const size_t pos = i_;
     const std::string word = ident();
+    if (word == "recompute")
+      fail(pos, "'recompute' on the root unit",
+           std::string(kRootOptions) + "; the root's forward is the whole model's, it is not "
+           "recomputed (Note [Recompute])");
     auto opts = option_named(word);
     if (!opts)
       fail(pos, word.empty() ? "missing option after 'root:'" : "unknown option '" + word + "'",
-           kOptions);
+           kRootOptions);
     policy.root_options = *opts;
     skip_ws();
+    if (peek_is('+'))
+      fail(i_, "'+' after the root option",
+           "';' or end of spec; the root takes one strategy and is never recomputed");
     if (!at_end() && !peek_is(';'))
       fail(i_, "unexpected " + quoted_token(i_) + " after root option",
            "';' or end of spec; root:OPTION is a rule of its own");
@@ -261,7 +306,7 @@ class Parser {
     if (key.empty()) fail(pos, "unexpected " + quoted_token(pos), std::string("a term: ") + kKeys);
     const size_t after_key = i_;
     if (colon_follows()) {
-      if (key == "root" || option_named(key))
+      if (key == "root" || key == "recompute" || option_named(key))
         fail(pos, "option prefix '" + key + ":' in the middle of a rule",
              "a term; a rule takes one prefix, first, and root:OPTION stands alone");
     }

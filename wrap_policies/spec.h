@@ -1,13 +1,20 @@
 // flatshard/wrap_policies/spec.h — the text form of a Policy, for command lines.
 //
 //   spec    := 'none' | item (';' item)*
-//   item    := 'root' ':' option                 options of the root unit (at most once)
-//            | [option ':'] term (',' term)*     one rule; terms are AND-ed
-//   option  := 'noshard' | 'grad_op' | 'full' | 'keep'
-//                noshard  NO_SHARD (replicated; gradients all-reduced)
-//                grad_op  SHARD_GRAD_OP
-//                full     FULL_SHARD
-//                keep     FULL_SHARD without reshard after forward
+//   item    := 'root' ':' strategy               options of the root unit (at most once)
+//            | [options ':'] term (',' term)*    one rule; terms are AND-ed
+//   options := option ('+' option)*              at most one strategy, 'recompute' at most once
+//   option  := strategy | 'recompute'
+//   strategy:= 'noshard' | 'grad_op' | 'full' | 'keep'
+//                noshard    NO_SHARD (replicated; gradients all-reduced)
+//                grad_op    SHARD_GRAD_OP
+//                full       FULL_SHARD
+//                keep       FULL_SHARD without reshard after forward
+//                recompute  activation checkpointing: the unit's forward keeps no activations and
+//                           runs again in its backward (Note [Recompute], fsdp/recompute.h);
+//                           alone ("recompute:type=Block", the default strategy) or with a
+//                           strategy in either order ("keep+recompute:type=Block"). Not on the
+//                           root ("root:recompute" is an error).
 //   term    := 'type'  '='  type  ('|' type)*    module type (see by_type in policy.h)
 //            | 'size'  '>=' count                unclaimed parameter numel (by_size)
 //            | 'path'  '='  glob  ('|' glob)*    module path glob (glob.h)
@@ -22,7 +29,7 @@
 // tokens is ignored; an empty rule (";;", a trailing ';') and a trailing ',' are errors.
 //
 // Examples: "type=Block"  "every=2,type=Block"  "size>=1e7"  "type=Linear|LayerNorm|Embedding"
-//           "noshard:path=lm_head;type=Block;root:grad_op"
+//           "noshard:path=lm_head;type=Block;root:grad_op"  "keep+recompute:type=Block"
 //
 // Errors throw c10::Error whose message names the column (1-based), the token, what was expected,
 // and repeats the spec with a caret under the token:
