@@ -52,6 +52,10 @@ struct BenchOptions {
   int steps = 0;              // measured steps
   uint64_t seed = 0;          // model init and data; every granularity uses the same
   bool fused_optimizer = false;  // --optimizer fused: flatshard::FusedAdamW for every run
+  // --init deferred (default): sharded runs build the model on the meta device and fully_shard
+  // initialises it unit by unit on the device (fsdp/deferred_init.h), the same values as
+  // eager; eager: built on the host in fp32, moved, then sharded. `local` is always eager.
+  bool deferred_init = true;
   int kernel_profile_steps = 0;  // --kernel-profile N (cuda only)
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;
