@@ -24,11 +24,10 @@ bool uses_deferred_init(const torch::nn::Module& model, int rank) {
     meta_buffer = meta_buffer || (item.value().defined() && item.value().is_meta());
   if (meta_param.empty() && !meta_buffer) return false;
   TORCH_CHECK(device_param.empty(), "fully_shard: parameter '", meta_param,
-              "' is on the meta device but parameter '", device_param, "' is on ",
+              "' is on meta (it holds no values) but parameter '", device_param, "' is on ",
               model.named_parameters(true)[device_param].device(), " (rank ", rank,
-              "). Deferred initialization needs the whole model on meta (build it under "
-              "flatshard::MetaInit); an eager model needs every parameter on the "
-              "communicator's device");
+              "): move the model there, all of it, before sharding it, or build all of it on "
+              "the meta device (flatshard::MetaInit) for deferred initialization");
   return true;
 }
 

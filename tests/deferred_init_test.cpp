@@ -210,6 +210,7 @@ TEST_CASE("deferred init: tied embeddings, bf16 compute, sync_module_states off,
 // buffer, for the largest unit, + slack for the small things (fingerprint, agree flags, hooks).
 struct SetupMemory {
   int64_t peak = 0, bound = 0;
+  int64_t after = 0, shards = 0;  // live once every rank is set up; its master shards' bytes
 };
 
 SetupMemory setup_memory(const ModelConfig& c, int world, bool deferred,
@@ -224,14 +225,18 @@ SetupMemory setup_memory(const ModelConfig& c, int world, bool deferred,
     auto model = deferred ? build_meta(c, 5) : c.build(5);
     auto fsdp = fully_shard(model, policy(c.family, "layer"), comm, options);
     comm.barrier();
-    if (comm.rank() != 0) return;
-    std::lock_guard<std::mutex> lock(mu);
-    out.peak = mem.peak_bytes() - before;
-    for (const auto& u : fsdp->units()) {
-      padded_total += u.padded_numel;
-      largest = std::max(largest, u.padded_numel);
+    if (comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      out.peak = mem.peak_bytes() - before;
+      out.after = mem.current_bytes() - before;
+      for (const auto& u : fsdp->units()) {
+        padded_total += u.padded_numel;
+        largest = std::max(largest, u.padded_numel);
+      }
     }
+    comm.barrier();  // every rank's model and shards stay alive until rank 0 has read
   });
+  out.shards = 4 * padded_total;
   const int64_t compute = c10::elementSize(options.mixed_precision.param_dtype);
   out.bound = 4 * padded_total + world * largest * (4 + compute) + world * (64 << 10);
   return out;
@@ -255,6 +260,11 @@ TEST_CASE("setup memory: shards plus one unit at a time; eager setup exceeds the
       CHECK(deferred.peak > 0);
       CHECK(deferred.peak <= deferred.bound);
       CHECK(eager.peak > deferred.bound);
+      // Nothing keeps a unit's fp32 flat buffer (or the materialised values) alive after
+      // setup: what is live is the master shards plus small things, as after an eager setup.
+      CAPTURE(deferred.after, deferred.shards, eager.after);
+      CHECK(deferred.after <= deferred.shards + world * (64 << 10));
+      CHECK(deferred.after <= eager.after + (16 << 10));
     }
   }
 }
@@ -302,7 +312,9 @@ TEST_CASE("deferred init errors name the tensor, the unit and the rank, on every
     };
     const std::string e = shard_error(2, partly, {});
     CAPTURE(e);
-    CHECK(contains(e, "parameter 'a.weight' is on the meta device but parameter 'b.weight' is on cpu"));
+    CHECK(contains(e, "parameter 'a.weight' is on meta (it holds no values) but parameter "
+                      "'b.weight' is on cpu (rank "));
+    CHECK(contains(e, "flatshard::MetaInit"));
   }
   SECTION("an init that throws on one rank: every rank fails, naming it") {
     std::mutex mu;
