@@ -19,11 +19,15 @@
 //     platforms (std::hash is not) — so a tensor's values depend on (seed, name, shape) only,
 //     not on what was initialised before it. Eager construction and fully_shard's deferred
 //     init call the same per-tensor routine and get the same values.
-//   * normal_init(values, std, seed, name): values ~ N(0, std) from that generator. Drawn in
-//     place into a contiguous CPU fp32 tensor (a fresh parameter, or its region of a flat
-//     buffer: the same kernel path, the same bits); any other tensor (a GPU one, another dtype,
-//     non-contiguous) gets the same draw made into a CPU fp32 tensor and copied in. A meta
-//     tensor (under flatshard::MetaInit) is left alone.
+//   * normal_init(values, std, seed, name): values ~ N(0, std), drawn on the CPU in chunks of
+//     kDrawChunk elements (of the flattened tensor), chunk k from a generator seeded with
+//     chunk_seed(tensor_seed(seed, name), k), the chunks in parallel (at::parallel_for): a
+//     6.7B-parameter model is drawn on all host cores, and the values depend neither on the
+//     thread count nor on the order of the chunks. Drawn in place into a contiguous CPU fp32
+//     tensor (a fresh parameter, or its region of a flat buffer: the same kernel path per
+//     chunk, the same bits); any other tensor (a GPU one, another dtype, non-contiguous) gets
+//     the same draw made into a CPU fp32 tensor and copied in. A meta tensor (under
+//     flatshard::MetaInit) is left alone.
 //   * find_module(root, path): the module at `path` below `root` ("" = root itself), or null.
 #pragma once
 
@@ -51,7 +55,9 @@ class GlobalRngRestorer {
 
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
 
+constexpr int64_t kDrawChunk = int64_t{1} << 20;
 uint64_t tensor_seed(uint64_t seed, const std::string& name);
+uint64_t chunk_seed(uint64_t tensor_seed, int64_t chunk);
 void normal_init(const at::Tensor& values, double std, uint64_t seed, const std::string& name);
 const torch::nn::Module* find_module(const torch::nn::Module& root, const std::string& path);
 

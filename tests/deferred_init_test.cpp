@@ -162,6 +162,32 @@ TEST_CASE("the models initialise each tensor alone, in any order, as constructio
   CHECK(models::tensor_seed(0, "a") == models::tensor_seed(0, "a"));
 }
 
+TEST_CASE("normal_init: chunked draws independent of thread count, layout and device path",
+          "[deferred]") {
+  const int threads = at::get_num_threads();
+  const int64_t n = 2 * models::kDrawChunk + 12345;  // three chunks, a short last one
+  auto draw = [&](int t) {
+    at::set_num_threads(t);
+    at::Tensor v = at::empty({n});
+    models::normal_init(v, 0.5, 3, "big.weight");
+    return v;
+  };
+  const at::Tensor one = draw(1), two = draw(2);
+  at::set_num_threads(threads);
+  CHECK(at::equal(one, two));
+  // Chunks differ from each other (their own seeds), and the values look normal.
+  CHECK_FALSE(at::equal(one.narrow(0, 0, 1000), one.narrow(0, models::kDrawChunk, 1000)));
+  CHECK(std::abs(one.std().item<double>() - 0.5) < 0.01);
+  // Non-contiguous and double targets take the CPU fp32 draw and copy it.
+  at::Tensor t = at::empty({n, 3}).select(1, 1);  // stride 3
+  REQUIRE_FALSE(t.is_contiguous());
+  models::normal_init(t, 0.5, 3, "big.weight");
+  CHECK(at::equal(t, one));
+  at::Tensor d = at::empty({n}, at::kDouble);
+  models::normal_init(d, 0.5, 3, "big.weight");
+  CHECK(at::equal(d, one.to(at::kDouble)));
+}
+
 TEST_CASE("deferred init equals the eager model bit for bit at world 1..4; training agrees",
           "[deferred][parity]") {
   for (Family f : {Family::kGpt, Family::kLlama}) {
