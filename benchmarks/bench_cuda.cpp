@@ -130,6 +130,7 @@ RunResult run_on_cuda(const RunConfig& config, const Granularity& granularity,
     r = train_rank(config, granularity, &comm, hooks, progress);
   }
   r.peak_memory_bytes = std::max<int64_t>(0, r.peak_memory_bytes - baseline);
+  r.setup_peak_memory_bytes = std::max<int64_t>(0, r.setup_peak_memory_bytes - baseline);
   return r;
 }
 

@@ -31,6 +31,7 @@
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
 #include "collectives/env.h"
+#include "fsdp/meta_init.h"
 #include "support/output_file.h"
 
 namespace fb = flatshard::bench;
@@ -42,8 +43,13 @@ constexpr int kExitUsage = 2;
 constexpr int kExitFailure = 3;
 
 std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
-  // One CPU model for planning only (plans are data); freed before the runs build their own.
-  const std::shared_ptr<torch::nn::Module> planning = o.model.build(o.seed);
+  // One model for planning only (plans are data: names, shapes, tied identities), built on the
+  // meta device: no host memory, no init time (fsdp/meta_init.h).
+  std::shared_ptr<torch::nn::Module> planning;
+  {
+    flatshard::MetaInit meta;
+    planning = o.model.build(o.seed);
+  }
   const auto& modules = flatshard::models::family_modules(o.model.family);
   std::vector<fb::Granularity> out;
   for (const auto& label : fb::split_granularities(o.granularity_flags)) {
@@ -63,6 +69,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.sharding = o.sharding;
   c.fused_optimizer = o.fused_optimizer;
   c.param_groups = o.param_groups;
+  c.deferred_init = o.deferred_init;
   c.time_collectives = o.device == fb::DeviceKind::kCpu;
   c.kernel_profile_steps = o.kernel_profile_steps;
   return c;

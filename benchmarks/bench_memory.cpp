@@ -57,8 +57,11 @@ std::optional<int64_t> available_host_memory() {
 
 void check_memory(const BenchOptions& o, int world, std::optional<int64_t> device_memory) {
   const long double p = o.model.num_parameters_bound();
-  const long double state = 16 * p, planning = 4 * p, act = activations(o);
   const bool local = has_local(o);
+  // An fp32 host model per rank, built before sharding: eager init, or a local run (plans are
+  // made on the meta device and deferred runs build there too: no host copy).
+  const long double state = 16 * p, act = activations(o);
+  const long double planning = (local || !o.deferred_init) ? 4 * p : 0;
   const int ranks = std::max(world, 1);
   auto refuse = [&](const std::string& where, long double need, const std::string& breakdown,
                     long double have, const std::string& source) {
@@ -89,7 +92,7 @@ void check_memory(const BenchOptions& o, int world, std::optional<int64_t> devic
   if (host && ranks * planning > *host)
     refuse("host memory", ranks * planning,
            std::to_string(ranks) + " process(es) x " + bytes_text(planning) +
-               " fp32 planning model",
+               " fp32 host model (eager init or local run)",
            *host, "available (MemAvailable, /proc/meminfo)");
 }
 

@@ -7,9 +7,10 @@
 //   Being a lower bound, it never refuses a run that would fit; a run it lets through may still
 //   run out (allocator caching, temporaries, other processes).
 // - The estimate, P = the model's parameter count (computed in long double: no overflow):
-//     state       16 B x P: fp32 weights + gradients + AdamW's two moments. `local` (and the
-//                 planning model, 4 B x P on the host, in every process) holds all of it on one
-//                 rank; sharded runs spread it over the ranks.
+//     state       16 B x P: fp32 weights + gradients + AdamW's two moments. `local` holds all
+//                 of it on one rank; sharded runs spread it over the ranks. An fp32 host model
+//                 (4 B x P, in every process) exists only with --init eager or a local run:
+//                 plans are made on the meta device, and deferred runs build there.
 //     activations what autograd keeps per rank: per layer 16 x batch x seq x d_model values
 //                 plus 2 x batch x heads x seq^2 attention probabilities, and 2 x batch x seq x
 //                 vocab logits, at the param dtype's size.
@@ -17,7 +18,7 @@
 //        against the host's available memory (MemAvailable in /proc/meminfo; physical pages
 //        when that is unreadable).
 //   cuda: per GPU, activations + state (local) or state / ranks, against the device's total
-//        memory; and ranks x the planning model against the host's.
+//        memory; and ranks x the host model (if any, above) against the host's.
 #pragma once
 
 #include <cstdint>

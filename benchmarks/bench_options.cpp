@@ -72,7 +72,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.footer(kFooter);
 
   std::string family = "gpt", preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
-      optimizer = "adamw";
+      optimizer = "adamw", init = "deferred";
   int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
   int nproc = 0, prefetch = 1, warmup = 2, steps = 0, kernel_profile = 0;
   uint64_t seed = 0;
@@ -143,6 +143,12 @@ ParseResult parse_command_line(int argc, char** argv) {
                "two optimizer groups by parameter name (no weight decay on norms and biases), "
                "over ShardedModel::named_parameters(): per-parameter shard views instead of one "
                "master per unit (local: the model's parameters); measures what groups cost")
+  app.add_option("--init", init,
+                 "deferred: sharded runs build the model on the meta device and fully_shard "
+                 "initialises it unit by unit on the device (default) | eager: build it on the "
+                 "host in fp32 first; local runs are always eager. Setup time and peak are "
+                 "reported either way")
+      ->check(CLI::IsMember({"eager", "deferred"}))
       ->group(g_run);
   auto* o_kprof =
       app.add_option("--kernel-profile", kernel_profile,
@@ -216,6 +222,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   o.sharding.strategy = parse_strategy(strategy);
   require(prefetch >= 0, "--prefetch", ">= 0", prefetch);
   o.fused_optimizer = optimizer == "fused";
+  o.deferred_init = init == "deferred";
   o.sharding.forward_prefetch = prefetch;
   o.sharding.backward_prefetch = prefetch;
   const c10::ScalarType pdt =

@@ -58,6 +58,10 @@ struct BenchOptions {
   // --param-groups: two AdamW groups by parameter name (no weight decay on norms and biases),
   // over ShardedModel::named_parameters() (local: the model's parameters)
   bool param_groups = false;
+  // --init deferred (default): sharded runs build the model on the meta device and fully_shard
+  // initialises it unit by unit on the device (fsdp/deferred_init.h), the same values as
+  // eager; eager: built on the host in fp32, moved, then sharded. `local` is always eager.
+  bool deferred_init = true;
   int kernel_profile_steps = 0;  // --kernel-profile N (cuda only)
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;

@@ -143,12 +143,14 @@ void print_table(const Report& rep, std::ostream& out) {
       << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << "; prefetch "
       << o.sharding.forward_prefetch << "; optimizer "
       << (o.fused_optimizer ? "FusedAdamW" : "AdamW")
-      << (o.param_groups ? " (2 groups by name over per-parameter views)" : "") << "; " << o.warmup << " warmup + " << o.steps
+      << (o.param_groups ? " (2 groups by name over per-parameter views)" : "") << "; init "
+      << (o.deferred_init ? "deferred" : "eager") << "; " << o.warmup << " warmup + " << o.steps
       << " measured steps; seed " << o.seed << "\n\n";
 
   TextTable table({"granularity", "units", "fwd AG", "bwd AG", "RS", "AR", "MiB/step",
                    "median ms", "min ms", "max ms", "fwd+bwd", "opt ms", "host ms", "x local",
-                   "tok/s/GPU", "MFU", "exposed", "peak MiB", "loss@0", "check"});
+                   "tok/s/GPU", "MFU", "exposed", "peak MiB", "setup s", "setup MiB", "loss@0",
+                   "check"});
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
     table.add_row({r.run.granularity, std::to_string(r.run.units),
@@ -159,6 +161,7 @@ void print_table(const Report& rep, std::ostream& out) {
                    fixed(r.host_issue_ms, 1), r.ratio_to_local ? fixed(*r.ratio_to_local, 2) : "-",
                    fixed(r.tokens_per_s_per_gpu, 0), percent(r.mfu),
                    percent(r.run.exposed_comm_share), format_mib(r.run.peak_memory_bytes, 2),
+                   fixed(r.run.setup_s, 2), format_mib(r.run.setup_peak_memory_bytes, 2),
                    fixed(r.run.loss_step0, 5), r.ok ? "ok" : "FAIL"});
   }
   out << table;
@@ -174,7 +177,12 @@ void print_table(const Report& rep, std::ostream& out) {
       << "MFU: (6N + 12LdT) FLOPs/token * tok/s / peak"
       << (o.peak_tflops ? " (" + fixed(*o.peak_tflops, 0) + " TFLOP/s per rank)"
                         : "; give --peak-tflops to compute it")
-      << ".\n";
+      << ".\n"
+      << "setup s, setup MiB: model build + fully_shard, rank 0's wall time, and the peak memory "
+         "meanwhile\n  (measured as peak MiB); init "
+      << (o.deferred_init ? "deferred: built on meta, then initialised unit by unit on the device"
+                          : "eager: built on the host in fp32, moved, then sharded")
+      << " (local: always eager).\n";
   for (const auto& note : rep.notes) out << wrap(note, 100);
   out << "check: step-0 loss vs '" << rep.reference << "' within " << rep.tolerance
       << " relative: " << (rep.all_ok() ? "all ok" : "FAILED") << "\n";
@@ -220,7 +228,8 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //   "model": {"family" ("gpt" | "llama"), "preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
 //             "flops_per_token"},
 //   "device", "device_description", "world_size", "batch" (sequences per rank per step),
-//   "strategy", "param_dtype", "reduce_dtype", "prefetch", "optimizer", "warmup", "steps", "seed",
+//   "strategy", "param_dtype", "reduce_dtype", "prefetch", "optimizer", "init" ("eager" |
+//   "deferred"), "warmup", "steps", "seed",
 //   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance",
 //   "all_ok",
 //   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
@@ -229,7 +238,7 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //               "fwd_bwd_ms_median", "optimizer_ms_median", "host_issue_ms_median",
 //               "ratio_to_local",
 //               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
-//               "loss_step0", "check": "ok" | "FAIL",
+//               "setup_s", "setup_peak_memory_bytes", "loss_step0", "check": "ok" | "FAIL",
 //               "kernel_profile": null | {"steps", "span_ms", "busy_ms", "compute_ms",
 //                  "comm_ms", "overlap_ms", "categories": [G], "streams": [G],
 //                  "kernels": [G, every kernel name]} } ] }
@@ -257,6 +266,7 @@ void write_json(const Report& rep, const std::string& path) {
     << "  \"prefetch\": " << o.sharding.forward_prefetch << ",\n"
     << "  \"optimizer\": " << json_string(o.fused_optimizer ? "fused" : "adamw") << ",\n"
     << "  \"param_groups\": " << (o.param_groups ? "true" : "false") << ",\n"
+    << "  \"init\": " << json_string(o.deferred_init ? "deferred" : "eager") << ",\n"
     << "  \"warmup\": " << o.warmup << ",\n"
     << "  \"steps\": " << o.steps << ",\n"
     << "  \"seed\": " << o.seed << ",\n"
@@ -289,6 +299,8 @@ void write_json(const Report& rep, const std::string& path) {
       << ", \"mfu\": " << number(r.mfu)
       << ", \"exposed_comm_share\": " << number(r.run.exposed_comm_share)
       << ",\n     \"peak_memory_bytes\": " << r.run.peak_memory_bytes
+      << ", \"setup_s\": " << number(r.run.setup_s)
+      << ", \"setup_peak_memory_bytes\": " << r.run.setup_peak_memory_bytes
       << ", \"loss_step0\": " << number(r.run.loss_step0)
       << ", \"check\": " << json_string(r.ok ? "ok" : "FAIL")
       << ",\n     \"kernel_profile\": ";
@@ -321,7 +333,8 @@ void write_csv(const Report& rep, const std::string& path) {
   s << "granularity,world_size,units,forward_all_gathers,backward_all_gathers,reduce_scatters,"
        "all_reduces,bytes_per_step,step_ms_median,step_ms_min,step_ms_max,fwd_bwd_ms_median,"
        "optimizer_ms_median,host_issue_ms_median,ratio_to_local,"
-       "tokens_per_s_per_gpu,mfu,exposed_comm_share,peak_memory_bytes,loss_step0,check\n";
+       "tokens_per_s_per_gpu,mfu,exposed_comm_share,peak_memory_bytes,loss_step0,check,"
+       "setup_s,setup_peak_memory_bytes\n";
   auto opt = [](const std::optional<double>& v) { return v ? number(*v) : std::string(); };
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
@@ -333,7 +346,8 @@ void write_csv(const Report& rep, const std::string& path) {
       << opt(r.ratio_to_local) << ','
       << number(r.tokens_per_s_per_gpu) << ',' << opt(r.mfu) << ','
       << opt(r.run.exposed_comm_share) << ',' << r.run.peak_memory_bytes << ','
-      << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << '\n';
+      << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << ','
+      << number(r.run.setup_s) << ',' << r.run.setup_peak_memory_bytes << '\n';
   }
   write_file(path, s.str(), "--csv");
 }

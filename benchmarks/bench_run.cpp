@@ -14,6 +14,7 @@
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/fused_adamw.h"
+#include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "models/model_init.h"
 #include "profiling/counting_allocator.h"
@@ -81,7 +82,23 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     comm = timed.get();
   }
 
-  const std::shared_ptr<torch::nn::Module> model = config.model.build(config.seed);
+  // Setup's peak and time start together on every rank.
+  auto reset_peak = [&] {
+    hooks.synchronize();
+    if (group) group->barrier();
+    if (rank == 0 && hooks.memory_reset_peak) hooks.memory_reset_peak();
+    if (group) group->barrier();
+  };
+  reset_peak();
+  const auto setup_start = std::chrono::steady_clock::now();
+  const bool deferred = config.deferred_init && !granularity.local;
+  std::shared_ptr<torch::nn::Module> model;
+  if (deferred) {
+    MetaInit meta;  // shapes only: fully_shard gives each unit memory and values in turn
+    model = config.model.build(config.seed);
+  } else {
+    model = config.model.build(config.seed);
+  }
   std::unique_ptr<ShardedModel> fsdp;
   std::vector<at::Tensor> params;
   std::vector<std::pair<std::string, at::Tensor>> named;  // --param-groups
@@ -95,7 +112,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
             }) == named.end())
           named.emplace_back(p.key(), p.value());
   } else {
-    model->to(hooks.device);
+    if (!deferred) model->to(hooks.device);
     fsdp = fully_shard(model, granularity.plan, *comm, config.sharding);
     params = fsdp->parameters();
     if (config.param_groups) named = fsdp->named_parameters();
@@ -110,6 +127,8 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
                     ? std::make_unique<FusedAdamW>(params, adamw_options())
                     : std::make_unique<torch::optim::AdamW>(params, adamw_options());
   }
+  hooks.synchronize();
+  const double setup_s = ms_since(setup_start) * 1e-3;
   torch::optim::AdamW& opt = *optimizer;
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
@@ -120,16 +139,17 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
 
   RunResult r;
   r.granularity = granularity.label;
+  r.setup_s = setup_s;
   r.world_size = comm ? comm->world_size() : 1;
   if (fsdp)
     for (const auto& u : fsdp->units()) r.units += u.padded_numel > 0 ? 1 : 0;
 
   // Reset the peak once every rank finished setup: the steps' peak is the steady state we want,
-  // not the full-size model every rank builds before sharding it.
+  // not setup's (reported on its own).
   hooks.synchronize();
   if (group) group->barrier();
-  if (rank == 0 && hooks.memory_reset_peak) hooks.memory_reset_peak();
-  if (group) group->barrier();
+  if (hooks.memory_peak) r.setup_peak_memory_bytes = hooks.memory_peak();
+  reset_peak();
 
   // Host-clock marks unless the device brings its own (CPU work is synchronous).
   std::array<std::chrono::steady_clock::time_point, DeviceHooks::kMarks> host_marks;
@@ -222,6 +242,7 @@ RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granula
     }
   }, timeout);
   result.peak_memory_bytes = (result.peak_memory_bytes - baseline) / world;
+  result.setup_peak_memory_bytes = (result.setup_peak_memory_bytes - baseline) / world;
   return result;
 }
 

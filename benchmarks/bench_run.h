@@ -13,6 +13,10 @@
 //   hooks.synchronize() (device work included); marks split it at the end of backward (after
 //   flatshard's end-of-backward wait for the reductions) into fwd_bwd_ms and optimizer_ms.
 //   Counters are those of the last measured step.
+// - Setup (model build + fully_shard) is timed on the host after a barrier, ended by
+//   hooks.synchronize(); its memory peak is read after every rank finished it
+//   (RunResult::setup_peak_memory_bytes, raw as below: the peak is reset on rank 0 between two
+//   barriers before setup starts).
 // - Memory: after setup (model sharded, optimizer built) the peak is reset on rank 0 between
 //   two barriers; RunResult::peak_memory_bytes is the raw probe peak at the end (the caller
 //   subtracts its baseline and, for process-wide probes, divides by the ranks).
@@ -53,6 +57,9 @@ struct RunConfig {
   ShardingOptions sharding;
   bool fused_optimizer = false;  // flatshard::FusedAdamW instead of torch::optim::AdamW
   bool param_groups = false;     // by name, no decay on norms/biases (BenchOptions::param_groups)
+  // Sharded runs build the model under flatshard::MetaInit and let fully_shard initialise it
+  // (fsdp/deferred_init.h); local runs ignore it.
+  bool deferred_init = false;
   // Wrap the communicator in a TimedCommunicator and report the exposed-communication share
   // (meaningful on synchronous backends only: the CPU one).
   bool time_collectives = false;
@@ -94,6 +101,10 @@ struct RunResult {
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
   std::optional<double> exposed_comm_share;  // host time inside collectives / step time
   int64_t peak_memory_bytes = 0;
+  // Setup: building the model (and moving it to the device) plus fully_shard, rank 0's wall
+  // clock with device work included; its memory peak, raw like peak_memory_bytes.
+  double setup_s = 0;
+  int64_t setup_peak_memory_bytes = 0;
   std::optional<KernelProfile> kernel_profile;  // rank 0, with kernel_profile_steps > 0
 };
 

@@ -8,16 +8,13 @@
 #include <string>
 #include <vector>
 
+#include "collectives/agree.h"
 #include "collectives/communicator.h"
 
 namespace flatshard {
 
-// Returns only if no rank failed. Otherwise every rank throws: a failed rank its own error
-// (prefixed with `what` and its rank), the others naming the ranks that failed and the first
-// one's error. Local errors
-// are deferred to these points so that no rank is left waiting in a collective for a rank
-// that stopped early.
-void agree(Communicator& comm, std::exception_ptr local_error, const std::string& what);
+// agree(comm, local_error, what) (collectives/agree.h): local errors are deferred to these
+// points so that no rank is left waiting in a collective for a rank that stopped early.
 
 // Every rank's `text`, in rank order (collectives/gather_bytes.h: one fp32 element per byte).
 // Each text must be shorter than 2^24 bytes (its length travels as an fp32).

@@ -5,10 +5,13 @@
 #include <ATen/native/cuda/Resize.h>
 #endif
 #include <c10/core/StreamGuard.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 
+#include "collectives/agree.h"
 #include "flat_param/upcast.h"
 
 namespace flatshard {
@@ -30,6 +33,24 @@ void resize_tensor_storage(const at::Tensor& t, int64_t numel) {
 }
 
 bool storage_is_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }
+
+void materialize_meta(const at::Tensor& t, const at::Tensor& data, const std::string& what) {
+  TORCH_CHECK(t.defined() && t.is_meta(), what, " is not a meta tensor");
+  TORCH_CHECK(data.sizes() == t.sizes() && data.scalar_type() == t.scalar_type(), what,
+              ": cannot take values of shape ", data.sizes(), " and dtype ", data.scalar_type(),
+              "; it is ", t.sizes(), " ", t.scalar_type());
+  TORCH_CHECK(!data.is_meta(), what, ": the values to take are on meta too");
+  // What set_data() does besides the copy: an accumulator built for the meta tensor would
+  // expect meta gradients.
+  if (auto* meta = torch::autograd::impl::get_autograd_meta(t)) {
+    std::lock_guard<std::mutex> lock(meta->mutex_);
+    meta->grad_accumulator_.reset();
+  }
+  // set_data() would refuse (meta and CPU/CUDA are not "compatible shallow-copy types"), but
+  // both are plain TensorImpls: the copy moves storage, sizes, strides, dtype, device and
+  // dispatch keys; the autograd meta and the version counter stay, as with set_data().
+  t.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+}
 
 namespace {
 
@@ -76,7 +97,8 @@ at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device devi
 }  // namespace
 
 FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
-                     const FlatParamConfig& config, Communicator* replicate)
+                     const FlatParamConfig& config, Communicator* replicate,
+                     const std::function<void()>& fill)
     : unit_name_(std::move(unit_name)),
       params_(std::move(params)),
       comm_(comm),
@@ -102,6 +124,11 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
                 p.param.device(), " (rank ", comm_.rank(), ")");
     TORCH_CHECK(p.param.is_leaf(), "unit '", unit_name_, "': parameter '", p.name,
                 "' is not a leaf tensor");
+    TORCH_CHECK(p.param.is_meta() == static_cast<bool>(fill), "unit '", unit_name_,
+                "' (rank ", comm_.rank(), "): parameter '", p.name, "' is ",
+                fill ? "not on the meta device, but the unit is built with deferred values"
+                     : "on the meta device (it holds no values), but the unit is built from "
+                       "values");
     shapes.push_back(p.param.sizes().vec());
     trainable_.push_back(p.param.requires_grad());
     if (trainable_.back()) ++num_trainable_;
@@ -117,9 +144,13 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
 
   // The full fp32 values, padding zero, on the communicator's device.
   at::Tensor init = at::zeros({layout_.padded_numel}, at::TensorOptions().dtype(at::kFloat).device(device));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    init.narrow(0, layout_.offsets[i], layout_.numels[i])
-        .copy_(params_[i].param.detach().reshape({-1}));
+  if (fill) {
+    fill_deferred(init, fill);
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      init.narrow(0, layout_.offsets[i], layout_.numels[i])
+          .copy_(params_[i].param.detach().reshape({-1}));
+    }
   }
   if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
     comm_.broadcast(init, 0, comm_.current_stream());
@@ -182,6 +213,51 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     resize_tensor_storage(full_, 0);
     guard_params();
   }
+}
+
+void FlatParam::fill_deferred(const at::Tensor& init, const std::function<void()>& fill) {
+  const std::string where = "unit '" + unit_name_ + "' (rank " + std::to_string(comm_.rank()) + ")";
+  std::vector<at::Tensor> values;  // what each parameter reads while fill() runs
+  std::exception_ptr error;
+  try {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const ParamRef& p = params_[i];
+      at::Tensor v = init.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]);
+      if (p.param.scalar_type() != at::kFloat)  // its own dtype; copied into init after fill()
+        v = at::empty(layout_.shapes[i], init.options().dtype(p.param.scalar_type()));
+      materialize_meta(p.param, v, "parameter '" + p.name + "' of " + where);
+      values.push_back(std::move(v));
+    }
+    const void* base = init.data_ptr();
+    const size_t nbytes = init.storage().nbytes();
+    fill();
+    TORCH_CHECK(init.data_ptr() == base && init.storage().nbytes() == nbytes,
+                "initialising the parameters of ", where, " resized or moved its flat buffer; "
+                "an init must write the values in place, keeping the shape");
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = params_[i].param;
+      const at::Tensor& v = values[i];
+      TORCH_CHECK(p.sizes() == v.sizes() && p.scalar_type() == v.scalar_type() &&
+                      p.device() == v.device(),
+                  "initialising parameter '", params_[i].name, "' of ", where,
+                  " changed it from ", v.sizes(), " ", v.scalar_type(), " on ", v.device(),
+                  " to ", p.sizes(), " ", p.scalar_type(), " on ", p.device(),
+                  "; an init must fill the tensor it is given in place, keeping its shape");
+      TORCH_CHECK(p.data_ptr() == v.data_ptr() && p.strides() == v.strides(),
+                  "initialising parameter '", params_[i].name, "' of ", where,
+                  " replaced its storage; an init must write the values in place (copy_, "
+                  "normal_, fill_, ...), not set_data() or resize them");
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // Before any collective of this unit: a rank that failed must not leave the others waiting
+  // in the broadcast below. HSDP: the shard group's answer, then across replicas.
+  agree(comm_, hybrid() ? replicate_ : nullptr, error,
+        "fully_shard: initialising unit '" + unit_name_ + "'");
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].param.scalar_type() != at::kFloat)
+      init.narrow(0, layout_.offsets[i], layout_.numels[i]).copy_(values[i].reshape({-1}));
 }
 
 void FlatParam::guard_params() {

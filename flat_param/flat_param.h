@@ -43,6 +43,17 @@
 //   gradient across `replicate` on the same stream, right after the reduce-scatter (or the
 //   all-reduce of a replicated unit), so the result is the mean over all R * S ranks. At
 //   construction rank 0's values are broadcast within the shard group, then across replicas.
+// - Deferred values (Note [Deferred initialization], fsdp/deferred_init.h): built with a `fill`
+//   function, the parameters must be meta tensors (shapes only). The constructor allocates the
+//   fp32 flat buffer it would have copied the values into (padding zero) and points every fp32
+//   parameter at its region of it (materialize_meta: same TensorImpl), a parameter of another
+//   dtype at a tensor of its own; calls fill() once, which writes the values in place; checks
+//   that every parameter kept its shape, dtype, device and storage; and agrees across ranks
+//   (collectives/agree.h: `comm`, then `replicate`) before any collective of the unit, so a
+//   fill that throws or breaks the layout on any rank throws on every rank, naming the unit,
+//   the rank and the cause. Then it goes on as if the values had been copied in (broadcast
+//   with sync_module_states, keep the shard). Peak: the flat fp32 buffer, the master shard
+//   and (briefly) full(); no second copy of the unit.
 // - All collectives go through the given Communicator on the given stream; the caller orders
 //   streams (fsdp/ does). No method here blocks the host on the device.
 // - Not thread-safe; one FlatParam per unit per rank.
@@ -50,6 +61,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -87,8 +99,10 @@ struct ParamRef {
 
 class FlatParam {
  public:
+  // `fill`: deferred values (see the contract); empty: the parameters hold their values.
   FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
-            const FlatParamConfig& config, Communicator* replicate = nullptr);
+            const FlatParamConfig& config, Communicator* replicate = nullptr,
+            const std::function<void()>& fill = {});
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -177,6 +191,9 @@ class FlatParam {
   bool hybrid() const { return replicate_ != nullptr && replicate_->world_size() > 1; }
 
  private:
+  // Deferred values: materialises the parameters in `init` (or beside it), runs `fill`, checks
+  // and agrees, then copies the values that are not already in `init` there.
+  void fill_deferred(const at::Tensor& init, const std::function<void()>& fill);
   void clear_param_grads();
   void guard_params();
   void point_view_grads();
@@ -215,5 +232,11 @@ bool storage_is_allocated(const at::Tensor& t);
 // True when `t` reads a guard storage of a sharded parameter (Note [Guarded sharded
 // parameters]): a parameter (or a view of one) of a sharded unit that is not gathered.
 bool is_guarded_param(const at::Tensor& t);
+// Gives the meta tensor `t` (a parameter or buffer of a model built on the meta device) the
+// storage, offset and strides of `data`, which must have t's shape and dtype: the same
+// TensorImpl — what modules, autograd and plans hold — now reads `data`'s storage on its
+// device. Like set_data(), which refuses meta -> device; a stale gradient accumulator is
+// dropped as set_data() does. Throws c10::Error naming `what` otherwise.
+void materialize_meta(const at::Tensor& t, const at::Tensor& data, const std::string& what);
 
 }  // namespace flatshard

@@ -6,7 +6,8 @@
 //   auto plan = make_plan(*model, policy);   explain(*model, plan, 8, opts, {});
 //
 // Why: a plan and its explanation (fsdp/explain.h) need only names, shapes, dtypes and tensor
-// identities. Building a 1B-parameter model on CPU for that costs ~4 GB and ~15 s of init.
+// identities. Building a 1B-parameter model on CPU for that costs ~4 GB and ~15 s of init. And
+// a model too large for one rank is built this way and initialised by fully_shard.
 // LibTorch's C++ API has no "default device" (Python's `with torch.device("meta")` is a Python
 // TorchFunctionMode), so MetaInit works one level lower, on the dispatcher's thread-local key
 // sets: while it lives, the Meta backend key is included and BackendSelect excluded, so factory
@@ -25,8 +26,9 @@
 // - Code that bypasses the dispatcher (e.g. at::detail::empty_cpu, from_blob) still allocates;
 //   check_on_meta() finds parameters that did, so a future LibTorch change to the mechanism is an
 //   error, not a silent 4 GB allocation.
-// - The result can be planned and explained, never sharded or trained (fully_shard would reject
-//   it: the parameters are not on the communicator's device).
+// - The result can be planned and explained, and sharded: fully_shard then gives it memory and
+//   values unit by unit on the communicator's device (Note [Deferred initialization],
+//   fsdp/deferred_init.h). It cannot be trained or run before that.
 #pragma once
 
 #include <c10/core/impl/LocalDispatchKeySet.h>

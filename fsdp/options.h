@@ -5,12 +5,24 @@
 #include <c10/core/ScalarType.h>
 #include <c10/core/Stream.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 
 #include "wrap_policies/plan.h"
 
+namespace at {
+class Tensor;
+}
+
 namespace flatshard {
+
+// Gives one parameter or buffer of a model built on the meta device its initial values:
+// `name` as the model's named_parameters() / named_buffers() spell it (a tied parameter: the
+// name the plan lists it under); `values` is a tensor of its shape and dtype on the
+// communicator's device, to be filled in place (under NoGradGuard). Note [Deferred
+// initialization] (fsdp/deferred_init.h).
+using TensorInit = std::function<void(const std::string& name, const at::Tensor& values)>;
 
 struct MixedPrecision {
   // dtype of the gathered parameters, of compute and of the all-gather. The optimizer always
@@ -67,6 +79,14 @@ struct ShardingOptions {
   // misspelt type=DecoderLayr) makes fully_shard warn (TORCH_WARN, the text of
   // Plan::unmatched_warning(), as explain() prints it); strict_plan makes it an error instead.
   bool strict_plan = false;
+
+  // Deferred initialization (fsdp/deferred_init.h), used when the model's parameters are on
+  // the meta device: fully_shard materialises one unit at a time and calls `init` for each of
+  // its parameters (and, first, for each meta buffer). Empty (default): each tensor's nearest
+  // enclosing module that implements flatshard::InitializesItself (the GPT and LLaMA models
+  // do) initialises it, so the sharded values equal the eagerly built model's. Ignored for a
+  // model whose parameters hold values.
+  TensorInit init;
 };
 
 // Queues a device sleep of `cycles` on `stream` (CUDA); a no-op on CPU.

@@ -3,11 +3,13 @@
 #include <torch/nn/module.h>
 
 #include <cmath>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "fsdp/buffers.h"
 #include "fsdp/call.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/fingerprint.h"
 #include "fsdp/resolve.h"
 #include "fsdp/runtime.h"
@@ -77,6 +79,22 @@ void check_setup_agrees(const torch::nn::Module& model, const Plan& plan,
   }
 }
 
+// Note [Deferred initialization] (fsdp/deferred_init.h), step 2: a model built on meta gets its
+// buffers now (collective, one agree point). With sync_module_states off nothing will make
+// them equal, so the fingerprint, which skipped the meta buffers' values, is taken again.
+std::optional<detail::DeferredInit> setup_deferred_init(torch::nn::Module& model,
+                                                        const Plan& plan,
+                                                        const ShardingOptions& options,
+                                                        Communicator& comm,
+                                                        const ShardingMesh& mesh) {
+  if (!detail::uses_deferred_init(model, comm.rank())) return std::nullopt;
+  std::optional<detail::DeferredInit> init;
+  init.emplace(model, options.init);
+  init->materialize_buffers(model, comm, mesh.hybrid() ? mesh.replicate : nullptr);
+  if (!options.sync_module_states) check_setup_agrees(model, plan, options, comm, mesh);
+  return init;
+}
+
 // Buffers are not sharded (fsdp/buffers.h): after the fingerprint agreed on their names,
 // shapes and dtypes, cast them per buffer_dtype and, with sync_module_states, make them global
 // rank 0's: within the shard group, then across replicas (as flat parameters do).
@@ -118,8 +136,9 @@ std::vector<const torch::nn::Module*> unit_members(const UnitSpec& spec, const M
 }
 
 // The unit's parameters, each claimed for it (a parameter belongs to one unit only).
+// Deferred: on meta (uses_deferred_init checked that all are); else on comm.device().
 std::vector<ParamRef> unit_params(const UnitSpec& spec, const ModelIndex& index,
-                                  const Communicator& comm, Claimed& claimed) {
+                                  const Communicator& comm, bool deferred, Claimed& claimed) {
   const int rank = comm.rank();
   std::vector<ParamRef> params;
   for (const auto& name : spec.param_names) {
@@ -130,26 +149,37 @@ std::vector<ParamRef> unit_params(const UnitSpec& spec, const ModelIndex& index,
     const at::Tensor& p = it->second;
     TORCH_CHECK(claimed.insert(p.unsafeGetTensorImpl()).second, "fully_shard: parameter '",
                 name, "' is claimed by more than one unit (second: '", spec.name, "')");
-    TORCH_CHECK(p.device() == comm.device(), "fully_shard: parameter '", name, "' is on ",
-                p.device(), " but the communicator of rank ", rank, " works on ",
-                comm.device(), "; move the model there before sharding it");
+    TORCH_CHECK(deferred || p.device() == comm.device(), "fully_shard: parameter '", name,
+                "' is on ", p.device(), " but the communicator of rank ", rank, " works on ",
+                comm.device(), "; move the model there before sharding it, or build it on the "
+                "meta device (flatshard::MetaInit) for deferred initialization");
     params.push_back(ParamRef{name, p});
   }
   return params;
 }
 
 // One Unit per plan entry, in plan order, with resolve_unit()'s settings (fsdp/resolve.h).
+// Deferred (`init` set): each unit's parameters are given memory and values while its Unit is
+// built, one unit at a time (Note [Deferred initialization], step 3).
 Claimed build_units(const Plan& plan, const ModelIndex& index, const torch::nn::Module* model,
-                    Communicator& comm, Runtime& runtime) {
+                    Communicator& comm, Runtime& runtime, const detail::DeferredInit* init) {
   Claimed claimed;
   for (size_t i = 0; i < plan.units.size(); ++i) {
     const UnitSpec& spec = plan.units[i];
     const ResolvedUnit settings = resolve_unit(spec, runtime.options(), comm.world_size());
     auto members = unit_members(spec, index, model, comm.rank());
-    auto params = unit_params(spec, index, comm, claimed);
+    auto params = unit_params(spec, index, comm, init != nullptr, claimed);
+    std::function<void()> fill;
+    if (init) {
+      // Runs inside FlatParam's constructor, once the parameters point into its flat buffer.
+      // The detached handles share that storage; nothing keeps them after the fill.
+      fill = [init, refs = params] {
+        for (const ParamRef& p : refs) init->init(p.name, p.param.detach());
+      };
+    }
     runtime.units().push_back(std::make_unique<Unit>(static_cast<int>(i), spec, settings,
                                                      std::move(members), std::move(params),
-                                                     runtime.unit_context()));
+                                                     runtime.unit_context(), fill));
   }
   return claimed;
 }
@@ -195,9 +225,12 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
   runtime_ = std::make_unique<Runtime>(comm_, std::move(options),
                                        mesh_.hybrid() ? mesh_.replicate : nullptr);
   check_setup_agrees(*model_, plan_, runtime_->options(), comm_, mesh_);
+  const std::optional<detail::DeferredInit> init =
+      setup_deferred_init(*model_, plan_, runtime_->options(), comm_, mesh_);
   setup_buffers(*model_, runtime_->options(), comm_, mesh_);
   const ModelIndex index = index_model(*model_);
-  const Claimed claimed = build_units(plan_, index, model_.get(), comm_, *runtime_);
+  const Claimed claimed =
+      build_units(plan_, index, model_.get(), comm_, *runtime_, init ? &*init : nullptr);
   check_every_param_claimed(index, claimed, comm_.rank());
   // Register members last, so a failure above leaves nothing registered.
   try {

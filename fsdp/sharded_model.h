@@ -7,7 +7,11 @@
 //
 // Contract
 // - Collective: every rank calls fully_shard with the same plan and options, on models with the
-//   same parameter shapes. Parameters must already be on comm.device().
+//   same parameter shapes. Parameters must already be on comm.device() — or all on the meta
+//   device (built under flatshard::MetaInit): then fully_shard materialises and initialises
+//   the model unit by unit on comm.device() (ShardingOptions::init, by default the model's
+//   own InitializesItself), never holding more than the rank's shards and one unit's full
+//   parameters (Note [Deferred initialization], fsdp/deferred_init.h).
 // - The model is changed in place: each planned parameter becomes a view of its unit's flat
 //   buffer (storage freed while sharded; reading it then throws naming it, fsdp/call.h).
 //   Modules run unchanged; parents enter units through flatshard::call (fsdp/call.h), and the

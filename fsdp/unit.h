@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,9 +64,10 @@ struct UnitCounters {
 class Unit {
  public:
   // `settings`: resolve_unit(spec, ...); `context` outlives the unit (the runtime owns both).
+  // `fill`: deferred values for meta parameters (FlatParam's contract; fsdp/deferred_init.h).
   Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
        std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
-       const UnitContext& context);
+       const UnitContext& context, const std::function<void()>& fill = {});
   ~Unit();
   Unit(const Unit&) = delete;
   Unit& operator=(const Unit&) = delete;

@@ -1,7 +1,6 @@
 // flatshard/models/gpt.cpp — see gpt.h for the contract.
 #include "models/gpt.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -145,7 +144,8 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
   return h + flatshard::call(mlp, flatshard::call(ln2, h));
 }
 
-GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed) : torch::nn::Module("GPT"), cfg_(cfg) {
+GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed)
+    : torch::nn::Module("GPT"), cfg_(cfg), seed_(seed) {
   cfg_.validate();
   models::GlobalRngRestorer restore_global_rng;
   const int64_t d = cfg_.d_model;
@@ -169,38 +169,47 @@ GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed) : torch::nn::Module("GPT")
   TORCH_INTERNAL_ASSERT(!cfg_.tie_embeddings ||
                         wte->weight.unsafeGetTensorImpl() == lm_head->weight.unsafeGetTensorImpl());
 
-  init_parameters(seed);
+  init_parameters();
 }
 
-void GPTImpl::init_parameters(uint64_t seed) {
-  // Private generator: no lock needed (the sampling kernels lock it themselves).
-  at::Generator gen = at::detail::createCPUGenerator(seed);
-  at::NoGradGuard no_grad;
-  const double residual_std =
-      cfg_.scaled_residual_init ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers) : cfg_.init_std;
-  std::unordered_set<const c10::TensorImpl*> done;  // a tied weight is drawn once, by wte
-  auto fresh = [&](const at::Tensor& t) { return done.insert(t.unsafeGetTensorImpl()).second; };
+void GPTImpl::init_parameters() {
+  // Each distinct tensor once (a tied weight is listed under both names); the order does not
+  // matter (models/model_init.h: per-tensor determinism).
+  std::unordered_set<const c10::TensorImpl*> done;
+  for (const auto& item : named_parameters(/*recurse=*/true))
+    if (done.insert(item.value().unsafeGetTensorImpl()).second) init_tensor(item.key(), item.value());
+}
 
-  // named_modules() walks in registration order, which fixes the order of the draws. Not
-  // include_self: the model is not inside its shared_ptr yet while constructing.
-  for (const auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    const std::string& path = item.key();
-    torch::nn::Module* m = item.value().get();
-    if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m)) {
-      const bool residual =
-          models::path_ends_with(path, "attn.proj") || models::path_ends_with(path, "mlp.proj");
-      if (fresh(lin->weight))
-        lin->weight.normal_(0.0, residual ? residual_std : cfg_.init_std, gen);
-      if (lin->bias.defined() && fresh(lin->bias)) lin->bias.zero_();
-    } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m)) {
-      if (fresh(emb->weight)) emb->weight.normal_(0.0, cfg_.init_std, gen);
-    } else if (auto* ln = dynamic_cast<torch::nn::LayerNormImpl*>(m)) {
-      if (fresh(ln->weight)) ln->weight.fill_(1.0);
-      if (fresh(ln->bias)) ln->bias.zero_();
-    }
+void GPTImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
+  at::NoGradGuard no_grad;
+  // A tied weight is one tensor with one init, whichever of its names the caller uses.
+  const std::string key = cfg_.tie_embeddings && name == "lm_head.weight" ? "wte.weight" : name;
+  const size_t dot = key.rfind('.');
+  const std::string path = dot == std::string::npos ? "" : key.substr(0, dot);
+  const std::string leaf = dot == std::string::npos ? key : key.substr(dot + 1);
+  const torch::nn::Module* m = models::find_module(*this, path);
+  torch::OrderedDict<std::string, at::Tensor> own;
+  if (m) own = m->named_parameters(/*recurse=*/false);
+  const at::Tensor* p = own.find(leaf);
+  TORCH_CHECK(p != nullptr, "GPT::init_tensor: the model has no parameter '", name, "'");
+  TORCH_CHECK(values.sizes() == p->sizes(), "GPT::init_tensor: '", name, "' is ", p->sizes(),
+              ", got values of shape ", values.sizes());
+  if (leaf == "bias") {
+    values.zero_();  // Linear and LayerNorm biases
+  } else if (dynamic_cast<const torch::nn::LayerNormImpl*>(m)) {
+    values.fill_(1.0);
+  } else if (dynamic_cast<const torch::nn::LinearImpl*>(m)) {
+    const bool residual =
+        models::path_ends_with(path, "attn.proj") || models::path_ends_with(path, "mlp.proj");
+    const double residual_std = cfg_.scaled_residual_init
+                                    ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers)
+                                    : cfg_.init_std;
+    models::normal_init(values, residual ? residual_std : cfg_.init_std, seed_, key);
+  } else {
+    TORCH_INTERNAL_ASSERT(dynamic_cast<const torch::nn::EmbeddingImpl*>(m), "GPT init: '", name,
+                          "' belongs to no known module type");
+    models::normal_init(values, cfg_.init_std, seed_, key);
   }
-  TORCH_INTERNAL_ASSERT(done.size() == unique_parameters(*this).size(),
-                        "GPT init: a parameter was left uninitialized");
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& idx) {

@@ -13,14 +13,19 @@
 //     mlp.fc,mlp.proj}, ln_f, lm_head. Module::name() is the short type name: "GPT", "Block",
 //     "CausalSelfAttention", "MLP" (the torch leaves keep LibTorch's names, e.g.
 //     "torch::nn::LinearImpl"), so wrap policies can match blocks by the type name "Block".
-//   * Deterministic init: GPT(cfg, seed) draws every parameter from a private CPU generator
-//     seeded with `seed`, in module registration order, so two constructions with the same
-//     (cfg, seed) are bit-identical whatever was built before and whatever the global RNG state.
+//   * Deterministic init, per tensor: GPT(cfg, seed) draws each parameter from its own CPU
+//     generator seeded with (seed, its name) (models/model_init.h: tensor_seed, normal_init),
+//     so two constructions with the same (cfg, seed) are bit-identical whatever was built
+//     before, whatever the global RNG state, and whatever order tensors are initialised in.
 //     The model is built on CPU in fp32; move it with ->to(device, dtype) afterwards (that keeps
 //     the values). Construction leaves the global CPU RNG as it found it. Init values: weights
 //     of Linear/Embedding ~ N(0, init_std), the residual projections (attn.proj, mlp.proj) ~
 //     N(0, init_std / sqrt(2 * n_layers)) when scaled_residual_init (GPT-2), biases 0,
 //     LayerNorm weight 1 / bias 0.
+//   * Deferred init: built under flatshard::MetaInit (fsdp/meta_init.h) the GPT holds shapes
+//     only; it implements flatshard::InitializesItself, so fully_shard initialises it unit by
+//     unit on the device through init_tensor() — the same values as eager construction
+//     (Note [Deferred initialization], fsdp/deferred_init.h).
 //   * tie_embeddings: lm_head.weight and wte.weight are the same tensor (one TensorImpl).
 //     LibTorch's parameters() does not deduplicate, so it lists that tensor twice; hand
 //     optimizers unique_parameters(model) instead.
@@ -39,6 +44,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "fsdp/deferred_init.h"
 
 namespace flatshard {
 namespace gpt {
@@ -128,7 +135,7 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-class GPTImpl : public torch::nn::Module {
+class GPTImpl : public torch::nn::Module, public flatshard::InitializesItself {
  public:
   // Validates cfg, builds on CPU in fp32 and initializes from `seed` (see the contract above).
   explicit GPTImpl(const GPTConfig& cfg, uint64_t seed = 0);
@@ -150,10 +157,16 @@ class GPTImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear lm_head{nullptr};  // d -> vocab, no bias; weight is wte's when tied
 
+  // Fills parameter `name` (as named_parameters() spells it; a tied weight under either name)
+  // with its initial values, in place, on any device and dtype: what construction gives it.
+  // Throws c10::Error for an unknown name or a shape that is not the parameter's.
+  void init_tensor(const std::string& name, const at::Tensor& values) const override;
+
  private:
-  void init_parameters(uint64_t seed);
+  void init_parameters();
 
   GPTConfig cfg_;
+  uint64_t seed_;
   std::vector<Block> blocks_;  // same modules as blocks_list, kept typed for flatshard::call
 };
 TORCH_MODULE(GPT);

@@ -1,7 +1,6 @@
 // flatshard/models/llama.cpp — see llama.h for the contract.
 #include "models/llama.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -127,13 +126,16 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return normed.to(x.scalar_type()) * weight;
 }
 
-RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, double theta)
-    : torch::nn::Module("RotaryEmbedding") {
+at::Tensor rope_inv_freq(int64_t head_dim, double theta) {
   // 1 / theta^(2i/hd) with the ops (and so the rounding) of the LLaMA and HF code:
   //   1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd)). Also builds on meta.
   const at::Tensor i2 = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kFloat));
-  inv_freq = register_buffer(
-      "inv_freq", at::reciprocal(at::pow(at::Scalar(theta), i2 / static_cast<double>(head_dim))));
+  return at::reciprocal(at::pow(at::Scalar(theta), i2 / static_cast<double>(head_dim)));
+}
+
+RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, double theta)
+    : torch::nn::Module("RotaryEmbedding") {
+  inv_freq = register_buffer("inv_freq", rope_inv_freq(head_dim, theta));
 }
 
 void RotaryEmbeddingImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool non_blocking) {
@@ -208,7 +210,8 @@ at::Tensor DecoderLayerImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   return h + flatshard::call(mlp, flatshard::call(post_attn_norm, h));
 }
 
-LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed) : torch::nn::Module("Llama"), cfg_(cfg) {
+LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed)
+    : torch::nn::Module("Llama"), cfg_(cfg), seed_(seed) {
   cfg_.validate();
   models::GlobalRngRestorer restore_global_rng;
   const int64_t d = cfg_.d_model;
@@ -230,33 +233,52 @@ LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed) : torch::nn::Module(
   lm_head = register_module("lm_head", head);
   TORCH_INTERNAL_ASSERT(!cfg_.tie_embeddings || embed_tokens->weight.unsafeGetTensorImpl() ==
                                                     lm_head->weight.unsafeGetTensorImpl());
-  init_parameters(seed);
+  init_parameters();
 }
 
-void LlamaImpl::init_parameters(uint64_t seed) {
-  at::Generator gen = at::detail::createCPUGenerator(seed);
+void LlamaImpl::init_parameters() {
+  // Each distinct tensor once (a tied weight is listed under both names); the order does not
+  // matter (models/model_init.h: per-tensor determinism). rope.inv_freq was computed by its
+  // module's constructor, with the very function init_tensor() uses.
+  std::unordered_set<const c10::TensorImpl*> done;
+  for (const auto& item : named_parameters(/*recurse=*/true))
+    if (done.insert(item.value().unsafeGetTensorImpl()).second) init_tensor(item.key(), item.value());
+}
+
+void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
   at::NoGradGuard no_grad;
-  const double residual_std =
-      cfg_.scaled_residual_init ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers) : cfg_.init_std;
-  std::unordered_set<const c10::TensorImpl*> done;  // a tied weight is drawn once
-  auto fresh = [&](const at::Tensor& t) { return done.insert(t.unsafeGetTensorImpl()).second; };
-  // Registration order fixes the order of the draws (not include_self: not in a shared_ptr yet).
-  for (const auto& item : named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    const std::string& path = item.key();
-    torch::nn::Module* m = item.value().get();
-    if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m)) {
-      const bool residual =
-          models::path_ends_with(path, "attn.o") || models::path_ends_with(path, "mlp.down");
-      if (fresh(lin->weight))
-        lin->weight.normal_(0.0, residual ? residual_std : cfg_.init_std, gen);
-    } else if (auto* emb = dynamic_cast<torch::nn::EmbeddingImpl*>(m)) {
-      if (fresh(emb->weight)) emb->weight.normal_(0.0, cfg_.init_std, gen);
-    } else if (auto* n = dynamic_cast<RMSNormImpl*>(m)) {
-      if (fresh(n->weight)) n->weight.fill_(1.0);
-    }
+  // A tied weight is one tensor with one init, whichever of its names the caller uses.
+  const std::string key =
+      cfg_.tie_embeddings && name == "lm_head.weight" ? "embed_tokens.weight" : name;
+  const size_t dot = key.rfind('.');
+  const std::string path = dot == std::string::npos ? "" : key.substr(0, dot);
+  const std::string leaf = dot == std::string::npos ? key : key.substr(dot + 1);
+  const torch::nn::Module* m = models::find_module(*this, path);
+  torch::OrderedDict<std::string, at::Tensor> own;
+  if (m) own = m->named_parameters(/*recurse=*/false);
+  const bool is_buffer = m && !own.find(leaf) && m->named_buffers(/*recurse=*/false).find(leaf);
+  if (is_buffer) own = m->named_buffers(/*recurse=*/false);
+  const at::Tensor* p = own.find(leaf);
+  TORCH_CHECK(p != nullptr, "Llama::init_tensor: the model has no parameter or buffer '", name,
+              "'");
+  TORCH_CHECK(values.sizes() == p->sizes(), "Llama::init_tensor: '", name, "' is ", p->sizes(),
+              ", got values of shape ", values.sizes());
+  if (dynamic_cast<const RotaryEmbeddingImpl*>(m)) {
+    values.copy_(rope_inv_freq(cfg_.head_dim(), cfg_.rope_theta));
+  } else if (dynamic_cast<const RMSNormImpl*>(m)) {
+    values.fill_(1.0);
+  } else if (dynamic_cast<const torch::nn::LinearImpl*>(m)) {
+    const bool residual =
+        models::path_ends_with(path, "attn.o") || models::path_ends_with(path, "mlp.down");
+    const double residual_std = cfg_.scaled_residual_init
+                                    ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers)
+                                    : cfg_.init_std;
+    models::normal_init(values, residual ? residual_std : cfg_.init_std, seed_, key);
+  } else {
+    TORCH_INTERNAL_ASSERT(dynamic_cast<const torch::nn::EmbeddingImpl*>(m), "Llama init: '",
+                          name, "' belongs to no known module type");
+    models::normal_init(values, cfg_.init_std, seed_, key);
   }
-  TORCH_INTERNAL_ASSERT(done.size() == models::unique_parameters(*this).size(),
-                        "Llama init: a parameter was left uninitialized");
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& idx) {

@@ -34,9 +34,14 @@
 //     "RMSNorm", "RotaryEmbedding" (torch leaves keep LibTorch's names: "torch::nn::LinearImpl",
 //     "torch::nn::EmbeddingImpl"), so wrap policies can match layers by the type name
 //     "DecoderLayer" and leaves by "Linear|RMSNorm|Embedding".
-//   * Deterministic init: Llama(cfg, seed) draws every parameter from a private CPU generator
-//     seeded with `seed`, in module registration order; the global CPU RNG is left as found.
+//   * Deterministic init, per tensor: Llama(cfg, seed) draws each parameter from its own CPU
+//     generator seeded with (seed, its name) (models/model_init.h: tensor_seed, normal_init),
+//     independent of the order of initialisation; the global CPU RNG is left as found.
 //     Built on CPU in fp32 (works under flatshard::MetaInit, fsdp/meta_init.h: shapes only).
+//     Deferred init: a Llama built on meta implements flatshard::InitializesItself, so
+//     fully_shard initialises it unit by unit on the device through init_tensor() — the same
+//     values as eager construction, rope.inv_freq included (Note [Deferred initialization],
+//     fsdp/deferred_init.h).
 //     Init values: Linear/Embedding weights ~ N(0, init_std); the residual projections
 //     (attn.o, mlp.down) ~ N(0, init_std / sqrt(2 · n_layers)) when scaled_residual_init;
 //     RMSNorm weights 1.
@@ -56,6 +61,8 @@
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "fsdp/deferred_init.h"
 
 namespace flatshard {
 namespace llama {
@@ -115,6 +122,9 @@ double flops_per_token(const LlamaConfig& cfg);
 // cfg.seq_len: int64 CPU [batch, seq_len] tokens and next-token targets, per (seed, rank, step).
 std::pair<at::Tensor, at::Tensor> synthetic_batch(const LlamaConfig& cfg, int64_t batch,
                                                   int64_t seed, int rank, int64_t step = 0);
+
+// rope.inv_freq's values (the contract above): fp32 [hd/2] on CPU (meta under MetaInit).
+at::Tensor rope_inv_freq(int64_t head_dim, double theta);
 
 // x: [..., T, hd] (any leading dims), cos/sin: [T, hd/2] -> x rotated per the contract, in x's
 // dtype (cos and sin are cast to it).
@@ -189,7 +199,7 @@ class DecoderLayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(DecoderLayer);
 
-class LlamaImpl : public torch::nn::Module {
+class LlamaImpl : public torch::nn::Module, public flatshard::InitializesItself {
  public:
   // Validates cfg, builds on CPU in fp32 and initializes from `seed` (see the contract above).
   explicit LlamaImpl(const LlamaConfig& cfg, uint64_t seed = 0);
@@ -209,10 +219,17 @@ class LlamaImpl : public torch::nn::Module {
   RMSNorm norm{nullptr};
   torch::nn::Linear lm_head{nullptr};  // d -> vocab; weight is embed_tokens' when tied
 
+  // Fills parameter or buffer `name` (as named_parameters() / named_buffers() spell it; a
+  // tied weight under either name) with its initial values, in place, on any device and
+  // dtype: what construction gives it. Throws c10::Error for an unknown name or a shape that
+  // is not the tensor's.
+  void init_tensor(const std::string& name, const at::Tensor& values) const override;
+
  private:
-  void init_parameters(uint64_t seed);
+  void init_parameters();
 
   LlamaConfig cfg_;
+  uint64_t seed_;
   std::vector<DecoderLayer> layers_;  // same modules as layers_list, kept typed
 };
 TORCH_MODULE(Llama);

@@ -2,7 +2,9 @@
 #include "models/model_init.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_set>
 
@@ -29,6 +31,74 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
     if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
   }
   return out;
+}
+
+namespace {
+
+// splitmix64's finaliser: nearby inputs give unrelated seeds.
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Fills `flat` (contiguous CPU fp32, 1-D) chunk by chunk, the chunks in parallel.
+void draw_normal(const at::Tensor& flat, double std, uint64_t seed) {
+  const int64_t n = flat.numel();
+  const int64_t chunks = (n + kDrawChunk - 1) / kDrawChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      // Private generator per chunk: no lock needed (the sampling kernels lock it themselves).
+      at::Generator gen = at::detail::createCPUGenerator(chunk_seed(seed, k));
+      flat.narrow(0, k * kDrawChunk, std::min(kDrawChunk, n - k * kDrawChunk))
+          .normal_(0.0, std, gen);
+    }
+  });
+}
+
+}  // namespace
+
+uint64_t tensor_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return mix(seed ^ h);
+}
+
+uint64_t chunk_seed(uint64_t tensor_seed, int64_t chunk) {
+  return chunk == 0 ? tensor_seed
+                    : mix(tensor_seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(chunk));
+}
+
+void normal_init(const at::Tensor& values, double std, uint64_t seed, const std::string& name) {
+  if (values.is_meta()) return;
+  at::NoGradGuard no_grad;
+  const uint64_t s = tensor_seed(seed, name);
+  if (values.is_cpu() && values.scalar_type() == at::kFloat && values.is_contiguous()) {
+    // Detached: the worker threads of parallel_for do not inherit this thread's NoGradGuard,
+    // and an in-place draw into a view of a parameter would then be refused.
+    draw_normal(values.detach().view({-1}), std, s);
+    return;
+  }
+  at::Tensor draw = at::empty({values.numel()}, at::TensorOptions().dtype(at::kFloat));
+  draw_normal(draw, std, s);
+  values.copy_(draw.view(values.sizes()));
+}
+
+const torch::nn::Module* find_module(const torch::nn::Module& root, const std::string& path) {
+  const torch::nn::Module* m = &root;
+  size_t begin = 0;
+  while (m != nullptr && begin < path.size()) {
+    size_t end = path.find('.', begin);
+    if (end == std::string::npos) end = path.size();
+    const auto children = m->named_children();
+    const auto* child = children.find(path.substr(begin, end - begin));
+    m = child ? child->get() : nullptr;
+    begin = end + 1;
+  }
+  return m;
 }
 
 }  // namespace models

@@ -13,11 +13,28 @@
 //     optimizers and parameter counts.
 //   * path_ends_with(path, suffix): whether a module path ends in `suffix` (how the families
 //     find their residual projections at init).
+//   * Per-tensor determinism (Note [Deferred initialization], fsdp/deferred_init.h): a family
+//     initialises each parameter from its own CPU generator, seeded with tensor_seed(seed,
+//     name) — FNV-1a of the name mixed with the seed by splitmix64, stable across builds and
+//     platforms (std::hash is not) — so a tensor's values depend on (seed, name, shape) only,
+//     not on what was initialised before it. Eager construction and fully_shard's deferred
+//     init call the same per-tensor routine and get the same values.
+//   * normal_init(values, std, seed, name): values ~ N(0, std), drawn on the CPU in chunks of
+//     kDrawChunk elements (of the flattened tensor), chunk k from a generator seeded with
+//     chunk_seed(tensor_seed(seed, name), k), the chunks in parallel (at::parallel_for): a
+//     6.7B-parameter model is drawn on all host cores, and the values depend neither on the
+//     thread count nor on the order of the chunks. Drawn in place into a contiguous CPU fp32
+//     tensor (a fresh parameter, or its region of a flat buffer: the same kernel path per
+//     chunk, the same bits); any other tensor (a GPU one, another dtype, non-contiguous) gets
+//     the same draw made into a CPU fp32 tensor and copied in. A meta tensor (under
+//     flatshard::MetaInit) is left alone.
+//   * find_module(root, path): the module at `path` below `root` ("" = root itself), or null.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,6 +54,12 @@ class GlobalRngRestorer {
 };
 
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
+
+constexpr int64_t kDrawChunk = int64_t{1} << 20;
+uint64_t tensor_seed(uint64_t seed, const std::string& name);
+uint64_t chunk_seed(uint64_t tensor_seed, int64_t chunk);
+void normal_init(const at::Tensor& values, double std, uint64_t seed, const std::string& name);
+const torch::nn::Module* find_module(const torch::nn::Module& root, const std::string& path);
 
 inline bool path_ends_with(const std::string& path, const std::string& suffix) {
   return path.size() >= suffix.size() &&

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -321,6 +322,41 @@ TEST_CASE("--recompute and recompute specs: same collectives and loss, less acti
   CHECK(nested.err.find("nested inside a recompute unit") != std::string::npos);
 }
 
+TEST_CASE("--init eager|deferred: same losses, setup time and peak reported", "[bench]") {
+  // Deferred (the default) builds the sharded runs on meta; eager on the host. Same weights,
+  // so the step-0 losses agree exactly between the two reports, for both families.
+  for (const std::string family : {"gpt", "llama"}) {
+    std::map<std::string, double> loss;
+    for (const std::string init : {"eager", "deferred"}) {
+      CAPTURE(family, init);
+      const std::string json = scratch("init_" + family + "_" + init + ".json");
+      const Outcome o = run_bench({"--model", family, "--preset", "tiny", "--nproc", "2",
+                                   "--steps", "1", "--warmup", "0", "--granularity",
+                                   "local,layer,leaf", "--init", init, "--json", json});
+      INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+      REQUIRE(o.exit_code == 0);
+      CHECK(o.out.find("init " + init) != std::string::npos);
+      CHECK(o.out.find("setup s") != std::string::npos);
+      const JsonFile report(json);
+      const flatshard::json::Node& doc = report.root;
+      CHECK(doc.at("init").as_string() == init);
+      CHECK(doc.at("all_ok").as_bool());
+      for (const auto& r : doc.at("runs").items()) {
+        CAPTURE(r.at("granularity").as_string());
+        CHECK(r.at("setup_s").as_number() > 0);
+        CHECK(r.at("setup_peak_memory_bytes").as_number() > 0);
+        const std::string key = r.at("granularity").as_string();
+        const double l = r.at("loss_step0").as_number();
+        if (init == "eager") {
+          loss[key] = l;
+        } else {
+          CHECK(l == loss.at(key));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   struct Case {
     std::vector<std::string> args;
@@ -338,6 +374,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--preset", "huge"}, "huge"},
       {{"--steps", "0"}, "--steps must be >= 1, got 0"},
       {{"--optimizer", "sgd"}, "sgd"},
+      {{"--init", "lazy"}, "lazy"},
       {{"--kernel-profile", "0", "--device", "cuda"}, "--kernel-profile must be >= 1, got 0"},
       {{"--kernel-profile", "1"}, "needs --device cuda"},
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.

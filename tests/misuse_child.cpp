@@ -17,6 +17,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
+#include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "parity_util.h"
 
@@ -148,6 +149,46 @@ std::map<std::string, Scenario> scenarios() {
     auto net = Forgetful();
     auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm);
     auto part = fully_shard(net->norm.ptr(), flatshard_test::manual_plan(*net->norm, {}), comm);
+  };
+  // Deferred initialization (fsdp/deferred_init.h): the parameters began as meta tensors and
+  // were given storage in place; the guards must hold as for an eager model, and a model left
+  // partly materialised by a failed init must give an error when used, not a crash.
+  auto meta_net = [] {
+    Forgetful net{nullptr};
+    MetaInit meta;
+    net = Forgetful();
+    return net;
+  };
+  s["deferred_read_between_steps"] = [meta_net](Communicator& comm) {
+    auto net = meta_net();
+    ShardingOptions o;
+    o.init = [](const std::string&, const at::Tensor& v) { v.fill_(0.1); };
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    train_step(net, comm.rank());
+    (void)net->norm->weight.sum();
+  };
+  s["deferred_use_after_failed_init"] = [meta_net](Communicator& comm) {
+    auto net = meta_net();
+    ShardingOptions o;
+    const bool fails = comm.rank() == comm.world_size() - 1;  // the last rank only
+    o.init = [fails](const std::string& name, const at::Tensor& v) {
+      if (fails && name == "ln.weight") throw std::runtime_error("no values");
+      v.fill_(0.1);
+    };
+    try {
+      auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    } catch (const c10::Error&) {
+    }
+    train_step(net, comm.rank());
+  };
+  s["deferred_correct"] = [meta_net](Communicator& comm) {
+    auto net = meta_net();
+    ShardingOptions o;
+    o.init = [](const std::string&, const at::Tensor& v) { v.fill_(0.1); };
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    train_step(net, comm.rank());
+    train_step(net, comm.rank());
+    for (auto& [name, t] : fsdp->gather_full_params()) (void)t.sum().item<double>();
   };
   // Control: the correct program runs (exit 0), so the scenarios above fail for their misuse.
   s["correct"] = [](Communicator& comm) {

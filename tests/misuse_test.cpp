@@ -114,6 +114,21 @@ TEST_CASE("sharded parameters after the ShardedModel is destroyed: an error, not
                 {"backward through unit '<root>' (rank ", "after its ShardedModel was destroyed"});
 }
 
+TEST_CASE("deferred init: guarded like an eager model; a failed init leaves errors, not crashes",
+          "[misuse][deferred]") {
+  for (int world : {1, 2}) {
+    const ChildResult r = run_child("deferred_correct", world);
+    CAPTURE(world, r.out);
+    REQUIRE(r.exited);
+    CHECK(r.code == 0);
+  }
+  require_error("deferred_read_between_steps", 2,
+                {"parameter 'norm.weight' of unit 'norm' (rank ", "gather_full_params()"});
+  // fully_shard failed on every rank (the last one's init threw); the model, part meta, part
+  // guarded, is then used anyway.
+  for (int world : {1, 3}) require_error("deferred_use_after_failed_init", world, {"unit '"});
+}
+
 TEST_CASE("fully_shard twice is an error before anything is built", "[misuse]") {
   // The first ShardedModel trains a step after the failed second call (inside the scenario).
   require_error("fully_shard_twice", 2,

@@ -19,7 +19,7 @@
 namespace {
 std::mutex g_mu;
 std::vector<double> g_losses;
-constexpr int kSteps = 30;
+constexpr int kSteps = 40;
 
 // --- README quick start (keep in sync) ---------------------------------------------------------
 void train(flatshard::Communicator& comm) {            // one call per rank

@@ -21,6 +21,9 @@
 #               stream (the breakdown of the row's overhead; summary prints it)
 #   train_fused the same at 4 sequences per GPU for local, layer and leaf with
 #               --optimizer fused (flatshard::FusedAdamW, the floor included)
+#   setup       flatshard-bench --init eager vs --init deferred (fsdp/deferred_init.h), per-layer
+#               units: setup time and setup peak per run, and the process's max RSS (host
+#               memory), on the 1B GPT and (GPU_CHECK_SETUP_LARGE=1) a 6.7B GPT at 1 sequence/GPU
 #   trace       flatshard-bench, per-layer units, 4 sequences per GPU, with FLATSHARD_TRACE (host
 #               and CUDA-event timestamps per unit) and NVTX ranges, then flatshard-trace's summary:
 #               exposed communication per unit, GPU idle gaps and their cause, host issue time vs
@@ -183,6 +186,26 @@ step_train_fused() {
     --json "$LOGDIR/train_fused_b4.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_fused_b4.txt"
 }
 
+step_setup() {
+  local shapes=("1b:--preset 1b --batch 4")
+  [ "${GPU_CHECK_SETUP_LARGE:-0}" = 1 ] &&
+    shapes+=("6.7b:--preset 1b --d-model 4096 --heads 32 --layers 32 --batch 1")
+  local entry name init timer
+  for entry in "${shapes[@]}"; do
+    name=${entry%%:*}
+    for init in eager deferred; do
+      log "setup: GPT $name, --init $init"
+      # Host memory too (eager builds the model on the host), where GNU time is installed.
+      timer=()
+      [ -x /usr/bin/time ] && timer=(/usr/bin/time -f "setup $name $init: %e s wall, %M KiB max RSS")
+      # shellcheck disable=SC2086
+      "${timer[@]}" "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" ${entry#*:} \
+        --warmup 1 --steps 2 --granularity layer --init "$init" \
+        --json "$LOGDIR/setup_${name}_$init.json" | tee "$LOGDIR/setup_${name}_$init.txt" || return 1
+    done
+  done
+}
+
 step_trace() {
   rm -f "$LOGDIR"/trace*.json "$LOGDIR/merged_trace.json"
   # shellcheck disable=SC2086
@@ -256,7 +279,7 @@ step_sanitize() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused trace vs_torch)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused setup trace vs_torch)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"
@@ -297,7 +320,7 @@ summary() {
     echo
     cat "$LOGDIR/compare.txt"
   fi
-  for s in "$LOGDIR"/train_b*.txt "$LOGDIR"/train_fused_b*.txt; do
+  for s in "$LOGDIR"/train_b*.txt "$LOGDIR"/train_fused_b*.txt "$LOGDIR"/setup_*.txt; do
     [ -f "$s" ] || continue
     echo
     sed -n '/^granularity/,/^$/p' "$s"
