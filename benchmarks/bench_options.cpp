@@ -143,6 +143,7 @@ ParseResult parse_command_line(int argc, char** argv) {
                "two optimizer groups by parameter name (no weight decay on norms and biases), "
                "over ShardedModel::named_parameters(): per-parameter shard views instead of one "
                "master per unit (local: the model's parameters); measures what groups cost")
+      ->group(g_run);
   app.add_option("--init", init,
                  "deferred: sharded runs build the model on the meta device and fully_shard "
                  "initialises it unit by unit on the device (default) | eager: build it on the "
