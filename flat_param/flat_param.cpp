@@ -503,6 +503,13 @@ void FlatParam::point_view_grads() {
   }
 }
 
+void FlatParam::release_cleared_grad() {
+  if (!views_active_ || !master_.grad().defined()) return;
+  for (size_t i = 0; i < views_.size(); ++i)
+    if (trainable_[i] && views_[i].tensor.grad().defined()) return;
+  master_.mutable_grad() = at::Tensor();
+}
+
 std::vector<at::Tensor> FlatParam::absorb_view_grads() {
   std::vector<at::Tensor> read;
   if (!views_active_) return read;

@@ -128,6 +128,10 @@ class FlatParam {
   // .grad is cleared. Returns the replaced gradients read (the caller keeps them alive until
   // the stream's work is done). No-op otherwise.
   std::vector<at::Tensor> absorb_view_grads();
+  // Views active and every trainable view's .grad cleared (zero_grad(set_to_none) on an
+  // optimizer over the views): drops master().grad too, so the memory is free before the next
+  // forward instead of at this unit's next reduction (as zero_grad on the master would).
+  void release_cleared_grad();
 
   // Sum of the version counters of master() and its views: changes when any is written in
   // place (an optimizer step on either).

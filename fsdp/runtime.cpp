@@ -268,7 +268,10 @@ void Runtime::on_first_forward_entry(Unit& unit) {
 void Runtime::on_root_enter() {
   if (!backward_active_ && !pending_backward_ && forward_order_.empty()) {
     step_guard_.on_step_start(units_, comm_.rank());
-    for (const auto& u : units_) u->check_trainable_unchanged(comm_.rank());
+    for (const auto& u : units_) {
+      u->check_trainable_unchanged(comm_.rank());
+      u->flat().release_cleared_grad();  // Note [Original-parameter views]: zero_grad on views
+    }
   }
   // A forward that armed no backward left its step state behind (its root call did not
   // return: it threw): close it, so this forward starts a fresh step. Two forwards before one

@@ -388,3 +388,32 @@ TEST_CASE("Fine-tuning misuse gives errors", "[finetune][misuse]") {
     }
   }
 }
+
+TEST_CASE("zero_grad on the views frees the master gradients before the next forward",
+          "[finetune][groups]") {
+  // With the optimizer over the views, zero_grad(set_to_none) clears only the views' .grad; the
+  // masters' gradients must go at the next step's start too (as zero_grad on parameters()
+  // frees them), or a step holds the previous step's gradients through its forward.
+  std::vector<int> held(2, -1);
+  run_ranks(1, [&](Communicator& comm) {
+    ParitySpec s = gpt_parity_spec(1, "type=Block");
+    s.no_decay = no_decay;
+    auto model = s.make_model();
+    auto fsdp = fully_shard(model, s.plan(*model), comm);
+    torch::optim::AdamW opt(param_groups(s, fsdp->named_parameters()),
+                            torch::optim::AdamWOptions(s.lr));
+    s.loss(model, 0, 0, 0).backward();
+    opt.step();
+    int before = 0, after = 0;
+    for (size_t u = 0; u < fsdp->num_units(); ++u)
+      before += fsdp->unit(u).flat().master().grad().defined() ? 1 : 0;
+    opt.zero_grad();
+    at::Tensor loss = s.loss(model, 0, 1, 0);  // the next forward: its root entry released them
+    for (size_t u = 0; u < fsdp->num_units(); ++u)
+      after += fsdp->unit(u).flat().master().grad().defined() ? 1 : 0;
+    held = {before, after};
+    loss.backward();
+  });
+  REQUIRE(held[0] == 4);  // every unit had its gradient after the backward
+  REQUIRE(held[1] == 0);
+}
