@@ -204,6 +204,7 @@ void Tracer::note_unit(const TraceUnit& unit) {
   u.padded_numel = unit.padded_numel;
   u.all_gather_bytes = unit.all_gather_bytes;
   u.reduce_bytes = unit.reduce_bytes;
+  u.kind = unit.kind;
 }
 
 std::string Tracer::event_name(TraceKind kind, int unit) const {
@@ -462,7 +463,10 @@ void Tracer::write_json(std::ostream& os) const {
     write_string(os, u.strategy);
     os << ',' << Key{k::kReshardAfterForward} << (u.reshard_after_forward ? "true" : "false")
        << ',' << Key{k::kPaddedNumel} << u.padded_numel << ',' << Key{k::kAllGatherBytes}
-       << u.all_gather_bytes << ',' << Key{k::kReduceBytes} << u.reduce_bytes << '}';
+       << u.all_gather_bytes << ',' << Key{k::kReduceBytes} << u.reduce_bytes << ','
+       << Key{k::kKind};
+    write_string(os, u.kind);
+    os << '}';
     first = false;
   }
   os << "]},\n" << Key{k::kTraceEvents} << "[\n";

@@ -89,6 +89,9 @@ struct TraceUnit {
   int64_t padded_numel = 0;      // flat buffer elements (0: the unit issues no collective)
   int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends
   int64_t reduce_bytes = 0;      // one reduction: bytes this rank sends
+  // The unit's kind for per-kind summaries: its first member module's type ("<root>" for the
+  // root), e.g. "flatshard::gpt::BlockImpl", "torch::nn::LinearImpl".
+  std::string kind;
 };
 
 // One recorded event (exposed for tests and tools; times in microseconds).
@@ -144,6 +147,7 @@ class Tracer {
     std::string strategy;
     bool reshard_after_forward = false;
     int64_t padded_numel = 0, all_gather_bytes = 0, reduce_bytes = 0;
+    std::string kind;
   };
   struct OpenSpan {  // a kForward / kBackward span between two hooks
     TraceKind kind;

@@ -8,7 +8,7 @@
 //    "otherData": {"flatshard_trace": <kVersion>, "rank", "world_size", "device",
 //                  "forward_prefetch", "backward_prefetch",
 //                  "units": [{"index", "name", "strategy", "reshard_after_forward",
-//                             "padded_numel", "all_gather_bytes", "reduce_bytes"}, ...]},
+//                             "padded_numel", "all_gather_bytes", "reduce_bytes", "kind"}, ...]},
 //    "traceEvents": [metadata ("ph": "M": process and thread names and sort order),
 //                    complete events ("ph": "X": "name", "cat", "ts", "dur" in microseconds,
 //                    "pid" = rank, "tid" = Track, "args": {"step", "unit", "phase", "bytes",
@@ -102,6 +102,7 @@ inline constexpr char kReshardAfterForward[] = "reshard_after_forward";
 inline constexpr char kPaddedNumel[] = "padded_numel";
 inline constexpr char kAllGatherBytes[] = "all_gather_bytes";
 inline constexpr char kReduceBytes[] = "reduce_bytes";
+inline constexpr char kKind[] = "kind";  // the unit's module type (TraceUnit::kind); optional
 // traceEvents[i].args.
 inline constexpr char kStep[] = "step";
 inline constexpr char kUnit[] = "unit";

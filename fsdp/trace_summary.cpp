@@ -90,6 +90,7 @@ TraceUnitMeta unit_meta(const json& u) {
   m.padded_numel = static_cast<int64_t>(number_or(u, k::kPaddedNumel, 0));
   m.all_gather_bytes = static_cast<int64_t>(number_or(u, k::kAllGatherBytes, 0));
   m.reduce_bytes = static_cast<int64_t>(number_or(u, k::kReduceBytes, 0));
+  m.kind = string_or(u, k::kKind, "");
   return m;
 }
 
@@ -160,7 +161,15 @@ std::vector<double> self_times(const std::vector<const TraceEvent*>& evs) {
 
 struct Acc {  // sums over the used steps of one rank
   double fwd = 0, bwd = 0, ag_fwd = 0, ag_bwd = 0, rs = 0, gap = 0, ags = 0, rss = 0, ag_time = 0;
+  double host = 0;
+  std::map<std::string, double> host_by_phase;
 };
+
+// The host spans of flatshard's hooks (not the model's forward / backward spans around them).
+bool is_hook_span(const std::string& cat) {
+  return cat == tf::cat::kPreForward || cat == tf::cat::kAllGather || cat == tf::cat::kReshard ||
+         cat == tf::cat::kPreBackward || cat == tf::cat::kReduce;
+}
 
 std::string advice_for(const UnitCost& u, const TraceSummary& s, const RankTrace& meta,
                        double median_ag_call_us) {
@@ -307,6 +316,17 @@ std::map<std::string, Acc> unit_times(const Tracks& tracks, bool gpu) {
       acc[e->unit].rss += 1;
       if (!gpu) acc[e->unit].rs += e->dur;
     }
+  // UnitCost::host_us: top-level hook spans only (sorted by begin, enclosing first), so a
+  // prefetch's all-gather inside another unit's pre-forward is not counted twice.
+  double top_end = -1;
+  for (const auto* e : tracks[kHostTrack]) {
+    if (!is_hook_span(e->cat) || e->unit.empty()) continue;
+    if (e->ts < top_end) continue;  // nested in the previous top-level hook span
+    top_end = e->ts + e->dur;
+    Acc& a = acc[e->unit];
+    a.host += e->dur;
+    a.host_by_phase[e->cat] += e->dur;
+  }
   return acc;
 }
 
@@ -362,6 +382,8 @@ void add_rank_means(const std::map<std::string, Acc>& acc, double steps, UnitOrd
     t.ags += a.ags / steps;
     t.rss += a.rss / steps;
     t.ag_time += a.ag_time / steps;
+    t.host += a.host / steps;
+    for (const auto& [phase, us] : a.host_by_phase) t.host_by_phase[phase] += us / steps;
   }
 }
 
@@ -384,11 +406,41 @@ void fill_units(TraceSummary& s, const UnitOrder& order, const std::map<std::str
     u.reduces = t.rss / ranks;
     u.all_gather_call_us = t.ags > 0 ? t.ag_time / t.ags : 0;
     u.gathered_bytes = order.meta.at(name).all_gather_bytes * world_size;
+    u.host_us = t.host / ranks;
+    for (const auto& [phase, us] : t.host_by_phase) u.host_by_phase[phase] = us / ranks;
     s.compute_us += u.forward_us + u.backward_us;
     s.all_gather_us += u.all_gather_forward_us + u.all_gather_backward_us;
     s.reduce_us += u.reduce_us;
     s.host_gap_us += u.host_gap_us;
     s.units.push_back(std::move(u));
+  }
+}
+
+// TraceSummary::host_by_kind: the units grouped by kind (traces without kinds: one group "").
+void fill_host_by_kind(TraceSummary& s, const UnitOrder& order) {
+  std::vector<std::string> kinds;
+  std::map<std::string, std::vector<const UnitCost*>> by_kind;
+  for (const auto& u : s.units) {
+    const auto m = order.meta.find(u.unit);
+    const std::string kind = m == order.meta.end() ? "" : m->second.kind;
+    if (!by_kind.count(kind)) kinds.push_back(kind);
+    by_kind[kind].push_back(&u);
+  }
+  for (const auto& kind : kinds) {
+    const auto& units = by_kind.at(kind);
+    KindHostCost k;
+    k.kind = kind;
+    k.units = static_cast<int>(units.size());
+    std::vector<double> us;
+    for (const UnitCost* u : units) {
+      us.push_back(u->host_us);
+      k.max_us = std::max(k.max_us, u->host_us);
+      for (const auto& [phase, v] : u->host_by_phase) k.by_phase_us[phase] += v / units.size();
+    }
+    std::sort(us.begin(), us.end());
+    const size_t n = us.size();
+    k.median_us = n % 2 ? us[n / 2] : 0.5 * (us[n / 2 - 1] + us[n / 2]);
+    s.host_by_kind.push_back(std::move(k));
   }
 }
 
@@ -544,6 +596,7 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
   s.host_issue_us = spans.issue_n ? spans.issue / spans.issue_n : 0;
   s.gpu_span_us = spans.gpu_n ? spans.gpu / spans.gpu_n : 0;
   fill_units(s, order, total, static_cast<double>(ranks.size()), ranks.front().world_size);
+  fill_host_by_kind(s, order);
   pick_offenders(s, opt.top, ranks.front());
   s.largest_gaps = largest(std::move(gaps), opt.top);
   return s;
@@ -580,6 +633,27 @@ std::string TraceSummary::to_string() const {
                    ms(u.exposed()), n, u.gathered_bytes ? format_bytes(u.gathered_bytes) : "-"});
   }
   os << table;
+  os << "host time of flatshard's hooks per unit per step, by unit kind (" 
+     << (gpu ? "issue time" : "CPU: collectives run inside all_gather / reduce")
+     << "; a prefetch counts for the unit whose hook issued it):\n";
+  TextTable kinds({"kind", "units", "median us", "max us", "pre_forward", "all_gather",
+                   "reshard", "pre_backward", "reduce"});
+  auto us = [](double v) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.1f", v);
+    return std::string(b);
+  };
+  for (const auto& k : host_by_kind) {
+    auto phase = [&](const char* c) {
+      const auto it = k.by_phase_us.find(c);
+      return us(it == k.by_phase_us.end() ? 0.0 : it->second);
+    };
+    kinds.add_row({k.kind.empty() ? "-" : k.kind, std::to_string(k.units), us(k.median_us),
+                   us(k.max_us), phase(tf::cat::kPreForward), phase(tf::cat::kAllGather),
+                   phase(tf::cat::kReshard), phase(tf::cat::kPreBackward),
+                   phase(tf::cat::kReduce)});
+  }
+  os << kinds;
   if (gpu) {
     os << "largest GPU idle gaps:\n";
     if (largest_gaps.empty()) os << "  none\n";

@@ -17,6 +17,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,7 @@ struct TraceUnitMeta {
   std::string name, strategy;
   bool reshard_after_forward = false;
   int64_t padded_numel = 0, all_gather_bytes = 0, reduce_bytes = 0;
+  std::string kind;  // the unit's module type ("" in traces that do not record it)
 };
 
 struct RankTrace {
@@ -75,6 +77,21 @@ struct UnitCost {
     return all_gather_forward_us + all_gather_backward_us + reduce_us + host_gap_us;
   }
   std::string advice;  // one line, for offenders
+  // Host time of flatshard's own hooks for this unit, per step (mean over ranks): the top-level
+  // host spans pre_forward, all_gather, reshard, pre_backward and reduce it is named in (a span
+  // nested in another — a prefetch inside a pre-forward — counts for the enclosing one's unit).
+  // On CPU the collectives run inside all_gather / reduce: it is not issue time there.
+  double host_us = 0;
+  std::map<std::string, double> host_by_phase;  // by span category, per step
+};
+
+// Host time per unit per step, by unit kind (TraceUnitMeta::kind): what one unit of each kind
+// costs the host, the median over the kind's units, and its mean split by hook.
+struct KindHostCost {
+  std::string kind;
+  int units = 0;
+  double median_us = 0, max_us = 0;
+  std::map<std::string, double> by_phase_us;  // mean per unit
 };
 
 struct IdleGap {
@@ -99,6 +116,7 @@ struct TraceSummary {
   std::vector<UnitCost> units;     // plan order
   std::vector<size_t> offenders;   // indices into units, most exposed first (exposed > 0)
   std::vector<IdleGap> largest_gaps;  // GPU only, largest first
+  std::vector<KindHostCost> host_by_kind;  // kinds in plan order of their first unit
   std::string to_string() const;
 };
 

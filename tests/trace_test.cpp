@@ -311,6 +311,11 @@ TEST_CASE("trace summary: a planted all-gather delay names its unit first",
   CHECK(top.all_gathers == Approx(2.0));
   CHECK(top.advice.find("delayed rank") != std::string::npos);
   CHECK(s.to_string().find("1. l2") != std::string::npos);
+  // Host time of the hooks: the two delayed all-gathers run inside them on CPU (40 ms each per
+  // step), whichever unit's hook issued them (a prefetch counts for the issuer).
+  double host = 0;
+  for (const auto& u : s.units) host += u.host_us;
+  CHECK(host >= 0.9 * 80000);
 
   // A merged file reads back as the same two ranks.
   const json merged = merge_traces({parse_file(trace_file_for_rank(path, 0, 2)),
@@ -449,4 +454,40 @@ TEST_CASE("trace summary: what is not a flatshard trace of this version is refus
   std::ofstream(other) << "{\"traceEvents\": []}";
   CHECK_THROWS_WITH(read_trace_files({other}), Contains(other + ": not a flatshard trace"));
   CHECK_THROWS_WITH(read_trace_files({(dir / "missing.json").string()}), Contains("cannot open"));
+}
+
+TEST_CASE("trace summary: host time of the hooks per unit, by unit kind", "[diagnostics][trace]") {
+  // Per-leaf tiny GPT at world 2: the kinds are the member modules' types, with as many units
+  // as the plan has of each; each unit's host time is the sum of its hooks' top-level spans.
+  const auto dir = temp_dir("kinds");
+  const std::string path = (dir / "t.json").string();
+  const std::string spec = "type=Linear|LayerNorm|Embedding";
+  train_tiny_traced(2, spec, path, 3);
+  auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
+  const Plan plan = make_plan(*model, parse_policy(spec));
+  std::map<std::string, int> want;  // kind -> units, from the plan and the model
+  std::map<std::string, const torch::nn::Module*> modules;
+  for (const auto& m : model->named_modules()) modules[m.key()] = m.value().get();
+  for (const auto& u : plan.units)
+    want[u.is_root ? "<root>" : modules.at(u.module_paths.front())->name()] += 1;
+  const TraceSummary s =
+      summarize(read_trace_files({trace_file_for_rank(path, 0, 2), trace_file_for_rank(path, 1, 2)}));
+  INFO(s.to_string());
+  std::map<std::string, int> got;
+  for (const auto& k : s.host_by_kind) {
+    got[k.kind] = k.units;
+    CHECK(k.median_us > 0);
+    CHECK(k.max_us >= k.median_us);
+  }
+  CHECK(got == want);
+  CHECK(got.count("torch::nn::LinearImpl"));
+  for (const auto& u : s.units) {
+    CAPTURE(u.unit);
+    CHECK(u.host_us > 0);
+    double phases = 0;
+    for (const auto& [phase, us] : u.host_by_phase) phases += us;
+    CHECK(phases == Approx(u.host_us));
+    CHECK(u.host_by_phase.count("pre_forward"));
+  }
+  CHECK(s.to_string().find("by unit kind") != std::string::npos);
 }
