@@ -8,6 +8,8 @@
 //     (converted by torch for the reference), and a name map (HF-style prefixed names);
 //   * reads: each rank reads only its shard's bytes (all ranks together read every byte once;
 //     one rank of four well under half of them);
+//   * a flatshard full checkpoint (a directory: model.safetensors + manifest) loads the same
+//     way at another world size; a sharded one is refused naming load_checkpoint;
 //   * errors (world 2): a missing tensor, a shape mismatch, an integer dtype, a truncated
 //     file, an index naming a missing file, a name map giving an unknown name, a loader on an
 //     eager model: every rank throws a c10::Error naming the tensor, none hangs.
@@ -23,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/load_into_shards.h"
 #include "checkpoint/safetensors.h"
@@ -348,5 +351,39 @@ TEST_CASE("one rank that cannot load fails every rank, at the check and at a rea
       REQUIRE(e.find(victim) != std::string::npos);
       if (when == "read") REQUIRE(e.find("fully_shard: loading unit") != std::string::npos);
     }
+  }
+}
+
+TEST_CASE("a flatshard full checkpoint loads into shards at another world size", "[load]") {
+  const ModelConfig c = config(Family::kLlama);
+  TempDir tmp;
+  std::map<std::string, at::Tensor> saved;
+  std::mutex mu;
+  for (const auto kind : {CheckpointKind::kFull, CheckpointKind::kSharded}) {
+    const std::string dir = tmp / (kind == CheckpointKind::kFull ? "full" : "sharded");
+    run_ranks(2, [&](Communicator& comm) {
+      auto model = c.build(kSeed + 1);  // other values than the meta model's own init
+      auto fsdp = fully_shard(model, policy(c.family), comm);
+      CheckpointOptions options;
+      options.kind = kind;
+      options.durable = false;
+      save_checkpoint(*fsdp, nullptr, dir, options);
+      auto gathered = fsdp->gather_full_params();
+      std::lock_guard<std::mutex> lock(mu);
+      if (comm.rank() == 0)
+        for (auto& [name, t] : gathered) saved[name] = t;
+    });
+  }
+  for (int world : {1, 3}) {
+    INFO("world " << world);
+    const Loaded out = load_sharded(c, world, tmp / "full");
+    for (const auto& e : out.errors) REQUIRE(e == "");
+    require_equal(out.params, saved);
+  }
+  const Loaded sharded = load_sharded(c, 2, tmp / "sharded");
+  for (const auto& e : sharded.errors) {
+    INFO(e);
+    REQUIRE(e.find("sharded flatshard checkpoint") != std::string::npos);
+    REQUIRE(e.find("load_checkpoint") != std::string::npos);
   }
 }
