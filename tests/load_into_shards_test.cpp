@@ -8,6 +8,7 @@
 //     (converted by torch for the reference), and a name map (HF-style prefixed names);
 //   * reads: each rank reads only its shard's bytes (all ranks together read every byte once;
 //     one rank of four well under half of them);
+//   * HSDP (2 x 2 threads): every replica reads its own shards, and each holds the file;
 //   * a flatshard full checkpoint (a directory: model.safetensors + manifest) loads the same
 //     way at another world size; a sharded one is refused naming load_checkpoint;
 //   * errors (world 2): a missing tensor, a shape mismatch, an integer dtype, a truncated
@@ -29,7 +30,9 @@
 #include "checkpoint/file_io.h"
 #include "checkpoint/load_into_shards.h"
 #include "checkpoint/safetensors.h"
+#include "collectives/sharding_mesh.h"
 #include "collectives/thread_communicator.h"
+#include "collectives/thread_mesh.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "gpt_parity_spec.h"
@@ -386,4 +389,31 @@ TEST_CASE("a flatshard full checkpoint loads into shards at another world size",
     REQUIRE(e.find("sharded flatshard checkpoint") != std::string::npos);
     REQUIRE(e.find("load_checkpoint") != std::string::npos);
   }
+}
+
+TEST_CASE("HSDP: every replica loads its own shards", "[load][hsdp]") {
+  const ModelConfig c = config(Family::kGpt);
+  TempDir tmp;
+  write_files(c, tmp);
+  const std::string path = tmp / "files/split";
+  const auto plain = plain_loaded(c, read_f32(tmp / "files/single/model.safetensors"));
+  std::vector<std::map<std::string, at::Tensor>> replicas(2);
+  std::vector<int64_t> bytes(4, 0);
+  std::mutex mu;
+  run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& replicate) {
+    auto stats = std::make_shared<LoadStats>();
+    ShardingOptions options;
+    options.load = safetensors_loader(path, {}, stats);
+    auto model = build_meta(c);
+    auto fsdp = fully_shard(model, policy(c.family), ShardingMesh(shard, &replicate), options);
+    auto gathered = fsdp->gather_full_params();
+    std::lock_guard<std::mutex> lock(mu);
+    bytes[static_cast<size_t>(replicate.rank() * 2 + shard.rank())] = stats->bytes;
+    if (shard.rank() == 0)
+      for (auto& [name, t] : gathered) replicas[static_cast<size_t>(replicate.rank())][name] = t;
+  });
+  for (const auto& r : replicas) require_equal(r, plain);
+  // Each shard group reads the whole file once.
+  REQUIRE(bytes[0] + bytes[1] == total_bytes(plain, 4));
+  REQUIRE(bytes[2] + bytes[3] == total_bytes(plain, 4));
 }
