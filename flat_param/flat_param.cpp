@@ -98,7 +98,7 @@ at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device devi
 
 FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
                      const FlatParamConfig& config, Communicator* replicate,
-                     const std::function<void()>& fill)
+                     const std::function<void()>& fill, const RangeFill& load_ranges)
     : unit_name_(std::move(unit_name)),
       params_(std::move(params)),
       comm_(comm),
@@ -124,11 +124,12 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
                 p.param.device(), " (rank ", comm_.rank(), ")");
     TORCH_CHECK(p.param.is_leaf(), "unit '", unit_name_, "': parameter '", p.name,
                 "' is not a leaf tensor");
-    TORCH_CHECK(p.param.is_meta() == static_cast<bool>(fill), "unit '", unit_name_,
+    const bool deferred = fill || load_ranges;
+    TORCH_CHECK(p.param.is_meta() == deferred, "unit '", unit_name_,
                 "' (rank ", comm_.rank(), "): parameter '", p.name, "' is ",
-                fill ? "not on the meta device, but the unit is built with deferred values"
-                     : "on the meta device (it holds no values), but the unit is built from "
-                       "values");
+                deferred ? "not on the meta device, but the unit is built with deferred values"
+                         : "on the meta device (it holds no values), but the unit is built "
+                           "from values");
     shapes.push_back(p.param.sizes().vec());
     trainable_.push_back(p.param.requires_grad());
     if (trainable_.back()) ++num_trainable_;
@@ -142,28 +143,34 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     if (i < layout_.numels.size()) end = layout_.offsets[i] + layout_.numels[i];
   }
 
-  // The full fp32 values, padding zero, on the communicator's device.
-  at::Tensor init = at::zeros({layout_.padded_numel}, at::TensorOptions().dtype(at::kFloat).device(device));
-  if (fill) {
-    fill_deferred(init, fill);
+  TORCH_CHECK(!(fill && load_ranges), "unit '", unit_name_,
+              "': built with both an init and a loader");
+  if (load_ranges) {
+    load_master(load_ranges);  // Note [Loading into shards]: no full buffer, no broadcast
   } else {
-    for (size_t i = 0; i < params_.size(); ++i) {
-      init.narrow(0, layout_.offsets[i], layout_.numels[i])
-          .copy_(params_[i].param.detach().reshape({-1}));
+    // The full fp32 values, padding zero, on the communicator's device.
+    at::Tensor init =
+        at::zeros({layout_.padded_numel}, at::TensorOptions().dtype(at::kFloat).device(device));
+    if (fill) {
+      fill_deferred(init, fill);
+    } else {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        init.narrow(0, layout_.offsets[i], layout_.numels[i])
+            .copy_(params_[i].param.detach().reshape({-1}));
+      }
     }
-  }
-  if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
-    comm_.broadcast(init, 0, comm_.current_stream());
-  }
-  // HSDP: every shard group now holds its rank 0's values; make them global rank 0's.
-  if (config_.sync_module_states && hybrid() && layout_.padded_numel > 0) {
-    replicate_->broadcast(init, 0, replicate_->current_stream());
-  }
-
-  if (config_.sharded) {
-    master_ = init.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel).clone();
-  } else {
-    master_ = init;
+    if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
+      comm_.broadcast(init, 0, comm_.current_stream());
+    }
+    // HSDP: every shard group now holds its rank 0's values; make them global rank 0's.
+    if (config_.sync_module_states && hybrid() && layout_.padded_numel > 0) {
+      replicate_->broadcast(init, 0, replicate_->current_stream());
+    }
+    if (config_.sharded) {
+      master_ = init.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel).clone();
+    } else {
+      master_ = init;
+    }
   }
   // Note [Frozen parameters]: a unit of frozen parameters only has no optimizer parameter.
   master_.requires_grad_(num_trainable_ > 0);
@@ -193,8 +200,19 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
   }
   // Note [Unsharded buffer lifetime]: from here on the parameters are views of full_.
   for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].param.set_data(
-        full_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]));
+    const at::Tensor view =
+        full_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]);
+    // Loaded values: the parameter is still on meta (set_data refuses meta). It takes the view
+    // itself, or, of another dtype, a tensor of its own that set_data replaces at once.
+    if (params_[i].param.is_meta()) {
+      const auto dtype = params_[i].param.scalar_type();
+      materialize_meta(params_[i].param,
+                       view.scalar_type() == dtype ? view
+                                                   : at::empty(layout_.shapes[i],
+                                                               view.options().dtype(dtype)),
+                       "parameter '" + params_[i].name + "' of unit '" + unit_name_ + "'");
+    }
+    params_[i].param.set_data(view);
   }
   if (config_.sharded) {
     const size_t nbytes = static_cast<size_t>(layout_.padded_numel) * full_.element_size();
@@ -258,6 +276,32 @@ void FlatParam::fill_deferred(const at::Tensor& init, const std::function<void()
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].param.scalar_type() != at::kFloat)
       init.narrow(0, layout_.offsets[i], layout_.numels[i]).copy_(values[i].reshape({-1}));
+}
+
+void FlatParam::load_master(const RangeFill& load_ranges) {
+  const int64_t base = config_.sharded ? layout_.shard_begin(comm_.rank()) : 0;
+  const int64_t size = config_.sharded ? layout_.shard_numel : layout_.padded_numel;
+  master_ = at::zeros({size}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
+  std::exception_ptr error;
+  try {
+    const void* data = master_.data_ptr();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const int64_t b = std::clamp<int64_t>(layout_.offsets[i] - base, 0, size);
+      const int64_t e =
+          std::clamp<int64_t>(layout_.offsets[i] + layout_.numels[i] - base, 0, size);
+      if (e <= b) continue;
+      const int64_t first = b + base - layout_.offsets[i];  // in the flattened parameter
+      load_ranges(i, first, first + (e - b), master_.narrow(0, b, e - b));
+    }
+    TORCH_CHECK(master_.data_ptr() == data && master_.numel() == size, "loading unit '",
+                unit_name_, "' (rank ", comm_.rank(), ") moved or resized its master shard; "
+                "a loader must write the slice it is given in place");
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // Note [Loading into shards]: the unit's agree point, as for an init; no broadcast follows.
+  agree(comm_, hybrid() ? replicate_ : nullptr, error,
+        "fully_shard: loading unit '" + unit_name_ + "'");
 }
 
 void FlatParam::guard_params() {

@@ -54,6 +54,14 @@
 //   the rank and the cause. Then it goes on as if the values had been copied in (broadcast
 //   with sync_module_states, keep the shard). Peak: the flat fp32 buffer, the master shard
 //   and (briefly) full(); no second copy of the unit.
+// - Loaded values (Note [Loading into shards], fsdp/deferred_init.h): built with `load_ranges`
+//   instead, the parameters must be meta tensors too, but no full buffer is made: master()
+//   starts as zeros of this rank's shard (padding zero), `load_ranges(i, begin, end, dst)` is
+//   called for each parameter i that intersects it, with elements [begin, end) of the
+//   flattened parameter and `dst` the master's slice that holds them; then the unit agrees
+//   across ranks (as for `fill`) and goes on without any broadcast: every rank read its own
+//   part. The parameters take full()'s views directly. Peak: the master shard and (briefly)
+//   full().
 // - All collectives go through the given Communicator on the given stream; the caller orders
 //   streams (fsdp/ does). No method here blocks the host on the device.
 // - Not thread-safe; one FlatParam per unit per rank.
@@ -99,10 +107,16 @@ struct ParamRef {
 
 class FlatParam {
  public:
-  // `fill`: deferred values (see the contract); empty: the parameters hold their values.
+  // Elements [begin, end) of the flattened parameter `param` (index into params) into `dst`,
+  // a 1-D fp32 slice of master() on the communicator's device.
+  using RangeFill =
+      std::function<void(size_t param, int64_t begin, int64_t end, const at::Tensor& dst)>;
+
+  // `fill`: deferred values; `load_ranges`: loaded values (see the contract; at most one of
+  // the two); both empty: the parameters hold their values.
   FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
             const FlatParamConfig& config, Communicator* replicate = nullptr,
-            const std::function<void()>& fill = {});
+            const std::function<void()>& fill = {}, const RangeFill& load_ranges = {});
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -198,6 +212,8 @@ class FlatParam {
   // Deferred values: materialises the parameters in `init` (or beside it), runs `fill`, checks
   // and agrees, then copies the values that are not already in `init` there.
   void fill_deferred(const at::Tensor& init, const std::function<void()>& fill);
+  // Loaded values: master_ = zeros of the shard, each intersecting range read into it, agreed.
+  void load_master(const RangeFill& load_ranges);
   void clear_param_grads();
   void guard_params();
   void point_view_grads();

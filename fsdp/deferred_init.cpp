@@ -31,7 +31,8 @@ bool uses_deferred_init(const torch::nn::Module& model, int rank) {
   return true;
 }
 
-DeferredInit::DeferredInit(torch::nn::Module& model, TensorInit user) : user_(std::move(user)) {
+DeferredInit::DeferredInit(torch::nn::Module& model, TensorInit user, bool params_loaded)
+    : user_(std::move(user)), params_loaded_(params_loaded) {
   if (user_) return;
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     if (const auto* s = dynamic_cast<const InitializesItself*>(item.value().get()))
@@ -89,17 +90,20 @@ void DeferredInit::check_every_tensor_has_init(const torch::nn::Module& model) c
                 "implements flatshard::InitializesItself. Pass ShardingOptions::init, or build "
                 "the model eagerly");
   };
-  for (const auto& item : model.named_parameters(/*recurse=*/true))
-    if (item.value().is_meta()) check(item.key(), "parameter");
+  if (!params_loaded_)
+    for (const auto& item : model.named_parameters(/*recurse=*/true))
+      if (item.value().is_meta()) check(item.key(), "parameter");
   for (const auto& item : model.named_buffers(/*recurse=*/true))
     if (item.value().defined() && item.value().is_meta()) check(item.key(), "buffer");
 }
 
 void DeferredInit::materialize_buffers(torch::nn::Module& model, Communicator& comm,
-                                       Communicator* replicate) const {
+                                       Communicator* replicate,
+                                       const std::function<void()>& check_first) const {
   std::exception_ptr error;
   try {
     at::NoGradGuard no_grad;
+    if (check_first) check_first();
     check_every_tensor_has_init(model);
     for (auto& item : model.named_buffers(/*recurse=*/true)) {
       const at::Tensor& b = item.value();
@@ -116,8 +120,11 @@ void DeferredInit::materialize_buffers(torch::nn::Module& model, Communicator& c
   } catch (...) {
     error = std::current_exception();
   }
-  agree(comm, replicate, error, "fully_shard: deferred initialization (the buffers; an init for "
-        "every meta tensor)");
+  agree(comm, replicate, error,
+        check_first ? "fully_shard: loading (the loader's check of every parameter) and "
+                      "deferred initialization of the buffers"
+                    : "fully_shard: deferred initialization (the buffers; an init for every "
+                      "meta tensor)");
 }
 
 }  // namespace detail

@@ -38,12 +38,39 @@
 // tensor nothing can initialise, throw c10::Error on every rank at the next agree point,
 // naming the unit (or buffer), the tensor and the rank that failed — not a hang. After such a
 // failure the model is partly materialised: build a fresh one.
-// Open for loading: an init that copies a checkpoint's tensor into `values` fills the unit's
-// flat buffer straight from the file, with the same memory bound.
+// Loading instead of an init: Note [Loading into shards] below.
+//
+// Note [Loading into shards]
+// Why: a published model (one model.safetensors, or a model.safetensors.index.json over
+// several files) loaded through an init would still fill each unit's whole fp32 flat buffer on
+// every rank, reading every byte of the file world times, and then broadcast it. With
+// ShardingOptions::load (fsdp/options.h: ParamLoader; checkpoint/load_into_shards.h makes one
+// from safetensors files) each rank reads only the bytes of its own master shard.
+// How (fsdp/sharded_model.cpp, flat_param/flat_param.cpp):
+//   1. Validate before reading: inside step 2's agree point, ParamLoader::check gets every
+//      parameter of the plan (plan order, a tied one once) with its shape and throws naming
+//      the tensor for a missing name, a wrong shape, a dtype it cannot convert, an unreadable
+//      or truncated file; one rank's failure is every rank's error there, before any unit.
+//      Buffers are not in published files as a rule (a rotary inv_freq): they still come from
+//      the init of step 2 (ShardingOptions::init / InitializesItself); only parameters are
+//      exempt from needing one.
+//   2. Per unit, in plan order, FlatParam makes no full buffer: the master is zeros of this
+//      rank's shard (padding zero), and for each parameter that intersects the shard the
+//      loader reads elements [begin, end) of the flattened parameter into the master's slice
+//      that holds them. Then the unit's agree point (a read that fails on one rank throws on
+//      every rank, naming the unit, the rank and the cause), and construction goes on as
+//      usual (views, full(), guards) with NO broadcast, even with sync_module_states: every
+//      rank read its own part from the same file, and the shards are disjoint, so there is
+//      nothing to make equal (HSDP: each replica reads its shards too).
+// Memory per rank: its master shards + briefly one unit's compute-dtype full() + the loader's
+// staging buffer (at most 64 MiB); no fp32 copy of any whole unit. Bytes read per rank: its
+// shards' share of the file (tests/load_into_shards_test counts them).
+// After a failure the model is partly materialised, as with an init: build a fresh one.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,12 +111,15 @@ bool uses_deferred_init(const torch::nn::Module& model, int rank);
 // nearest enclosing InitializesItself module (with the name relative to it).
 class DeferredInit {
  public:
-  DeferredInit(torch::nn::Module& model, TensorInit user);
+  // `params_loaded`: a ParamLoader gives the parameters their values (Note [Loading into
+  // shards]); then only the buffers need an init.
+  DeferredInit(torch::nn::Module& model, TensorInit user, bool params_loaded = false);
   // Fills tensor `name` (a parameter or buffer of the model) in place; errors name it.
   void init(const std::string& name, const at::Tensor& values) const;
   // Step 2 of the Note: collective over `comm` (and `replicate` with HSDP, else null).
-  void materialize_buffers(torch::nn::Module& model, Communicator& comm,
-                           Communicator* replicate) const;
+  // `check_first` (may be empty) runs first, inside the same agree point: the loader's check.
+  void materialize_buffers(torch::nn::Module& model, Communicator& comm, Communicator* replicate,
+                           const std::function<void()>& check_first = {}) const;
 
  private:
   // Throws naming the first meta parameter or buffer nothing can initialise.
@@ -97,6 +127,7 @@ class DeferredInit {
   const InitializesItself* owner(const std::string& name, std::string* relative) const;
 
   TensorInit user_;
+  bool params_loaded_ = false;
   // Modules that initialise themselves, by path ("" = the model), deepest first.
   std::vector<std::pair<std::string, const InitializesItself*>> self_init_;
 };

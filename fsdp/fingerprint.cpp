@@ -118,6 +118,8 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
                                                      : "default"});
   fp.push_back({setup, "option align", str(options.align)});
   fp.push_back({setup, "option sync_module_states", options.sync_module_states ? "true" : "false"});
+  // A rank loading while another initialises would broadcast alone (Note [Loading into shards]).
+  fp.push_back({setup, "option load", options.load ? "set" : "unset"});
   fp.push_back({setup, "plan units", str(plan.units.size())});
   for (const auto& [first, others] : plan.tied) {
     std::string v;

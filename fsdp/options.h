@@ -5,9 +5,11 @@
 #include <c10/core/ScalarType.h>
 #include <c10/core/Stream.h>
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "wrap_policies/plan.h"
 
@@ -23,6 +25,31 @@ namespace flatshard {
 // communicator's device, to be filled in place (under NoGradGuard). Note [Deferred
 // initialization] (fsdp/deferred_init.h).
 using TensorInit = std::function<void(const std::string& name, const at::Tensor& values)>;
+
+// One parameter fully_shard will load: its name (as the plan lists it) and shape.
+struct PlannedParam {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Parameter values read from storage straight into each rank's master shard, for a model
+// built on the meta device (Note [Loading into shards], fsdp/deferred_init.h). A plain
+// pair of callbacks, so fsdp/ knows no file format; checkpoint/load_into_shards.h makes one
+// from safetensors files (flatshard::safetensors_loader).
+struct ParamLoader {
+  // Called once per rank during setup, before any unit is built and before `read`, with every
+  // parameter of the plan (plan order; a tied parameter once, under the name the plan lists
+  // it by). Throws c10::Error naming the tensor for anything `read` could not load (missing,
+  // wrong shape, unsupported dtype, unreadable file). Errors reach every rank (one agree point).
+  std::function<void(const std::vector<PlannedParam>& params)> check;
+  // Elements [begin, end) of parameter `name`, flattened row-major, into `dst`: a 1-D fp32
+  // tensor of end - begin elements on the communicator's device (a slice of this rank's
+  // master shard), written in place. Called only for ranges this rank's shard holds; may run
+  // on several rank threads at once (threads backend), each with its own ranges.
+  std::function<void(const std::string& name, int64_t begin, int64_t end, const at::Tensor& dst)>
+      read;
+  explicit operator bool() const { return static_cast<bool>(read); }
+};
 
 struct MixedPrecision {
   // dtype of the gathered parameters, of compute and of the all-gather. The optimizer always
@@ -87,6 +114,12 @@ struct ShardingOptions {
   // do) initialises it, so the sharded values equal the eagerly built model's. Ignored for a
   // model whose parameters hold values.
   TensorInit init;
+
+  // Loading instead of initialising (Note [Loading into shards]): when set, the parameters of
+  // a meta-built model take their values from `load` (each rank reads only its shard's
+  // ranges); buffers still come from `init` / InitializesItself as above. fully_shard throws
+  // if it is set for a model whose parameters hold values. Default: unset (initialise).
+  ParamLoader load;
 };
 
 // Queues a device sleep of `cycles` on `stream` (CUDA); a no-op on CPU.

@@ -87,10 +87,36 @@ std::optional<detail::DeferredInit> setup_deferred_init(torch::nn::Module& model
                                                         const ShardingOptions& options,
                                                         Communicator& comm,
                                                         const ShardingMesh& mesh) {
-  if (!detail::uses_deferred_init(model, comm.rank())) return std::nullopt;
+  const bool deferred = detail::uses_deferred_init(model, comm.rank());
+  TORCH_CHECK(deferred || !options.load, "fully_shard: ShardingOptions::load is set but the "
+              "model's parameters hold values (rank ", comm.rank(), "); build the model on the "
+              "meta device (flatshard::MetaInit) to load it straight into its shards");
+  if (!deferred) return std::nullopt;
   std::optional<detail::DeferredInit> init;
-  init.emplace(model, options.init);
-  init->materialize_buffers(model, comm, mesh.hybrid() ? mesh.replicate : nullptr);
+  init.emplace(model, options.init, static_cast<bool>(options.load));
+  // Note [Loading into shards]: the loader validates every planned parameter before any unit
+  // reads, inside the buffers' agree point, so a rank that cannot load fails every rank.
+  std::function<void()> check_loader;
+  if (options.load && options.load.check) {
+    check_loader = [&model, &plan, &options] {
+      std::unordered_map<std::string, at::Tensor> params;
+      for (const auto& item : model.named_parameters(/*recurse=*/true))
+        params.emplace(item.key(), item.value());
+      std::unordered_set<const c10::TensorImpl*> seen;
+      std::vector<PlannedParam> planned;
+      for (const auto& spec : plan.units) {
+        for (const auto& name : spec.param_names) {
+          auto it = params.find(name);
+          if (it == params.end()) continue;  // build_units names it
+          if (!seen.insert(it->second.unsafeGetTensorImpl()).second) continue;
+          planned.push_back(PlannedParam{name, it->second.sizes().vec()});
+        }
+      }
+      options.load.check(planned);
+    };
+  }
+  init->materialize_buffers(model, comm, mesh.hybrid() ? mesh.replicate : nullptr,
+                            check_loader);
   if (!options.sync_module_states) check_setup_agrees(model, plan, options, comm, mesh);
   return init;
 }
@@ -170,7 +196,16 @@ Claimed build_units(const Plan& plan, const ModelIndex& index, const torch::nn::
     auto members = unit_members(spec, index, model, comm.rank());
     auto params = unit_params(spec, index, comm, init != nullptr, claimed);
     std::function<void()> fill;
-    if (init) {
+    FlatParam::RangeFill load_ranges;
+    if (init && runtime.options().load) {
+      // Note [Loading into shards]: each rank reads the ranges of its master shard by name.
+      std::vector<std::string> names;
+      for (const ParamRef& p : params) names.push_back(p.name);
+      load_ranges = [read = runtime.options().load.read, names = std::move(names)](
+                        size_t param, int64_t begin, int64_t end, const at::Tensor& dst) {
+        read(names[param], begin, end, dst);
+      };
+    } else if (init) {
       // Runs inside FlatParam's constructor, once the parameters point into its flat buffer.
       // The detached handles share that storage; nothing keeps them after the fill.
       fill = [init, refs = params] {
@@ -179,7 +214,8 @@ Claimed build_units(const Plan& plan, const ModelIndex& index, const torch::nn::
     }
     runtime.units().push_back(std::make_unique<Unit>(static_cast<int>(i), spec, settings,
                                                      std::move(members), std::move(params),
-                                                     runtime.unit_context(), fill));
+                                                     runtime.unit_context(), fill,
+                                                     load_ranges));
   }
   return claimed;
 }

@@ -66,7 +66,8 @@ struct GradReadyHook : public torch::autograd::FunctionPostHook {
 
 Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
            std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
-           const UnitContext& context, const std::function<void()>& fill)
+           const UnitContext& context, const std::function<void()>& fill,
+           const FlatParam::RangeFill& load_ranges)
     : index_(index),
       spec_(std::move(spec)),
       strategy_(settings.strategy),
@@ -75,7 +76,7 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
       members_(std::move(members)),
       ctx_(context) {
   flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), ctx_.comm, settings.flat,
-                                      ctx_.replicate, fill);
+                                      ctx_.replicate, fill, load_ranges);
   // FlatParam derives its layout's world size from config.sharded; explain() takes it from the
   // resolver (fsdp/resolve.h). They must be the same rule.
   TORCH_INTERNAL_ASSERT(flat_->layout().world_size == settings.layout_world_size, "unit '",

@@ -64,10 +64,12 @@ struct UnitCounters {
 class Unit {
  public:
   // `settings`: resolve_unit(spec, ...); `context` outlives the unit (the runtime owns both).
-  // `fill`: deferred values for meta parameters (FlatParam's contract; fsdp/deferred_init.h).
+  // `fill` / `load_ranges`: deferred or loaded values for meta parameters (FlatParam's
+  // contract; fsdp/deferred_init.h).
   Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
        std::vector<const torch::nn::Module*> members, std::vector<ParamRef> params,
-       const UnitContext& context, const std::function<void()>& fill = {});
+       const UnitContext& context, const std::function<void()>& fill = {},
+       const FlatParam::RangeFill& load_ranges = {});
   ~Unit();
   Unit(const Unit&) = delete;
   Unit& operator=(const Unit&) = delete;

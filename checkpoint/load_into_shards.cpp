@@ -1,0 +1,211 @@
+#include "checkpoint/load_into_shards.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/safetensors.h"
+#include "support/json.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "safetensors_loader reads little-endian tensor data as is: a little-endian host is needed"
+#endif
+
+namespace flatshard {
+namespace {
+
+constexpr int64_t kChunkBytes = int64_t{64} << 20;  // the largest staging buffer of one read
+constexpr int64_t kMaxIndexBytes = int64_t{64} << 20;
+constexpr const char* kIndexName = "model.safetensors.index.json";
+constexpr const char* kModelName = "model.safetensors";
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream o;
+  o << '[';
+  for (size_t i = 0; i < shape.size(); ++i) o << (i ? ", " : "") << shape[i];
+  o << ']';
+  return o.str();
+}
+
+// One safetensors file, opened once and its header validated.
+struct Source {
+  std::unique_ptr<InputFile> file;
+  SafetensorsHeader header;
+};
+
+// Where a planned parameter's values are.
+struct Resolved {
+  const Source* source = nullptr;
+  TensorEntry entry;
+};
+
+class SafetensorsLoader {
+ public:
+  SafetensorsLoader(std::string path, NameMap map, std::shared_ptr<LoadStats> stats)
+      : path_(std::move(path)), map_(std::move(map)), stats_(std::move(stats)) {}
+
+  void check(const std::vector<PlannedParam>& planned) {
+    std::lock_guard<std::mutex> lock(mu_);
+    discover();
+    for (const auto& p : planned) {
+      const std::string mapped = map_ ? map_(p.name) : p.name;
+      const std::string what = "safetensors_loader: parameter '" + p.name + "'" +
+                               (mapped != p.name ? " (looked up as '" + mapped + "')" : "");
+      const Source* src = nullptr;
+      if (!index_path_.empty()) {
+        auto it = weight_map_.find(mapped);
+        TORCH_CHECK(it != weight_map_.end(), what, " is not in the weight_map of '", index_path_,
+                    "' (", weight_map_.size(), " tensors)");
+        src = source(it->second, what + ", which '" + index_path_ + "' puts in '" + it->second +
+                                     "'");
+      } else {
+        src = source(single_path_, what);
+      }
+      const TensorEntry* e = src->header.find(mapped);
+      TORCH_CHECK(e != nullptr, what, " is not in '", src->file->path(), "' (",
+                  src->header.tensors().size(), " tensors)");
+      TORCH_CHECK(e->shape == p.shape, what, " has shape ", shape_str(e->shape), " in '",
+                  src->file->path(), "' but ", shape_str(p.shape), " in the model");
+      TORCH_CHECK(e->dtype == at::kFloat || e->dtype == at::kBFloat16 || e->dtype == at::kHalf,
+                  what, " is ", safetensors_dtype_name(e->dtype), " in '", src->file->path(),
+                  "'; only F32, BF16 and F16 tensors are loaded (converted to the fp32 master)");
+      resolved_[p.name] = Resolved{src, *e};
+    }
+  }
+
+  void read(const std::string& name, int64_t begin, int64_t end, const at::Tensor& dst) {
+    Resolved r;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = resolved_.find(name);
+      TORCH_CHECK(it != resolved_.end(), "safetensors_loader: parameter '", name,
+                  "' was not among the parameters check() validated");
+      r = it->second;
+    }
+    const int64_t numel = r.entry.numel();
+    TORCH_CHECK(0 <= begin && begin <= end && end <= numel && dst.dim() == 1 &&
+                    dst.numel() == end - begin && dst.scalar_type() == at::kFloat,
+                "safetensors_loader: parameter '", name, "': bad request for elements [", begin,
+                ", ", end, ") of ", numel, " into a ", dst.scalar_type(), " tensor of ",
+                dst.numel(), " elements");
+    if (end == begin) return;
+    const int64_t elem = static_cast<int64_t>(c10::elementSize(r.entry.dtype));
+    const int64_t chunk = std::min(end - begin, std::max<int64_t>(1, kChunkBytes / elem));
+    const at::Tensor staging = at::empty(
+        {chunk}, at::TensorOptions().dtype(r.entry.dtype).pinned_memory(dst.is_cuda()));
+    const int64_t base = r.source->header.data_start() + r.entry.begin;
+    for (int64_t pos = begin; pos < end; pos += chunk) {
+      const int64_t n = std::min(chunk, end - pos);
+      const at::Tensor buf = staging.narrow(0, 0, n);
+      r.source->file->read(base + pos * elem, buf.data_ptr(), static_cast<size_t>(n * elem));
+      dst.narrow(0, pos - begin, n).copy_(buf);
+      if (stats_) {
+        stats_->bytes += n * elem;
+        stats_->reads += 1;
+      }
+    }
+  }
+
+ private:
+  // Which layout `path_` is; reads the index. Once.
+  void discover() {
+    if (discovered_) return;
+    std::string index;
+    if (is_directory(path_)) {
+      const std::string idx = join_path(path_, kIndexName);
+      const std::string single = join_path(path_, kModelName);
+      if (path_exists(idx)) {
+        index = idx;
+      } else if (path_exists(single)) {
+        single_path_ = single;
+      } else {
+        TORCH_CHECK(!path_exists(join_path(path_, "manifest.json")), "safetensors_loader: '",
+                    path_, "' is a sharded flatshard checkpoint (a manifest, no ", kModelName,
+                    "); load it with load_checkpoint after fully_shard, or save a full one");
+        TORCH_CHECK(false, "safetensors_loader: '", path_, "' holds neither ", kIndexName,
+                    " nor ", kModelName);
+      }
+    } else if (ends_with(path_, ".json")) {
+      index = path_;
+    } else {
+      single_path_ = path_;
+    }
+    if (!index.empty()) read_index(index);
+    discovered_ = true;
+  }
+
+  void read_index(const std::string& index) {
+    const std::string text = read_text_file(index, kMaxIndexBytes);
+    const json::Json doc = json::parse(text, index);
+    const json::Node root(doc, index);
+    const json::Node map = root.at("weight_map");
+    std::unordered_map<std::string, std::string> weight_map;
+    for (const auto& [tensor, file] : map.members()) {
+      const std::string& f = file.as_string();
+      // Note [Checkpoint confinement]: the index is input; it names files beside it only.
+      if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos)
+        file.fail("'" + f + "' is not a plain file name beside the index");
+      weight_map[tensor] = f;
+    }
+    weight_map_ = std::move(weight_map);
+    index_dir_ = parent_dir(index);
+    index_path_ = index;
+  }
+
+  // The file (a name from the index, or the single file's path), opened and its header read
+  // on first use; errors are prefixed with `what` (the tensor that needs it).
+  const Source* source(const std::string& file, const std::string& what) {
+    auto it = sources_.find(file);
+    if (it != sources_.end()) return it->second.get();
+    auto s = std::make_unique<Source>();
+    try {
+      s->file = std::make_unique<InputFile>(index_path_.empty() ? file
+                                                                : join_path(index_dir_, file));
+      s->header = SafetensorsHeader::read(*s->file);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, what, ": ", e.msg());
+    }
+    return sources_.emplace(file, std::move(s)).first->second.get();
+  }
+
+  const std::string path_;
+  const NameMap map_;
+  const std::shared_ptr<LoadStats> stats_;
+  std::mutex mu_;  // check() may run on several rank threads sharing this loader
+  bool discovered_ = false;
+  std::string single_path_;                                  // one file, or
+  std::string index_path_, index_dir_;                       // an index and its directory
+  std::unordered_map<std::string, std::string> weight_map_;  // tensor name -> file name
+  std::unordered_map<std::string, std::unique_ptr<Source>> sources_;  // by file name
+  std::unordered_map<std::string, Resolved> resolved_;  // by model parameter name
+};
+
+}  // namespace
+
+ParamLoader safetensors_loader(const std::string& path, NameMap name_map,
+                               std::shared_ptr<LoadStats> stats) {
+  auto loader =
+      std::make_shared<SafetensorsLoader>(path, std::move(name_map), std::move(stats));
+  ParamLoader out;
+  out.check = [loader](const std::vector<PlannedParam>& params) { loader->check(params); };
+  out.read = [loader](const std::string& name, int64_t begin, int64_t end,
+                      const at::Tensor& dst) { loader->read(name, begin, end, dst); };
+  return out;
+}
+
+}  // namespace flatshard

@@ -1,0 +1,58 @@
+// flatshard/checkpoint/load_into_shards.h — a ParamLoader (fsdp/options.h) over safetensors
+// files: fully_shard of a meta-built model reads each rank's shards straight from the files.
+//
+//   flatshard::gpt::GPT model{nullptr};
+//   { flatshard::MetaInit meta;  model = flatshard::gpt::GPT(cfg, seed); }   // shapes only
+//   flatshard::ShardingOptions options;
+//   options.load = flatshard::safetensors_loader("llama-1b/");                  // every rank
+//   auto fsdp = flatshard::fully_shard(model.ptr(), policy, comm, options);
+//
+// Contract
+// - `path`: a `.safetensors` file; an index file (`*.index.json`: {"weight_map": {tensor:
+//   file}}, files named relative to it, as the Hugging Face hub publishes sharded weights); or a
+//   directory holding `model.safetensors.index.json` (preferred) or `model.safetensors`. A
+//   flatshard full checkpoint is such a directory (its manifest.json is not read, so its CRCs
+//   are not checked; load_checkpoint does check them). A sharded flatshard checkpoint (shard
+//   files, no model.safetensors) is refused naming load_checkpoint as the way to read it.
+// - `name_map`: model parameter name → tensor name in the files (e.g. "blocks.0.attn.qkv.weight"
+//   → "model.layers.0..."); empty: identity. It is called once per parameter, during check.
+// - Lazy: the factory only records its arguments. Everything that can fail happens inside
+//   fully_shard, where failures agree across ranks: check() opens the files, reads and
+//   validates every header (SafetensorsHeader::read: offsets in bounds, no overlaps), then for
+//   every planned parameter requires that its mapped name exists (error naming the model name,
+//   the mapped name and the file or index), that the shapes are equal (both shapes), and that
+//   the dtype is F32, BF16 or F16 — converted to fp32 on read (other dtypes, F64 included, are
+//   refused naming the tensor: narrowing F64 or loading integers would change values silently).
+// - read(): pread (not mmap) of exactly the bytes of the requested element range, in chunks of
+//   at most 64 MiB into a CPU buffer (pinned when the master is on CUDA), converted to fp32 by
+//   copy_ into the master's slice on its device. pread because the files are opened once,
+//   confined (Note [Checkpoint confinement]: no symlink followed, regular files only — which
+//   also means a Hugging Face cache snapshot, whose files are symlinks, must be copied or
+//   downloaded with --local-dir first), a file truncated after the check fails with an error
+//   naming it instead of a SIGBUS, and the bytes read are exactly the shard's.
+// - `stats` (optional): bytes and reads of tensor data this loader did (headers not counted).
+//   Thread-safe: one loader may serve several rank threads.
+// - Host little-endian only (checked), as safetensors' data is little-endian.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "fsdp/options.h"
+
+namespace flatshard {
+
+using NameMap = std::function<std::string(const std::string& model_name)>;
+
+struct LoadStats {
+  std::atomic<int64_t> bytes{0};  // tensor data bytes read
+  std::atomic<int64_t> reads{0};  // pread calls for tensor data
+};
+
+ParamLoader safetensors_loader(const std::string& path, NameMap name_map = {},
+                               std::shared_ptr<LoadStats> stats = nullptr);
+
+}  // namespace flatshard
