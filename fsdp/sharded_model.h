@@ -11,19 +11,22 @@
 //   device (built under flatshard::MetaInit): then fully_shard materialises and initialises
 //   the model unit by unit on comm.device() (ShardingOptions::init, by default the model's
 //   own InitializesItself), never holding more than the rank's shards and one unit's full
-//   parameters (Note [Deferred initialization], fsdp/deferred_init.h).
+//   parameters (Note [Deferred initialization], fsdp/deferred_init.h); with
+//   ShardingOptions::load each rank reads its shards' values from a file instead (Note [Loading
+//   into shards]).
 // - The model is changed in place: each planned parameter becomes a view of its unit's flat
 //   buffer (storage freed while sharded; reading it then throws naming it, fsdp/call.h).
 //   Modules run unchanged; parents enter units through flatshard::call (fsdp/call.h), and the
 //   training loop enters the root the same way. A model (or part of one) already sharded is
 //   rejected before anything is built. A plan whose policy matched no module warns
 //   (ShardingOptions::strict_plan: fails).
-// - The optimizer must be built on parameters() (fp32 master shards, one tensor per unit) or on
-//   named_parameters() (per-parameter views of them, for parameter groups). Gradients arrive
+// - The optimizer must be built on parameters() (fp32 master shards: one tensor per fully
+//   trainable unit, per-parameter views for units with frozen parameters) or on
+//   named_parameters() (per-parameter views of every unit, for parameter groups). Gradients arrive
 //   there averaged over ranks, after backward returns.
 // - Frozen parameters (requires_grad false before fully_shard) may share units with trainable
 //   ones: no gradient is computed or reduced for them, they are no optimizer parameters, their
-//   values never change (Note [Frozen parameters], fsdp/unit.h). requires_grad is fixed at setup.
+//   values never change (Note [Frozen parameters], fsdp/unit.cpp). requires_grad is fixed at setup.
 // - Parameters unused in a step get zero gradients (like FSDP's flat parameters).
 // - The ShardedModel must outlive every forward/backward through the model and must be
 //   destroyed on every rank (it unregisters the units). Not copyable.
