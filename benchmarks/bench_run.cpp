@@ -105,12 +105,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (granularity.local) {
     model->to(hooks.device, param_dtype);
     params = models::unique_parameters(*model);
-    if (config.param_groups)
-      for (const auto& p : model->named_parameters())
-        if (std::find_if(named.begin(), named.end(), [&](const auto& kv) {
-              return kv.second.unsafeGetTensorImpl() == p.value().unsafeGetTensorImpl();
-            }) == named.end())
-          named.emplace_back(p.key(), p.value());
+    if (config.param_groups) named = models::unique_named_parameters(*model);
   } else {
     if (!deferred) model->to(hooks.device);
     fsdp = fully_shard(model, granularity.plan, *comm, config.sharding);

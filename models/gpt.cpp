@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <sstream>
-#include <unordered_set>
 
 #include "fsdp/call.h"
 #include "models/model_init.h"
@@ -173,28 +172,20 @@ GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed)
 }
 
 void GPTImpl::init_parameters() {
-  // Each distinct tensor once (a tied weight is listed under both names); the order does not
-  // matter (models/model_init.h: per-tensor determinism).
-  std::unordered_set<const c10::TensorImpl*> done;
-  for (const auto& item : named_parameters(/*recurse=*/true))
-    if (done.insert(item.value().unsafeGetTensorImpl()).second) init_tensor(item.key(), item.value());
+  models::init_each_parameter(*this, [this](const std::string& n, const at::Tensor& v) {
+    init_tensor(n, v);
+  });
 }
 
 void GPTImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
   at::NoGradGuard no_grad;
   // A tied weight is one tensor with one init, whichever of its names the caller uses.
   const std::string key = cfg_.tie_embeddings && name == "lm_head.weight" ? "wte.weight" : name;
-  const size_t dot = key.rfind('.');
-  const std::string path = dot == std::string::npos ? "" : key.substr(0, dot);
-  const std::string leaf = dot == std::string::npos ? key : key.substr(dot + 1);
-  const torch::nn::Module* m = models::find_module(*this, path);
-  torch::OrderedDict<std::string, at::Tensor> own;
-  if (m) own = m->named_parameters(/*recurse=*/false);
-  const at::Tensor* p = own.find(leaf);
-  TORCH_CHECK(p != nullptr, "GPT::init_tensor: the model has no parameter '", name, "'");
-  TORCH_CHECK(values.sizes() == p->sizes(), "GPT::init_tensor: '", name, "' is ", p->sizes(),
-              ", got values of shape ", values.sizes());
-  if (leaf == "bias") {
+  const models::TensorSite site =
+      models::find_tensor_for_init(*this, key, values, "GPT::init_tensor");
+  const torch::nn::Module* m = site.module;
+  const std::string& path = site.path;
+  if (site.leaf == "bias") {
     values.zero_();  // Linear and LayerNorm biases
   } else if (dynamic_cast<const torch::nn::LayerNormImpl*>(m)) {
     values.fill_(1.0);

@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <sstream>
-#include <unordered_set>
 
 #include "fsdp/call.h"
 #include "models/model_init.h"
@@ -237,12 +236,10 @@ LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed)
 }
 
 void LlamaImpl::init_parameters() {
-  // Each distinct tensor once (a tied weight is listed under both names); the order does not
-  // matter (models/model_init.h: per-tensor determinism). rope.inv_freq was computed by its
-  // module's constructor, with the very function init_tensor() uses.
-  std::unordered_set<const c10::TensorImpl*> done;
-  for (const auto& item : named_parameters(/*recurse=*/true))
-    if (done.insert(item.value().unsafeGetTensorImpl()).second) init_tensor(item.key(), item.value());
+  // rope.inv_freq was computed by its module's constructor, with the function init_tensor() uses.
+  models::init_each_parameter(*this, [this](const std::string& n, const at::Tensor& v) {
+    init_tensor(n, v);
+  });
 }
 
 void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
@@ -250,19 +247,10 @@ void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) c
   // A tied weight is one tensor with one init, whichever of its names the caller uses.
   const std::string key =
       cfg_.tie_embeddings && name == "lm_head.weight" ? "embed_tokens.weight" : name;
-  const size_t dot = key.rfind('.');
-  const std::string path = dot == std::string::npos ? "" : key.substr(0, dot);
-  const std::string leaf = dot == std::string::npos ? key : key.substr(dot + 1);
-  const torch::nn::Module* m = models::find_module(*this, path);
-  torch::OrderedDict<std::string, at::Tensor> own;
-  if (m) own = m->named_parameters(/*recurse=*/false);
-  const bool is_buffer = m && !own.find(leaf) && m->named_buffers(/*recurse=*/false).find(leaf);
-  if (is_buffer) own = m->named_buffers(/*recurse=*/false);
-  const at::Tensor* p = own.find(leaf);
-  TORCH_CHECK(p != nullptr, "Llama::init_tensor: the model has no parameter or buffer '", name,
-              "'");
-  TORCH_CHECK(values.sizes() == p->sizes(), "Llama::init_tensor: '", name, "' is ", p->sizes(),
-              ", got values of shape ", values.sizes());
+  const models::TensorSite site =
+      models::find_tensor_for_init(*this, key, values, "Llama::init_tensor");
+  const torch::nn::Module* m = site.module;
+  const std::string& path = site.path;
   if (dynamic_cast<const RotaryEmbeddingImpl*>(m)) {
     values.copy_(rope_inv_freq(cfg_.head_dim(), cfg_.rope_theta));
   } else if (dynamic_cast<const RMSNormImpl*>(m)) {

@@ -24,13 +24,25 @@ GlobalRngRestorer::~GlobalRngRestorer() {
   }
 }
 
+std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters(
+    const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : module.named_parameters(/*recurse=*/true))
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
+  return out;
+}
+
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
   std::vector<at::Tensor> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& p : module.parameters(/*recurse=*/true)) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
-  }
+  for (auto& [name, p] : unique_named_parameters(module)) out.push_back(std::move(p));
   return out;
+}
+
+void init_each_parameter(const torch::nn::Module& root,
+                         const std::function<void(const std::string&, const at::Tensor&)>& init) {
+  // The order does not matter (per-tensor determinism, model_init.h).
+  for (const auto& [name, p] : unique_named_parameters(root)) init(name, p);
 }
 
 namespace {
@@ -99,6 +111,28 @@ const torch::nn::Module* find_module(const torch::nn::Module& root, const std::s
     begin = end + 1;
   }
   return m;
+}
+
+TensorSite find_tensor_for_init(const torch::nn::Module& root, const std::string& name,
+                                const at::Tensor& values, const char* who) {
+  TensorSite site;
+  const size_t dot = name.rfind('.');
+  site.path = dot == std::string::npos ? "" : name.substr(0, dot);
+  site.leaf = dot == std::string::npos ? name : name.substr(dot + 1);
+  site.module = find_module(root, site.path);
+  if (site.module) {
+    const auto params = site.module->named_parameters(/*recurse=*/false);
+    if (const at::Tensor* p = params.find(site.leaf)) {
+      site.tensor = *p;
+    } else {
+      const auto buffers = site.module->named_buffers(/*recurse=*/false);
+      if (const at::Tensor* b = buffers.find(site.leaf)) site.tensor = *b;
+    }
+  }
+  TORCH_CHECK(site.tensor.defined(), who, ": the model has no parameter or buffer '", name, "'");
+  TORCH_CHECK(values.sizes() == site.tensor.sizes(), who, ": '", name, "' is ",
+              site.tensor.sizes(), ", got values of shape ", values.sizes());
+  return site;
 }
 
 }  // namespace models

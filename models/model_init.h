@@ -29,13 +29,23 @@
 //     the same draw made into a CPU fp32 tensor and copied in. A meta tensor (under
 //     flatshard::MetaInit) is left alone.
 //   * find_module(root, path): the module at `path` below `root` ("" = root itself), or null.
+//   * unique_named_parameters(module): named_parameters() with tied tensors listed once, under
+//     their first name (what unique_parameters() returns, with names).
+//   * find_tensor_for_init(root, name, values, who): where a family's init_tensor(name, values)
+//     writes — the owning module, its path and the leaf name, and the parameter (else buffer)
+//     itself; throws c10::Error prefixed by `who` when `name` is neither, or when `values` has
+//     another shape.
+//   * init_each_parameter(root, init): init(name, tensor) once per distinct parameter (a tied
+//     one under its first name): a family's eager init over its own init_tensor().
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace flatshard {
@@ -54,12 +64,24 @@ class GlobalRngRestorer {
 };
 
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
+std::vector<std::pair<std::string, at::Tensor>> unique_named_parameters(
+    const torch::nn::Module& module);
 
 constexpr int64_t kDrawChunk = int64_t{1} << 20;
 uint64_t tensor_seed(uint64_t seed, const std::string& name);
 uint64_t chunk_seed(uint64_t tensor_seed, int64_t chunk);
 void normal_init(const at::Tensor& values, double std, uint64_t seed, const std::string& name);
 const torch::nn::Module* find_module(const torch::nn::Module& root, const std::string& path);
+
+struct TensorSite {
+  std::string path, leaf;                     // "blocks.0.attn.qkv", "weight"
+  const torch::nn::Module* module = nullptr;  // the module at `path`
+  at::Tensor tensor;                          // the parameter or buffer
+};
+TensorSite find_tensor_for_init(const torch::nn::Module& root, const std::string& name,
+                                const at::Tensor& values, const char* who);
+void init_each_parameter(const torch::nn::Module& root,
+                         const std::function<void(const std::string&, const at::Tensor&)>& init);
 
 inline bool path_ends_with(const std::string& path, const std::string& suffix) {
   return path.size() >= suffix.size() &&
