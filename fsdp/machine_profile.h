@@ -1,0 +1,99 @@
+// flatshard/fsdp/machine_profile.h — the measured numbers of one machine that the step-time and
+// memory model (fsdp/cost_model.h) and the plan advisor (fsdp/advisor.h) read.
+//
+//   MachineProfile p = load_profile("machine.json");   // or MachineProfile::defaults()
+//   std::cout << p.to_json();                          // what save_profile() writes
+//
+// Contract
+// - A profile is a flat JSON object (support/json.h's strict reader: duplicate keys, NaN,
+//   comments are errors) with "format": "flatshard-machine-profile", "version": 1, an optional
+//   "source" string (where and how it was measured) and the numeric keys below. Keys left out
+//   keep their default (so a profile may state only what it measured). Unknown keys, wrong
+//   types, negative, zero (where a rate or a divisor), NaN or infinite values are errors naming
+//   the key and the file: the file is untrusted input.
+// - Times: t(collective) = latency + bytes / bandwidth, with bytes as nccl-tests' bus bytes of
+//   this rank (all-gather and reduce-scatter: bytes sent x (W-1)/W; all-reduce: 2 (W-1)/W x
+//   bytes). World 1 collectives are device copies (Note [One-rank NCCL]): memory_gbps.
+// - defaults(): every number says in its comment where it comes from (benchmarks/RESULTS.md,
+//   docs/design.md) or that it is a stated guess; source is "defaults".
+// - flatshard-bench --write-profile FILE writes one measured on the machine the bench runs on
+//   (benchmarks/bench_profile.h says which numbers it measures and which it keeps).
+#pragma once
+
+#include <string>
+
+namespace flatshard {
+
+struct MachineProfile {
+  std::string source = "defaults";
+
+  // Collectives: fixed cost per call and bus bandwidth. 2x H200 NVLink, NCCL 2.28
+  // (benchmarks/RESULTS.md "Collectives (2x H200)", docs/design.md "Numbers to design against"):
+  // an all-gather of 1 MiB takes 52 us and of 16 MiB 56 us (latency ~50 us), 1 GiB 2.0 ms (bus
+  // ~270 GB/s); reduce-scatter fp32 ~280 GB/s. All-reduce: the same latency, its bus bandwidth
+  // taken as reduce-scatter's (nccl-tests' busbw of a ring all-reduce is close to RS's).
+  double all_gather_latency_us = 50;
+  double all_gather_gbps = 270;
+  double reduce_scatter_latency_us = 50;
+  double reduce_scatter_gbps = 280;
+  double all_reduce_latency_us = 50;
+  double all_reduce_gbps = 280;
+
+  // Host issue time. host_ms_per_step: the model's own kernel launches, loss and optimizer call
+  // with no sharding hooks — flatshard-bench `local` on 1x H200: host 15.0-21.2 ms per 1B GPT
+  // step, about equal at 1 and 4 sequences (RESULTS.md, 2026-12-01); 15 ms is taken, for 16
+  // layers (scaled by layers / 16 in cost_model.h). host_us_per_unit_{forward,backward}: hooks,
+  // casts, collectives and events of one unit per pass. RESULTS.md "(leaf host ms - layer host
+  // ms) / 83 units" gave 0.2-0.8 ms per unit per step with a 2x run-to-run spread; the 12:33 run
+  // (leaf 30.7 ms, layer 30.6 / 20.3 ms, local 15.2 ms, 18 layer units) gives ~0.15 ms per unit
+  // per step: 60 us forward + 90 us backward is taken.
+  double host_ms_per_step = 15;
+  double host_us_per_unit_forward = 60;
+  double host_us_per_unit_backward = 90;
+
+  // Achieved matmul rate of forward + backward in the compute dtype: flatshard-bench `local`,
+  // 1B GPT, 4 seq, 1x H200: ~83 ms fwd+bwd for 8192 tokens x 6.04 GFLOP/token = 596 TFLOP/s
+  // (60% of 989 dense bf16; RESULTS.md 2026-12-01). fp32 runs (CPU) must measure their own.
+  double compute_tflops = 596;
+  // Per-parameter memory passes (fp32->bf16 casts, bf16->fp32 gradient upcast, AdamW): "~4 TB/s
+  // these kernels reach" (RESULTS.md, breakdown of per-layer - local). AdamW moves
+  // optimizer_bytes_per_param per fp32 master element (reads p, g, m, v; writes p, m, v).
+  double memory_gbps = 4000;
+  double optimizer_bytes_per_param = 28;
+
+  // Offload (CPU offload levels 1/2): pinned host<->device copies and the CPU optimizer. Not
+  // measured in this repository yet: 45 GB/s is a stated guess for pinned copies over PCIe 5.0
+  // x16 (64 GB/s raw); 5e8 params/s a stated guess for a multi-threaded CPU AdamW (~28 B per
+  // parameter at ~14 GB/s). Measure them (flatshard-bench --write-profile with --offload).
+  double h2d_gbps = 45;
+  double d2h_gbps = 45;
+  double cpu_optimizer_params_per_s = 5e8;
+
+  // Activation memory: the analytic bytes per token of cost_model.h multiplied by this factor
+  // (1: the closed form as is; a profile written by flatshard-bench stores measured / predicted
+  // of its calibration run). Allocator slack: the fraction of the predicted peak added for the
+  // caching allocator's rounding and fragmentation (0: the predicted peak is of live bytes, what
+  // flatshard-bench's peak column measures).
+  double activation_scale = 1.0;
+  double allocator_slack = 0.0;
+  // Full-size staging copies a backend allocates per collective: NCCL gathers and reduces in
+  // place (0); the CPU threads backend (collectives/thread_communicator.cpp) builds each
+  // all-gather's result with at::cat and each reduction's sum in a new tensor (1).
+  double collective_staging = 0.0;
+
+  static MachineProfile defaults() { return MachineProfile{}; }
+
+  // The JSON object save_profile() writes (every key, in the order above).
+  std::string to_json() const;
+  // One line per number, for flatshard-explain's output.
+  std::string to_string() const;
+};
+
+// Parses a profile from JSON text; `origin` (e.g. the path) starts every error message.
+MachineProfile parse_profile(const std::string& text, const std::string& origin);
+// Reads and parses a file (missing or unreadable files are errors naming the path).
+MachineProfile load_profile(const std::string& path);
+// Writes to_json() to `path` (replacing it); throws c10::Error naming the path on failure.
+void save_profile(const MachineProfile& profile, const std::string& path);
+
+}  // namespace flatshard
