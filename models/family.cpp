@@ -108,5 +108,31 @@ at::Tensor ModelConfig::loss(torch::nn::Module& model, const at::Tensor& idx,
   return m->loss(idx, targets);
 }
 
+TransformerShape ModelConfig::transformer_shape() const {
+  TransformerShape s;
+  const FamilyModules& m = family_modules(family);
+  s.layer_type = m.layer_type;
+  s.leaf_types = m.leaf_types;
+  if (family == Family::kGpt) {
+    s.kind = TransformerShape::Kind::kGpt;
+    s.vocab = gpt.vocab;
+    s.d_model = gpt.d_model;
+    s.n_heads = s.n_kv_heads = gpt.n_heads;
+    s.mlp_hidden = 4 * gpt.d_model;
+    s.n_layers = gpt.n_layers;
+    s.layer_prefix = "blocks";
+  } else {
+    s.kind = TransformerShape::Kind::kLlama;
+    s.vocab = llama.vocab;
+    s.d_model = llama.d_model;
+    s.n_heads = llama.n_heads;
+    s.n_kv_heads = llama.kv_heads();
+    s.mlp_hidden = llama.hidden_size();
+    s.n_layers = llama.n_layers;
+    s.layer_prefix = "layers";
+  }
+  return s;
+}
+
 }  // namespace models
 }  // namespace flatshard

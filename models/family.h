@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/cost_model.h"
 #include "models/gpt.h"
 #include "models/llama.h"
 
@@ -86,6 +87,9 @@ struct ModelConfig {
                                                     int64_t step) const;
   at::Tensor loss(torch::nn::Module& model, const at::Tensor& idx,
                   const at::Tensor& targets) const;
+  // The shape the cost model and the plan advisor read (fsdp/cost_model.h): sizes, the layer
+  // list's module path ("blocks" / "layers") and the family's spec type names.
+  TransformerShape transformer_shape() const;
 };
 
 }  // namespace models

@@ -1,0 +1,431 @@
+// flatshard/fsdp/cost_model.cpp — see cost_model.h for the model; this file walks it.
+#include "fsdp/cost_model.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+
+#include "support/format.h"
+
+namespace flatshard {
+
+namespace {
+
+int64_t elem(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
+
+// Where a unit sits in the model: the layers it holds whole, the layers it holds part of, and
+// whether it runs before the layers (embeddings) or after them (final norm, lm_head).
+struct UnitPlace {
+  std::vector<int64_t> whole, partial;
+  bool head = false;     // holds the output projection
+  bool input = false;    // only input modules (embeddings)
+  double position = 0;   // execution order key
+};
+
+bool layer_index(const std::string& path, const std::string& prefix, int64_t* index,
+                 bool* whole) {
+  if (prefix.empty() || path.rfind(prefix + ".", 0) != 0) return false;
+  const std::string rest = path.substr(prefix.size() + 1);
+  const size_t dot = rest.find('.');
+  const std::string digits = rest.substr(0, dot);
+  if (digits.empty() || digits.size() > 12 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  *index = std::stoll(digits);
+  *whole = dot == std::string::npos;
+  return true;
+}
+
+// Time of one collective of `bytes` (what this rank sends, explain's convention) over `world`
+// ranks: latency + bus bytes / bandwidth (machine_profile.h).
+double collective_ms(double latency_us, double gbps, double bus_factor, int64_t bytes) {
+  if (bytes <= 0) return 0;
+  return latency_us / 1e3 + bus_factor * static_cast<double>(bytes) / (gbps * 1e6);
+}
+
+std::string ms(double v) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(v < 10 ? 2 : 1) << v;
+  return os.str();
+}
+
+}  // namespace
+
+int64_t TransformerShape::layer_matmul_params() const {
+  const int64_t d = d_model;
+  if (kind == Kind::kGpt) return 12 * d * d;
+  const int64_t kv = (n_kv_heads > 0 ? n_kv_heads : n_heads) * head_dim();
+  return 2 * d * d + 2 * d * kv + 3 * d * mlp_hidden;
+}
+
+double TransformerShape::layer_activation_bytes_per_token(int64_t e) const {
+  const double d = static_cast<double>(d_model), H = static_cast<double>(n_heads);
+  if (kind == Kind::kGpt) return 17 * d * e + 2 * (2 * 4) + 4 * H;
+  const int64_t kvh = n_kv_heads > 0 ? n_kv_heads : n_heads;
+  const double kv = static_cast<double>(kvh * head_dim()), h = static_cast<double>(mlp_hidden);
+  const double norms = 2 * (4 * d + d * e + 4);
+  const double attn = kvh != n_heads ? e * (4 * d + kv + 2 * d) : e * (4 * d + 3 * kv);
+  return norms + attn + 4 * H + 4 * h * e;
+}
+
+double TransformerShape::head_activation_bytes_per_token(int64_t e) const {
+  return 2.0 * static_cast<double>(d_model) * e + 4.0 * static_cast<double>(vocab);
+}
+
+OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType param_dtype) {
+  OffloadTerms t;
+  if (level <= 0 || u.padded_numel == 0) return t;
+  TORCH_CHECK(level <= 2, "offload level must be 0, 1 or 2, got ", level);
+  const int64_t trainable = u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
+  const int64_t grad = u.frozen ? 0 : u.master_bytes;
+  t.device_bytes_saved = u.master_bytes + 2 * trainable;
+  t.host_bytes = u.master_bytes + grad + 2 * trainable;
+  t.resident_bytes = level == 1 ? u.shard_numel * elem(param_dtype) : 0;
+  const int64_t gathers =
+      u.per_step.forward_all_gathers + u.per_step.backward_all_gathers + u.per_step.all_reduces;
+  t.h2d_bytes = (level == 1 ? 1 : std::max<int64_t>(1, gathers)) * u.master_bytes;
+  t.d2h_bytes = grad;
+  t.cpu_optimizer_params = trainable / 4;
+  return t;
+}
+
+CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
+                            const Workload& w, const MachineProfile& prof, int offload_level) {
+  TORCH_CHECK(w.batch >= 1 && w.seq >= 1, "predict_cost: batch and seq must be >= 1, got batch ",
+              w.batch, " seq ", w.seq);
+  TORCH_CHECK(shape.vocab > 0 && shape.d_model > 0 && shape.n_heads > 0 && shape.n_layers > 0 &&
+                  shape.d_model % shape.n_heads == 0 &&
+                  (shape.kind == TransformerShape::Kind::kGpt || shape.mlp_hidden > 0),
+              "predict_cost: shape needs positive vocab, d_model, n_heads (dividing d_model), "
+              "n_layers and (LLaMA) mlp_hidden; got vocab ", shape.vocab, " d_model ",
+              shape.d_model, " n_heads ", shape.n_heads, " n_layers ", shape.n_layers,
+              " mlp_hidden ", shape.mlp_hidden);
+  TORCH_CHECK(offload_level >= 0 && offload_level <= 2,
+              "predict_cost: offload level must be 0, 1 or 2, got ", offload_level);
+  const auto& mp = e.options.mixed_precision;
+  const int64_t ec = elem(mp.param_dtype);
+  const int64_t er = elem(mp.reduce_dtype.value_or(mp.param_dtype));
+  const int n = static_cast<int>(e.units.size());
+  const int64_t L = shape.n_layers;
+  const double tokens = static_cast<double>(w.tokens());
+  const int W = e.world_size, R = e.replicate_size;
+
+  // --- where each unit sits -----------------------------------------------------------------
+  std::vector<UnitPlace> place(n);
+  for (int k = 0; k < n; ++k) {
+    const auto& u = e.units[k];
+    UnitPlace& p = place[k];
+    bool any_layer = false, only_input = !u.modules.empty();
+    for (const auto& m : u.modules) {
+      int64_t i = 0;
+      bool whole = false;
+      if (layer_index(m, shape.layer_prefix, &i, &whole) && i < L) {
+        (whole ? p.whole : p.partial).push_back(i);
+        any_layer = true;
+        only_input = false;
+        continue;
+      }
+      if (m == "lm_head" || m.rfind("lm_head.", 0) == 0) p.head = true;
+      const bool is_input = m == "wte" || m == "wpe" || m == "embed_tokens" || m == "rope";
+      if (!is_input) only_input = false;
+    }
+    p.input = only_input && !any_layer;
+    if (u.is_root) {
+      p.position = -2;
+    } else if (any_layer) {
+      double lo = 1e18;
+      for (auto i : p.whole) lo = std::min(lo, static_cast<double>(i));
+      for (auto i : p.partial) lo = std::min(lo, static_cast<double>(i) + 0.5);
+      p.position = lo;
+    } else {
+      p.position = p.input ? -1 : static_cast<double>(L);
+    }
+  }
+  bool head_owned = false;
+  for (int k = 0; k < n; ++k) head_owned = head_owned || (place[k].head && !e.units[k].is_root);
+  std::vector<int> order(n);
+  for (int k = 0; k < n; ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return place[a].position < place[b].position; });
+  std::vector<int> pos_of(n);
+  for (int q = 0; q < n; ++q) pos_of[order[q]] = q;
+
+  // Layers: which unit position frees them in backward (their first unit in execution order;
+  // the root, position 0, when no other unit touches them) and whether they are recomputed.
+  std::vector<int> anchor(L, 0);
+  std::vector<bool> recomputed(L, false);
+  std::vector<int> layer_units(L, 0);
+  for (int q = n - 1; q >= 0; --q) {
+    const int k = order[q];
+    for (auto i : place[k].whole) {
+      anchor[i] = q;
+      if (e.units[k].recompute) recomputed[i] = true;
+      ++layer_units[i];
+    }
+    for (auto i : place[k].partial) {
+      anchor[i] = q;
+      ++layer_units[i];
+    }
+  }
+  const double scale = prof.activation_scale;
+  const double layer_full = tokens * shape.layer_activation_bytes_per_token(ec) * scale;
+  const double layer_input = tokens * static_cast<double>(shape.d_model * ec) * scale;
+  const double head_saved = tokens * shape.head_activation_bytes_per_token(ec) * scale;
+  const double V = static_cast<double>(shape.vocab);
+  const double loss_forward_extra = tokens * V * (ec + (ec != 4 ? 4 : 0)) * scale;
+  const double loss_backward_extra = tokens * V * 8 * scale;
+  const int64_t inner = shape.kind == TransformerShape::Kind::kGpt ? 4 * shape.d_model
+                                                                   : 2 * shape.mlp_hidden;
+  const double layer_backward_work =
+      tokens * static_cast<double>(ec * (2 * shape.d_model + 2 * inner)) * scale;
+  auto saved = [&](int64_t i) { return recomputed[i] ? layer_input : layer_full; };
+
+  // --- persistent state -----------------------------------------------------------------------
+  CostPrediction p;
+  std::vector<OffloadTerms> off(n);
+  std::vector<int64_t> master_grad(n, 0);
+  int64_t persistent = 0;
+  for (int k = 0; k < n; ++k) {
+    const auto& u = e.units[k];
+    off[k] = offload_terms(u, offload_level, mp.param_dtype);
+    const int64_t trainable =
+        u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
+    persistent += u.master_bytes + 2 * trainable - off[k].device_bytes_saved + off[k].resident_bytes;
+    if (u.strategy == ShardingStrategy::kNoShard) {
+      persistent += u.gathered_bytes;
+      p.replicated_bytes += 2 * u.master_bytes + 2 * trainable;
+    }
+    master_grad[k] = (u.frozen || offload_level > 0) ? 0 : u.master_bytes;
+    p.host_bytes += off[k].host_bytes;
+  }
+  p.persistent_bytes = persistent;
+
+  // --- the walk -------------------------------------------------------------------------------
+  auto transient = [&](int k) {
+    return e.units[k].strategy == ShardingStrategy::kNoShard ? int64_t{0}
+                                                             : e.units[k].gathered_bytes;
+  };
+  auto kept = [&](int k) {
+    return e.units[k].strategy != ShardingStrategy::kNoShard && !e.units[k].reshard_after_forward;
+  };
+  const int fp = e.options.forward_prefetch, bp = e.options.backward_prefetch;
+  double best = -1;
+  auto consider = [&](double act, double grads, double trans, const std::string& at) {
+    const double total = act + grads + trans;
+    if (total > best) {
+      best = total;
+      p.activation_bytes = static_cast<int64_t>(act);
+      p.gradient_bytes = static_cast<int64_t>(grads);
+      p.transient_bytes = static_cast<int64_t>(trans);
+      p.peak_at = at;
+    }
+  };
+  const double staging = prof.collective_staging;
+  // Forward.
+  double act = 0;
+  for (int q = 0; q < n; ++q) {
+    const int k = order[q];
+    double g = static_cast<double>(transient(k)) * (1 + staging);
+    for (int j = 0; j < q; ++j)
+      if (kept(order[j])) g += transient(order[j]);
+    for (int j = q + 1; j <= std::min(n - 1, q + fp); ++j)
+      if (!kept(order[j])) g += transient(order[j]);
+    consider(act, 0, g, "forward of " + e.units[k].name);
+    // Layers whose first unit is this one are saved from here on.
+    for (int64_t i = 0; i < L; ++i)
+      if (anchor[i] == q) act += saved(i);
+  }
+  double kept_all = 0;
+  for (int k = 0; k < n; ++k)
+    if (kept(k)) kept_all += transient(k);
+  consider(act + head_saved + loss_forward_extra, 0, kept_all, "loss forward");
+  consider(act + head_saved + loss_backward_extra, 0, kept_all, "loss backward");
+  {
+    // The output projection's backward: the logits' gradient (compute dtype, and the fp32 one
+    // it was cast from) beside its saved input, the head unit gathered and the flat gradients
+    // of the head unit and the root (its first gradient arrives here).
+    int head = 0;
+    for (int k = 0; k < n; ++k)
+      if (place[k].head && !e.units[k].is_root) head = k;
+    if (!head_owned) head = order[0];
+    double g = kept_all + e.units[head].grad_buffer_bytes;
+    if (!kept(head)) g += transient(head) * (1 + staging);
+    if (head != order[0]) g += e.units[order[0]].grad_buffer_bytes;
+    const double a = act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
+    consider(a, 0, g, "backward of the output projection");
+  }
+  // Backward, reverse execution order, the root last.
+  double grads = 0;
+  int previous = -1;
+  for (int q = n - 1; q >= 0; --q) {
+    const int k = order[q];
+    double g = static_cast<double>(transient(k));
+    if (e.units[k].per_step.backward_all_gathers) g += staging * transient(k);
+    for (int j = 0; j < q; ++j)
+      if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
+    g += e.units[k].grad_buffer_bytes;
+    if (q != 0) g += e.units[order[0]].grad_buffer_bytes;
+    if (previous >= 0) g += e.units[previous].grad_buffer_bytes;
+    // Activations: layers freed later (anchor < q) saved; layers anchored here being consumed:
+    // full (recomputed ones rebuilt whole).
+    double a = 0;
+    bool touches_layer = false;
+    for (int64_t i = 0; i < L; ++i) {
+      if (anchor[i] < q) a += saved(i);
+      if (anchor[i] == q) {
+        a += layer_full;
+        touches_layer = true;
+      }
+    }
+    // The head's log-softmax output is gone after the loss's backward; its inputs remain.
+    if (place[k].head && !e.units[k].is_root) a += tokens * 2.0 * shape.d_model * ec * scale;
+    if (touches_layer || !place[k].partial.empty() || !place[k].whole.empty())
+      g += layer_backward_work;
+    consider(a, grads + master_grad[k], g, "backward of " + e.units[k].name);
+    // Its reduction: the flat gradient, the backend's staging of the sum, the master gradient.
+    double after = a;  // this unit's layers are done
+    for (int64_t i = 0; i < L; ++i)
+      if (anchor[i] == q) after -= layer_full;
+    consider(after, grads + master_grad[k],
+             g - (touches_layer ? layer_backward_work : 0) + staging * e.units[k].grad_buffer_bytes,
+             "reduction of " + e.units[k].name);
+    grads += master_grad[k];
+    previous = k;
+  }
+  const double peak = (persistent + best) * (1 + prof.allocator_slack);
+  p.peak_bytes = static_cast<int64_t>(std::llround(peak));
+
+  // --- time -----------------------------------------------------------------------------------
+  const double rate = prof.compute_tflops * 1e9;  // FLOP per ms
+  const double attn_flops_layer = 12.0 * shape.d_model * static_cast<double>(w.seq) * tokens;
+  const double layer_flops = 6.0 * tokens * shape.layer_matmul_params() + attn_flops_layer;
+  const double head_flops = 6.0 * tokens * static_cast<double>(shape.vocab * shape.d_model);
+  std::vector<double> fwd_ms(n, 0), bwd_ms(n, 0);
+  for (int k = 0; k < n; ++k) {
+    const auto& u = e.units[k];
+    double f = 0, rc = 0;
+    for (auto i : place[k].whole) {
+      (void)i;
+      f += layer_flops;
+      if (u.recompute) rc += layer_flops / 3;
+    }
+    for (auto i : place[k].partial) f += layer_flops / std::max(1, layer_units[i]);
+    if (place[k].head || (u.is_root && !head_owned)) f += head_flops;
+    if (u.is_root)  // layers no other unit touches (model granularity)
+      for (int64_t i = 0; i < L; ++i)
+        if (layer_units[i] == 0) f += layer_flops;
+    fwd_ms[k] = f / 3 / rate;
+    bwd_ms[k] = (2 * f / 3 + rc) / rate;
+    p.compute_ms += (f + rc) / rate;
+    p.recompute_ms += rc / rate;
+  }
+  // Per-parameter passes and collectives.
+  const double mem_rate = prof.memory_gbps * 1e6;  // bytes per ms
+  std::vector<double> ag_ms(n, 0), red_ms(n, 0);
+  const double ag_bus = W > 1 ? static_cast<double>(W - 1) : 0;  // x shard bytes
+  const double rs_bus = W > 1 ? static_cast<double>(W - 1) / W : 0;
+  for (int k = 0; k < n; ++k) {
+    const auto& u = e.units[k];
+    const auto& c = u.per_step;
+    const int64_t gathers = c.forward_all_gathers + c.backward_all_gathers;
+    if (ec != 4) p.passes_ms += gathers * static_cast<double>((4 + ec) * u.shard_numel) / mem_rate;
+    if (er != 4 && (c.reduce_scatters || c.all_reduces))
+      p.passes_ms += static_cast<double>((er + 4) * u.shard_numel) / mem_rate;
+    const int64_t trainable =
+        u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
+    if (offload_level == 0)
+      p.optimizer_ms += prof.optimizer_bytes_per_param * (trainable / 4) / mem_rate;
+    if (W == 1 && R == 1) {  // world-1 collectives are device copies
+      p.passes_ms += gathers * 2.0 * u.all_gather_bytes / mem_rate;
+      continue;
+    }
+    if (W > 1 && c.forward_all_gathers + c.backward_all_gathers > 0)
+      ag_ms[k] = collective_ms(prof.all_gather_latency_us, prof.all_gather_gbps, ag_bus,
+                               u.all_gather_bytes);
+    double r = 0;
+    if (c.reduce_scatters && W > 1)
+      r += collective_ms(prof.reduce_scatter_latency_us, prof.reduce_scatter_gbps, rs_bus,
+                         u.reduce_bytes);
+    if (c.all_reduces && W > 1)
+      r += collective_ms(prof.all_reduce_latency_us, prof.all_reduce_gbps, 2 * rs_bus,
+                         u.reduce_bytes);
+    if (R > 1 && c.replicate_bytes > 0)
+      r += collective_ms(prof.all_reduce_latency_us, prof.all_reduce_gbps,
+                         2.0 * (R - 1) / R, c.replicate_bytes);
+    red_ms[k] = r;
+    p.comm_ms += gathers * ag_ms[k] + r;
+  }
+  // Forward: gathers on their own stream, issued `fp` units ahead (at that unit's pre-forward).
+  std::vector<double> start(n, 0);
+  double compute_t = 0, comm_t = 0;
+  for (int q = 0; q < n; ++q) {
+    const int k = order[q];
+    const double issue = q - fp >= 0 && fp > 0 ? start[order[q - fp]] : (fp > 0 ? 0 : compute_t);
+    double ready = compute_t;
+    if (e.units[k].per_step.forward_all_gathers && ag_ms[k] > 0) {
+      const double s = std::max(comm_t, issue);
+      comm_t = s + ag_ms[k];
+      ready = std::max(ready, comm_t);
+    }
+    p.exposed_all_gather_ms += ready - compute_t;
+    start[k] = ready;
+    compute_t = ready + fwd_ms[k];
+  }
+  // Backward: reverse order; gathers issued `bp` units ahead, reductions after each unit on the
+  // reduce stream; the step waits for the last reduction.
+  double red_t = compute_t;
+  std::vector<double> bstart(n, 0);
+  for (int q = n - 1; q >= 0; --q) {
+    const int k = order[q];
+    const int ahead = q + bp;
+    const double issue = bp > 0 && ahead <= n - 1 && ahead != q ? bstart[order[ahead]] : compute_t;
+    double ready = compute_t;
+    if (e.units[k].per_step.backward_all_gathers && ag_ms[k] > 0) {
+      const double s = std::max(comm_t, bp > 0 && ahead > n - 1 ? compute_t : issue);
+      comm_t = s + ag_ms[k];
+      ready = std::max(ready, comm_t);
+    }
+    p.exposed_all_gather_ms += ready - compute_t;
+    bstart[k] = ready;
+    compute_t = ready + bwd_ms[k];
+    if (red_ms[k] > 0) red_t = std::max(red_t, compute_t) + red_ms[k];
+  }
+  const double tail = std::max(0.0, red_t - compute_t);
+  p.exposed_comm_ms = p.exposed_all_gather_ms + tail;
+
+  // Offload: copies overlap compute; the CPU optimizer does not.
+  double copy_ms = 0, cpu_opt_ms = 0;
+  for (int k = 0; k < n; ++k) {
+    copy_ms += off[k].h2d_bytes / (prof.h2d_gbps * 1e6) + off[k].d2h_bytes / (prof.d2h_gbps * 1e6);
+    cpu_opt_ms += off[k].cpu_optimizer_params / prof.cpu_optimizer_params_per_s * 1e3;
+  }
+  p.offload_ms = cpu_opt_ms + std::max(0.0, copy_ms - p.compute_ms);
+
+  p.host_ms = prof.host_ms_per_step * static_cast<double>(L) / 16.0 +
+              n * (prof.host_us_per_unit_forward + prof.host_us_per_unit_backward) / 1e3;
+  p.gpu_ms = p.compute_ms + p.passes_ms + p.optimizer_ms + p.exposed_comm_ms + p.offload_ms;
+  p.host_bound = p.host_ms > p.gpu_ms;
+  p.step_ms = std::max(p.gpu_ms, p.host_ms);
+  return p;
+}
+
+std::string CostPrediction::to_string() const {
+  std::ostringstream os;
+  os << "predicted peak per rank " << format_bytes(peak_bytes) << " at " << peak_at
+     << ": persistent " << format_bytes(persistent_bytes) << " (fp32 masters + AdamW"
+     << (replicated_bytes ? " + NO_SHARD copies" : "") << "), activations "
+     << format_bytes(activation_bytes) << ", master gradients " << format_bytes(gradient_bytes)
+     << ", gathered/flat-gradient/working " << format_bytes(transient_bytes);
+  if (host_bytes) os << "; offloaded to host " << format_bytes(host_bytes);
+  os << "\npredicted step " << ms(step_ms) << " ms" << (host_bound ? " (host-bound)" : "")
+     << ": compute " << ms(compute_ms) << " (recompute " << ms(recompute_ms) << "), parameter passes "
+     << ms(passes_ms) << ", optimizer " << ms(optimizer_ms) << ", exposed communication "
+     << ms(exposed_comm_ms) << " of " << ms(comm_ms) << ", offload " << ms(offload_ms)
+     << "; host " << ms(host_ms) << "\n";
+  return os.str();
+}
+
+}  // namespace flatshard

@@ -1,0 +1,137 @@
+// flatshard/fsdp/cost_model.h — predicted peak memory and step time of an explained plan, for a
+// transformer of known shape, a batch and a machine profile (fsdp/machine_profile.h).
+//
+//   Explanation e = explain(*model, plan, world, options);
+//   CostPrediction p = predict_cost(e, shape, {batch, seq}, profile);
+//   p.peak_bytes, p.step_ms, p.exposed_comm_ms, p.host_ms, p.host_bound
+//
+// explain() (fsdp/explain.h) knows the plan's bytes and collectives but not the model's compute
+// or activations; this adds both, from a TransformerShape (a plain description: fsdp/ does not
+// know models/; tools build it from models::ModelConfig, see TransformerShape::layer_prefix).
+//
+// Memory model (per rank, live bytes; what flatshard-bench's "peak MiB" measures):
+//   persistent  fp32 master shards + AdamW's two moments (trainable part) + NO_SHARD compute
+//               copies. The fp32 master gradients are not persistent: the optimizer's
+//               zero_grad sets them to none, and each unit's gradient is allocated when its
+//               reduction lands in backward.
+//   walked      the step as a sequence of points, units in execution order (root first, then by
+//               the layer they belong to): forward of each unit, then backward in reverse. At
+//               each point: gathered units (as explain's simulation: the current one, the next
+//               `prefetch` ones, kept ones), the activations still saved, the master gradients
+//               of units already reduced, the current unit's flat gradient and the previous
+//               one's held reduction buffer, and the backward working set of one layer.
+//   activations per layer and token, closed forms of what autograd saves (element size e of
+//               the compute dtype, d model width, hd = d / H, kv = H_kv hd, h the MLP width):
+//     GPT   (ln1, qkv, SDPA q k v out lse, proj input copy, ln2, fc, GELU):
+//               17 d e + 2 (2 x 4) + 4 H
+//     LLaMA (two RMSNorms with fp32 statistics: 4 d + d e + 4 each; q, rotated q, k, rotated k
+//               or the repeated k and v under GQA, v, SDPA out, o input copy, 4 h e of SwiGLU):
+//               2 (4 d + d e + 4) + e (4 d + 3 kv) [GQA: e (4 d + kv + 2 d)] + 4 H + 4 h e
+//     head  (ln_f / norm input, lm_head input, log-softmax output in fp32): 2 d e + 4 V, and at
+//               the loss: the logits (V e) and their fp32 copy (4 V, when e != 4) in forward, two
+//               more fp32 [tokens, V] gradients at the start of backward.
+//     A recompute unit that holds whole layers keeps only each layer's input (d e); its backward
+//     materialises all of its layers' activations again. Units smaller than a layer (leaf
+//     granularity) save what the layer saves, recompute or not (the ops between the leaves run
+//     outside any unit). Everything is multiplied by MachineProfile::activation_scale.
+//   peak_bytes = the walk's maximum x (1 + allocator_slack).
+//
+// Step-time model (ms, per rank):
+//   compute     tokens x FLOPs / compute_tflops, FLOPs = 6 N_matmul + 12 L d seq per token (the
+//               models' closed form at this seq), plus a second forward (2 N_layer + 4 d seq) of
+//               every layer a recompute unit holds.
+//   passes      per-parameter memory passes at memory_gbps: the fp32 -> compute-dtype cast
+//               before each all-gather ((4 + e) B per shard element, when e != 4), the gradient
+//               upcast ((e + 4) B, when the reduce dtype is not fp32), and AdamW
+//               (optimizer_bytes_per_param per trainable shard element, on the device unless the
+//               unit is offloaded).
+//   collectives latency + bus bytes / bandwidth (machine_profile.h); world 1: device copies
+//               (2 x bytes at memory_gbps). Overlap: a unit's forward all-gather is issued
+//               `forward_prefetch` units ahead and hides behind their forward compute; a
+//               backward all-gather behind the backward compute of the `backward_prefetch` units
+//               after it; a reduction behind the next unit's backward. exposed = what is left.
+//   host        host_ms_per_step x layers / 16 + units x (host_us_per_unit_forward +
+//               host_us_per_unit_backward) (machine_profile.h says where they come from).
+//   offload     offload_terms() below: copies overlap compute (only their excess is exposed),
+//               the CPU optimizer does not.
+//   gpu_ms = compute + passes + exposed + offload; step_ms = max(gpu_ms, host_ms); host_bound
+//   when host_ms > gpu_ms.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fsdp/explain.h"
+#include "fsdp/machine_profile.h"
+
+namespace flatshard {
+
+// The shape of a reference transformer (models/gpt.h, models/llama.h) the cost model needs.
+struct TransformerShape {
+  enum class Kind { kGpt, kLlama };
+  Kind kind = Kind::kGpt;
+  int64_t vocab = 0, d_model = 0, n_heads = 0, n_kv_heads = 0, mlp_hidden = 0, n_layers = 0;
+  // Module path of the layer list ("blocks" / "layers"): unit modules "<prefix>.<i>" are layer
+  // i, "<prefix>.<i>.<...>" are inside it.
+  std::string layer_prefix;
+  // Spec type names the advisor builds its candidates from ("Block", "Linear|LayerNorm|Embedding").
+  std::string layer_type, leaf_types;
+
+  int64_t head_dim() const { return d_model / n_heads; }
+  // Matmul weight elements of one layer (the FLOP count's N per layer).
+  int64_t layer_matmul_params() const;
+  // Activation bytes autograd saves per token for one layer / the head (see the header
+  // comment), element size `e` of the compute dtype; no scale applied.
+  double layer_activation_bytes_per_token(int64_t e) const;
+  double head_activation_bytes_per_token(int64_t e) const;
+};
+
+struct Workload {
+  int64_t batch = 1;  // sequences per rank per step
+  int64_t seq = 1;    // tokens per sequence
+  int64_t tokens() const { return batch * seq; }
+};
+
+// Offload (CPU offload, ShardingOptions::offload on main; computed here until explain carries
+// per-unit fields): level 1 keeps the fp32 master, its gradient and AdamW state in host memory
+// and a compute-dtype shard on the device; level 2 keeps nothing persistent on the device.
+struct OffloadTerms {
+  int64_t device_bytes_saved = 0;  // master + AdamW state no longer on the device
+  int64_t resident_bytes = 0;      // level 1: the compute-dtype shard kept on the device
+  int64_t host_bytes = 0;          // master + gradient + AdamW state in host memory
+  int64_t h2d_bytes = 0;           // per step: fp32 master uploads (level 2: before each gather)
+  int64_t d2h_bytes = 0;           // per step: the fp32 reduced gradient shard
+  int64_t cpu_optimizer_params = 0;
+};
+// One unit's offload terms at `level` (0: none). Level 1: one H2D of the fp32 master shard
+// (4 B per shard element) before the first gather, one D2H of the gradient shard; level 2: an
+// H2D before every gather (forward, and backward when the unit reshards after forward).
+OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType param_dtype);
+
+struct CostPrediction {
+  // Memory (bytes per rank).
+  int64_t persistent_bytes = 0;    // masters + AdamW + NO_SHARD copies (+ offload residents)
+  int64_t activation_bytes = 0;    // activations alive at the peak
+  int64_t gradient_bytes = 0;      // master gradients allocated at the peak
+  int64_t transient_bytes = 0;     // gathered buffers, flat gradients, backward working set
+  int64_t peak_bytes = 0;          // the walk's maximum, slack included
+  std::string peak_at;             // "forward of blocks.3", "backward of <root>", ...
+  int64_t host_bytes = 0;          // offloaded state in host memory
+  // Time (ms per step per rank).
+  double compute_ms = 0, passes_ms = 0, optimizer_ms = 0, comm_ms = 0, exposed_comm_ms = 0,
+         exposed_all_gather_ms = 0, host_ms = 0, offload_ms = 0, recompute_ms = 0, gpu_ms = 0,
+         step_ms = 0;
+  bool host_bound = false;
+  int64_t replicated_bytes = 0;  // NO_SHARD units' master + gradient + AdamW state per rank
+
+  std::string to_string() const;  // a few lines: memory breakdown, time breakdown
+};
+
+// `offload_level` applies to every unit (0: none). Throws c10::Error for a workload with
+// batch or seq < 1, or a shape whose sizes are not positive (naming the values).
+CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
+                            const Workload& workload, const MachineProfile& profile,
+                            int offload_level = 0);
+
+}  // namespace flatshard
