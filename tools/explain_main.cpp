@@ -8,6 +8,11 @@
 //   flatshard-explain --preset 1b --policy type=Block --world 8 --replicate 16   (HSDP)
 //   flatshard-explain --preset 1b --policy "type=Linear|LayerNorm|Embedding" --world 8
 //                     --collective-latency-us 80 --reference-step-ms 45      (one line)
+//   flatshard-explain --preset 1b --world 1 --param-dtype bf16 --batch 4 --profile machine.json
+//                     (adds the predicted peak with activations and the predicted step time)
+//   flatshard-explain --preset 1b --world 8 --param-dtype bf16 --batch 4 --suggest
+//                     --memory-limit 40GiB [--profile machine.json]   (the plan advisor,
+//                     fsdp/advisor.h: the best plan as a spec, and why the others lose)
 //
 // The reference model (--model gpt | llama, models/family.h) is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
@@ -22,7 +27,10 @@
 #include <limits>
 #include <map>
 
+#include "fsdp/advisor.h"
+#include "fsdp/cost_model.h"
 #include "fsdp/explain.h"
+#include "fsdp/machine_profile.h"
 #include "support/output_file.h"
 #include "fsdp/meta_init.h"
 #include "models/family.h"
@@ -110,7 +118,11 @@ int main(int argc, char** argv) {
   int world = 0, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
   int64_t align = 8;
   flatshard::ExplainOptions cost;
-  bool keep = false, tied = false, show_plan = false;
+  bool keep = false, tied = false, show_plan = false, suggest = false;
+  std::string profile_path;
+  int64_t batch = 0, seq = 0;
+  int offload = 0;
+  std::vector<int> offload_levels = {0}, prefetch_depths = {1, 2};
   std::map<std::string, int64_t> overrides;
   app.add_option("--model", family, "model family: gpt (models/gpt.h), llama (models/llama.h)")
       ->check(CLI::IsMember({"gpt", "llama"}))
@@ -163,6 +175,28 @@ int main(int argc, char** argv) {
       ->check(number_above(0, /*or_equal=*/false))
       ->capture_default_str();
   app.add_flag("--plan", show_plan, "also print the plan (Plan::to_string)");
+  app.add_option("--batch", batch,
+                 "sequences per rank per step: adds the predicted peak with activations and the "
+                 "step time (fsdp/cost_model.h)")
+      ->check(at_least(1));
+  app.add_option("--seq", seq, "tokens per sequence for --batch (default: the model's seq_len)")
+      ->check(at_least(1));
+  app.add_option("--profile", profile_path,
+                 "machine profile JSON (fsdp/machine_profile.h; flatshard-bench --write-profile); "
+                 "default: the stated defaults (1x/2x H200 measurements)");
+  app.add_option("--offload", offload, "offload level of every unit for the prediction: 0, 1, 2")
+      ->check(CLI::Range(0, 2));
+  app.add_flag("--suggest", suggest,
+               "plan advisor: the plan that fits --memory-limit at the best predicted step "
+               "(needs --memory-limit; --batch defaults to 1)");
+  app.add_option("--offload-levels", offload_levels,
+                 "--suggest: offload levels to try (default 0)")
+      ->check(CLI::Range(0, 2))
+      ->delimiter(',');
+  app.add_option("--prefetch-depths", prefetch_depths,
+                 "--suggest: prefetch depths to try (default 1,2)")
+      ->check(CLI::Range(0, 64))
+      ->delimiter(',');
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -205,12 +239,41 @@ int main(int argc, char** argv) {
     std::optional<int64_t> limit;
     if (!memory_limit.empty()) limit = parse_bytes(memory_limit);
 
+    flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
+    if (!profile_path.empty()) profile = flatshard::load_profile(profile_path);
+    const flatshard::Workload workload{batch > 0 ? batch : 1, seq > 0 ? seq : cfg.seq_len()};
+    TORCH_CHECK(workload.seq <= cfg.seq_len(), "--seq ", workload.seq,
+                " is longer than the model's seq_len ", cfg.seq_len(), " (use --seq-len)");
+    if (suggest) {
+      TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
+      flatshard::AdvisorOptions a;
+      a.memory_limit_bytes = *limit;
+      a.workload = workload;
+      a.shape = cfg.transformer_shape();
+      a.profile = profile;
+      a.offload_levels = offload_levels;
+      a.prefetch_depths = prefetch_depths;
+      std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
+                << cfg.num_parameters() << " params)\n";
+      std::cout << flatshard::suggest(*model, world, replicate, opts, a).to_string();
+      flatshard::flush_stdout();
+      return 0;
+    }
     const auto plan = flatshard::make_plan(*model, flatshard::parse_policy(policy));
     std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
               << cfg.num_parameters()
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();
-    std::cout << flatshard::explain(*model, plan, world, opts, limit, replicate, cost).to_string();
+    const auto e = flatshard::explain(*model, plan, world, opts, limit, replicate, cost);
+    std::cout << e.to_string();
+    if (batch > 0) {
+      const auto p = flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile, offload);
+      std::cout << "batch " << workload.batch << " x seq " << workload.seq << ", offload "
+                << offload << ", " << profile.source << " profile\n"
+                << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
+                << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
+                << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0) << "\n";
+    }
     flatshard::flush_stdout();
   } catch (const CLI::Error& e) {
     return app.exit(e);

@@ -1,0 +1,239 @@
+// flatshard/fsdp/advisor.cpp — see advisor.h.
+#include "fsdp/advisor.h"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <iomanip>
+#include <sstream>
+
+#include "support/format.h"
+#include "wrap_policies/plan.h"
+#include "wrap_policies/spec.h"
+
+namespace flatshard {
+
+namespace {
+
+struct Shape {  // one granularity before the prefetch / offload product
+  std::string label, spec;
+  bool recompute = false;
+};
+
+std::string fixed(double v, int digits) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(digits) << v;
+  return os.str();
+}
+
+std::vector<Shape> granularities(const AdvisorOptions& a) {
+  const std::string layer = "type=" + a.shape.layer_type;
+  std::vector<Shape> out;
+  if (a.include_leaf && !a.shape.leaf_types.empty())
+    out.push_back({"leaf", "type=" + a.shape.leaf_types, false});
+  out.push_back({"layer", layer, false});
+  out.push_back({"layer+recompute", "recompute:" + layer, true});
+  for (int64_t k : a.every_k) {
+    if (k < 2 || 2 * k > a.shape.n_layers) continue;
+    const std::string every = "every=" + std::to_string(k) + "," + layer;
+    out.push_back({"every-" + std::to_string(k), every, false});
+    out.push_back({"every-" + std::to_string(k) + "+recompute", "recompute:" + every, true});
+  }
+  if (a.include_grad_op) {
+    out.push_back({"grad_op", "grad_op:" + layer, false});
+    out.push_back({"grad_op+recompute", "grad_op+recompute:" + layer, true});
+  }
+  if (a.include_noshard) {
+    out.push_back({"noshard", "noshard:" + layer + ";root:noshard", false});
+    out.push_back({"noshard+recompute", "noshard+recompute:" + layer + ";root:noshard", true});
+  }
+  if (a.include_model) out.push_back({"model", "none", false});
+  for (const auto& s : a.extra_specs) out.push_back({"custom", s, false});
+  return out;
+}
+
+// The decisive reason `c` loses against `best` (both fit), with its numbers.
+void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
+  const CostPrediction &x = c.cost, &b = best.cost;
+  const double slower = x.step_ms - b.step_ms;
+  std::ostringstream why;
+  why << fixed(x.step_ms, 2) << " ms vs " << fixed(b.step_ms, 2) << " ms";
+  if (slower <= tie_share * b.step_ms) {
+    c.reason = LossReason::kNotFaster;
+    why << ": no faster (within " << fixed(100 * tie_share, 1) << "%); the best peaks at "
+        << format_bytes(b.peak_bytes) << " against " << format_bytes(x.peak_bytes);
+    c.why = why.str();
+    return;
+  }
+  const double host_x = x.host_bound ? x.host_ms - x.gpu_ms : 0;
+  const double host_b = b.host_bound ? b.host_ms - b.gpu_ms : 0;
+  struct Term {
+    LossReason reason;
+    double excess;
+    const char* what;
+  };
+  const double other = (x.compute_ms - x.recompute_ms + x.passes_ms + x.optimizer_ms) -
+                       (b.compute_ms - b.recompute_ms + b.passes_ms + b.optimizer_ms);
+  std::vector<Term> terms = {
+      {LossReason::kExposedAllGather, x.exposed_comm_ms - b.exposed_comm_ms,
+       "exposed communication"},
+      {LossReason::kHostBound, x.host_bound ? host_x - host_b : 0, "host time beyond the GPU's"},
+      {LossReason::kRecompute, x.recompute_ms - b.recompute_ms, "recompute forward"},
+      {LossReason::kOffloadTraffic, x.offload_ms - b.offload_ms, "offload copies + CPU optimizer"},
+      {LossReason::kNotFaster, other, "compute and per-parameter passes"},
+  };
+  const Term* top = &terms.front();
+  for (const auto& t : terms)
+    if (t.excess > top->excess) top = &t;
+  c.reason = top->reason;
+  if (x.replicated_bytes > b.replicated_bytes &&
+      (top->reason == LossReason::kExposedAllGather || top->reason == LossReason::kNotFaster))
+    c.reason = LossReason::kReplication;
+  why << ": +" << fixed(top->excess, 2) << " ms " << top->what;
+  if (c.reason == LossReason::kReplication)
+    why << " (NO_SHARD units replicate " << format_bytes(x.replicated_bytes) << " per rank)";
+  if (c.reason == LossReason::kHostBound)
+    why << " (host " << fixed(x.host_ms, 2) << " ms > GPU " << fixed(x.gpu_ms, 2) << " ms)";
+  c.why = why.str();
+}
+
+}  // namespace
+
+const char* to_string(LossReason r) {
+  switch (r) {
+    case LossReason::kNone: return "best";
+    case LossReason::kDoesNotFit: return "does not fit";
+    case LossReason::kExposedAllGather: return "exposed all-gather";
+    case LossReason::kHostBound: return "host-bound";
+    case LossReason::kReplication: return "replication";
+    case LossReason::kRecompute: return "slower compute (recompute)";
+    case LossReason::kOffloadTraffic: return "offload traffic";
+    case LossReason::kNotFaster: return "not faster";
+  }
+  return "?";
+}
+
+std::string Candidate::command_line() const {
+  std::string s = "--granularity '" + spec + "' --prefetch " + std::to_string(prefetch);
+  if (offload) s += " --offload " + std::to_string(offload);
+  return s;
+}
+
+const Candidate& Advice::best() const {
+  TORCH_CHECK(fits(), "no candidate plan fits the memory limit of ",
+              format_bytes(memory_limit_bytes), " per rank",
+              candidates.empty() ? std::string()
+                                 : "; the smallest needs " +
+                                       format_bytes(candidates.back().cost.peak_bytes));
+  return candidates.front();
+}
+
+Advice suggest(const torch::nn::Module& model, int world_size, int replicate_size,
+               const ShardingOptions& options, const AdvisorOptions& a) {
+  TORCH_CHECK(a.memory_limit_bytes > 0, "suggest: memory_limit_bytes must be > 0, got ",
+              a.memory_limit_bytes);
+  TORCH_CHECK(world_size >= 1 && replicate_size >= 1, "suggest: world ", world_size,
+              " and replicate ", replicate_size, " must be >= 1");
+  TORCH_CHECK(!a.prefetch_depths.empty() && !a.offload_levels.empty(),
+              "suggest: prefetch_depths and offload_levels must not be empty");
+  for (int d : a.prefetch_depths)
+    TORCH_CHECK(d >= 0 && d <= 64, "suggest: prefetch depth must be in [0, 64], got ", d);
+  for (int l : a.offload_levels)
+    TORCH_CHECK(l >= 0 && l <= 2, "suggest: offload level must be 0, 1 or 2, got ", l);
+  Advice advice;
+  advice.memory_limit_bytes = a.memory_limit_bytes;
+  advice.world_size = world_size;
+  advice.replicate_size = replicate_size;
+  advice.workload = a.workload;
+  advice.profile = a.profile;
+  for (const Shape& g : granularities(a)) {
+    Plan plan;
+    try {
+      plan = make_plan(model, parse_policy(g.spec));
+    } catch (const c10::Error& err) {
+      const std::string msg = err.what_without_backtrace();
+      TORCH_CHECK(false, "suggest: candidate '", g.label, "' spec '", g.spec, "': ",
+                  msg.substr(0, msg.find('\n')));
+    }
+    if (g.label != "model" && g.label != "custom" && plan.matched_modules == 0) continue;
+    for (int depth : a.prefetch_depths) {
+      ShardingOptions o = options;
+      o.forward_prefetch = o.backward_prefetch = depth;
+      const Explanation e = explain(model, plan, world_size, o, std::nullopt, replicate_size);
+      for (int level : a.offload_levels) {
+        Candidate c;
+        c.label = g.label;
+        c.spec = g.spec;
+        c.prefetch = depth;
+        c.offload = level;
+        c.recompute = g.recompute;
+        c.units = static_cast<int64_t>(e.units.size());
+        c.cost = predict_cost(e, a.shape, a.workload, a.profile, level);
+        c.fits = c.cost.peak_bytes <= a.memory_limit_bytes;
+        advice.candidates.push_back(std::move(c));
+      }
+    }
+  }
+  auto& cs = advice.candidates;
+  std::stable_sort(cs.begin(), cs.end(), [](const Candidate& x, const Candidate& y) {
+    if (x.fits != y.fits) return x.fits;
+    if (x.fits) return x.cost.step_ms < y.cost.step_ms;
+    return x.cost.peak_bytes < y.cost.peak_bytes;
+  });
+  if (!cs.empty() && cs.front().fits) {
+    // Ties: among the candidates within tie_share of the fastest, the smallest peak.
+    const double limit = cs.front().cost.step_ms * (1 + a.tie_share);
+    size_t pick = 0;
+    for (size_t i = 1; i < cs.size() && cs[i].fits && cs[i].cost.step_ms <= limit; ++i)
+      if (cs[i].cost.peak_bytes < cs[pick].cost.peak_bytes) pick = i;
+    std::rotate(cs.begin(), cs.begin() + pick, cs.begin() + pick + 1);
+    cs.front().reason = LossReason::kNone;
+    cs.front().why = "fits and is predicted fastest";
+    for (size_t i = 1; i < cs.size(); ++i) {
+      if (!cs[i].fits) continue;
+      assign_reason(cs[i], cs.front(), a.tie_share);
+    }
+  }
+  for (auto& c : cs)
+    if (!c.fits) {
+      c.reason = LossReason::kDoesNotFit;
+      c.why = "peak " + format_bytes(c.cost.peak_bytes) + " > limit " +
+              format_bytes(a.memory_limit_bytes) + " (" + c.cost.peak_at + ")";
+    }
+  return advice;
+}
+
+std::string Advice::to_string() const {
+  std::ostringstream os;
+  os << "advisor: world " << world_size;
+  if (replicate_size > 1) os << " x " << replicate_size << " replicas";
+  os << ", batch " << workload.batch << " x seq " << workload.seq << ", memory limit "
+     << format_bytes(memory_limit_bytes) << " per rank; " << profile.source << " profile\n";
+  if (fits()) {
+    const Candidate& b = candidates.front();
+    os << "suggested: " << b.label << " " << b.command_line() << "\n"
+       << "  spec: " << b.spec << "\n"
+       << "  " << b.cost.to_string();
+  } else {
+    os << "no candidate fits";
+    if (!candidates.empty())
+      os << "; the smallest (" << candidates.front().label << ", prefetch "
+         << candidates.front().prefetch << ") needs " << format_bytes(candidates.front().cost.peak_bytes);
+    os << "\n";
+  }
+  TextTable t({"plan", "prefetch", "offload", "units", "peak", "step ms", "exposed ms", "host ms",
+               "verdict"},
+              {TextTable::Align::kLeft, TextTable::Align::kRight, TextTable::Align::kRight,
+               TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kRight,
+               TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kLeft});
+  for (const auto& c : candidates)
+    t.add_row({c.label, std::to_string(c.prefetch), std::to_string(c.offload),
+               std::to_string(c.units), format_bytes(c.cost.peak_bytes), fixed(c.cost.step_ms, 2),
+               fixed(c.cost.exposed_comm_ms, 2), fixed(c.cost.host_ms, 2),
+               std::string(flatshard::to_string(c.reason)) + (c.why.empty() ? "" : ": " + c.why)});
+  os << t;
+  return os.str();
+}
+
+}  // namespace flatshard

@@ -1,0 +1,119 @@
+// flatshard/fsdp/advisor.h — the plan advisor: the plan that fits a per-rank memory budget at
+// the best predicted step time, and why each alternative loses.
+//
+//   AdvisorOptions a;
+//   a.memory_limit_bytes = 40_GiB;  a.workload = {4, 2048};  a.shape = ...;  a.profile = ...;
+//   Advice advice = suggest(*model, /*world=*/8, /*replicate=*/1, sharding_options, a);
+//   std::cout << advice.to_string();
+//   auto plan = make_plan(*model, parse_policy(advice.best().spec));   // ready to use
+//
+// Contract
+// - Candidates (each a spec string parse_policy() accepts, plus the global knobs it needs):
+//     leaf      type=<shape.leaf_types>
+//     layer     type=<shape.layer_type>               and recompute:type=...
+//     every-k   every=k,type=<layer_type>, k in every_k with 2k <= layers, and with recompute
+//     grad_op   grad_op:type=<layer_type>             and grad_op+recompute:...
+//     noshard   noshard:type=<layer_type>;root:noshard and noshard+recompute:...
+//     model     none (the root unit holds everything)
+//     extra     AdvisorOptions::extra_specs as given (custom groups)
+//   x every prefetch depth in prefetch_depths (forward and backward alike) x every level in
+//   offload_levels (ShardingOptions::offload on every unit; default {0} until offload lands).
+//   A candidate's spec never carries the prefetch depth or the offload level: Candidate::
+//   command_line() shows all three as flags.
+// - Each is explained (fsdp/explain.h) with the caller's ShardingOptions (strategy, dtypes,
+//   align) and costed by predict_cost() (fsdp/cost_model.h). It fits when its predicted peak
+//   is <= memory_limit_bytes. The best: the fitting candidate with the least predicted step;
+//   candidates within tie_share of it are tied and the smallest peak among them wins.
+// - Every other candidate gets one LossReason, the decisive one:
+//     kDoesNotFit        predicted peak above the budget
+//     kExposedAllGather  more exposed communication than the best (the largest extra term)
+//     kHostBound         the host issue time exceeds its GPU time by more than the best's
+//     kReplication       NO_SHARD units: the extra time comes from their all-reduces and
+//                        replicated optimizer/parameter passes
+//     kRecompute         the second forward of its recompute units is the largest extra term
+//     kOffloadTraffic    host<->device copies and the CPU optimizer are the largest extra term
+//     kNotFaster         no extra term stands out (a tie, or the best fits with less memory)
+//   The reason is the term (exposed communication, host excess, recompute, offload, other)
+//   with the largest excess over the best; NO_SHARD candidates whose largest excess is
+//   communication or per-parameter work report kReplication.
+// - Throws c10::Error for a budget <= 0, world or replicate < 1, an empty prefetch_depths, a
+//   prefetch depth or offload level out of range, or an extra spec parse_policy() rejects
+//   (naming it). No fitting candidate is not an error: Advice::fits() is false and to_string()
+//   says what the smallest candidate needs.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fsdp/cost_model.h"
+#include "fsdp/explain.h"
+#include "fsdp/machine_profile.h"
+#include "fsdp/options.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+enum class LossReason {
+  kNone,  // the best candidate
+  kDoesNotFit,
+  kExposedAllGather,
+  kHostBound,
+  kReplication,
+  kRecompute,
+  kOffloadTraffic,
+  kNotFaster,
+};
+const char* to_string(LossReason r);
+
+struct AdvisorOptions {
+  int64_t memory_limit_bytes = 0;  // per rank; required (> 0)
+  Workload workload;
+  TransformerShape shape;
+  MachineProfile profile;
+  std::vector<int> prefetch_depths = {1, 2};
+  std::vector<int> offload_levels = {0};
+  std::vector<int64_t> every_k = {2, 4};
+  bool include_leaf = true, include_grad_op = true, include_noshard = true, include_model = true;
+  std::vector<std::string> extra_specs;
+  double tie_share = 0.005;  // steps within 0.5% are a tie; the smaller peak wins
+};
+
+struct Candidate {
+  std::string label;  // "layer+recompute", "every-2", "leaf", ...
+  std::string spec;   // for --granularity / parse_policy
+  int prefetch = 1;
+  int offload = 0;
+  bool recompute = false;
+  int64_t units = 0;
+  CostPrediction cost;
+  bool fits = false;
+  LossReason reason = LossReason::kNone;
+  std::string why;  // the reason with its numbers
+  // "--granularity '<spec>' --prefetch N [--offload L]"
+  std::string command_line() const;
+};
+
+struct Advice {
+  int64_t memory_limit_bytes = 0;
+  int world_size = 1, replicate_size = 1;
+  Workload workload;
+  MachineProfile profile;
+  // Sorted: the best first, then fitting ones by predicted step, then the ones that do not fit
+  // by peak.
+  std::vector<Candidate> candidates;
+  bool fits() const { return !candidates.empty() && candidates.front().fits; }
+  const Candidate& best() const;  // throws c10::Error when nothing fits
+  std::string to_string() const;
+};
+
+Advice suggest(const torch::nn::Module& model, int world_size, int replicate_size,
+               const ShardingOptions& options, const AdvisorOptions& advisor);
+
+}  // namespace flatshard
