@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cmath>
 #include <iomanip>
 #include <sstream>
 
@@ -141,7 +142,11 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
     TORCH_CHECK(d >= 0 && d <= 64, "suggest: prefetch depth must be in [0, 64], got ", d);
   for (int l : a.offload_levels)
     TORCH_CHECK(l >= 0 && l <= 2, "suggest: offload level must be 0, 1 or 2, got ", l);
+  TORCH_CHECK(a.memory_margin >= 0 && a.memory_margin < 1,
+              "suggest: memory_margin must be in [0, 1), got ", a.memory_margin);
+  const double usable = static_cast<double>(a.memory_limit_bytes) * (1 - a.memory_margin);
   Advice advice;
+  advice.memory_margin = a.memory_margin;
   advice.memory_limit_bytes = a.memory_limit_bytes;
   advice.world_size = world_size;
   advice.replicate_size = replicate_size;
@@ -170,7 +175,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
         c.recompute = g.recompute;
         c.units = static_cast<int64_t>(e.units.size());
         c.cost = predict_cost(e, a.shape, a.workload, a.profile, level);
-        c.fits = c.cost.peak_bytes <= a.memory_limit_bytes;
+        c.fits = static_cast<double>(c.cost.peak_bytes) <= usable;
         advice.candidates.push_back(std::move(c));
       }
     }
@@ -198,8 +203,11 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
   for (auto& c : cs)
     if (!c.fits) {
       c.reason = LossReason::kDoesNotFit;
-      c.why = "peak " + format_bytes(c.cost.peak_bytes) + " > limit " +
-              format_bytes(a.memory_limit_bytes) + " (" + c.cost.peak_at + ")";
+      c.why = "peak " + format_bytes(c.cost.peak_bytes) + " > " +
+              format_bytes(static_cast<int64_t>(usable)) + " (limit " +
+              format_bytes(a.memory_limit_bytes) + " less a " +
+              std::to_string(static_cast<int>(std::lround(100 * a.memory_margin))) +
+              "% margin), at " + c.cost.peak_at;
     }
   return advice;
 }
@@ -209,7 +217,8 @@ std::string Advice::to_string() const {
   os << "advisor: world " << world_size;
   if (replicate_size > 1) os << " x " << replicate_size << " replicas";
   os << ", batch " << workload.batch << " x seq " << workload.seq << ", memory limit "
-     << format_bytes(memory_limit_bytes) << " per rank; " << profile.source << " profile\n";
+     << format_bytes(memory_limit_bytes) << " per rank (" << std::lround(100 * memory_margin)
+     << "% kept free); " << profile.source << " profile\n";
   if (fits()) {
     const Candidate& b = candidates.front();
     os << "suggested: " << b.label << " " << b.command_line() << "\n"

@@ -213,7 +213,183 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     const double err = static_cast<double>(p.peak_bytes - m) / static_cast<double>(m);
     CAPTURE(models::family_name(c.family), c.preset, c.spec, p.peak_bytes, m, err, p.peak_at,
             p.to_string());
-    std::printf("MEM %s %s %s peak=%lld measured=%lld err=%.3f at %s\n", models::family_name(c.family), c.preset, c.spec, (long long)p.peak_bytes, (long long)m, err, p.peak_at.c_str());
+
     CHECK(std::abs(err) <= 0.15);
   }
+}
+
+namespace {
+
+AdvisorOptions advisor_for(const ModelConfig& c, const Workload& w, int64_t limit,
+                           const MachineProfile& p) {
+  AdvisorOptions a;
+  a.memory_limit_bytes = limit;
+  a.workload = w;
+  a.shape = c.transformer_shape();
+  a.profile = p;
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("advisor: over a sweep of budgets at world 2-4 the plan fits, predicted and measured",
+          "[advisor][budget]") {
+  // CPU profile: the threads backend stages collectives; compute at a CPU-like rate.
+  MachineProfile cpu = quiet_profile();
+  cpu.collective_staging = 1;
+  cpu.host_us_per_unit_forward = cpu.host_us_per_unit_backward = 200;
+  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const Workload w{2, 128};
+  auto model = build_meta(cfg, 0);
+  for (int world : {2, 3, 4}) {
+    // Budgets from below the smallest candidate to above the largest.
+    const Advice wide = suggest(*model, world, 1, {}, advisor_for(cfg, w, int64_t{1} << 40, cpu));
+    int64_t lo = INT64_MAX, hi = 0;
+    for (const auto& c : wide.candidates) {
+      lo = std::min(lo, c.cost.peak_bytes);
+      hi = std::max(hi, c.cost.peak_bytes);
+    }
+    int fitted = 0;
+    for (double f : {0.8, 1.0, 1.15, 1.3, 1.6}) {
+      const int64_t budget = static_cast<int64_t>(f * static_cast<double>(lo) / 0.9);
+      const Advice a = suggest(*model, world, 1, {}, advisor_for(cfg, w, budget, cpu));
+      CAPTURE(world, budget, lo, hi, a.to_string());
+      if (!a.fits()) {
+        // Nothing fits: then truly no candidate is under the usable budget.
+        for (const auto& c : a.candidates) CHECK(c.cost.peak_bytes > 0.9 * budget);
+        CHECK(!error_of([&] { a.best(); }).empty());
+        continue;
+      }
+      ++fitted;
+      const Candidate& b = a.best();
+      CHECK(b.cost.peak_bytes <= budget);
+      // Nothing that fits is faster by more than a tie (AdvisorOptions::tie_share).
+      for (const auto& c : a.candidates)
+        if (c.fits) CHECK(c.cost.step_ms >= b.cost.step_ms / (1 + 0.005));
+      const int64_t measured = measured_peak(cfg, b.spec, world, w, b.prefetch);
+      CAPTURE(b.label, b.prefetch, b.cost.peak_bytes, measured);
+      CHECK(measured <= budget);
+    }
+    CHECK(fitted >= 3);
+  }
+}
+
+TEST_CASE("advisor: the suggested spec round-trips through parse_policy", "[advisor][spec]") {
+  for (Family f : {Family::kGpt, Family::kLlama}) {
+    const ModelConfig cfg = preset(f, "small", 128);
+    auto model = build_meta(cfg, 0);
+    AdvisorOptions a = advisor_for(cfg, {2, 128}, int64_t{1} << 40, quiet_profile());
+    a.extra_specs = {"noshard:path=lm_head;type=" + cfg.transformer_shape().layer_type};
+    const Advice advice = suggest(*model, 2, 1, {}, a);
+    REQUIRE(advice.fits());
+    for (const auto& c : advice.candidates) {
+      CAPTURE(c.label, c.spec);
+      const Policy p = parse_policy(c.spec);
+      CHECK(parse_policy(p.to_spec()).to_spec() == p.to_spec());
+      // The plan the spec makes has the units the advisor costed.
+      CHECK(static_cast<int64_t>(make_plan(*model, p).units.size()) == c.units);
+    }
+    CHECK(advice.best().command_line().find("--granularity '" + advice.best().spec + "'") == 0);
+  }
+}
+
+TEST_CASE("advisor: each losing reason, where it is the decisive one", "[advisor][reasons]") {
+  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const Workload w{2, 128};
+  auto model = build_meta(cfg, 0);
+  const int64_t big = int64_t{1} << 40;
+  auto run = [&](const MachineProfile& p, int world, int64_t limit,
+                 std::vector<int> offload = {0}) {
+    AdvisorOptions a = advisor_for(cfg, w, limit, p);
+    a.offload_levels = std::move(offload);
+    return suggest(*model, world, 1, {}, a);
+  };
+  SECTION("does not fit") {
+    const Advice wide = run(quiet_profile(), 2, big);
+    const Candidate& model_unit = find(wide, "model");
+    const Candidate& leaf = find(wide, "leaf");
+    REQUIRE(model_unit.cost.peak_bytes > leaf.cost.peak_bytes);
+    // A budget between the two: the whole model as one unit does not fit, the leaves do.
+    const int64_t limit = (model_unit.cost.peak_bytes + leaf.cost.peak_bytes) / 2 * 10 / 9;
+    const Advice a = run(quiet_profile(), 2, limit);
+    CAPTURE(a.to_string());
+    REQUIRE(a.fits());
+    CHECK(a.best().cost.peak_bytes <= limit);
+    CHECK(find(a, "model").reason == LossReason::kDoesNotFit);
+    CHECK(find(a, "model").why.find("limit") != std::string::npos);
+  }
+  SECTION("host-bound") {
+    MachineProfile p = quiet_profile();
+    p.host_us_per_unit_forward = p.host_us_per_unit_backward = 3000;  // 6 ms per unit
+    const Advice a = run(p, 2, big);
+    CAPTURE(a.to_string());
+    const Candidate& leaf = find(a, "leaf");
+    CHECK(leaf.cost.host_bound);
+    CHECK(!a.best().cost.host_bound);
+    CHECK(leaf.reason == LossReason::kHostBound);
+  }
+  SECTION("exposed all-gather") {
+    MachineProfile p = quiet_profile();
+    p.all_gather_latency_us = 20000;  // 20 ms per all-gather: more gathers, more exposed
+    const Advice a = run(p, 2, big);
+    CAPTURE(a.to_string());
+    const Candidate& leaf = find(a, "leaf");
+    CHECK(leaf.cost.exposed_all_gather_ms > a.best().cost.exposed_all_gather_ms);
+    CHECK(leaf.reason == LossReason::kExposedAllGather);
+  }
+  SECTION("replication") {
+    MachineProfile p = quiet_profile();
+    p.all_reduce_gbps = 0.05;  // all-reduces of whole layers dominate
+    const Advice a = run(p, 4, big);
+    CAPTURE(a.to_string());
+    const Candidate& noshard = find(a, "noshard");
+    CHECK(noshard.cost.replicated_bytes > 0);
+    CHECK(noshard.reason == LossReason::kReplication);
+  }
+  SECTION("recompute") {
+    const Advice a = run(quiet_profile(), 2, big);
+    CAPTURE(a.to_string());
+    const Candidate& rc = find(a, "layer+recompute");
+    CHECK(rc.cost.recompute_ms > 0);
+    CHECK(rc.reason == LossReason::kRecompute);
+  }
+  SECTION("offload traffic") {
+    MachineProfile p = quiet_profile();
+    p.h2d_gbps = p.d2h_gbps = 0.001;
+    const Advice a = run(p, 2, big, {0, 1});
+    CAPTURE(a.to_string());
+    CHECK(a.best().offload == 0);
+    const Candidate& off = find(a, "layer", 1, 1);
+    CHECK(off.cost.offload_ms > 0);
+    CHECK(off.cost.host_bytes > 0);
+    CHECK(off.cost.peak_bytes < find(a, "layer", 1, 0).cost.peak_bytes);
+    CHECK(off.reason == LossReason::kOffloadTraffic);
+  }
+  SECTION("not faster: prefetch 2 costs the same time and more memory") {
+    const Advice a = run(quiet_profile(), 2, big);
+    CAPTURE(a.to_string());
+    const Candidate& best = a.best();
+    const Candidate& deeper = find(a, best.label, best.prefetch == 1 ? 2 : 1);
+    CHECK(deeper.reason == LossReason::kNotFaster);
+  }
+}
+
+TEST_CASE("advisor: bad inputs are errors with their values", "[advisor][errors]") {
+  const ModelConfig cfg = preset(Family::kGpt, "tiny", 32);
+  auto model = build_meta(cfg, 0);
+  auto err = [&](const std::function<void(AdvisorOptions&)>& change, int world = 2) {
+    AdvisorOptions a = advisor_for(cfg, {1, 32}, int64_t{1} << 30, quiet_profile());
+    change(a);
+    return error_of([&] { suggest(*model, world, 1, {}, a); });
+  };
+  CHECK(err([](AdvisorOptions& a) { a.memory_limit_bytes = 0; })
+            .find("memory_limit_bytes must be > 0, got 0") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) { a.prefetch_depths = {-1}; })
+            .find("prefetch depth must be in [0, 64], got -1") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) { a.offload_levels = {3}; })
+            .find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) { a.extra_specs = {"type=Block;;"}; })
+            .find("spec 'type=Block;;'") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) { a.workload.batch = 0; }).find("batch 0") != std::string::npos);
+  CHECK(err([](AdvisorOptions&) {}, 0).find("world 0") != std::string::npos);
 }
