@@ -27,6 +27,7 @@
 #include "benchmarks/bench_memory.h"
 #include "benchmarks/bench_options.h"
 #include "benchmarks/bench_plot.h"
+#include "benchmarks/bench_profile.h"
 #include "benchmarks/bench_progress.h"
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
@@ -76,7 +77,11 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
 }
 
 int report(const fb::BenchOptions& o, int world, const std::string& device_description,
-           std::vector<std::string> notes, std::vector<fb::RunResult> results) {
+           std::vector<std::string> notes, const std::vector<fb::Granularity>& grans,
+           std::vector<fb::RunResult> results) {
+  if (!o.profile_path.empty())  // before make_report takes the results
+    flatshard::save_profile(fb::measure_profile(o, world, grans, results, device_description),
+                            o.profile_path);
   fb::Report rep = fb::make_report(o, world, device_description, std::move(notes),
                                    std::move(results));
   fb::print_table(rep, std::cout);
@@ -92,6 +97,7 @@ void check_outputs(const fb::BenchOptions& o) {
   fb::check_writable("--json", o.json_path);
   fb::check_writable("--csv", o.csv_path);
   fb::check_writable("--plot", o.plot_path);
+  fb::check_writable("--write-profile", o.profile_path);
 }
 
 // FLATSHARD_TIMEOUT_MS when set (validated by env::check_all), else the threads backend's 60 s.
@@ -123,7 +129,7 @@ int run_cpu(const fb::BenchOptions& o) {
                  "peak MiB: per-rank AVERAGE = process peak of live CPU tensor bytes during the "
                  "steps (counting c10 CPU allocator, minus what was live before the run) / "
                  "ranks, since ranks are threads of one process."},
-                std::move(results));
+                grans, std::move(results));
 }
 
 int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
@@ -156,7 +162,7 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
                  "CUDA-event timing of the communication streams).",
                  "peak MiB: rank 0's CUDA caching-allocator peak of allocated bytes during the "
                  "steps, minus what was live before the run."},
-                std::move(results));
+                grans, std::move(results));
 }
 
 int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::LaunchEnv>& env) {

@@ -171,6 +171,12 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--plot", o.plot_path, "write an SVG bar chart (step time, peak memory) to PATH")
       ->type_name("PATH")
       ->group(g_out);
+  app.add_option("--write-profile", o.profile_path,
+                 "write the machine profile these runs measure (fsdp/machine_profile.h; "
+                 "benchmarks/bench_profile.h says which numbers) to PATH, for flatshard-explain "
+                 "--profile")
+      ->type_name("PATH")
+      ->group(g_out);
 
   try {
     app.parse(argc, argv);

@@ -65,6 +65,7 @@ struct BenchOptions {
   int kernel_profile_steps = 0;  // --kernel-profile N (cuda only)
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;
+  std::string profile_path;  // --write-profile (benchmarks/bench_profile.h)
 };
 
 struct ParseResult {

@@ -395,6 +395,14 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   }
   const double tail = std::max(0.0, red_t - compute_t);
   p.exposed_comm_ms = p.exposed_all_gather_ms + tail;
+  if (prof.comm_overlap == 0) {  // synchronous collectives: nothing hides
+    double gathers = 0;
+    for (int k = 0; k < n; ++k)
+      gathers += ag_ms[k] * (e.units[k].per_step.forward_all_gathers +
+                             e.units[k].per_step.backward_all_gathers);
+    p.exposed_all_gather_ms = gathers;
+    p.exposed_comm_ms = p.comm_ms;
+  }
 
   // Offload: copies overlap compute; the CPU optimizer does not.
   double copy_ms = 0, cpu_opt_ms = 0;
@@ -404,11 +412,13 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   }
   p.offload_ms = cpu_opt_ms + std::max(0.0, copy_ms - p.compute_ms);
 
-  p.host_ms = prof.host_ms_per_step * static_cast<double>(L) / 16.0 +
+  p.host_ms = prof.host_ms_per_step * static_cast<double>(L) / prof.host_reference_layers +
               n * (prof.host_us_per_unit_forward + prof.host_us_per_unit_backward) / 1e3;
   p.gpu_ms = p.compute_ms + p.passes_ms + p.optimizer_ms + p.exposed_comm_ms + p.offload_ms;
   p.host_bound = p.host_ms > p.gpu_ms;
-  p.step_ms = std::max(p.gpu_ms, p.host_ms);
+  const double norm = prof.host_overlap_norm;  // machine_profile.h: imperfect overlap
+  const double hi = std::max(p.gpu_ms, p.host_ms), lo = std::min(p.gpu_ms, p.host_ms);
+  p.step_ms = hi > 0 ? hi * std::pow(1 + std::pow(lo / hi, norm), 1 / norm) : 0;
   return p;
 }
 

@@ -50,12 +50,13 @@
 //               `forward_prefetch` units ahead and hides behind their forward compute; a
 //               backward all-gather behind the backward compute of the `backward_prefetch` units
 //               after it; a reduction behind the next unit's backward. exposed = what is left.
-//   host        host_ms_per_step x layers / 16 + units x (host_us_per_unit_forward +
+//   host        host_ms_per_step x layers / host_reference_layers + units x (host_us_per_unit_forward +
 //               host_us_per_unit_backward) (machine_profile.h says where they come from).
 //   offload     offload_terms() below: copies overlap compute (only their excess is exposed),
 //               the CPU optimizer does not.
-//   gpu_ms = compute + passes + exposed + offload; step_ms = max(gpu_ms, host_ms); host_bound
-//   when host_ms > gpu_ms.
+//   gpu_ms = compute + passes + optimizer + exposed + offload; step_ms = the
+//   host_overlap_norm-norm of (gpu_ms, host_ms) (machine_profile.h: imperfect overlap; the max
+//   for a large norm); host_bound when host_ms > gpu_ms.
 #pragma once
 
 #include <cstdint>

@@ -34,8 +34,10 @@ const std::vector<Field>& fields() {
       {"all_reduce_latency_us", &MachineProfile::all_reduce_latency_us, true},
       {"all_reduce_gbps", &MachineProfile::all_reduce_gbps, false},
       {"host_ms_per_step", &MachineProfile::host_ms_per_step, true},
+      {"host_reference_layers", &MachineProfile::host_reference_layers, false},
       {"host_us_per_unit_forward", &MachineProfile::host_us_per_unit_forward, true},
       {"host_us_per_unit_backward", &MachineProfile::host_us_per_unit_backward, true},
+      {"host_overlap_norm", &MachineProfile::host_overlap_norm, false},
       {"compute_tflops", &MachineProfile::compute_tflops, false},
       {"memory_gbps", &MachineProfile::memory_gbps, false},
       {"optimizer_bytes_per_param", &MachineProfile::optimizer_bytes_per_param, true},
@@ -45,6 +47,7 @@ const std::vector<Field>& fields() {
       {"activation_scale", &MachineProfile::activation_scale, false},
       {"allocator_slack", &MachineProfile::allocator_slack, true},
       {"collective_staging", &MachineProfile::collective_staging, true},
+      {"comm_overlap", &MachineProfile::comm_overlap, true},
   };
   return f;
 }
@@ -110,6 +113,8 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
           << kMaxValue << ", got " << v;
       node.fail(why.str());
     }
+    if (field->member == &MachineProfile::comm_overlap && v != 0 && v != 1)
+      node.fail("'comm_overlap' must be 0 or 1, got " + std::to_string(v));
     p.*(field->member) = v;
   }
   if (!format_seen) root.fail("missing \"format\": \"" + std::string(kFormat) + "\"");

@@ -1,0 +1,157 @@
+// flatshard/benchmarks/bench_profile.cpp — see bench_profile.h for what is measured.
+#include "benchmarks/bench_profile.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <set>
+#include <sstream>
+
+#include "fsdp/cost_model.h"
+#include "fsdp/explain.h"
+#include "fsdp/meta_init.h"
+
+namespace flatshard {
+namespace bench {
+
+namespace {
+
+std::string utc_now() {
+  const std::time_t t = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M UTC", &tm);
+  return buf;
+}
+
+// Least squares y = a + b x; false with fewer than two distinct x.
+bool fit_line(const std::vector<std::pair<double, double>>& xy, double* a, double* b) {
+  std::set<double> xs;
+  for (const auto& p : xy) xs.insert(p.first);
+  if (xs.size() < 2) return false;
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  const double n = static_cast<double>(xy.size());
+  for (const auto& [x, y] : xy) {
+    sx += x;
+    sy += y;
+    sxx += x * x;
+    sxy += x * y;
+  }
+  *b = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  *a = (sy - *b * sx) / n;
+  return true;
+}
+
+}  // namespace
+
+MachineProfile measure_profile(const BenchOptions& o, int world,
+                               const std::vector<Granularity>& granularities,
+                               const std::vector<RunResult>& results,
+                               const std::string& device_description) {
+  TORCH_CHECK(granularities.size() == results.size(), "measure_profile: ", granularities.size(),
+              " granularities but ", results.size(), " results");
+  int cal = -1;
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (granularities[i].local || results[i].step_ms.empty()) continue;
+    if (cal < 0) cal = static_cast<int>(i);
+    if (granularities[i].label.rfind("layer", 0) == 0) {
+      cal = static_cast<int>(i);
+      break;
+    }
+  }
+  TORCH_CHECK(cal >= 0, "--write-profile needs at least one sharded run (a granularity other "
+                        "than local) to calibrate from");
+  const bool cpu = o.device == DeviceKind::kCpu;
+  MachineProfile p = MachineProfile::defaults();
+  if (cpu) {
+    p.collective_staging = 1;
+    p.comm_overlap = 0;
+    p.host_overlap_norm = 1;
+    p.host_ms_per_step = 0;
+  }
+  std::shared_ptr<torch::nn::Module> planning;
+  {
+    MetaInit meta;
+    planning = o.model.build(o.seed);
+  }
+  const Granularity& g = granularities[static_cast<size_t>(cal)];
+  const RunResult& r = results[static_cast<size_t>(cal)];
+  const Explanation e = explain(*planning, g.plan, world, o.sharding);
+  const TransformerShape shape = o.model.transformer_shape();
+  const Workload w{o.batch, o.model.seq_len()};
+
+  // Per-unit host cost (and, on cuda, the fixed part) from every run.
+  std::vector<std::pair<double, double>> points;
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (results[i].step_ms.empty()) continue;
+    const double y = cpu ? median(results[i].step_ms) : median(results[i].host_issue_ms);
+    points.emplace_back(static_cast<double>(results[i].units), y);
+  }
+  double a = 0, b = 0;
+  std::string host_how;
+  if (fit_line(points, &a, &b) && b > 0) {
+    p.host_us_per_unit_forward = 0.4 * b * 1e3;
+    p.host_us_per_unit_backward = 0.6 * b * 1e3;
+    host_how = "host per unit fitted over " + std::to_string(points.size()) + " runs";
+  } else {
+    host_how = "host per unit: default (one unit count only)";
+  }
+  const double per_unit_ms = (p.host_us_per_unit_forward + p.host_us_per_unit_backward) / 1e3;
+  if (!cpu) {
+    p.host_ms_per_step =
+        std::max(0.0, median(r.host_issue_ms) - static_cast<double>(e.units.size()) * per_unit_ms);
+    p.host_reference_layers = static_cast<double>(shape.n_layers);
+  }
+
+  // cpu: collectives are timed (TimedCommunicator): a bandwidth-only model through the bytes
+  // the calibration run sent (latency 0: the threads backend's cost is copying).
+  std::string comm_how = "collectives: defaults";
+  if (cpu && r.exposed_comm_share && *r.exposed_comm_share > 0 && r.per_step.bytes > 0) {
+    const double comm_ms = *r.exposed_comm_share * median(r.step_ms);
+    const double gbps = static_cast<double>(r.per_step.bytes) / (comm_ms * 1e6);
+    p.all_gather_latency_us = p.reduce_scatter_latency_us = p.all_reduce_latency_us = 0;
+    // The cost model's bus factors: all-gather (W-1) x shard bytes, reduce-scatter (W-1)/W x
+    // bytes, all-reduce 2 (W-1)/W x bytes; the measured rate is of bytes sent, so each gets
+    // the rate scaled by its factor (one cost per byte sent, whatever the collective).
+    p.all_gather_gbps = gbps * (world - 1);
+    p.reduce_scatter_gbps = gbps * (world - 1) / world;
+    p.all_reduce_gbps = gbps * 2 * (world - 1) / world;
+    comm_how = "collectives: bandwidth from the timed communicator";
+  }
+
+  // Memory passes from the optimizer step.
+  const double opt_ms = median(r.optimizer_ms);
+  int64_t trainable = 0;
+  for (const auto& u : e.units)
+    trainable += (u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes) / 4;
+  if (opt_ms > 0 && trainable > 0)
+    p.memory_gbps = p.optimizer_bytes_per_param * static_cast<double>(trainable) / (opt_ms * 1e6);
+
+  // Compute: what is left of the measured forward + backward (cpu: of the step, less the host
+  // share of its units) after the predicted passes and exposed communication.
+  const CostPrediction c = predict_cost(e, shape, w, p);
+  const double measured =
+      median(r.fwd_bwd_ms) - (cpu ? static_cast<double>(e.units.size()) * per_unit_ms : 0.0);
+  const double compute_ms = measured - c.passes_ms - c.exposed_comm_ms;
+  TORCH_CHECK(compute_ms > 0.05 * measured && c.compute_ms > 0,
+              "--write-profile: run '", g.label, "' leaves no compute time to calibrate from ",
+              "(measured ", measured, " ms, predicted passes ", c.passes_ms,
+              " ms and exposed communication ", c.exposed_comm_ms, " ms)");
+  p.compute_tflops = p.compute_tflops * c.compute_ms / compute_ms;
+
+  std::ostringstream src;
+  src << "flatshard-bench " << utc_now() << ", " << device_description << ", "
+      << models::family_name(o.model.family) << " " << o.preset << " batch " << o.batch
+      << " seq " << o.model.seq_len() << ", calibrated on '" << g.label
+      << "'; measured: compute_tflops, memory_gbps (optimizer step), " << host_how
+      << (cpu ? " (cpu: host and compute serial)" : ", host_ms_per_step")
+      << "; " << comm_how << "; defaults: offload rates, activation_scale, allocator_slack";
+  p.source = src.str();
+  return p;
+}
+
+}  // namespace bench
+}  // namespace flatshard
