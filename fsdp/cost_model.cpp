@@ -312,7 +312,11 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       f += layer_flops;
       if (u.recompute) rc += layer_flops / 3;
     }
-    for (auto i : place[k].partial) f += layer_flops / std::max(1, layer_units[i]);
+    for (auto i : place[k].partial) {
+      const double share = layer_flops / std::max(1, layer_units[i]);
+      f += share;
+      if (u.recompute) rc += share / 3;  // a recomputed leaf runs its own forward again
+    }
     if (place[k].head || (u.is_root && !head_owned)) f += head_flops;
     if (u.is_root)  // layers no other unit touches (model granularity)
       for (int64_t i = 0; i < L; ++i)

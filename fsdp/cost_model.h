@@ -39,7 +39,8 @@
 // Step-time model (ms, per rank):
 //   compute     tokens x FLOPs / compute_tflops, FLOPs = 6 N_matmul + 12 L d seq per token (the
 //               models' closed form at this seq), plus a second forward (2 N_layer + 4 d seq) of
-//               every layer a recompute unit holds.
+//               every layer a recompute unit holds (a recompute unit smaller than a layer: its
+//               share of the layer's forward, the layer's FLOPs split evenly over its units).
 //   passes      per-parameter memory passes at memory_gbps: the fp32 -> compute-dtype cast
 //               before each all-gather ((4 + e) B per shard element, when e != 4), the gradient
 //               upcast ((e + 4) B, when the reduce dtype is not fp32), and AdamW

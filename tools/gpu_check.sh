@@ -34,6 +34,12 @@
 #               reference's fused AdamW) on the 1B GPT; step ms, x PyTorch plain, host ms and
 #               peak MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
 #               GPU_CHECK_VS_GRANULARITY replaces local,layer,leaf)
+#   advisor     tools/advisor_check.py: flatshard-bench on 1 GPU (world 1) for the 1B GPT and the
+#               1B LLaMA at 4 and 1 sequences (GPU_CHECK_ADVISOR_BATCHES), every granularity x
+#               recompute x offload level the bench supports, a machine profile written by the
+#               first call per model (--write-profile), and one table of flatshard-explain's
+#               predicted vs measured peak MiB and step ms (issue 20; GPU_CHECK_ADVISOR_ARGS adds
+#               arguments to the script, e.g. "--bench-args '--layers 4'")
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
 #               every rank of nccl_reliability_test's GPT memory case (100 steps) and
 #               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
@@ -92,7 +98,8 @@ step_configure() {
 
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
-                 gpu_hsdp_test gpu_checkpoint_test flatshard-collectives-bench flatshard-bench flatshard-trace)
+                 gpu_hsdp_test gpu_checkpoint_test flatshard-collectives-bench flatshard-bench flatshard-trace
+                 flatshard-explain)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
@@ -257,6 +264,13 @@ EOF
   return $rc
 }
 
+step_advisor() {
+  # shellcheck disable=SC2086
+  "$PYTHON" tools/advisor_check.py --build "$BUILD" --device cuda --nproc 1 --preset 1b \
+    --batches ${GPU_CHECK_ADVISOR_BATCHES:-4 1} --models gpt llama --logdir "$LOGDIR/advisor" \
+    ${GPU_CHECK_ADVISOR_ARGS:-} | tee "$LOGDIR/advisor.txt"
+}
+
 step_sanitize() {
   local cs tool rc=0
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -279,7 +293,7 @@ step_sanitize() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused setup trace vs_torch)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused setup trace vs_torch advisor)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"
@@ -316,6 +330,10 @@ summary() {
     printf '  %-10s %-16s %ss\n' "$s" "${RESULT[$s]}" "${SECONDS_TAKEN[$s]:--}"
     [ "${RESULT[$s]}" = PASS ] || failed=1
   done
+  if [ -f "$LOGDIR/advisor.txt" ]; then
+    echo
+    cat "$LOGDIR/advisor.txt"
+  fi
   if [ -f "$LOGDIR/compare.txt" ]; then
     echo
     cat "$LOGDIR/compare.txt"

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Predicted vs measured: flatshard-explain's cost model (fsdp/cost_model.h) against flatshard-bench.
+
+For each model and batch, runs flatshard-bench over every granularity x recompute x offload
+combination the bench supports, with --write-profile on the first (non-recompute, offload 0)
+call of each model at the first batch: that profile (the calibration: compute rate and memory
+passes from its 'layer' run, host cost per unit fitted over its runs) is then used to predict
+every row, other batches included. Prints one table:
+
+  model batch config  pred peak MiB  meas peak MiB  err %  pred step ms  meas step ms  err %
+
+and, with --budget, runs the advisor (flatshard-explain --suggest) with the same profile and
+checks its choice against the fastest measured run whose measured peak fits the budget.
+
+Standard library only. Examples (from the repository root, after a build):
+  # GPU (world 1): the issue's table, 1B GPT and LLaMA at 4 and 1 sequences
+  python3 tools/advisor_check.py --build /tmp/flatshard-gpu-build --device cuda --nproc 1 \
+      --preset 1b --batches 4 1 --models gpt llama --logdir /tmp/advisor
+  # CPU (ranks as threads), with the advisor's choice against the measured sweep
+  python3 tools/advisor_check.py --build build --device cpu --nproc 2 --preset small --seq 128 \
+      --batches 2 --models gpt --budget 90MiB --logdir /tmp/advisor_cpu
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+LAYER = {"gpt": "Block", "llama": "DecoderLayer"}
+LEAF = {"gpt": "Linear|LayerNorm|Embedding", "llama": "Linear|RMSNorm|Embedding"}
+GRANULARITIES = ["layer", "leaf", "every-2", "model", "noshard"]
+
+
+def spec_of(label, model):
+    """flatshard-bench's granularity label -> the policy spec flatshard-explain takes."""
+    recompute = label.endswith("+recompute")
+    base = label[: -len("+recompute")] if recompute else label
+    layer = "type=" + LAYER[model]
+    specs = {
+        "layer": layer,
+        "leaf": "type=" + LEAF[model],
+        "model": "none",
+        "noshard": "noshard:" + layer + ";root:noshard",
+    }
+    if base.startswith("every-"):
+        spec = "every=" + base[len("every-"):] + "," + layer
+    elif base in specs:
+        spec = specs[base]
+    else:
+        return None  # local, or a custom spec the table does not map
+    if not recompute or spec == "none":
+        return spec
+    if base == "noshard":
+        return "noshard+recompute:" + layer + ";root:noshard"
+    return "recompute:" + spec
+
+
+def run(cmd, log):
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        f.write(p.stdout)
+    if p.returncode != 0:
+        print(p.stdout[-3000:], file=sys.stderr)
+    return p.returncode, p.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", required=True, help="build folder with benchmarks/ and tools/")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--preset", default="1b")
+    ap.add_argument("--seq", type=int, default=0, help="override the preset's sequence length")
+    ap.add_argument("--batches", type=int, nargs="+", default=[4, 1])
+    ap.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--bench-args", default="", help="extra flatshard-bench arguments")
+    ap.add_argument("--budget", default="", help="also check the advisor at this per-rank budget")
+    ap.add_argument("--logdir", required=True)
+    a = ap.parse_args()
+    os.makedirs(a.logdir, exist_ok=True)
+    bench = os.path.join(a.build, "benchmarks", "flatshard-bench")
+    explain = os.path.join(a.build, "tools", "flatshard-explain")
+    for exe in (bench, explain):
+        if not os.access(exe, os.X_OK):
+            sys.exit(f"advisor_check: {exe} is not built")
+    _, help_text = run([bench, "--help"], os.path.join(a.logdir, "bench_help.txt"))
+    offloads = [0, 1, 2] if "--offload" in help_text else [0]
+    dtype = "bf16" if a.device == "cuda" else "fp32"
+    rows, failures, advice = [], 0, []
+    for model in a.models:
+        profile = os.path.join(a.logdir, f"profile_{model}.json")
+        for bi, batch in enumerate(a.batches):
+            for recompute in (False, True):
+                for off in offloads:
+                    tag = f"{model}_b{batch}{'_rc' if recompute else ''}_o{off}"
+                    out = os.path.join(a.logdir, f"bench_{tag}.json")
+                    grans = GRANULARITIES if not recompute else ["layer", "leaf", "every-2", "noshard"]
+                    cmd = [bench, "--device", a.device, "--nproc", str(a.nproc), "--model", model,
+                           "--preset", a.preset, "--batch", str(batch), "--warmup", str(a.warmup),
+                           "--steps", str(a.steps), "--granularity", ",".join(grans), "--json", out]
+                    if a.seq:
+                        cmd += ["--seq", str(a.seq)]
+                    if recompute:
+                        cmd.append("--recompute")
+                    if off:
+                        cmd += ["--offload", str(off)]
+                    calibrating = bi == 0 and not recompute and off == 0
+                    if calibrating:
+                        cmd += ["--write-profile", profile]
+                    cmd += a.bench_args.split()
+                    rc, _ = run(cmd, os.path.join(a.logdir, f"bench_{tag}.txt"))
+                    if rc != 0 or not os.path.exists(out):
+                        print(f"advisor_check: flatshard-bench failed for {tag} (exit {rc})", file=sys.stderr)
+                        failures += 1
+                        continue
+                    if not os.path.exists(profile):
+                        sys.exit("advisor_check: no profile was written; the first call must succeed")
+                    report = json.load(open(out))
+                    world = report.get("world_size", a.nproc)
+                    for r in report["runs"]:
+                        spec = spec_of(r["granularity"], model)
+                        if spec is None:
+                            continue
+                        ecmd = [explain, "--model", model, "--preset", a.preset, "--world", str(world),
+                                "--param-dtype", dtype, "--batch", str(batch), "--profile", profile,
+                                "--policy", spec]
+                        if a.seq:
+                            ecmd += ["--seq-len", str(a.seq)]
+                        if off:
+                            ecmd += ["--offload", str(off)]
+                        erc, text = run(ecmd, os.path.join(a.logdir, f"explain_{tag}_{r['granularity']}.txt"))
+                        m = re.search(r"^prediction: peak_bytes=(\d+) step_ms=([0-9.eE+-]+)", text, re.M)
+                        if erc != 0 or not m:
+                            failures += 1
+                            continue
+                        rows.append({
+                            "model": model, "batch": batch, "offload": off, "spec": spec,
+                            "config": r["granularity"] + (f"+offload{off}" if off else ""),
+                            "calibration": calibrating and r["granularity"].startswith("layer"),
+                            "pred_peak": int(m.group(1)) / 2**20, "meas_peak": r["peak_memory_bytes"] / 2**20,
+                            "pred_step": float(m.group(2)), "meas_step": r["step_ms"]["median"],
+                        })
+        if a.budget:
+            acmd = [explain, "--model", model, "--preset", a.preset, "--world", str(a.nproc),
+                    "--param-dtype", dtype, "--batch", str(a.batches[0]), "--profile", profile,
+                    "--suggest", "--memory-limit", a.budget, "--prefetch-depths", "1"]
+            if a.seq:
+                acmd += ["--seq-len", str(a.seq)]
+            _, text = run(acmd, os.path.join(a.logdir, f"suggest_{model}.txt"))
+            m = re.search(r"^  spec: (.*)$", text, re.M)
+            advice.append((model, m.group(1).strip() if m else None, text))
+
+    print(f"# predicted (flatshard-explain --profile, calibrated on the marked row) vs measured "
+          f"(flatshard-bench --device {a.device} --nproc {a.nproc} --preset {a.preset}"
+          f"{' --seq ' + str(a.seq) if a.seq else ''}, median of {a.steps} steps)")
+    hdr = (f"{'model':<6} {'batch':>5} {'config':<22} {'pred MiB':>9} {'meas MiB':>9} {'err %':>6} "
+           f"{'pred ms':>8} {'meas ms':>8} {'err %':>6}  within 5% / 10%")
+    print(hdr)
+    for r in rows:
+        pe = 100 * (r["pred_peak"] - r["meas_peak"]) / r["meas_peak"] if r["meas_peak"] else float("nan")
+        se = 100 * (r["pred_step"] - r["meas_step"]) / r["meas_step"] if r["meas_step"] else float("nan")
+        ok = ("yes" if abs(pe) <= 5 else "NO") + " / " + ("yes" if abs(se) <= 10 else "NO")
+        mark = " (calibration)" if r["calibration"] else ""
+        print(f"{r['model']:<6} {r['batch']:>5} {r['config']:<22} {r['pred_peak']:9.0f} {r['meas_peak']:9.0f} "
+              f"{pe:6.1f} {r['pred_step']:8.1f} {r['meas_step']:8.1f} {se:6.1f}  {ok}{mark}")
+    for model, spec, text in advice:
+        print(f"\n# advisor ({model}, budget {a.budget}, batch {a.batches[0]}): suggested spec {spec!r}")
+        limit = parse_size(a.budget)
+        mine = [r for r in rows if r["model"] == model and r["batch"] == a.batches[0] and r["offload"] == 0]
+        fitting = [r for r in mine if r["meas_peak"] * 2**20 <= limit]
+        if not fitting:
+            print("  no measured run fits the budget")
+            continue
+        best = min(fitting, key=lambda r: r["meas_step"])
+        chosen = next((r for r in mine if r["spec"] == spec), None)
+        if chosen is None:
+            print(f"  the suggested plan was not in the sweep; fastest fitting measured: {best['config']} "
+                  f"{best['meas_step']:.1f} ms")
+            continue
+        verdict = ("fits" if chosen["meas_peak"] * 2**20 <= limit else "OVER BUDGET") + ", " + (
+            "within 5% of the fastest" if chosen["meas_step"] <= 1.05 * best["meas_step"] else "SLOWER than 5%")
+        print(f"  chosen {chosen['config']}: measured {chosen['meas_step']:.1f} ms, peak {chosen['meas_peak']:.0f} MiB; "
+              f"fastest fitting measured {best['config']} {best['meas_step']:.1f} ms: {verdict}")
+    return 1 if failures else 0
+
+
+def parse_size(text):
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B?)\s*", text, re.I)
+    if not m:
+        sys.exit(f"advisor_check: --budget {text!r} is not a size such as 40GiB")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
+    if m.group(3).upper() == "B" and m.group(2):  # decimal: KB, MB, GB
+        scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2).upper()]
+    return float(m.group(1)) * scale
+
+
+if __name__ == "__main__":
+    sys.exit(main())
