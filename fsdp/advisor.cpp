@@ -218,7 +218,7 @@ std::string Advice::to_string() const {
   if (replicate_size > 1) os << " x " << replicate_size << " replicas";
   os << ", batch " << workload.batch << " x seq " << workload.seq << ", memory limit "
      << format_bytes(memory_limit_bytes) << " per rank (" << std::lround(100 * memory_margin)
-     << "% kept free); " << profile.source << " profile\n";
+     << "% kept free)\nprofile: " << profile.source << "\n";
   if (fits()) {
     const Candidate& b = candidates.front();
     os << "suggested: " << b.label << " " << b.command_line() << "\n"

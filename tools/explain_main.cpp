@@ -269,7 +269,7 @@ int main(int argc, char** argv) {
     if (batch > 0) {
       const auto p = flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile, offload);
       std::cout << "batch " << workload.batch << " x seq " << workload.seq << ", offload "
-                << offload << ", " << profile.source << " profile\n"
+                << offload << "; profile: " << profile.source << "\n"
                 << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
                 << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
                 << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0) << "\n";
