@@ -393,3 +393,93 @@ TEST_CASE("advisor: bad inputs are errors with their values", "[advisor][errors]
   CHECK(err([](AdvisorOptions& a) { a.workload.batch = 0; }).find("batch 0") != std::string::npos);
   CHECK(err([](AdvisorOptions&) {}, 0).find("world 0") != std::string::npos);
 }
+
+TEST_CASE("cost model: step terms against closed forms", "[advisor][time]") {
+  // GPT small at its own seq_len: the model's flops_per_token() (models/gpt.h, an independent
+  // closed form) at the profile's rate is the whole compute term.
+  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const Workload w{2, 128};
+  MachineProfile p = quiet_profile();
+  p.compute_tflops = 0.01;
+  const double tokens = static_cast<double>(w.tokens());
+  const double expect_ms = tokens * cfg.flops_per_token() / (p.compute_tflops * 1e9);
+  const CostPrediction layer = predicted(cfg, "type=Block", 2, w, 1, p);
+  CHECK(layer.compute_ms == Approx(expect_ms).epsilon(1e-9));
+  CHECK(layer.recompute_ms == 0);
+  const CostPrediction leaf = predicted(cfg, "type=Linear|LayerNorm|Embedding", 2, w, 1, p);
+  CHECK(leaf.compute_ms == Approx(expect_ms).epsilon(1e-9));
+  // Recompute: one more forward of every layer, a third of its training FLOPs
+  // (6 N_layer + 12 d T per token -> 2 N_layer + 4 d T).
+  const auto s = cfg.transformer_shape();
+  const double layer_fwd = tokens * (2.0 * s.layer_matmul_params() + 4.0 * s.d_model * 128) *
+                           s.n_layers / (p.compute_tflops * 1e9);
+  const CostPrediction rc = predicted(cfg, "recompute:type=Block", 2, w, 1, p);
+  CHECK(rc.recompute_ms == Approx(layer_fwd).epsilon(1e-9));
+  CHECK(rc.compute_ms == Approx(expect_ms + layer_fwd).epsilon(1e-9));
+
+  // Collectives: with no prefetch nothing hides, so every all-gather is exposed:
+  // latency + (W-1) x shard bytes / bandwidth each.
+  MachineProfile c = quiet_profile();
+  c.all_gather_latency_us = 100;
+  c.all_gather_gbps = 1;
+  auto model = build_meta(cfg, 0);
+  ShardingOptions o;
+  o.forward_prefetch = o.backward_prefetch = 0;
+  const int world = 3;
+  const Explanation e = explain(*model, make_plan(*model, parse_policy("type=Block")), world, o);
+  double gathers = 0;
+  for (const auto& u : e.units)
+    gathers += (u.per_step.forward_all_gathers + u.per_step.backward_all_gathers) *
+               (0.1 + (world - 1) * static_cast<double>(u.all_gather_bytes) / 1e6);
+  const CostPrediction none = predict_cost(e, s, w, c);
+  CHECK(none.exposed_all_gather_ms == Approx(gathers).epsilon(1e-9));
+  // With prefetch 1 some of it hides behind compute.
+  const CostPrediction one = predicted(cfg, "type=Block", world, w, 1, c);
+  CHECK(one.exposed_all_gather_ms < none.exposed_all_gather_ms);
+
+  // Host-bound: host > GPU time; the step is the overlap norm of the two (p = 1: the sum).
+  MachineProfile h = quiet_profile();
+  h.host_us_per_unit_forward = 1e6;  // 1 s per unit and pass
+  h.host_overlap_norm = 1;
+  const CostPrediction hb = predicted(cfg, "type=Block", 2, w, 1, h);
+  CHECK(hb.host_bound);
+  CHECK(hb.host_ms == Approx(5 * 1000.0));
+  CHECK(hb.step_ms == Approx(hb.host_ms + hb.gpu_ms));
+}
+
+TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
+  const ModelConfig cfg = preset(Family::kGpt, "tiny", 32);
+  auto model = build_meta(cfg, 0);
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = at::kBFloat16;
+  const Explanation e = explain(*model, make_plan(*model, parse_policy("type=Block")), 2, o);
+  const UnitExplanation& block = e.units[1];  // blocks.0: FULL_SHARD, reshards after forward
+  REQUIRE(block.reshard_after_forward);
+  const int64_t shard = block.shard_numel;
+  const OffloadTerms one = offload_terms(block, 1, at::kBFloat16);
+  CHECK(one.device_bytes_saved == 4 * shard + 8 * shard);  // master + AdamW moments
+  CHECK(one.host_bytes == 16 * shard);                     // + the gradient
+  CHECK(one.resident_bytes == 2 * shard);                  // the bf16 shard
+  CHECK(one.h2d_bytes == 4 * shard);                       // once per step
+  CHECK(one.d2h_bytes == 4 * shard);
+  CHECK(one.cpu_optimizer_params == shard);
+  const OffloadTerms two = offload_terms(block, 2, at::kBFloat16);
+  CHECK(two.resident_bytes == 0);
+  CHECK(two.h2d_bytes == 2 * 4 * shard);  // before the forward and the backward gather
+  CHECK(offload_terms(block, 0, at::kBFloat16).host_bytes == 0);
+  // In the prediction: the persistent device state shrinks by exactly the saved bytes.
+  const auto s = cfg.transformer_shape();
+  const CostPrediction p0 = predict_cost(e, s, {1, 32}, quiet_profile(), 0);
+  const CostPrediction p1 = predict_cost(e, s, {1, 32}, quiet_profile(), 1);
+  int64_t saved = 0, resident = 0, host = 0;
+  for (const auto& u : e.units) {
+    const OffloadTerms t = offload_terms(u, 1, at::kBFloat16);
+    saved += t.device_bytes_saved;
+    resident += t.resident_bytes;
+    host += t.host_bytes;
+  }
+  CHECK(p1.persistent_bytes == p0.persistent_bytes - saved + resident);
+  CHECK(p1.host_bytes == host);
+  CHECK(error_of([&] { predict_cost(e, s, {1, 32}, quiet_profile(), 3); })
+            .find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
+}

@@ -194,6 +194,66 @@ TEST_CASE("explain: sizes and limits are checked, stdout is checked", "[tools][s
   CHECK(full.err.find("writing to standard output failed") != std::string::npos);
 }
 
+TEST_CASE("explain --suggest / --profile and bench --write-profile: inputs are checked",
+          "[tools][advisor]") {
+  struct Case {
+    std::vector<std::string> args;
+    const char* says;
+  };
+  write(path("bad_profile.json"), R"({"format": "flatshard-machine-profile", "version": 1, "memory_gbps": -3})");
+  write(path("not_json.json"), "{oops");
+  const std::vector<Case> cases = {
+      {{"--world", "2", "--suggest"}, "--suggest needs --memory-limit"},
+      {{"--world", "2", "--batch", "1", "--profile", path("missing.json")}, "missing.json"},
+      {{"--world", "2", "--batch", "1", "--profile", path("bad_profile.json")},
+       "'memory_gbps' must be > 0"},
+      {{"--world", "2", "--batch", "1", "--profile", path("not_json.json")}, "invalid JSON"},
+      {{"--world", "2", "--preset", "tiny", "--batch", "1", "--seq", "64"},
+       "--seq 64 is longer than the model's seq_len 32"},
+  };
+  for (const auto& c : cases) {
+    const Outcome o = run(FLATSHARD_EXPLAIN_EXE, c.args, {}, 60);
+    CAPTURE(c.args, o.out, o.err);
+    CHECK(o.exit_code == 1);
+    CHECK(o.err.find(c.says) != std::string::npos);
+  }
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--world", "2", "--batch", "0"},
+        std::vector<std::string>{"--world", "2", "--suggest", "--memory-limit", "1GiB",
+                                 "--offload-levels", "3"}}) {
+    const Outcome o = run(FLATSHARD_EXPLAIN_EXE, args, {}, 60);
+    CAPTURE(args, o.err);
+    CHECK(o.exit_code != 0);
+    CHECK(o.exit_code < 128);  // an error, not a crash
+  }
+  // The advisor end to end, and bench's profile read back by explain.
+  const Outcome s = run(FLATSHARD_EXPLAIN_EXE,
+                        {"--world", "2", "--preset", "tiny", "--batch", "2", "--suggest",
+                         "--memory-limit", "64MiB"},
+                        {}, 60);
+  CAPTURE(s.err);
+  CHECK(s.exit_code == 0);
+  CHECK(s.out.find("suggested: ") != std::string::npos);
+  CHECK(s.out.find("  spec: ") != std::string::npos);
+  const Outcome b = run(FLATSHARD_BENCH_EXE,
+                        short_bench({"--granularity", "leaf", "--write-profile", path("p.json")}),
+                        {}, 120);
+  CAPTURE(b.err);
+  CHECK(b.exit_code == 0);
+  const Outcome e = run(FLATSHARD_EXPLAIN_EXE,
+                        {"--world", "2", "--preset", "tiny", "--batch", "2", "--profile",
+                         path("p.json")},
+                        {}, 60);
+  CAPTURE(e.err);
+  CHECK(e.exit_code == 0);
+  CHECK(e.out.find("profile: flatshard-bench") != std::string::npos);
+  CHECK(e.out.find("calibrated on 'layer'") != std::string::npos);
+  const Outcome nowrite =
+      run(FLATSHARD_BENCH_EXE, short_bench({"--write-profile", path("no/such/dir/p.json")}), {}, 60);
+  CHECK(nowrite.exit_code == 2);
+  CHECK(nowrite.err.find("--write-profile") != std::string::npos);
+}
+
 TEST_CASE("trace: --merge is whole or untouched; inputs are checked first", "[tools][trace]") {
   const std::string r0 = path("t.rank0.json"), r1 = path("t.rank1.json");
   write(r0, trace_json(0, 2));
