@@ -50,7 +50,7 @@ std::vector<Shape> granularities(const AdvisorOptions& a) {
     out.push_back({"noshard+recompute", "noshard+recompute:" + layer + ";root:noshard", true});
   }
   if (a.include_model) out.push_back({"model", "none", false});
-  for (const auto& s : a.extra_specs) out.push_back({"custom", s, false});
+  for (const auto& s : a.extra_specs) out.push_back({s, s, false});  // labelled by their spec
   return out;
 }
 
@@ -67,8 +67,9 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
     c.why = why.str();
     return;
   }
-  const double host_x = x.host_bound ? x.host_ms - x.gpu_ms : 0;
-  const double host_b = b.host_bound ? b.host_ms - b.gpu_ms : 0;
+  // What host time adds to the step beyond the GPU's (cost_model.h: the overlap norm; all of
+  // host - gpu when host-bound).
+  const double host_x = x.step_ms - x.gpu_ms, host_b = b.step_ms - b.gpu_ms;
   struct Term {
     LossReason reason;
     double excess;
@@ -79,23 +80,25 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
   std::vector<Term> terms = {
       {LossReason::kExposedAllGather, x.exposed_comm_ms - b.exposed_comm_ms,
        "exposed communication"},
-      {LossReason::kHostBound, x.host_bound ? host_x - host_b : 0, "host time beyond the GPU's"},
+      {LossReason::kHostBound, host_x - host_b, "host time beyond the GPU's"},
       {LossReason::kRecompute, x.recompute_ms - b.recompute_ms, "recompute forward"},
       {LossReason::kOffloadTraffic, x.offload_ms - b.offload_ms, "offload copies + CPU optimizer"},
-      {LossReason::kNotFaster, other, "compute and per-parameter passes"},
+      {LossReason::kParameterPasses, other, "per-parameter passes (casts, upcasts, optimizer)"},
   };
   const Term* top = &terms.front();
   for (const auto& t : terms)
     if (t.excess > top->excess) top = &t;
   c.reason = top->reason;
   if (x.replicated_bytes > b.replicated_bytes &&
-      (top->reason == LossReason::kExposedAllGather || top->reason == LossReason::kNotFaster))
+      (top->reason == LossReason::kExposedAllGather ||
+       top->reason == LossReason::kParameterPasses))
     c.reason = LossReason::kReplication;
   why << ": +" << fixed(top->excess, 2) << " ms " << top->what;
   if (c.reason == LossReason::kReplication)
     why << " (NO_SHARD units replicate " << format_bytes(x.replicated_bytes) << " per rank)";
   if (c.reason == LossReason::kHostBound)
-    why << " (host " << fixed(x.host_ms, 2) << " ms > GPU " << fixed(x.gpu_ms, 2) << " ms)";
+    why << " (host " << fixed(x.host_ms, 2) << " ms " << (x.host_bound ? ">" : "beside") << " GPU "
+        << fixed(x.gpu_ms, 2) << " ms)";
   c.why = why.str();
 }
 
@@ -110,6 +113,7 @@ const char* to_string(LossReason r) {
     case LossReason::kReplication: return "replication";
     case LossReason::kRecompute: return "slower compute (recompute)";
     case LossReason::kOffloadTraffic: return "offload traffic";
+    case LossReason::kParameterPasses: return "per-parameter passes";
     case LossReason::kNotFaster: return "not faster";
   }
   return "?";
@@ -161,7 +165,8 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
       TORCH_CHECK(false, "suggest: candidate '", g.label, "' spec '", g.spec, "': ",
                   msg.substr(0, msg.find('\n')));
     }
-    if (g.label != "model" && g.label != "custom" && plan.matched_modules == 0) continue;
+    const bool extra = std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
+    if (g.label != "model" && !extra && plan.matched_modules == 0) continue;
     for (int depth : a.prefetch_depths) {
       ShardingOptions o = options;
       o.forward_prefetch = o.backward_prefetch = depth;

@@ -15,7 +15,7 @@
 //     grad_op   grad_op:type=<layer_type>             and grad_op+recompute:...
 //     noshard   noshard:type=<layer_type>;root:noshard and noshard+recompute:...
 //     model     none (the root unit holds everything)
-//     extra     AdvisorOptions::extra_specs as given (custom groups)
+//     extra     AdvisorOptions::extra_specs as given (custom groups), labelled by their spec
 //   x every prefetch depth in prefetch_depths (forward and backward alike) x every level in
 //   offload_levels (ShardingOptions::offload on every unit; default {0} until offload lands).
 //   A candidate's spec never carries the prefetch depth or the offload level: Candidate::
@@ -27,15 +27,18 @@
 // - Every other candidate gets one LossReason, the decisive one:
 //     kDoesNotFit        predicted peak above the budget
 //     kExposedAllGather  more exposed communication than the best (the largest extra term)
-//     kHostBound         the host issue time exceeds its GPU time by more than the best's
+//     kHostBound         host time adds more to its step than to the best's (step - GPU time:
+//                        all of host - GPU when host-bound, else the imperfect overlap)
 //     kReplication       NO_SHARD units: the extra time comes from their all-reduces and
 //                        replicated optimizer/parameter passes
 //     kRecompute         the second forward of its recompute units is the largest extra term
 //     kOffloadTraffic    host<->device copies and the CPU optimizer are the largest extra term
-//     kNotFaster         no extra term stands out (a tie, or the best fits with less memory)
-//   The reason is the term (exposed communication, host excess, recompute, offload, other)
+//     kParameterPasses   casts, gradient upcasts and the optimizer step are (e.g. a unit that
+//                        reshards after forward casts its master twice per step)
+//     kNotFaster         a tie: within tie_share of the best, which has the smaller peak
+//   The reason is the term (exposed communication, host, recompute, offload, parameter passes)
 //   with the largest excess over the best; NO_SHARD candidates whose largest excess is
-//   communication or per-parameter work report kReplication.
+//   communication or parameter passes report kReplication.
 // - Throws c10::Error for a budget <= 0, world or replicate < 1, an empty prefetch_depths, a
 //   prefetch depth or offload level out of range, or an extra spec parse_policy() rejects
 //   (naming it). No fitting candidate is not an error: Advice::fits() is false and to_string()
@@ -68,6 +71,7 @@ enum class LossReason {
   kReplication,
   kRecompute,
   kOffloadTraffic,
+  kParameterPasses,
   kNotFaster,
 };
 const char* to_string(LossReason r);

@@ -381,6 +381,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   // Backward: reverse order; gathers issued `bp` units ahead, reductions after each unit on the
   // reduce stream; the step waits for the last reduction.
   double red_t = compute_t;
+  const double backward_begin = compute_t;
   std::vector<double> bstart(n, 0);
   for (int q = n - 1; q >= 0; --q) {
     const int k = order[q];
@@ -388,7 +389,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     const double issue = bp > 0 && ahead <= n - 1 && ahead != q ? bstart[order[ahead]] : compute_t;
     double ready = compute_t;
     if (e.units[k].per_step.backward_all_gathers && ag_ms[k] > 0) {
-      const double s = std::max(comm_t, bp > 0 && ahead > n - 1 ? compute_t : issue);
+      // The first bp units of backward are prefetched when backward begins.
+      const double s = std::max(comm_t, bp > 0 && ahead > n - 1 ? backward_begin : issue);
       comm_t = s + ag_ms[k];
       ready = std::max(ready, comm_t);
     }

@@ -365,12 +365,29 @@ TEST_CASE("advisor: each losing reason, where it is the decisive one", "[advisor
     CHECK(off.cost.peak_bytes < find(a, "layer", 1, 0).cost.peak_bytes);
     CHECK(off.reason == LossReason::kOffloadTraffic);
   }
+  SECTION("per-parameter passes") {
+    // bf16 compute: every all-gather is preceded by a cast of the master (6 B per element);
+    // resharding after forward casts twice per step, SHARD_GRAD_OP once.
+    MachineProfile p = quiet_profile();
+    p.memory_gbps = 0.05;
+    ShardingOptions bf16;
+    bf16.mixed_precision.param_dtype = at::kBFloat16;
+    AdvisorOptions o = advisor_for(cfg, w, big, p);
+    o.include_leaf = o.include_noshard = o.include_model = false;
+    const Advice a = suggest(*model, 2, 1, bf16, o);
+    CAPTURE(a.to_string());
+    CHECK(a.best().label == "grad_op");
+    const Candidate& layer = find(a, "layer");
+    CHECK(layer.cost.passes_ms > a.best().cost.passes_ms);
+    CHECK(layer.reason == LossReason::kParameterPasses);
+  }
   SECTION("not faster: prefetch 2 costs the same time and more memory") {
     const Advice a = run(quiet_profile(), 2, big);
     CAPTURE(a.to_string());
     const Candidate& best = a.best();
     const Candidate& deeper = find(a, best.label, best.prefetch == 1 ? 2 : 1);
     CHECK(deeper.reason == LossReason::kNotFaster);
+    CHECK(deeper.cost.peak_bytes >= best.cost.peak_bytes);
   }
 }
 

@@ -188,7 +188,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 2));
   app.add_flag("--suggest", suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
-               "(needs --memory-limit; --batch defaults to 1)");
+               "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
+               "candidates)");
   app.add_option("--offload-levels", offload_levels,
                  "--suggest: offload levels to try (default 0)")
       ->check(CLI::Range(0, 2))
@@ -208,6 +209,7 @@ int main(int argc, char** argv) {
     if (overrides["n-layers"]) cfg.n_layers() = overrides["n-layers"];
     if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
     cfg.tie_embeddings() = tied;
+    const bool policy_given = !policy.empty();
     if (policy.empty()) policy = "type=" + fm::family_modules(cfg.family).layer_type;
     TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--n-layers ", cfg.n_layers(),
                 " is more than explain builds (at most ", kMaxLayers,
@@ -253,6 +255,7 @@ int main(int argc, char** argv) {
       a.profile = profile;
       a.offload_levels = offload_levels;
       a.prefetch_depths = prefetch_depths;
+      if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
       std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
                 << cfg.num_parameters() << " params)\n";
       std::cout << flatshard::suggest(*model, world, replicate, opts, a).to_string();
