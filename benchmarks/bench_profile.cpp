@@ -62,8 +62,9 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
       break;
     }
   }
-  TORCH_CHECK(cal >= 0, "--write-profile needs at least one sharded run (a granularity other "
-                        "than local) to calibrate from");
+  TORCH_CHECK(cal >= 0,
+              "--write-profile needs at least one sharded run (a granularity other "
+              "than local) to calibrate from");
   const bool cpu = o.device == DeviceKind::kCpu;
   MachineProfile p = MachineProfile::defaults();
   if (cpu) {
@@ -136,19 +137,19 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
   const double measured =
       median(r.fwd_bwd_ms) - (cpu ? static_cast<double>(e.units.size()) * per_unit_ms : 0.0);
   const double compute_ms = measured - c.passes_ms - c.exposed_comm_ms;
-  TORCH_CHECK(compute_ms > 0.05 * measured && c.compute_ms > 0,
-              "--write-profile: run '", g.label, "' leaves no compute time to calibrate from ",
-              "(measured ", measured, " ms, predicted passes ", c.passes_ms,
-              " ms and exposed communication ", c.exposed_comm_ms, " ms)");
+  TORCH_CHECK(compute_ms > 0.05 * measured && c.compute_ms > 0, "--write-profile: run '", g.label,
+              "' leaves no compute time to calibrate from ", "(measured ", measured,
+              " ms, predicted passes ", c.passes_ms, " ms and exposed communication ",
+              c.exposed_comm_ms, " ms)");
   p.compute_tflops = p.compute_tflops * c.compute_ms / compute_ms;
 
   std::ostringstream src;
   src << "flatshard-bench " << utc_now() << ", " << device_description << ", "
-      << models::family_name(o.model.family) << " " << o.preset << " batch " << o.batch
-      << " seq " << o.model.seq_len() << ", calibrated on '" << g.label
+      << models::family_name(o.model.family) << " " << o.preset << " batch " << o.batch << " seq "
+      << o.model.seq_len() << ", calibrated on '" << g.label
       << "'; measured: compute_tflops, memory_gbps (optimizer step), " << host_how
-      << (cpu ? " (cpu: host and compute serial)" : ", host_ms_per_step")
-      << "; " << comm_how << "; defaults: offload rates, activation_scale, allocator_slack";
+      << (cpu ? " (cpu: host and compute serial)" : ", host_ms_per_step") << "; " << comm_how
+      << "; defaults: offload rates, activation_scale, allocator_slack";
   p.source = src.str();
   return p;
 }

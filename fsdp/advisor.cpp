@@ -90,8 +90,7 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
     if (t.excess > top->excess) top = &t;
   c.reason = top->reason;
   if (x.replicated_bytes > b.replicated_bytes &&
-      (top->reason == LossReason::kExposedAllGather ||
-       top->reason == LossReason::kParameterPasses))
+      (top->reason == LossReason::kExposedAllGather || top->reason == LossReason::kParameterPasses))
     c.reason = LossReason::kReplication;
   why << ": +" << fixed(top->excess, 2) << " ms " << top->what;
   if (c.reason == LossReason::kReplication)
@@ -106,15 +105,24 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
 
 const char* to_string(LossReason r) {
   switch (r) {
-    case LossReason::kNone: return "best";
-    case LossReason::kDoesNotFit: return "does not fit";
-    case LossReason::kExposedAllGather: return "exposed all-gather";
-    case LossReason::kHostBound: return "host-bound";
-    case LossReason::kReplication: return "replication";
-    case LossReason::kRecompute: return "slower compute (recompute)";
-    case LossReason::kOffloadTraffic: return "offload traffic";
-    case LossReason::kParameterPasses: return "per-parameter passes";
-    case LossReason::kNotFaster: return "not faster";
+    case LossReason::kNone:
+      return "best";
+    case LossReason::kDoesNotFit:
+      return "does not fit";
+    case LossReason::kExposedAllGather:
+      return "exposed all-gather";
+    case LossReason::kHostBound:
+      return "host-bound";
+    case LossReason::kReplication:
+      return "replication";
+    case LossReason::kRecompute:
+      return "slower compute (recompute)";
+    case LossReason::kOffloadTraffic:
+      return "offload traffic";
+    case LossReason::kParameterPasses:
+      return "per-parameter passes";
+    case LossReason::kNotFaster:
+      return "not faster";
   }
   return "?";
 }
@@ -128,9 +136,9 @@ std::string Candidate::command_line() const {
 const Candidate& Advice::best() const {
   TORCH_CHECK(fits(), "no candidate plan fits the memory limit of ",
               format_bytes(memory_limit_bytes), " per rank",
-              candidates.empty() ? std::string()
-                                 : "; the smallest needs " +
-                                       format_bytes(candidates.back().cost.peak_bytes));
+              candidates.empty()
+                  ? std::string()
+                  : "; the smallest needs " + format_bytes(candidates.back().cost.peak_bytes));
   return candidates.front();
 }
 
@@ -162,10 +170,11 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
       plan = make_plan(model, parse_policy(g.spec));
     } catch (const c10::Error& err) {
       const std::string msg = err.what_without_backtrace();
-      TORCH_CHECK(false, "suggest: candidate '", g.label, "' spec '", g.spec, "': ",
-                  msg.substr(0, msg.find('\n')));
+      TORCH_CHECK(false, "suggest: candidate '", g.label, "' spec '", g.spec,
+                  "': ", msg.substr(0, msg.find('\n')));
     }
-    const bool extra = std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
+    const bool extra =
+        std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
     if (g.label != "model" && !extra && plan.matched_modules == 0) continue;
     for (int depth : a.prefetch_depths) {
       ShardingOptions o = options;
@@ -233,7 +242,8 @@ std::string Advice::to_string() const {
     os << "no candidate fits";
     if (!candidates.empty())
       os << "; the smallest (" << candidates.front().label << ", prefetch "
-         << candidates.front().prefetch << ") needs " << format_bytes(candidates.front().cost.peak_bytes);
+         << candidates.front().prefetch << ") needs "
+         << format_bytes(candidates.front().cost.peak_bytes);
     os << "\n";
   }
   TextTable t({"plan", "prefetch", "offload", "units", "peak", "step ms", "exposed ms", "host ms",

@@ -20,13 +20,12 @@ int64_t elem(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t
 // whether it runs before the layers (embeddings) or after them (final norm, lm_head).
 struct UnitPlace {
   std::vector<int64_t> whole, partial;
-  bool head = false;     // holds the output projection
-  bool input = false;    // only input modules (embeddings)
-  double position = 0;   // execution order key
+  bool head = false;    // holds the output projection
+  bool input = false;   // only input modules (embeddings)
+  double position = 0;  // execution order key
 };
 
-bool layer_index(const std::string& path, const std::string& prefix, int64_t* index,
-                 bool* whole) {
+bool layer_index(const std::string& path, const std::string& prefix, int64_t* index, bool* whole) {
   if (prefix.empty() || path.rfind(prefix + ".", 0) != 0) return false;
   const std::string rest = path.substr(prefix.size() + 1);
   const size_t dot = rest.find('.');
@@ -79,7 +78,8 @@ OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType 
   OffloadTerms t;
   if (level <= 0 || u.padded_numel == 0) return t;
   TORCH_CHECK(level <= 2, "offload level must be 0, 1 or 2, got ", level);
-  const int64_t trainable = u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
+  const int64_t trainable =
+      u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
   const int64_t grad = u.frozen ? 0 : u.master_bytes;
   t.device_bytes_saved = u.master_bytes + 2 * trainable;
   t.host_bytes = u.master_bytes + grad + 2 * trainable;
@@ -92,17 +92,17 @@ OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType 
   return t;
 }
 
-CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
-                            const Workload& w, const MachineProfile& prof, int offload_level) {
+CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape, const Workload& w,
+                            const MachineProfile& prof, int offload_level) {
   TORCH_CHECK(w.batch >= 1 && w.seq >= 1, "predict_cost: batch and seq must be >= 1, got batch ",
               w.batch, " seq ", w.seq);
   TORCH_CHECK(shape.vocab > 0 && shape.d_model > 0 && shape.n_heads > 0 && shape.n_layers > 0 &&
                   shape.d_model % shape.n_heads == 0 &&
                   (shape.kind == TransformerShape::Kind::kGpt || shape.mlp_hidden > 0),
               "predict_cost: shape needs positive vocab, d_model, n_heads (dividing d_model), "
-              "n_layers and (LLaMA) mlp_hidden; got vocab ", shape.vocab, " d_model ",
-              shape.d_model, " n_heads ", shape.n_heads, " n_layers ", shape.n_layers,
-              " mlp_hidden ", shape.mlp_hidden);
+              "n_layers and (LLaMA) mlp_hidden; got vocab ",
+              shape.vocab, " d_model ", shape.d_model, " n_heads ", shape.n_heads, " n_layers ",
+              shape.n_layers, " mlp_hidden ", shape.mlp_hidden);
   TORCH_CHECK(offload_level >= 0 && offload_level <= 2,
               "predict_cost: offload level must be 0, 1 or 2, got ", offload_level);
   const auto& mp = e.options.mixed_precision;
@@ -177,8 +177,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   const double V = static_cast<double>(shape.vocab);
   const double loss_forward_extra = tokens * V * (ec + (ec != 4 ? 4 : 0)) * scale;
   const double loss_backward_extra = tokens * V * 8 * scale;
-  const int64_t inner = shape.kind == TransformerShape::Kind::kGpt ? 4 * shape.d_model
-                                                                   : 2 * shape.mlp_hidden;
+  const int64_t inner =
+      shape.kind == TransformerShape::Kind::kGpt ? 4 * shape.d_model : 2 * shape.mlp_hidden;
   const double layer_backward_work =
       tokens * static_cast<double>(ec * (2 * shape.d_model + 2 * inner)) * scale;
   auto saved = [&](int64_t i) { return recomputed[i] ? layer_input : layer_full; };
@@ -193,7 +193,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     off[k] = offload_terms(u, offload_level, mp.param_dtype);
     const int64_t trainable =
         u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
-    persistent += u.master_bytes + 2 * trainable - off[k].device_bytes_saved + off[k].resident_bytes;
+    persistent +=
+        u.master_bytes + 2 * trainable - off[k].device_bytes_saved + off[k].resident_bytes;
     if (u.strategy == ShardingStrategy::kNoShard) {
       persistent += u.gathered_bytes;
       p.replicated_bytes += 2 * u.master_bytes + 2 * trainable;
@@ -254,7 +255,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     double g = kept_all + e.units[head].grad_buffer_bytes;
     if (!kept(head)) g += transient(head) * (1 + staging);
     if (head != order[0]) g += e.units[order[0]].grad_buffer_bytes;
-    const double a = act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
+    const double a =
+        act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
     consider(a, 0, g, "backward of the output projection");
   }
   // Backward, reverse execution order, the root last.
@@ -357,8 +359,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       r += collective_ms(prof.all_reduce_latency_us, prof.all_reduce_gbps, 2 * rs_bus,
                          u.reduce_bytes);
     if (R > 1 && c.replicate_bytes > 0)
-      r += collective_ms(prof.all_reduce_latency_us, prof.all_reduce_gbps,
-                         2.0 * (R - 1) / R, c.replicate_bytes);
+      r += collective_ms(prof.all_reduce_latency_us, prof.all_reduce_gbps, 2.0 * (R - 1) / R,
+                         c.replicate_bytes);
     red_ms[k] = r;
     p.comm_ms += gathers * ag_ms[k] + r;
   }
@@ -437,10 +439,10 @@ std::string CostPrediction::to_string() const {
      << ", gathered/flat-gradient/working " << format_bytes(transient_bytes);
   if (host_bytes) os << "; offloaded to host " << format_bytes(host_bytes);
   os << "\npredicted step " << ms(step_ms) << " ms" << (host_bound ? " (host-bound)" : "")
-     << ": compute " << ms(compute_ms) << " (recompute " << ms(recompute_ms) << "), parameter passes "
-     << ms(passes_ms) << ", optimizer " << ms(optimizer_ms) << ", exposed communication "
-     << ms(exposed_comm_ms) << " of " << ms(comm_ms) << ", offload " << ms(offload_ms)
-     << "; host " << ms(host_ms) << "\n";
+     << ": compute " << ms(compute_ms) << " (recompute " << ms(recompute_ms)
+     << "), parameter passes " << ms(passes_ms) << ", optimizer " << ms(optimizer_ms)
+     << ", exposed communication " << ms(exposed_comm_ms) << " of " << ms(comm_ms) << ", offload "
+     << ms(offload_ms) << "; host " << ms(host_ms) << "\n";
   return os.str();
 }
 

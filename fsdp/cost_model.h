@@ -51,8 +51,9 @@
 //               `forward_prefetch` units ahead and hides behind their forward compute; a
 //               backward all-gather behind the backward compute of the `backward_prefetch` units
 //               after it; a reduction behind the next unit's backward. exposed = what is left.
-//   host        host_ms_per_step x layers / host_reference_layers + units x (host_us_per_unit_forward +
-//               host_us_per_unit_backward) (machine_profile.h says where they come from).
+//   host        host_ms_per_step x layers / host_reference_layers + units x
+//               (host_us_per_unit_forward + host_us_per_unit_backward) (machine_profile.h says
+//               where they come from).
 //   offload     offload_terms() below: copies overlap compute (only their excess is exposed),
 //               the CPU optimizer does not.
 //   gpu_ms = compute + passes + optimizer + exposed + offload; step_ms = the
@@ -113,13 +114,13 @@ OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType 
 
 struct CostPrediction {
   // Memory (bytes per rank).
-  int64_t persistent_bytes = 0;    // masters + AdamW + NO_SHARD copies (+ offload residents)
-  int64_t activation_bytes = 0;    // activations alive at the peak
-  int64_t gradient_bytes = 0;      // master gradients allocated at the peak
-  int64_t transient_bytes = 0;     // gathered buffers, flat gradients, backward working set
-  int64_t peak_bytes = 0;          // the walk's maximum, slack included
-  std::string peak_at;             // "forward of blocks.3", "backward of <root>", ...
-  int64_t host_bytes = 0;          // offloaded state in host memory
+  int64_t persistent_bytes = 0;  // masters + AdamW + NO_SHARD copies (+ offload residents)
+  int64_t activation_bytes = 0;  // activations alive at the peak
+  int64_t gradient_bytes = 0;    // master gradients allocated at the peak
+  int64_t transient_bytes = 0;   // gathered buffers, flat gradients, backward working set
+  int64_t peak_bytes = 0;        // the walk's maximum, slack included
+  std::string peak_at;           // "forward of blocks.3", "backward of <root>", ...
+  int64_t host_bytes = 0;        // offloaded state in host memory
   // Time (ms per step per rank).
   double compute_ms = 0, passes_ms = 0, optimizer_ms = 0, comm_ms = 0, exposed_comm_ms = 0,
          exposed_all_gather_ms = 0, host_ms = 0, offload_ms = 0, recompute_ms = 0, gpu_ms = 0,

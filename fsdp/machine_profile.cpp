@@ -62,7 +62,8 @@ std::string MachineProfile::to_json() const {
   std::ostringstream os;
   os << "{\n  \"format\": " << json::quote(kFormat) << ",\n  \"version\": " << kVersion
      << ",\n  \"source\": " << json::quote(source);
-  for (const Field& f : fields()) os << ",\n  " << json::quote(f.key) << ": " << json::number(this->*f.member);
+  for (const Field& f : fields())
+    os << ",\n  " << json::quote(f.key) << ": " << json::number(this->*f.member);
   os << "\n}\n";
   return os.str();
 }

@@ -4,8 +4,8 @@
 // Independent references: the counting CPU allocator's measured peak of a real training step
 // on CPU ranks (threads) for memory; hand-built profiles that make one cost term decisive for
 // the losing reasons; parse_policy() for the suggested spec.
-#include <catch2/catch.hpp>
 #include <torch/optim/adamw.h>
+#include <catch2/catch.hpp>
 
 #include <cmath>
 #include <mutex>
@@ -52,8 +52,8 @@ std::shared_ptr<torch::nn::Module> build_meta(const ModelConfig& c, uint64_t see
 // One rank-average peak of a training step (the second: AdamW's state exists) of `spec` on
 // `world` CPU ranks, as flatshard-bench measures it: the process peak from the start of the
 // step minus the live bytes before the run, divided by the ranks.
-int64_t measured_peak(const ModelConfig& c, const std::string& spec, int world,
-                      const Workload& w, int prefetch = 1) {
+int64_t measured_peak(const ModelConfig& c, const std::string& spec, int world, const Workload& w,
+                      int prefetch = 1) {
   auto& mem = profiling::CountingCpuAllocator::install();
   const int64_t before = mem.current_bytes();
   int64_t peak = 0;
@@ -399,14 +399,18 @@ TEST_CASE("advisor: bad inputs are errors with their values", "[advisor][errors]
     change(a);
     return error_of([&] { suggest(*model, world, 1, {}, a); });
   };
-  CHECK(err([](AdvisorOptions& a) { a.memory_limit_bytes = 0; })
-            .find("memory_limit_bytes must be > 0, got 0") != std::string::npos);
-  CHECK(err([](AdvisorOptions& a) { a.prefetch_depths = {-1}; })
-            .find("prefetch depth must be in [0, 64], got -1") != std::string::npos);
-  CHECK(err([](AdvisorOptions& a) { a.offload_levels = {3}; })
-            .find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
-  CHECK(err([](AdvisorOptions& a) { a.extra_specs = {"type=Block;;"}; })
-            .find("spec 'type=Block;;'") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) {
+          a.memory_limit_bytes = 0;
+        }).find("memory_limit_bytes must be > 0, got 0") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) {
+          a.prefetch_depths = {-1};
+        }).find("prefetch depth must be in [0, 64], got -1") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) {
+          a.offload_levels = {3};
+        }).find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) {
+          a.extra_specs = {"type=Block;;"};
+        }).find("spec 'type=Block;;'") != std::string::npos);
   CHECK(err([](AdvisorOptions& a) { a.workload.batch = 0; }).find("batch 0") != std::string::npos);
   CHECK(err([](AdvisorOptions&) {}, 0).find("world 0") != std::string::npos);
 }
@@ -497,6 +501,7 @@ TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
   }
   CHECK(p1.persistent_bytes == p0.persistent_bytes - saved + resident);
   CHECK(p1.host_bytes == host);
-  CHECK(error_of([&] { predict_cost(e, s, {1, 32}, quiet_profile(), 3); })
-            .find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
+  CHECK(error_of([&] {
+          predict_cost(e, s, {1, 32}, quiet_profile(), 3);
+        }).find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
 }

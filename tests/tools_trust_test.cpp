@@ -200,7 +200,8 @@ TEST_CASE("explain --suggest / --profile and bench --write-profile: inputs are c
     std::vector<std::string> args;
     const char* says;
   };
-  write(path("bad_profile.json"), R"({"format": "flatshard-machine-profile", "version": 1, "memory_gbps": -3})");
+  write(path("bad_profile.json"),
+        R"({"format": "flatshard-machine-profile", "version": 1, "memory_gbps": -3})");
   write(path("not_json.json"), "{oops");
   const std::vector<Case> cases = {
       {{"--world", "2", "--suggest"}, "--suggest needs --memory-limit"},

@@ -270,7 +270,8 @@ int main(int argc, char** argv) {
     const auto e = flatshard::explain(*model, plan, world, opts, limit, replicate, cost);
     std::cout << e.to_string();
     if (batch > 0) {
-      const auto p = flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile, offload);
+      const auto p =
+          flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile, offload);
       std::cout << "batch " << workload.batch << " x seq " << workload.seq << ", offload "
                 << offload << "; profile: " << profile.source << "\n"
                 << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
