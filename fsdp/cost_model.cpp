@@ -224,7 +224,13 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       p.peak_at = at;
     }
   };
-  const double staging = prof.collective_staging;
+  // One rank and no replicas: no collective runs and no flat gradient exists (Note [One-rank
+  // reduction]: each gradient goes straight into the master gradient), nothing is staged.
+  const bool one_rank = W * R == 1;
+  const double staging = one_rank ? 0.0 : prof.collective_staging;
+  auto flat_grad = [&](int k) {
+    return one_rank ? 0.0 : static_cast<double>(e.units[k].grad_buffer_bytes);
+  };
   // Forward.
   double act = 0;
   for (int q = 0; q < n; ++q) {
@@ -252,9 +258,9 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     for (int k = 0; k < n; ++k)
       if (place[k].head && !e.units[k].is_root) head = k;
     if (!head_owned) head = order[0];
-    double g = kept_all + e.units[head].grad_buffer_bytes;
+    double g = kept_all + flat_grad(head);
     if (!kept(head)) g += transient(head) * (1 + staging);
-    if (head != order[0]) g += e.units[order[0]].grad_buffer_bytes;
+    if (head != order[0]) g += flat_grad(order[0]);
     const double a =
         act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
     consider(a, 0, g, "backward of the output projection");
@@ -268,9 +274,9 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     if (e.units[k].per_step.backward_all_gathers) g += staging * transient(k);
     for (int j = 0; j < q; ++j)
       if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
-    g += e.units[k].grad_buffer_bytes;
-    if (q != 0) g += e.units[order[0]].grad_buffer_bytes;
-    if (previous >= 0) g += e.units[previous].grad_buffer_bytes;
+    g += flat_grad(k);
+    if (q != 0) g += flat_grad(order[0]);
+    if (previous >= 0) g += flat_grad(previous);
     // Activations: layers freed later (anchor < q) saved; layers anchored here being consumed:
     // full (recomputed ones rebuilt whole).
     double a = 0;
@@ -287,12 +293,18 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     if (touches_layer || !place[k].partial.empty() || !place[k].whole.empty())
       g += layer_backward_work;
     consider(a, grads + master_grad[k], g, "backward of " + e.units[k].name);
-    // Its reduction: the flat gradient, the backend's staging of the sum, the master gradient.
+    // Its reduction: the flat gradient, the backend's staging (a full-size copy of the
+    // gradient and the fp32 sum of this rank's shard: measured on the threads backend, where
+    // the gap to the counting allocator was exactly these two for world 2 and 4; an all-reduce
+    // stages its full-size sum only), the master gradient.
     double after = a;  // this unit's layers are done
     for (int64_t i = 0; i < L; ++i)
       if (anchor[i] == q) after -= layer_full;
     consider(after, grads + master_grad[k],
-             g - (touches_layer ? layer_backward_work : 0) + staging * e.units[k].grad_buffer_bytes,
+             g - (touches_layer ? layer_backward_work : 0) +
+                 staging * (flat_grad(k) + (e.units[k].strategy == ShardingStrategy::kNoShard
+                                                ? 0.0
+                                                : 4.0 * e.units[k].shard_numel)),
              "reduction of " + e.units[k].name);
     grads += master_grad[k];
     previous = k;

@@ -185,12 +185,14 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
           "[advisor][memory]") {
   // Tolerance: the closed forms count what autograd saves and what the runtime allocates; the
   // CPU kernels' own scratch (the flash-attention backward's buffers, reductions) and the
-  // module's small tensors are not modelled. Stated: within 15% on CPU, fp32.
+  // module's small tensors are not modelled. Stated, on CPU in fp32: at most 5% under the
+  // measured peak (what AdvisorOptions::memory_margin covers) and at most 10% over it.
   struct Case {
     Family family;
     const char* preset;
     int64_t seq, batch;
     const char* spec;
+    int world = 2;
   };
   const std::vector<Case> cases = {
       {Family::kGpt, "tiny", 32, 4, "type=Block"},
@@ -201,11 +203,17 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
       {Family::kGpt, "small", 128, 2, "none"},
       {Family::kLlama, "small", 128, 2, "type=DecoderLayer"},
       {Family::kLlama, "small", 128, 2, "recompute:type=DecoderLayer"},
+      {Family::kGpt, "small", 128, 2, "noshard:type=Block;root:noshard"},
+      // One rank (no flat gradient, no collectives: Note [One-rank reduction]) and four.
+      {Family::kGpt, "small", 128, 2, "none", 1},
+      {Family::kGpt, "small", 128, 2, "type=Block", 1},
+      {Family::kGpt, "small", 128, 2, "none", 4},
+      {Family::kGpt, "small", 128, 2, "type=Block", 4},
   };
   for (const auto& c : cases) {
     const ModelConfig cfg = preset(c.family, c.preset, c.seq);
     const Workload w{c.batch, c.seq};
-    const int world = 2;
+    const int world = c.world;
     MachineProfile cpu;
     cpu.collective_staging = 1;  // the threads backend (machine_profile.h)
     const CostPrediction p = predicted(cfg, c.spec, world, w, 1, cpu);
@@ -214,7 +222,9 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     CAPTURE(models::family_name(c.family), c.preset, c.spec, p.peak_bytes, m, err, p.peak_at,
             p.to_string());
 
-    CHECK(std::abs(err) <= 0.15);
+    CAPTURE(world);
+    CHECK(err >= -0.05);
+    CHECK(err <= 0.10);
   }
 }
 
@@ -251,12 +261,12 @@ TEST_CASE("advisor: over a sweep of budgets at world 2-4 the plan fits, predicte
     }
     int fitted = 0;
     for (double f : {0.8, 1.0, 1.15, 1.3, 1.6}) {
-      const int64_t budget = static_cast<int64_t>(f * static_cast<double>(lo) / 0.9);
+      const int64_t budget = static_cast<int64_t>(f * static_cast<double>(lo) / 0.95);
       const Advice a = suggest(*model, world, 1, {}, advisor_for(cfg, w, budget, cpu));
       CAPTURE(world, budget, lo, hi, a.to_string());
       if (!a.fits()) {
         // Nothing fits: then truly no candidate is under the usable budget.
-        for (const auto& c : a.candidates) CHECK(c.cost.peak_bytes > 0.9 * budget);
+        for (const auto& c : a.candidates) CHECK(c.cost.peak_bytes > 0.95 * budget);
         CHECK(!error_of([&] { a.best(); }).empty());
         continue;
       }
@@ -310,7 +320,7 @@ TEST_CASE("advisor: each losing reason, where it is the decisive one", "[advisor
     const Candidate& leaf = find(wide, "leaf");
     REQUIRE(model_unit.cost.peak_bytes > leaf.cost.peak_bytes);
     // A budget between the two: the whole model as one unit does not fit, the leaves do.
-    const int64_t limit = (model_unit.cost.peak_bytes + leaf.cost.peak_bytes) / 2 * 10 / 9;
+    const int64_t limit = (model_unit.cost.peak_bytes + leaf.cost.peak_bytes) / 2 * 20 / 19;
     const Advice a = run(quiet_profile(), 2, limit);
     CAPTURE(a.to_string());
     REQUIRE(a.fits());
