@@ -19,7 +19,10 @@
 //               each point: gathered units (as explain's simulation: the current one, the next
 //               `prefetch` ones, kept ones), the activations still saved, the master gradients
 //               of units already reduced, the current unit's flat gradient and the previous
-//               one's held reduction buffer, and the backward working set of one layer.
+//               one's held reduction buffer, and the backward working set of one layer; after
+//               each unit's backward, its reduction (flat gradient + the backend's staging,
+//               MachineProfile::collective_staging). One rank without replicas has no flat
+//               gradient and no collectives (Note [One-rank reduction]).
 //   activations per layer and token, closed forms of what autograd saves (element size e of
 //               the compute dtype, d model width, hd = d / H, kv = H_kv hd, h the MLP width):
 //     GPT   (ln1, qkv, SDPA q k v out lse, proj input copy, ln2, fc, GELU):
