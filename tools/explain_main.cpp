@@ -135,6 +135,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->capture_default_str();
   app.add_flag("--keep", keep, "FULL_SHARD units keep parameters from forward to backward");
+  int offload = 0;
+  app.add_option("--offload", offload,
+                 "CPU offload level for units the policy sets none for: 0 off, 1 master, grads "
+                 "and AdamW state on the host, 2 the compute-dtype shard too")
+      ->check(CLI::Range(0, 2))
+      ->capture_default_str();
   app.add_option("--prefetch", prefetch, "forward and backward prefetch depth")
       ->check(at_least(0));
   app.add_option("--forward-prefetch", fwd_prefetch, "units all-gathered ahead in forward")
@@ -196,6 +202,7 @@ int main(int argc, char** argv) {
                     : strategy == "grad_op" ? flatshard::ShardingStrategy::kShardGradOp
                                             : flatshard::ShardingStrategy::kNoShard;
     opts.reshard_after_forward = !keep;
+    opts.offload = offload;
     opts.forward_prefetch = prefetch >= 0 ? prefetch : fwd_prefetch;
     opts.backward_prefetch = prefetch >= 0 ? prefetch : bwd_prefetch;
     auto dtype = [](const std::string& s) { return s == "bf16" ? c10::kBFloat16 : c10::kFloat; };
