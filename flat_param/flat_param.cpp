@@ -388,7 +388,13 @@ at::Tensor FlatParam::offload_gather_input(const at::Tensor& slot) {
 void FlatParam::deliver_host_grad(const at::Tensor& g) {
   at::Tensor& mg = master_.mutable_grad();
   if (!mg.defined()) {
-    mg = host_empty(g.numel(), at::kFloat, comm_.device());
+    // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
+    // someone still holds it (a tensor or a view of its storage) — pinning pages per step
+    // would cost more than the copy.
+    if (!host_grad_.defined() || host_grad_.use_count() > 1 ||
+        host_grad_.storage().use_count() > 1)
+      host_grad_ = host_empty(g.numel(), at::kFloat, comm_.device());
+    mg = host_grad_;
     download_to_host(mg, g);
     return;
   }

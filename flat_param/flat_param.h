@@ -267,6 +267,7 @@ class FlatParam {
   // Note [CPU offload]
   at::Tensor resident_;              // level 1, sharded: compute-dtype shard on the device
   int64_t uploaded_version_ = -1;    // master_version() that resident_ / full_ last took
+  at::Tensor host_grad_;             // pinned; the host gradient's buffer, reused when free
   at::Tensor host_grad_stage_;       // pinned; a reduction beside an existing host gradient
   bool host_grad_staged_ = false;    // host_grad_stage_ holds one to add
 };

@@ -40,9 +40,10 @@
 
 namespace flatshard {
 
-// An uninitialised 1-D host tensor of `numel` elements: pinned (page-locked, via the CUDA
-// caching host allocator) when `device` is CUDA, so copies to and from it run asynchronously;
-// plain CPU memory otherwise (CPU ranks: host and device are the same memory).
+// An uninitialised 1-D host tensor of `numel` elements: pinned (page-locked with
+// cudaHostRegister, exactly sized: Note [Exact pinned allocations] in offload.cpp) when
+// `device` is CUDA, so copies to and from it run asynchronously; plain CPU memory otherwise
+// (CPU ranks: host and device are the same memory). Allocation pins pages: allocate once.
 at::Tensor host_empty(int64_t numel, at::ScalarType dtype, c10::Device device);
 
 // `src` (fp32, host) into `dst` (any floating dtype, on the device) on the current stream,
