@@ -528,7 +528,7 @@ std::vector<at::Tensor> FlatParam::reduce_one_rank() {
     if (!src.defined()) {
       if (fresh) region.zero_();  // no gradient reached it: zero, as the general path
     } else if (fresh) {
-      region.copy_(src);
+      copy_to_float(region, src);  // Note [Vectorized upcast]: ATen's casting copy is ~3x slower
     } else {
       region.add_(src);
     }
