@@ -138,5 +138,12 @@ Granularity with_recompute(Granularity g) {
   return g;
 }
 
+Granularity with_offload(Granularity g, int level) {
+  if (g.local || level == 0) return g;
+  for (UnitSpec& u : g.plan.units) u.options.offload = level;
+  g.label += "+offload" + std::to_string(level);
+  return g;
+}
+
 }  // namespace bench
 }  // namespace flatshard

@@ -44,6 +44,9 @@ struct Granularity {
 std::vector<std::string> split_granularities(const std::vector<std::string>& flags);
 
 Granularity with_recompute(Granularity g);
+// Every unit (the root too) at CPU offload `level` (Note [CPU offload]), "+offloadN" appended;
+// `local` and level 0 are returned unchanged.
+Granularity with_offload(Granularity g, int level);
 
 Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model,
                                 const models::FamilyModules& modules);

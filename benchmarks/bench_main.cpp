@@ -55,7 +55,12 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
   std::vector<fb::Granularity> out;
   for (const auto& label : fb::split_granularities(o.granularity_flags)) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
-    out.push_back(o.recompute ? fb::with_recompute(std::move(g)) : std::move(g));
+    if (o.recompute) g = fb::with_recompute(std::move(g));
+    if (g.local) {
+      out.push_back(std::move(g));
+      continue;
+    }
+    for (int level : o.offload_levels) out.push_back(fb::with_offload(g, level));
   }
   return out;
 }

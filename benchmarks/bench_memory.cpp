@@ -26,12 +26,19 @@ std::string bytes_text(long double b) {
   return buf;
 }
 
+bool has_local(const BenchOptions& o);
+
 long double activations(const BenchOptions& o) {
   const models::ModelConfig& c = o.model;
   const long double T = c.seq_len(), tokens = static_cast<long double>(o.batch) * T;
   const long double per_layer =
       16 * tokens * c.d_model() + 2 * static_cast<long double>(o.batch) * c.n_heads() * T * T;
-  const long double values = c.n_layers() * per_layer + 2 * tokens * c.vocab();
+  // --recompute (and no local run, which never recomputes): a layer keeps only its input, and
+  // one layer at a time holds its activations during its recompute.
+  const bool recomputed = o.recompute && !has_local(o);
+  const long double layers = recomputed ? c.n_layers() * tokens * c.d_model() + per_layer
+                                        : c.n_layers() * per_layer;
+  const long double values = layers + 2 * tokens * c.vocab();
   return values * (o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4);
 }
 
@@ -83,12 +90,25 @@ void check_memory(const BenchOptions& o, int world, std::optional<int64_t> devic
              *host, "available (MemAvailable, /proc/meminfo)");
     return;
   }
-  const long double per_gpu = act + (local ? state : state / ranks);
+  // Note [CPU offload]: the least offloaded run decides the device's share; level 1 keeps the
+  // compute-dtype shard there, level 2 nothing between gathers.
+  const int level = local ? 0 : *std::min_element(o.offload_levels.begin(), o.offload_levels.end());
+  const long double param_bytes =
+      o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4;
+  const long double device_state =
+      local ? state : level == 0 ? state / ranks : level == 1 ? param_bytes * p / ranks : 0;
+  const long double per_gpu = act + device_state;
   if (device_memory && per_gpu > *device_memory)
     refuse("memory per GPU", per_gpu,
-           bytes_text(act) + " activations + " + bytes_text(local ? state : state / ranks) +
-               " fp32 weights, gradients and AdamW state" + (local ? " (local: unsharded)" : ""),
+           bytes_text(act) + " activations + " + bytes_text(device_state) +
+               (level == 0 ? " fp32 weights, gradients and AdamW state"
+                           : " compute-dtype shards (offload " + std::to_string(level) + ")") +
+               (local ? " (local: unsharded)" : ""),
            *device_memory, "the GPU's total memory");
+  if (host && level > 0 && state > *host)
+    refuse("host memory", state,
+           bytes_text(state) + " fp32 weights, gradients and AdamW state offloaded by all ranks",
+           *host, "available (MemAvailable, /proc/meminfo)");
   if (host && ranks * planning > *host)
     refuse("host memory", ranks * planning,
            std::to_string(ranks) + " process(es) x " + bytes_text(planning) +

@@ -18,7 +18,12 @@
 //        against the host's available memory (MemAvailable in /proc/meminfo; physical pages
 //        when that is unreadable).
 //   cuda: per GPU, activations + state (local) or state / ranks, against the device's total
-//        memory; and ranks x the host model (if any, above) against the host's.
+//        memory; and ranks x the host model (if any, above) against the host's. With --offload
+//        the least offloaded level decides: level 1 holds param-dtype shards (2 or 4 B x P /
+//        ranks) on the GPU, level 2 none; the offloaded state (16 B x P over all ranks) is
+//        checked against the host's memory.
+//   --recompute: a layer keeps only its input (batch x seq x d_model), one layer at a time all
+//   of the above.
 #pragma once
 
 #include <cstdint>

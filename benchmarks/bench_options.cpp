@@ -107,6 +107,13 @@ ParseResult parse_command_line(int argc, char** argv) {
                "recompute every non-root unit's forward in backward (activation checkpointing; "
                "runs are labelled GRANULARITY+recompute; 'local' stays as is)")
       ->group(g_shard);
+  app.add_option("--offload", o.offload_levels,
+                 "CPU offload levels, comma list of 0 | 1 | 2: 1 keeps fp32 master, gradients "
+                 "and optimizer state in pinned host memory (optimizer on the CPU), 2 the bf16 "
+                 "shard too; each level is a run of every granularity but 'local' (default 0)")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 2))
+      ->group(g_shard);
   app.add_option("--strategy", strategy, "default sharding strategy: full | grad_op | noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->group(g_shard);

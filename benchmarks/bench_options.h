@@ -47,6 +47,10 @@ struct BenchOptions {
   // --recompute: every non-root unit of every granularity but `local` recomputes its forward in
   // backward (UnitOptions::recompute; Note [Recompute] in fsdp/recompute.h).
   bool recompute = false;
+  // --offload: CPU offload levels (Note [CPU offload], flat_param/offload.h), each a run of
+  // every granularity but `local` (UnitOptions::offload on every unit, the root included;
+  // labelled GRANULARITY+offloadN; level 0 is the plain run). Default {0}.
+  std::vector<int> offload_levels{0};
   DeviceKind device = DeviceKind::kCpu;
   int nproc = 0;              // ranks: threads on cpu; processes on cuda
   bool nproc_given = false;   // cuda: --nproc asks to launch that many processes

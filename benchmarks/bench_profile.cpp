@@ -53,13 +53,20 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
                                const std::string& device_description) {
   TORCH_CHECK(granularities.size() == results.size(), "measure_profile: ", granularities.size(),
               " granularities but ", results.size(), " results");
-  int cal = -1;
+  // The calibration run: "layer" itself, else a layer run without offload, else a layer run,
+  // else the first sharded one.
+  int cal = -1, best_rank = 4;
   for (size_t i = 0; i < results.size(); ++i) {
     if (granularities[i].local || results[i].step_ms.empty()) continue;
-    if (cal < 0) cal = static_cast<int>(i);
-    if (granularities[i].label.rfind("layer", 0) == 0) {
+    const std::string& l = granularities[i].label;
+    const bool layer = l.rfind("layer", 0) == 0;
+    const int rank = l == "layer" ? 0
+                     : layer && l.find("offload") == std::string::npos ? 1
+                     : layer                                            ? 2
+                                                                        : 3;
+    if (rank < best_rank) {
+      best_rank = rank;
       cal = static_cast<int>(i);
-      break;
     }
   }
   TORCH_CHECK(cal >= 0,

@@ -7,11 +7,13 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/load_into_shards.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/progress.h"
 #include "checkpoint/rank_sync.h"
@@ -143,6 +145,72 @@ Manifest read_manifest(const std::string& dir) { return read_manifest_at(normali
 
 bool recover_checkpoint(const std::string& dir) {
   return recover_interrupted_save(dir, kManifestName);
+}
+
+namespace {
+
+// A sharded flatshard checkpoint as a ParamLoader (checkpoint/load_into_shards.h): the
+// manifest is read and validated once, at check; each read goes through ValueReader, so it
+// reads only the pieces that overlap the requested range and verifies their chunks' CRCs.
+class CheckpointLoader {
+ public:
+  CheckpointLoader(std::string dir, NameMap name_map, std::shared_ptr<LoadStats> stats)
+      : dir_(std::move(dir)), name_map_(std::move(name_map)), stats_(std::move(stats)) {}
+
+  void check(const std::vector<PlannedParam>& params) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!manifest_) {
+      manifest_ = std::make_unique<Manifest>(read_manifest_at(normalize_dir(dir_)));
+      index_ = std::make_unique<RecordIndex>(manifest_->params, "parameter");
+      reader_ = std::make_unique<ValueReader>(normalize_dir(dir_), *manifest_);
+    }
+    const std::string where = " (checkpoint '" + dir_ + "')";
+    for (const PlannedParam& p : params) {
+      const std::string stored = name_map_ ? name_map_(p.name) : p.name;
+      records_[p.name] = &index_->get(stored, p.shape, where);
+    }
+  }
+
+  void read(const std::string& name, int64_t begin, int64_t end, const at::Tensor& dst) {
+    if (end <= begin) return;
+    at::Tensor staged = at::empty({end - begin}, at::TensorOptions().dtype(at::kFloat));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = records_.find(name);
+      TORCH_CHECK(it != records_.end(), "checkpoint loader: parameter '", name,
+                  "' was not checked; fully_shard calls check() first");
+      const int64_t before = reader_->bytes();
+      reader_->read(*it->second, "", begin, end, staged);
+      if (stats_) {
+        stats_->bytes += reader_->bytes() - before;
+        stats_->reads += 1;
+      }
+    }
+    dst.copy_(staged);
+  }
+
+ private:
+  std::string dir_;
+  NameMap name_map_;
+  std::shared_ptr<LoadStats> stats_;
+  std::mutex mu_;  // rank threads share one loader
+  std::unique_ptr<Manifest> manifest_;
+  std::unique_ptr<RecordIndex> index_;
+  std::unique_ptr<ValueReader> reader_;
+  std::unordered_map<std::string, const ValueRecord*> records_;
+};
+
+}  // namespace
+
+ParamLoader checkpoint_loader(const std::string& dir, NameMap name_map,
+                              std::shared_ptr<LoadStats> stats) {
+  auto loader =
+      std::make_shared<CheckpointLoader>(dir, std::move(name_map), std::move(stats));
+  ParamLoader out;
+  out.check = [loader](const std::vector<PlannedParam>& params) { loader->check(params); };
+  out.read = [loader](const std::string& name, int64_t begin, int64_t end,
+                      const at::Tensor& dst) { loader->read(name, begin, end, dst); };
+  return out;
 }
 
 void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,

@@ -199,6 +199,10 @@ class SafetensorsLoader {
 
 ParamLoader safetensors_loader(const std::string& path, NameMap name_map,
                                std::shared_ptr<LoadStats> stats) {
+  // A sharded flatshard checkpoint: its pieces are found through the manifest.
+  if (is_directory(path) && path_exists(join_path(path, "manifest.json")) &&
+      !path_exists(join_path(path, kModelName)) && !path_exists(join_path(path, kIndexName)))
+    return checkpoint_loader(path, std::move(name_map), std::move(stats));
   auto loader =
       std::make_shared<SafetensorsLoader>(path, std::move(name_map), std::move(stats));
   ParamLoader out;

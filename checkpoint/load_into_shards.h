@@ -13,7 +13,7 @@
 //   directory holding `model.safetensors.index.json` (preferred) or `model.safetensors`. A
 //   flatshard full checkpoint is such a directory (its manifest.json is not read, so its CRCs
 //   are not checked; load_checkpoint does check them). A sharded flatshard checkpoint (shard
-//   files, no model.safetensors) is refused naming load_checkpoint as the way to read it.
+//   files, no model.safetensors) is read through its manifest: checkpoint_loader() below.
 // - `name_map`: model parameter name → tensor name in the files (e.g. "blocks.0.attn.qkv.weight"
 //   → "model.layers.0..."); empty: identity. It is called once per parameter, during check.
 // - Lazy: the factory only records its arguments. Everything that can fail happens inside
@@ -54,5 +54,15 @@ struct LoadStats {
 
 ParamLoader safetensors_loader(const std::string& path, NameMap name_map = {},
                                std::shared_ptr<LoadStats> stats = nullptr);
+
+// A flatshard checkpoint directory (full or sharded, checkpoint/checkpoint.h) as a loader: its
+// manifest is read and validated (Note [Strict manifest]) at check, each planned parameter must
+// be in it with the same shape (name_map applies, as above), and read() copies only the pieces
+// that overlap the requested range, verifying their chunks' CRC-32s — so a rank of any world
+// size and plan reads its own shards of a checkpoint written at another. Parameters only; the
+// optimizer state is load_checkpoint's. safetensors_loader() on a directory with a manifest and
+// no model.safetensors (a sharded checkpoint) returns this.
+ParamLoader checkpoint_loader(const std::string& dir, NameMap name_map = {},
+                              std::shared_ptr<LoadStats> stats = nullptr);
 
 }  // namespace flatshard

@@ -169,6 +169,7 @@ FileRecord write_shard(const SaveSource& s, const Manifest& m, const std::string
 // comm's device. Collective for sharded units.
 at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local) {
   at::Tensor src = local.defined() ? local.detach() : at::zeros_like(f.master().detach());
+  src = src.to(comm.device());  // an offloaded unit's state is on the host (Note [CPU offload])
   if (!f.config().sharded) return src;
   at::Tensor full = at::empty({f.layout().padded_numel}, src.options());
   comm.all_gather(src, full, comm.current_stream());

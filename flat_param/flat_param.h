@@ -62,6 +62,12 @@
 //   across ranks (as for `fill`) and goes on without any broadcast: every rank read its own
 //   part. The parameters take full()'s views directly. Peak: the master shard and (briefly)
 //   full().
+// - CPU offload (Note [CPU offload], flat_param/offload.h), config.offload 1 or 2: master()
+//   and its gradient are host tensors (pinned on CUDA); level 1 keeps a compute-dtype copy of
+//   the shard on the device, refreshed at the first unshard() after master_version() changed;
+//   level 2 uploads the master at every unshard(). reduce_grad() ends with an asynchronous
+//   copy of the reduced shard to the host gradient; the caller synchronizes with the stream
+//   and calls finish_host_grad() before the optimizer reads it.
 // - All collectives go through the given Communicator on the given stream; the caller orders
 //   streams (fsdp/ does). No method here blocks the host on the device.
 // - Not thread-safe; one FlatParam per unit per rank.
@@ -88,6 +94,8 @@ struct FlatParamConfig {
   // filled with NaN, so code that reads padding produces NaN instead of silently using zeros;
   // a fresh flat gradient starts as NaN, so a region neither written nor zeroed shows.
   bool poison_padding = false;
+  // CPU offload level, 0 (off), 1 or 2: Note [CPU offload] (flat_param/offload.h).
+  int offload = 0;
 };
 
 // The part of one original parameter inside this rank's master shard (Note [Original-parameter
@@ -200,6 +208,14 @@ class FlatParam {
   // gradient is then not needed before reduce_grad() when copies are deferred.
   bool one_rank_reduce() const;
 
+  // Note [CPU offload]: 0, 1 or 2.
+  int offload() const { return config_.offload; }
+  // Offloaded units, after the host has waited for the stream of the last reduce_grad(): adds
+  // a reduction staged beside an existing host gradient. No-op otherwise.
+  void finish_host_grad();
+  // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
+  int64_t resident_bytes() const;
+
   // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
   // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP).
   int64_t all_gather_bytes() const;
@@ -218,6 +234,11 @@ class FlatParam {
   void guard_params();
   void point_view_grads();
   std::vector<at::Tensor> reduce_one_rank();  // Note [One-rank reduction]
+  // Note [CPU offload]: the all-gather's input on the current stream (level 1: the resident
+  // shard, uploaded if the master changed; level 2: `slot`, uploaded).
+  at::Tensor offload_gather_input(const at::Tensor& slot);
+  // Note [CPU offload]: the reduced fp32 shard `g` (device) into the host gradient.
+  void deliver_host_grad(const at::Tensor& g);
 
   std::string unit_name_;
   std::vector<ParamRef> params_;
@@ -243,6 +264,12 @@ class FlatParam {
   // (sharded units only; empty for replicated ones).
   std::vector<c10::Storage> guards_;
   bool attached_ = true;  // the parameters point at full()'s storage
+  // Note [CPU offload]
+  at::Tensor resident_;              // level 1, sharded: compute-dtype shard on the device
+  int64_t uploaded_version_ = -1;    // master_version() that resident_ / full_ last took
+  at::Tensor host_grad_;             // pinned; the host gradient's buffer, reused when free
+  at::Tensor host_grad_stage_;       // pinned; a reduction beside an existing host gradient
+  bool host_grad_staged_ = false;    // host_grad_stage_ holds one to add
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold

@@ -43,4 +43,22 @@ at::Tensor to_float(const at::Tensor& t) {
   return t.to(at::kFloat);
 }
 
+void copy_to_float(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_INTERNAL_ASSERT(dst.scalar_type() == at::kFloat && dst.numel() == src.numel(),
+                        "copy_to_float: ", dst.scalar_type(), " destination of ", dst.numel(),
+                        " elements for ", src.numel());
+#if FLATSHARD_WITH_CUDA_KERNELS
+  if (uses_upcast_kernel(src) && dst.is_contiguous() && dst.device() == src.device() &&
+      reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0) {
+    const cudaError_t e = kernels::bf16_to_fp32(
+        src.data_ptr(), dst.data_ptr<float>(), src.numel(),
+        c10::cuda::getCurrentCUDAStream(src.device().index()).stream());
+    TORCH_CHECK(e == cudaSuccess, "flatshard: bf16 -> fp32 kernel launch failed on ",
+                src.device(), ": ", cudaGetErrorString(e));
+    return;
+  }
+#endif
+  dst.copy_(src.reshape(dst.sizes()));
+}
+
 }  // namespace flatshard

@@ -17,4 +17,9 @@ at::Tensor to_float(const at::Tensor& t);
 // True when to_float() would use the vectorized kernel for `t`.
 bool uses_upcast_kernel(const at::Tensor& t);
 
+// Writes `src` converted to fp32 into `dst` (fp32, src's element count, src's device) on the
+// current stream: the vectorized kernel when uses_upcast_kernel(src) and `dst` is contiguous
+// and 16-byte aligned, else dst.copy_(src) (flattened). Bitwise equal either way.
+void copy_to_float(const at::Tensor& dst, const at::Tensor& src);
+
 }  // namespace flatshard

@@ -177,10 +177,13 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
         std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
     if (g.label != "model" && !extra && plan.matched_modules == 0) continue;
     for (int depth : a.prefetch_depths) {
-      ShardingOptions o = options;
-      o.forward_prefetch = o.backward_prefetch = depth;
-      const Explanation e = explain(model, plan, world_size, o, std::nullopt, replicate_size);
       for (int level : a.offload_levels) {
+        // The level as ShardingOptions::offload: explain resolves it per unit as fully_shard
+        // would (NO_SHARD units at most 1: fsdp/resolve.h).
+        ShardingOptions o = options;
+        o.forward_prefetch = o.backward_prefetch = depth;
+        o.offload = level;
+        const Explanation e = explain(model, plan, world_size, o, std::nullopt, replicate_size);
         Candidate c;
         c.label = g.label;
         c.spec = g.spec;
@@ -188,7 +191,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
         c.offload = level;
         c.recompute = g.recompute;
         c.units = static_cast<int64_t>(e.units.size());
-        c.cost = predict_cost(e, a.shape, a.workload, a.profile, level);
+        c.cost = predict_cost(e, a.shape, a.workload, a.profile);
         c.fits = static_cast<double>(c.cost.peak_bytes) <= usable;
         advice.candidates.push_back(std::move(c));
       }

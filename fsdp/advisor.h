@@ -17,7 +17,7 @@
 //     model     none (the root unit holds everything)
 //     extra     AdvisorOptions::extra_specs as given (custom groups), labelled by their spec
 //   x every prefetch depth in prefetch_depths (forward and backward alike) x every level in
-//   offload_levels (ShardingOptions::offload on every unit; default {0} until offload lands).
+//   offload_levels (as ShardingOptions::offload; default {0}: offload only when asked).
 //   A candidate's spec never carries the prefetch depth or the offload level: Candidate::
 //   command_line() shows all three as flags.
 // - Each is explained (fsdp/explain.h) with the caller's ShardingOptions (strategy, dtypes,

@@ -186,11 +186,14 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   // --- persistent state -----------------------------------------------------------------------
   CostPrediction p;
   std::vector<OffloadTerms> off(n);
+  std::vector<int> level(n, 0);
   std::vector<int64_t> master_grad(n, 0);
   int64_t persistent = 0;
   for (int k = 0; k < n; ++k) {
     const auto& u = e.units[k];
-    off[k] = offload_terms(u, offload_level, mp.param_dtype);
+    // The unit's level as explain resolved it (fsdp/resolve.h), at least `offload_level`.
+    level[k] = std::max(u.offload, u.padded_numel > 0 ? offload_level : 0);
+    off[k] = offload_terms(u, level[k], mp.param_dtype);
     const int64_t trainable =
         u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
     persistent +=
@@ -199,7 +202,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       persistent += u.gathered_bytes;
       p.replicated_bytes += 2 * u.master_bytes + 2 * trainable;
     }
-    master_grad[k] = (u.frozen || offload_level > 0) ? 0 : u.master_bytes;
+    master_grad[k] = (u.frozen || level[k] > 0) ? 0 : u.master_bytes;
     p.host_bytes += off[k].host_bytes;
   }
   p.persistent_bytes = persistent;
@@ -228,18 +231,22 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   // reduction]: each gradient goes straight into the master gradient), nothing is staged.
   const bool one_rank = W * R == 1;
   const double staging = one_rank ? 0.0 : prof.collective_staging;
+  // An offloaded unit keeps the general path at one rank too (its gradient goes to the host).
   auto flat_grad = [&](int k) {
-    return one_rank ? 0.0 : static_cast<double>(e.units[k].grad_buffer_bytes);
+    return one_rank && level[k] == 0 ? 0.0 : static_cast<double>(e.units[k].grad_buffer_bytes);
   };
   // Forward.
   double act = 0;
+  // Offloaded: the fp32 master comes up to a device buffer before its cast (level 1 at the
+  // first gather of the step, level 2 at every gather).
+  auto upload = [&](int k) { return level[k] > 0 ? 4.0 * e.units[k].shard_numel : 0.0; };
   for (int q = 0; q < n; ++q) {
     const int k = order[q];
-    double g = static_cast<double>(transient(k)) * (1 + staging);
+    double g = static_cast<double>(transient(k)) * (1 + staging) + upload(k);
     for (int j = 0; j < q; ++j)
       if (kept(order[j])) g += transient(order[j]);
     for (int j = q + 1; j <= std::min(n - 1, q + fp); ++j)
-      if (!kept(order[j])) g += transient(order[j]);
+      if (!kept(order[j])) g += transient(order[j]) + upload(order[j]);  // prefetched
     consider(act, 0, g, "forward of " + e.units[k].name);
     // Layers whose first unit is this one are saved from here on.
     for (int64_t i = 0; i < L; ++i)
@@ -271,9 +278,15 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   for (int q = n - 1; q >= 0; --q) {
     const int k = order[q];
     double g = static_cast<double>(transient(k));
-    if (e.units[k].per_step.backward_all_gathers) g += staging * transient(k);
-    for (int j = 0; j < q; ++j)
+    if (e.units[k].per_step.backward_all_gathers)
+      g += staging * transient(k) + (level[k] == 2 ? upload(k) : 0.0);
+    for (int j = 0; j < q; ++j) {
       if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
+      // a level-2 unit prefetched for backward uploads its master again
+      if (!kept(order[j]) && j >= q - bp && level[order[j]] == 2 &&
+          e.units[order[j]].per_step.backward_all_gathers)
+        g += upload(order[j]);
+    }
     g += flat_grad(k);
     if (q != 0) g += flat_grad(order[0]);
     if (previous >= 0) g += flat_grad(previous);
@@ -304,7 +317,9 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
              g - (touches_layer ? layer_backward_work : 0) +
                  staging * (flat_grad(k) + (e.units[k].strategy == ShardingStrategy::kNoShard
                                                 ? 0.0
-                                                : 4.0 * e.units[k].shard_numel)),
+                                                : 4.0 * e.units[k].shard_numel)) +
+                 // offloaded: the fp32 reduced shard on the device until its copy to the host
+                 (level[k] > 0 ? 4.0 * e.units[k].shard_numel : 0.0),
              "reduction of " + e.units[k].name);
     grads += master_grad[k];
     previous = k;
@@ -354,7 +369,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       p.passes_ms += static_cast<double>((er + 4) * u.shard_numel) / mem_rate;
     const int64_t trainable =
         u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
-    if (offload_level == 0)
+    if (level[k] == 0)
       p.optimizer_ms += prof.optimizer_bytes_per_param * (trainable / 4) / mem_rate;
     if (W == 1 && R == 1) {  // world-1 collectives are device copies
       p.passes_ms += gathers * 2.0 * u.all_gather_bytes / mem_rate;

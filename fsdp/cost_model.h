@@ -22,7 +22,10 @@
 //               one's held reduction buffer, and the backward working set of one layer; after
 //               each unit's backward, its reduction (flat gradient + the backend's staging,
 //               MachineProfile::collective_staging). One rank without replicas has no flat
-//               gradient and no collectives (Note [One-rank reduction]).
+//               gradient and no collectives (Note [One-rank reduction]). Offloaded units:
+//               the fp32 master uploaded to a device buffer before its cast at a gather (level
+//               1: the first of the step; level 2: every one), the fp32 reduced shard on the
+//               device until its copy to the host.
 //   activations per layer and token, closed forms of what autograd saves (element size e of
 //               the compute dtype, d model width, hd = d / H, kv = H_kv hd, h the MLP width):
 //     GPT   (ln1, qkv, SDPA q k v out lse, proj input copy, ln2, fc, GELU):
@@ -99,9 +102,9 @@ struct Workload {
   int64_t tokens() const { return batch * seq; }
 };
 
-// Offload (CPU offload, ShardingOptions::offload on main; computed here until explain carries
-// per-unit fields): level 1 keeps the fp32 master, its gradient and AdamW state in host memory
-// and a compute-dtype shard on the device; level 2 keeps nothing persistent on the device.
+// Offload (Note [CPU offload], flat_param/offload.h; a unit's level is UnitExplanation::offload,
+// as resolve.h gives it): level 1 keeps the fp32 master, its gradient and AdamW state in host
+// memory and a compute-dtype shard on the device; level 2 keeps nothing persistent there.
 struct OffloadTerms {
   int64_t device_bytes_saved = 0;  // master + AdamW state no longer on the device
   int64_t resident_bytes = 0;      // level 1: the compute-dtype shard kept on the device
@@ -134,7 +137,8 @@ struct CostPrediction {
   std::string to_string() const;  // a few lines: memory breakdown, time breakdown
 };
 
-// `offload_level` applies to every unit (0: none). Throws c10::Error for a workload with
+// Each unit is costed at its own offload level (UnitExplanation::offload, from the plan and
+// ShardingOptions::offload), or at `offload_level` where that is higher (0: as explained). Throws c10::Error for a workload with
 // batch or seq < 1, or a shape whose sizes are not positive (naming the values).
 CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
                             const Workload& workload, const MachineProfile& profile,

@@ -67,6 +67,7 @@ std::string strategy_text(const UnitExplanation& u) {
   if (u.strategy == ShardingStrategy::kFullShard && !u.reshard_after_forward) s += " keep";
   if (u.recompute) s += " recompute";
   if (u.frozen) s += " frozen";  // Note [Frozen parameters]: no reduction
+  if (u.offload > 0) s += " offload" + std::to_string(u.offload);  // Note [CPU offload]
   return s;
 }
 
@@ -293,10 +294,17 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
   const int n = static_cast<int>(units.size());
   for (const auto& u : units) {
     // master + its gradient (a frozen unit has none); AdamW state for the trainable part only
-    m.persistent_bytes += (u.frozen ? 1 : 2) * u.master_bytes;
-    if (u.strategy == ShardingStrategy::kNoShard) m.persistent_bytes += u.gathered_bytes;
-    m.adamw_state_bytes +=
+    const int64_t state = (u.frozen ? 1 : 2) * u.master_bytes;
+    const int64_t adamw =
         2 * (u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes);
+    if (u.offload > 0) {  // Note [CPU offload]: on the host; level 1 keeps a compute shard
+      m.host_bytes += state + adamw;
+      m.persistent_bytes += u.resident_bytes;
+    } else {
+      m.persistent_bytes += state;
+      m.adamw_state_bytes += adamw;
+    }
+    if (u.strategy == ShardingStrategy::kNoShard) m.persistent_bytes += u.gathered_bytes;
   }
   if (n == 0) return m;
   auto transient = [&](int j) {
@@ -424,6 +432,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.strategy = settings.strategy;
     u.reshard_after_forward = settings.reshard_after_forward;
     u.recompute = settings.recompute;
+    u.offload = settings.flat.offload;
     const c10::ScalarType param_dtype = settings.flat.param_dtype;
     const c10::ScalarType reduce_dtype = settings.flat.reduce_dtype;
     std::vector<std::vector<int64_t>> shapes;
@@ -463,6 +472,8 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +
                           (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
     u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
+    u.resident_bytes =
+        sharded && u.offload == 1 ? layout.shard_numel * elem_size(param_dtype) : 0;
     int64_t trainable_numel = 0, trainable_shard_numel = 0;
     for (size_t k = 0; k < shapes.size(); ++k)
       if (trainable[k]) trainable_numel += layout.numels[k];
@@ -579,6 +590,9 @@ std::string Explanation::to_string() const {
      << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "
      << format_bytes(memory.total()) << " (+ AdamW state " << format_bytes(memory.adamw_state_bytes)
      << ", + activations)";
+  if (memory.host_bytes > 0)
+    os << "; offloaded to host " << format_bytes(memory.host_bytes)
+       << " (fp32 master shards + grads + AdamW state)";
   if (memory_limit_bytes) os << "; limit " << format_bytes(*memory_limit_bytes);
   os << "\n";
   for (const auto& w : warnings) os << "warning: " << w << "\n";

@@ -76,6 +76,11 @@ struct UnitExplanation {
   // Forward recomputed in backward (Note [Recompute]). explain predicts no activations, so this
   // is shown, not costed: collectives and model-state memory are the same either way.
   bool recompute = false;
+  // Note [CPU offload] (flat_param/offload.h): the unit's level (fsdp/resolve.h). Offloaded,
+  // master_bytes, its gradient and AdamW's state are host memory (MemoryEstimate::host_bytes),
+  // and level 1 keeps resident_bytes (shard_numel * param dtype) on the device.
+  int offload = 0;
+  int64_t resident_bytes = 0;
 
   int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends (0 for NO_SHARD)
   int64_t reduce_bytes = 0;      // one reduce-scatter / all-reduce: bytes this rank sends
@@ -125,13 +130,17 @@ struct ExplainOptions {
 //     the enclosing units and k, and the previous unit's reduction buffers (held until the next
 //     reduction is issued: Note [Reduce buffer lifetime] in reduce_buffers.h).
 //  Allocator caching and fragmentation are not modelled.
+//  offloaded units (Note [CPU offload]): master, gradient and AdamW state count in host_bytes
+//   instead; level 1's compute-dtype shard is persistent device memory.
 struct MemoryEstimate {
   int64_t persistent_bytes = 0;
   int64_t peak_transient_bytes = 0;
   std::string peak_at;  // e.g. "backward of blocks.15"
   int64_t total() const { return persistent_bytes + peak_transient_bytes; }
-  // AdamW's two fp32 moments per master element, for reference (not in total()).
+  // AdamW's two fp32 moments per master element on the device, for reference (not in total()).
   int64_t adamw_state_bytes = 0;
+  // Offloaded units' fp32 master + gradient + AdamW state, in (pinned) host memory per rank.
+  int64_t host_bytes = 0;
 };
 
 struct Explanation {

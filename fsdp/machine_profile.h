@@ -70,13 +70,14 @@ struct MachineProfile {
   double memory_gbps = 4000;
   double optimizer_bytes_per_param = 28;
 
-  // Offload (CPU offload levels 1/2): pinned host<->device copies and the CPU optimizer. Not
-  // measured in this repository yet: 45 GB/s is a stated guess for pinned copies over PCIe 5.0
-  // x16 (64 GB/s raw); 5e8 params/s a stated guess for a multi-threaded CPU AdamW (~28 B per
-  // parameter at ~14 GB/s). Measure them (flatshard-bench --write-profile with --offload).
-  double h2d_gbps = 45;
-  double d2h_gbps = 45;
-  double cpu_optimizer_params_per_s = 5e8;
+  // Offload (CPU offload levels 1/2, Note [CPU offload]): pinned host<->device copies and the
+  // CPU optimizer, 1x H200 (benchmarks/RESULTS.md "CPU offload", 2026-12-01 14:26): pinned
+  // 1 GiB copies H2D 55.3 GB/s, D2H 55.2 GB/s (tools/pcie_probe.py); ATen's fused CPU AdamW
+  // over the 1B GPT's 0.944 G fp32 parameters in 215.4 ms = 4.4e9 parameters/s (the host's
+  // ~130 GB/s). An unfused CPU AdamW is several times slower: measure it if that is what runs.
+  double h2d_gbps = 55;
+  double d2h_gbps = 55;
+  double cpu_optimizer_params_per_s = 4.4e9;
 
   // Activation memory: the analytic bytes per token of cost_model.h multiplied by this factor
   // (1: the closed form as is; a profile written by flatshard-bench stores measured / predicted

@@ -93,6 +93,13 @@ struct ShardingOptions {
   bool sync_module_states = true;
   // Alignment of each parameter inside a flat parameter, in elements.
   int64_t align = 8;
+  // CPU offload level for units whose plan entry sets none (UnitOptions::offload; Note [CPU
+  // offload], flat_param/offload.h): 0 off (default); 1 fp32 master shards, their gradients and
+  // the optimizer's state in pinned host memory (the optimizer steps on the CPU), the device
+  // keeping a compute-dtype shard; 2 the compute-dtype shard on the host as well, uploaded
+  // before each all-gather. NO_SHARD units keep their compute copy on the device (level 2 acts
+  // as 1 for them).
+  int offload = 0;
 
   // Race exposure for tests (GPU only; 0 = off): a device sleep of this many cycles is queued
   // on the all-gather / reduce-scatter stream before every all-gather / reduction, so a

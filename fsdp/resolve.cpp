@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "collectives/env.h"
 
 namespace flatshard {
@@ -27,6 +29,10 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
   r.flat.align = options.align;
   r.flat.sync_module_states = options.sync_module_states;
   r.flat.poison_padding = env::debug();
+  const int offload = spec.options.offload.value_or(options.offload);
+  TORCH_CHECK(offload >= 0 && offload <= 2, "unit '", spec.name, "': offload level must be 0, 1 "
+              "or 2, got ", offload);
+  r.flat.offload = r.flat.sharded ? offload : std::min(offload, 1);
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
 }

@@ -18,6 +18,9 @@
 // - FlatParamConfig: sharded unless NO_SHARD; param dtype = mixed_precision.param_dtype; reduce
 //   dtype = mixed_precision.reduce_dtype, else the param dtype; align and sync_module_states from
 //   the options; padding poisoned when FLATSHARD_DEBUG is on (collectives/env.h).
+// - offload: the plan's unit option, else ShardingOptions::offload; 0, 1 or 2 (else an error
+//   naming the unit); level 2 on a NO_SHARD unit is level 1 (its compute copy is always held;
+//   Note [CPU offload], flat_param/offload.h).
 // - layout world size: the shard group's size for sharded units, 1 for NO_SHARD (replicated);
 //   FlatParam derives the same from config.sharded (Unit asserts they agree).
 // Pure: no collectives, no tensors; the model is not read.

@@ -314,6 +314,16 @@ void Runtime::finalize_backward() {
   // The optimizer reads the master gradients on the compute stream: wait for the last
   // reduction (reductions run in order on one stream, so the last one covers all).
   reduce_buffers_.release(compute_stream(), tracer());
+  // Note [CPU offload] (flat_param/offload.h): the step's one host sync. The CPU optimizer reads
+  // the host gradients and writes the host masters next; the compute stream now waits for the
+  // last reduction (whose stream carried the copies to the host) and came after every gather.
+  const bool offloaded = std::any_of(units_.begin(), units_.end(),
+                                     [](const auto& u) { return u->flat().offload() > 0; });
+  if (requires_grad_sync_ && offloaded) {
+    const c10::Stream compute = compute_stream();
+    if (compute.device_type() != c10::DeviceType::CPU) compute.synchronize();
+    for (auto& u : units_) u->flat().finish_host_grad();
+  }
   for (auto& u : units_) {
     u->reshard();
     u->reset_step_state();

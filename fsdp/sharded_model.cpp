@@ -423,6 +423,7 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool g
     const FlatLayout& l = f.layout();
     at::Tensor master = f.master().detach();
     if (grads) master = f.master().grad().defined() ? f.master().grad() : at::zeros_like(master);
+    master = master.to(comm_.device());  // Note [CPU offload]: a host master is gathered on the device
     at::Tensor full = master;
     if (f.config().sharded && l.padded_numel > 0) {
       full = at::empty({l.padded_numel}, master.options());

@@ -53,7 +53,7 @@ std::shared_ptr<torch::nn::Module> build_meta(const ModelConfig& c, uint64_t see
 // `world` CPU ranks, as flatshard-bench measures it: the process peak from the start of the
 // step minus the live bytes before the run, divided by the ranks.
 int64_t measured_peak(const ModelConfig& c, const std::string& spec, int world, const Workload& w,
-                      int prefetch = 1) {
+                      int prefetch = 1, int offload = 0) {
   auto& mem = profiling::CountingCpuAllocator::install();
   const int64_t before = mem.current_bytes();
   int64_t peak = 0;
@@ -62,6 +62,7 @@ int64_t measured_peak(const ModelConfig& c, const std::string& spec, int world, 
     auto model = build_meta(c, 3);
     ShardingOptions o;
     o.forward_prefetch = o.backward_prefetch = prefetch;
+    o.offload = offload;
     auto fsdp = fully_shard(model, make_plan(*model, parse_policy(spec)), comm, o);
     torch::optim::AdamW opt(fsdp->parameters(), torch::optim::AdamWOptions(1e-3));
     std::vector<std::pair<at::Tensor, at::Tensor>> batches;
@@ -517,4 +518,35 @@ TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
   CHECK(error_of([&] {
           predict_cost(e, s, {1, 32}, quiet_profile(), 3);
         }).find("offload level must be 0, 1 or 2, got 3") != std::string::npos);
+}
+
+TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and host alike",
+          "[advisor][offload]") {
+  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const Workload w{2, 128};
+  MachineProfile cpu;
+  cpu.collective_staging = 1;
+  auto model = build_meta(cfg, 0);
+  const Plan plan = make_plan(*model, parse_policy("type=Block"));
+  for (int level : {1, 2}) {
+    CAPTURE(level);
+    // explain's per-unit level (ShardingOptions::offload) and predict_cost's argument agree,
+    // and the host bytes are explain's own count (MemoryEstimate::host_bytes).
+    ShardingOptions o;
+    o.offload = level;
+    const Explanation e = explain(*model, plan, 2, o);
+    const Explanation e0 = explain(*model, plan, 2, {});
+    const CostPrediction a = predict_cost(e, cfg.transformer_shape(), w, cpu);
+    const CostPrediction b = predict_cost(e0, cfg.transformer_shape(), w, cpu, level);
+    CHECK(a.peak_bytes == b.peak_bytes);
+    CHECK(a.host_bytes == e.memory.host_bytes);
+    // On CPU ranks "host" and "device" are the same memory: the counting allocator sees the
+    // predicted device peak plus the offloaded state.
+    const int64_t m = measured_peak(cfg, "type=Block", 2, w, 1, level);
+    const double err =
+        static_cast<double>(a.peak_bytes + a.host_bytes - m) / static_cast<double>(m);
+    CAPTURE(a.peak_bytes, a.host_bytes, m, err, a.to_string());
+    CHECK(err >= -0.05);
+    CHECK(err <= 0.15);
+  }
 }

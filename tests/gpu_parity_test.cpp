@@ -111,6 +111,34 @@ TEST_CASE("GPU bf16 mixed precision against the fp32 reference", "[gpu][parity][
   }
 }
 
+TEST_CASE("GPU CPU offload levels 1 and 2: pinned host masters, parity, under device sleeps",
+          "[gpu][parity][offload]") {
+  // Note [CPU offload]: the H2D uploads ride the all-gather stream and the D2H gradient copies
+  // the reduce stream; sleeps before both (and before the optimizer step) make a missing wait
+  // or a missing end-of-backward sync show as wrong numbers.
+  const Run ref = reference(g_comm->world_size());
+  for (int level : {1, 2})
+    for (const char* spec : {"type=Block", "type=Linear|LayerNorm|Embedding"})
+      for (bool sleeps : {false, true}) {
+        CAPTURE(level, spec, sleeps);
+        ShardingOptions opts;
+        opts.offload = level;
+        if (sleeps) {
+          opts.debug_sleep_before_all_gather_cycles = 20'000'000;
+          opts.debug_sleep_before_reduce_cycles = 20'000'000;
+        }
+        {
+          auto model = flatshard_test::gpu_parity_model(g_comm->device());
+          auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), *g_comm, opts);
+          for (const at::Tensor& p : fsdp->parameters()) {
+            REQUIRE(p.is_cpu());
+            REQUIRE(p.is_pinned());
+          }
+        }
+        require_fp32_parity(ref, sharded(spec, opts, sleeps ? 20'000'000 : 0));
+      }
+}
+
 int main(int argc, char** argv) {
   return flatshard_test::nccl_test_main("gpu_parity_test", argc, argv, g_comm);
 }

@@ -123,6 +123,29 @@ TEST_CASE("to_float: the vectorized bf16 -> fp32 kernel equals ATen's conversion
                   base.slice(0, 0, 1001, 2).cpu().to(at::kFloat)));
 }
 
+// copy_to_float (the one-rank reduction's upcast into slices of the master gradient): the same
+// bits as ATen into aligned slices (the kernel) and misaligned ones (ATen's copy), with the
+// elements around the slice untouched.
+TEST_CASE("copy_to_float writes ATen's conversion bitwise into slices", "[upcast]") {
+  auto& c = comm();
+  const auto dev = c.device();
+  for (int64_t n : {int64_t{1}, int64_t{8}, int64_t{4099}, (int64_t{1} << 20) + 3}) {
+    at::Tensor bits = at::arange(n, at::TensorOptions().dtype(at::kInt)).remainder(65536);
+    bits = bits.index_select(0, at::randperm(n, at::TensorOptions().dtype(at::kLong)));
+    const at::Tensor bf = bits.to(at::kShort).view(at::kBFloat16).to(dev);
+    const at::Tensor want = bf.cpu().to(at::kFloat);
+    for (int64_t offset : {int64_t{0}, int64_t{8}, int64_t{3}}) {  // 8 x 4 B: aligned; 3: not
+      CAPTURE(n, offset);
+      at::Tensor dst = at::full({n + 16}, -7.0f, at::TensorOptions().dtype(at::kFloat).device(dev));
+      flatshard::copy_to_float(dst.narrow(0, offset, n), bf);
+      const at::Tensor out = dst.cpu();
+      CHECK(at::equal(out.narrow(0, offset, n).view(at::kInt), want.view(at::kInt)));
+      CHECK(out.narrow(0, 0, offset).eq(-7.0f).all().item<bool>());
+      CHECK(out.narrow(0, offset + n, 16 - offset).eq(-7.0f).all().item<bool>());
+    }
+  }
+}
+
 TEST_CASE("reduce_scatter: sum and avg over ranks of the rank's slice", "[nccl]") {
   auto& c = comm();
   const int world = c.world_size(), r = c.rank();

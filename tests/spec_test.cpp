@@ -154,7 +154,7 @@ TEST_CASE("spec errors point at the offending token", "[policy][spec]") {
       {"type=Block;", 12, "empty rule", "a rule such as type=Block"},
       {" ; type=Block", 2, "empty rule", "a rule such as"},
       {"nosahrd:type=Block", 1, "unknown option 'nosahrd'",
-       "noshard, grad_op, full, keep, recompute, root"},
+       "noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2, root"},
       {"root:sideways", 6, "unknown option 'sideways'", "noshard, grad_op, full, keep"},
       {"root:", 6, "missing option after 'root:'", "noshard"},
       {"root:keep,type=Block", 10, "unexpected ',' after root option", "';' or end of spec"},

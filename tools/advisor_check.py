@@ -5,7 +5,9 @@ For each model and batch, runs flatshard-bench over every granularity x recomput
 combination the bench supports, with --write-profile on the first (non-recompute, offload 0)
 call of each model at the first batch: that profile (the calibration: compute rate and memory
 passes from its 'layer' run, host cost per unit fitted over its runs) is then used to predict
-every row, other batches included. Prints one table:
+every row, other batches included. A profile already in --logdir (profile_<model>.json, from an
+earlier call: split a long run over calls with --models / --batches / --offloads) is reused.
+Prints one table:
 
   model batch config  pred peak MiB  meas peak MiB  err %  pred step ms  meas step ms  err %
 
@@ -34,6 +36,7 @@ GRANULARITIES = ["layer", "leaf", "every-2", "model", "noshard"]
 
 def spec_of(label, model):
     """flatshard-bench's granularity label -> the policy spec flatshard-explain takes."""
+    label = re.sub(r"\+offload[0-9]$", "", label)  # the level travels as --offload
     recompute = label.endswith("+recompute")
     base = label[: -len("+recompute")] if recompute else label
     layer = "type=" + LAYER[model]
@@ -79,6 +82,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--bench-args", default="", help="extra flatshard-bench arguments")
     ap.add_argument("--budget", default="", help="also check the advisor at this per-rank budget")
+    ap.add_argument("--offloads", type=int, nargs="+", default=None,
+                    help="offload levels to run (default: 0 1 2 when the bench has --offload)")
     ap.add_argument("--logdir", required=True)
     a = ap.parse_args()
     os.makedirs(a.logdir, exist_ok=True)
@@ -89,6 +94,8 @@ def main():
             sys.exit(f"advisor_check: {exe} is not built")
     _, help_text = run([bench, "--help"], os.path.join(a.logdir, "bench_help.txt"))
     offloads = [0, 1, 2] if "--offload" in help_text else [0]
+    if a.offloads is not None:
+        offloads = a.offloads
     dtype = "bf16" if a.device == "cuda" else "fp32"
     rows, failures, advice = [], 0, []
     for model in a.models:
@@ -108,7 +115,9 @@ def main():
                         cmd.append("--recompute")
                     if off:
                         cmd += ["--offload", str(off)]
-                    calibrating = bi == 0 and not recompute and off == 0
+                    # The profile comes from the first call per model; one already in --logdir
+                    # (an earlier call of a split run) is reused, not measured again.
+                    calibrating = bi == 0 and not recompute and off == 0 and not os.path.exists(profile)
                     if calibrating:
                         cmd += ["--write-profile", profile]
                     cmd += a.bench_args.split()
@@ -139,7 +148,7 @@ def main():
                             continue
                         rows.append({
                             "model": model, "batch": batch, "offload": off, "spec": spec,
-                            "config": r["granularity"] + (f"+offload{off}" if off else ""),
+                            "config": r["granularity"],
                             "calibration": calibrating and r["granularity"].startswith("layer"),
                             "pred_peak": int(m.group(1)) / 2**20, "meas_peak": r["peak_memory_bytes"] / 2**20,
                             "pred_step": float(m.group(2)), "meas_step": r["step_ms"]["median"],

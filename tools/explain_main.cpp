@@ -121,7 +121,6 @@ int main(int argc, char** argv) {
   bool keep = false, tied = false, show_plan = false, suggest = false;
   std::string profile_path;
   int64_t batch = 0, seq = 0;
-  int offload = 0;
   std::vector<int> offload_levels = {0}, prefetch_depths = {1, 2};
   std::map<std::string, int64_t> overrides;
   app.add_option("--model", family, "model family: gpt (models/gpt.h), llama (models/llama.h)")
@@ -147,6 +146,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->capture_default_str();
   app.add_flag("--keep", keep, "FULL_SHARD units keep parameters from forward to backward");
+  int offload = 0;
+  app.add_option("--offload", offload,
+                 "CPU offload level for units the policy sets none for: 0 off, 1 master, grads "
+                 "and AdamW state on the host, 2 the compute-dtype shard too")
+      ->check(CLI::Range(0, 2))
+      ->capture_default_str();
   app.add_option("--prefetch", prefetch, "forward and backward prefetch depth")
       ->check(at_least(0));
   app.add_option("--forward-prefetch", fwd_prefetch, "units all-gathered ahead in forward")
@@ -184,14 +189,12 @@ int main(int argc, char** argv) {
   app.add_option("--profile", profile_path,
                  "machine profile JSON (fsdp/machine_profile.h; flatshard-bench --write-profile); "
                  "default: the stated defaults (1x/2x H200 measurements)");
-  app.add_option("--offload", offload, "offload level of every unit for the prediction: 0, 1, 2")
-      ->check(CLI::Range(0, 2));
   app.add_flag("--suggest", suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
                "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
                "candidates)");
   app.add_option("--offload-levels", offload_levels,
-                 "--suggest: offload levels to try (default 0)")
+                 "--suggest: offload levels to try, e.g. 0,1,2 (default 0)")
       ->check(CLI::Range(0, 2))
       ->delimiter(',');
   app.add_option("--prefetch-depths", prefetch_depths,
@@ -232,6 +235,7 @@ int main(int argc, char** argv) {
                     : strategy == "grad_op" ? flatshard::ShardingStrategy::kShardGradOp
                                             : flatshard::ShardingStrategy::kNoShard;
     opts.reshard_after_forward = !keep;
+    opts.offload = offload;
     opts.forward_prefetch = prefetch >= 0 ? prefetch : fwd_prefetch;
     opts.backward_prefetch = prefetch >= 0 ? prefetch : bwd_prefetch;
     auto dtype = [](const std::string& s) { return s == "bf16" ? c10::kBFloat16 : c10::kFloat; };
@@ -271,9 +275,9 @@ int main(int argc, char** argv) {
     std::cout << e.to_string();
     if (batch > 0) {
       const auto p =
-          flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile, offload);
-      std::cout << "batch " << workload.batch << " x seq " << workload.seq << ", offload "
-                << offload << "; profile: " << profile.source << "\n"
+          flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile);
+      std::cout << "batch " << workload.batch << " x seq " << workload.seq
+                << "; profile: " << profile.source << "\n"
                 << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
                 << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
                 << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0) << "\n";

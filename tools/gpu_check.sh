@@ -34,6 +34,9 @@
 #               reference's fused AdamW) on the 1B GPT; step ms, x PyTorch plain, host ms and
 #               peak MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
 #               GPU_CHECK_VS_GRANULARITY replaces local,layer,leaf)
+#   offload     the vs_torch table for CPU offload (issue 17): PyTorch plain, FSDP2 per block
+#               with and without CPUOffloadPolicy(pin_memory=True), flatshard per-layer at
+#               --offload 0,1,2 (GPU_CHECK_OFFLOAD_TORCH_MODES, _GRANULARITY, _LEVELS)
 #   advisor     tools/advisor_check.py: flatshard-bench on 1 GPU (world 1) for the 1B GPT and the
 #               1B LLaMA at 4 and 1 sequences (GPU_CHECK_ADVISOR_BATCHES), every granularity x
 #               recompute x offload level the bench supports, a machine profile written by the
@@ -229,21 +232,23 @@ step_vs_torch() {
   local b rc=0
   for b in ${GPU_CHECK_VS_BATCHES:-4 1}; do
     # shellcheck disable=SC2086
-    "$PYTHON" tools/torch_reference.py --preset 1b --batch "$b" --modes plain,fsdp2-block \
+    "$PYTHON" tools/torch_reference.py --preset 1b --batch "$b" \
+      --modes "${GPU_CHECK_VS_TORCH_MODES:-plain,fsdp2-block}" \
       --json "$LOGDIR/torch_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/torch_b$b.txt" || rc=1
     # shellcheck disable=SC2086
     "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc 1 --preset 1b --batch "$b" \
       --warmup 3 --steps 10 --optimizer fused \
       --granularity "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" \
+      --offload "${GPU_CHECK_VS_OFFLOAD:-0}" \
       --json "$LOGDIR/flatshard_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/flatshard_b$b.txt" || rc=1
   done
   # shellcheck disable=SC2086
-  "$PYTHON" - "$LOGDIR" ${GPU_CHECK_VS_BATCHES:-4 1} <<'EOF' | tee "$LOGDIR/vs_torch.txt"
+  "$PYTHON" - "$LOGDIR" ${GPU_CHECK_VS_BATCHES:-4 1} <<'EOF' | tee "$LOGDIR/${VS_TABLE:-vs_torch}.txt"
 import json, os, sys
 logdir, batches = sys.argv[1], sys.argv[2:]
 print("# 1 GPU, world 1, same model, bf16 compute, fp32 master, fused AdamW; x PyTorch = step ms / "
       "PyTorch plain step ms at the same batch (tools/gpu_check.sh vs_torch, one call)")
-print(f"{'batch':>5} {'program':<10} {'mode':<14} {'step ms':>8} {'x PyTorch':>9} {'host ms':>8} {'peak MiB':>9}")
+print(f"{'batch':>5} {'program':<10} {'mode':<20} {'step ms':>8} {'x PyTorch':>9} {'host ms':>8} {'peak MiB':>9}")
 for b in batches:
     try:
         t = json.load(open(os.path.join(logdir, f"torch_b{b}.json")))
@@ -254,14 +259,22 @@ for b in batches:
     plain = next((r["step_ms"] for r in t["rows"] if r["mode"] == "plain"), None)
     ratio = lambda ms: f"{ms / plain:9.3f}" if plain else f"{'-':>9}"
     for r in t["rows"]:
-        print(f"{b:>5} {'PyTorch':<10} {r['mode']:<14} {r['step_ms']:8.1f} {ratio(r['step_ms'])} "
+        print(f"{b:>5} {'PyTorch':<10} {r['mode']:<20} {r['step_ms']:8.1f} {ratio(r['step_ms'])} "
               f"{r['host_ms']:8.1f} {r['peak_mib']:9.0f}")
     for r in f["runs"]:
         ms = r["step_ms"]["median"]
-        print(f"{b:>5} {'flatshard':<10} {r['granularity']:<14} {ms:8.1f} {ratio(ms)} "
+        print(f"{b:>5} {'flatshard':<10} {r['granularity']:<20} {ms:8.1f} {ratio(ms)} "
               f"{r['host_issue_ms_median']:8.1f} {r['peak_memory_bytes'] / 2**20:9.0f}")
 EOF
   return $rc
+}
+
+# Issue 17's offload table: the vs_torch table with FSDP2's CPUOffloadPolicy beside flatshard's
+# offload levels, per-layer units, 4 and 1 sequences per GPU.
+step_offload() {
+  GPU_CHECK_VS_TORCH_MODES=${GPU_CHECK_OFFLOAD_TORCH_MODES:-plain,fsdp2-block,fsdp2-block-offload} \
+    GPU_CHECK_VS_GRANULARITY=${GPU_CHECK_OFFLOAD_GRANULARITY:-layer} \
+    GPU_CHECK_VS_OFFLOAD=${GPU_CHECK_OFFLOAD_LEVELS:-0,1,2} VS_TABLE=offload step_vs_torch
 }
 
 step_advisor() {
@@ -293,7 +306,7 @@ step_sanitize() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused setup trace vs_torch advisor)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused setup trace vs_torch offload advisor)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"

@@ -20,6 +20,10 @@ Modes (comma list, --modes):
   fsdp2-block  fully_shard per Block, then the root; fp32 master, MixedPrecisionPolicy(bf16,
                reduce --reduce-dtype), reshard_after_forward=True (FSDP2's default).
   fsdp2-leaf   fully_shard per Linear / LayerNorm / Embedding (the ZeRO-3 shape), then the root.
+  fsdp2-block-offload, fsdp2-leaf-offload
+               the same with CPUOffloadPolicy(pin_memory=True): sharded fp32 parameters,
+               gradients and optimizer state on the host, the optimizer stepping on the CPU
+               (flatshard-bench --offload 1 is the counterpart).
 
 World 1 needs no launcher (the script makes a one-rank process group); for more ranks use
   python3 -m torch.distributed.run --standalone --nproc-per-node N tools/torch_reference.py ...
@@ -281,19 +285,24 @@ def build(mode, args, cfg, device, world):
     if mode == "ddp":
         model = model.to(dtype_of(args.param_dtype))
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=dtype_of(args.param_dtype),
                               reduce_dtype=dtype_of(args.reduce_dtype or args.param_dtype))
+    offload = OffloadPolicy()
+    if mode.endswith("-offload"):
+        offload = CPUOffloadPolicy(pin_memory=True)
+        mode = mode[: -len("-offload")]
     if mode == "fsdp2-block":
         units = list(model.layers if args.model == "llama" else model.blocks)
     elif mode == "fsdp2-leaf":
         units = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding))]
     else:
-        raise SystemExit(f"torch_reference: unknown mode '{mode}' (plain, ddp, fsdp2-block, fsdp2-leaf)")
+        raise SystemExit(f"torch_reference: unknown mode '{mode}' (plain, ddp, fsdp2-block, fsdp2-leaf, "
+                         "each fsdp2 mode also with -offload)")
     for m in units:
-        fully_shard(m, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(m, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
 
 
@@ -413,10 +422,10 @@ def main():
               f"{desc} ({params / 1e9:.2f} B params), batch {args.batch}/GPU, "
               f"optimizer {args.optimizer}")
         base = next((r["step_ms"] for r in rows if r["mode"] == "plain"), None)
-        print(f"{'mode':<12} {'step ms':>8} {'x plain':>8} {'host ms':>8} {'peak MiB':>9} {'tok/s/GPU':>10} {'MFU':>6} {'loss0':>7}")
+        print(f"{'mode':<20} {'step ms':>8} {'x plain':>8} {'host ms':>8} {'peak MiB':>9} {'tok/s/GPU':>10} {'MFU':>6} {'loss0':>7}")
         for r in rows:
             ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
-            print(f"{r['mode']:<12} {r['step_ms']:8.1f} {ratio:>8} {r['host_ms']:8.1f} {r['peak_mib']:9.0f} "
+            print(f"{r['mode']:<20} {r['step_ms']:8.1f} {ratio:>8} {r['host_ms']:8.1f} {r['peak_mib']:9.0f} "
                   f"{r['tokens_per_s_per_gpu']:10.0f} {100 * r['mfu']:5.1f}% {r['loss_step0']:7.3f}")
         if args.json:
             tmp = args.json + ".tmp"

@@ -34,6 +34,7 @@ std::string options_text(const UnitOptions& o) {
   std::string s = o.strategy ? to_string(*o.strategy) : "default";
   if (o.reshard_after_forward) s += *o.reshard_after_forward ? " reshard" : " keep";
   if (o.recompute) s += *o.recompute ? " recompute" : " no-recompute";
+  if (o.offload) s += " offload" + std::to_string(*o.offload);
   return s;
 }
 

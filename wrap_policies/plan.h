@@ -29,9 +29,13 @@ struct UnitOptions {
   // no default for it). Not allowed on the root unit, nor on a unit whose member modules
   // contain another unit's members (fully_shard and explain reject both, fsdp/resolve.h).
   std::optional<bool> recompute;
+  // CPU offload level (Note [CPU offload], flat_param/offload.h): 0 off; 1 the fp32 master
+  // shard, its gradient and the optimizer's state in host memory, the device keeping a
+  // compute-dtype shard; 2 that shard on the host too. Unset: ShardingOptions::offload.
+  std::optional<int> offload;
   bool operator==(const UnitOptions& o) const {
     return strategy == o.strategy && reshard_after_forward == o.reshard_after_forward &&
-           recompute == o.recompute;
+           recompute == o.recompute && offload == o.offload;
   }
   bool operator!=(const UnitOptions& o) const { return !(*this == o); }
 };

@@ -42,6 +42,7 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
 std::string prefix_text(const UnitOptions& o) {
   UnitOptions base = o;
   base.recompute.reset();
+  base.offload.reset();
   std::string s;
   if (base == no_shard()) s = "noshard";
   if (base == shard_grad_op()) s = "grad_op";
@@ -50,6 +51,10 @@ std::string prefix_text(const UnitOptions& o) {
   const bool known = base == UnitOptions{} || !s.empty();
   if (known && o.recompute != false) {  // unset or true
     if (o.recompute) s += s.empty() ? "recompute" : "+recompute";
+    if (o.offload) {
+      const std::string word = *o.offload == 1 ? "offload" : "offload" + std::to_string(*o.offload);
+      s += s.empty() ? word : "+" + word;
+    }
     return s;
   }
   s = "<options strategy=";
@@ -57,6 +62,7 @@ std::string prefix_text(const UnitOptions& o) {
   s += " reshard_after_forward=";
   s += o.reshard_after_forward ? (*o.reshard_after_forward ? "true" : "false") : "default";
   if (o.recompute) s += *o.recompute ? " recompute=true" : " recompute=false";
+  if (o.offload) s += " offload=" + std::to_string(*o.offload);
   return s + ">";
 }
 
@@ -89,6 +95,11 @@ UnitOptions full_shard() { return with_strategy(ShardingStrategy::kFullShard, st
 UnitOptions full_shard_keep() { return with_strategy(ShardingStrategy::kFullShard, false); }
 UnitOptions recompute(UnitOptions base) {
   base.recompute = true;
+  return base;
+}
+UnitOptions offload(UnitOptions base, int level) {
+  TORCH_CHECK(level >= 0 && level <= 2, "offload level must be 0, 1 or 2, got ", level);
+  base.offload = level;
   return base;
 }
 

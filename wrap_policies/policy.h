@@ -114,6 +114,9 @@ UnitOptions full_shard_keep(); // "keep:"     FULL_SHARD, no reshard after forwa
 // `base` with activation checkpointing on: recompute() is "recompute:", recompute(full_shard_keep())
 // is "keep+recompute:" (Note [Recompute], fsdp/recompute.h).
 UnitOptions recompute(UnitOptions base = {});
+// `base` with CPU offload at `level` (0, 1 or 2): offload() is "offload:", offload(keep, 2) is
+// "keep+offload2:" (Note [CPU offload], flat_param/offload.h). Throws for another level.
+UnitOptions offload(UnitOptions base = {}, int level = 1);
 
 // True when module.name() denotes `type_name` (see by_type).
 bool type_name_matches(const std::string& module_name, const std::string& type_name);

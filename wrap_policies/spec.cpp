@@ -16,7 +16,8 @@ namespace flatshard {
 namespace {
 
 const char* const kKeys = "one of: type, size, path, every";
-const char* const kOptions = "one of: noshard, grad_op, full, keep, recompute";
+const char* const kOptions =
+    "one of: noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2";
 const char* const kRootOptions = "one of: noshard, grad_op, full, keep";
 const char* const kCountHelp = "a whole number such as 10000000, 1e7, 10M or 1.5k";
 constexpr int64_t kCountLimit = int64_t{1} << 62;
@@ -40,6 +41,15 @@ std::string printable(std::string s, size_t max_len = 40) {
     else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
       c = '?';
   return s;
+}
+
+// "offload" is level 1 (Note [CPU offload], flat_param/offload.h); "offload0" turns it off for
+// the rule's units when ShardingOptions::offload is on.
+std::optional<int> offload_level_named(const std::string& word) {
+  if (word == "offload" || word == "offload1") return 1;
+  if (word == "offload0") return 0;
+  if (word == "offload2") return 2;
+  return std::nullopt;
 }
 
 std::optional<UnitOptions> option_named(const std::string& word) {
@@ -227,7 +237,7 @@ class Parser {
   }
 
   // options := option ('+' option)* ':'  with `first` (at `first_pos`) already read; at most
-  // one strategy word and one 'recompute'.
+  // one strategy word, one 'recompute' and one offload word.
   UnitOptions parse_options(const std::string& first, size_t first_pos) {
     UnitOptions o;
     std::string strategy_word;  // the strategy given so far, "" if none
@@ -237,6 +247,10 @@ class Parser {
       if (word == "recompute") {
         if (o.recompute) fail(pos, "'recompute' given twice", "at most one 'recompute' per rule");
         o.recompute = true;
+      } else if (auto level = offload_level_named(word)) {
+        if (o.offload)
+          fail(pos, "second offload option '" + word + "'", "at most one offload level per rule");
+        o.offload = *level;
       } else {
         auto opts = option_named(word);
         if (!opts) fail(pos, "unknown option '" + word + "'", std::string(kOptions) + ", root");
@@ -306,7 +320,7 @@ class Parser {
     if (key.empty()) fail(pos, "unexpected " + quoted_token(pos), std::string("a term: ") + kKeys);
     const size_t after_key = i_;
     if (colon_follows()) {
-      if (key == "root" || key == "recompute" || option_named(key))
+      if (key == "root" || key == "recompute" || offload_level_named(key) || option_named(key))
         fail(pos, "option prefix '" + key + ":' in the middle of a rule",
              "a term; a rule takes one prefix, first, and root:OPTION stands alone");
     }

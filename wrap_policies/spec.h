@@ -3,8 +3,8 @@
 //   spec    := 'none' | item (';' item)*
 //   item    := 'root' ':' strategy               options of the root unit (at most once)
 //            | [options ':'] term (',' term)*    one rule; terms are AND-ed
-//   options := option ('+' option)*              at most one strategy, 'recompute' at most once
-//   option  := strategy | 'recompute'
+//   options := option ('+' option)*              at most one strategy, one 'recompute', one offload
+//   option  := strategy | 'recompute' | offload
 //   strategy:= 'noshard' | 'grad_op' | 'full' | 'keep'
 //                noshard    NO_SHARD (replicated; gradients all-reduced)
 //                grad_op    SHARD_GRAD_OP
@@ -15,6 +15,13 @@
 //                           alone ("recompute:type=Block", the default strategy) or with a
 //                           strategy in either order ("keep+recompute:type=Block"). Not on the
 //                           root ("root:recompute" is an error).
+//   offload := 'offload' | 'offload1' | 'offload2' | 'offload0'
+//                           CPU offload of the rule's units (Note [CPU offload],
+//                           flat_param/offload.h): offload = offload1 (master, gradient and
+//                           optimizer state on the host), offload2 (the compute-dtype shard
+//                           too), offload0 (off, overriding ShardingOptions::offload); with a
+//                           strategy or recompute in any order ("keep+offload2:type=Block").
+//                           The root takes ShardingOptions::offload.
 //   term    := 'type'  '='  type  ('|' type)*    module type (see by_type in policy.h)
 //            | 'size'  '>=' count                unclaimed parameter numel (by_size)
 //            | 'path'  '='  glob  ('|' glob)*    module path glob (glob.h)

@@ -1,0 +1,231 @@
+// CPU offload (issue 17, Note [CPU offload] in flat_param/offload.h) on CPU ranks: the host
+// optimizer path — masters, gradients and optimizer state as host tensors, the compute-dtype
+// shard refreshed from the master when it changed, gradients delivered to the host and added to
+// an existing one after the step's sync — against the unsharded model trained the same way
+// (tests/parity_util.h) and, bit for bit, against the same sharded run without offload (on CPU
+// ranks the copies are exact, and with offload the one-rank shortcut is off, whose values equal
+// the general path's). The device copies themselves (pinned memory, streams) are checked on the
+// GPU (tests/gpu_parity_test.cpp, the offload case).
+#include <catch2/catch.hpp>
+
+#include <torch/optim/adamw.h>
+
+#include "checkpoint/checkpoint.h"
+#include "fsdp/explain.h"
+#include "gpt_parity_spec.h"
+#include "llama_parity_spec.h"
+#include "parity_util.h"
+#include "rank_require.h"
+#include "temp_dir.h"
+#include "wrap_policies/spec.h"
+
+using namespace flatshard;
+using namespace flatshard_test;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+void require_equal_runs(const ParityRun& a, const ParityRun& b) {
+  REQUIRE(a.losses == b.losses);
+  REQUIRE(a.params.size() == b.params.size());
+  for (auto& [name, t] : a.params) {
+    CAPTURE(name);
+    REQUIRE(at::equal(t, b.params.at(name)));
+  }
+  for (auto& [name, t] : a.grads) {
+    CAPTURE(name);
+    REQUIRE(at::equal(t, b.grads.at(name)));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("offload levels 1 and 2 train like the unsharded model and bit for bit like no offload",
+          "[offload][parity]") {
+  struct Case {
+    bool llama;
+    int world;
+    const char* policy;
+  };
+  const Case cases[] = {
+      {false, 1, "type=Block"},
+      {false, 2, "type=Block"},
+      {false, 3, "type=Linear|LayerNorm|Embedding"},
+      {true, 2, "type=DecoderLayer"},
+      {true, 3, "type=DecoderLayer"},
+  };
+  for (const Case& c : cases) {
+    for (int level : {1, 2}) {
+      CAPTURE(c.llama, c.world, c.policy, level);
+      ParitySpec s = c.llama ? llama_spec(c.world, c.policy) : gpt_parity_spec(c.world, c.policy);
+      s.steps = 4;
+      const ParityRun plain = run_sharded(s);
+      s.options.offload = level;
+      const ParityRun off = run_sharded(s);
+      require_parity(run_reference(s), off);
+      require_equal_runs(plain, off);
+    }
+  }
+}
+
+TEST_CASE("offload with parameter groups, fused AdamW, no-sync accumulation and clipping",
+          "[offload][parity]") {
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    ParitySpec s = gpt_parity_spec(world, "type=Block");
+    s.steps = 3;
+    s.micro_batches = 2;
+    s.no_sync_accumulation = true;
+    s.clip = 0.5;
+    s.fused_adamw = true;  // ATen's fused CPU AdamW over the host masters' views
+    s.no_decay = [](const std::string& n) { return contains(n, "bias") || contains(n, "ln"); };
+    s.frozen = [](const std::string& n) { return n == "wpe.weight"; };
+    const ParityRun plain = run_sharded(s);
+    s.options.offload = 1;
+    const ParityRun off = run_sharded(s);
+    require_equal_runs(plain, off);
+    // The reference runs torch's AdamW: FusedAdamW agrees to rounding, not bitwise.
+    require_parity(run_reference(s), off);
+  }
+}
+
+TEST_CASE("offload: a unit's spec level overrides the default; explain counts host and device bytes",
+          "[offload][explain]") {
+  ParitySpec s = gpt_parity_spec(2, "offload2:path=blocks.0;offload0:path=blocks.1;type=Block");
+  s.options.offload = 1;
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = s.make_model();
+    const Plan plan = s.plan(*model);
+    const Explanation e = explain(*model, plan, 2, s.options);
+    auto fsdp = fully_shard(model, plan, comm, s.options);
+    int64_t host = 0, resident = 0, padding = 0;
+    for (size_t u = 0; u < fsdp->num_units(); ++u) {
+      const Unit& unit = fsdp->unit(u);
+      const UnitExplanation& x = e.units[u];
+      const int want = unit.name() == "blocks.0" ? 2 : unit.name() == "blocks.1" ? 0 : 1;
+      RANK_REQUIRE(unit.flat().offload() == want);
+      RANK_REQUIRE(x.offload == want);
+      RANK_REQUIRE(x.resident_bytes == unit.flat().resident_bytes());
+      if (want > 0) {
+        host += 4 * unit.flat().master().nbytes();  // master, grad, AdamW's two moments
+        padding += x.padding();
+      }
+      resident += unit.flat().resident_bytes();
+    }
+    RANK_REQUIRE(resident > 0);
+    // explain counts AdamW state for the parameters' elements of the fullest shard, AdamW
+    // allocates it over the whole shard, padding too.
+    RANK_REQUIRE(e.memory.host_bytes <= host);
+    RANK_REQUIRE(e.memory.host_bytes >= host - 8 * padding);
+    // A level-1 unit keeps its shard in the compute dtype (fp32 here) on the device.
+    RANK_REQUIRE(fsdp->unit(0).flat().resident_bytes() ==
+                 fsdp->unit(0).flat().layout().shard_numel * 4);
+    RANK_REQUIRE(contains(e.to_string(), "offloaded to host"));
+  });
+}
+
+TEST_CASE("offload: gradients accumulate on the host across synced backward passes",
+          "[offload]") {
+  // Two backward passes, both reducing, without zero_grad between: the second reduction lands
+  // in the staging buffer and is added to the host gradient after the step's sync.
+  auto accumulated = [](int level) {
+    std::map<std::string, at::Tensor> grads;
+    ParitySpec s = gpt_parity_spec(2, "type=Block");
+    s.options.offload = level;
+    run_ranks(2, [&](Communicator& comm) {
+      auto model = s.make_model();
+      auto fsdp = fully_shard(model, s.plan(*model), comm, s.options);
+      for (int pass = 0; pass < 2; ++pass) s.loss(model, comm.rank(), pass, 0).backward();
+      auto g = fsdp->gather_full_grads();
+      if (comm.rank() == 0)
+        for (auto& [n, t] : g) grads[n] = t;
+    });
+    return grads;
+  };
+  const auto plain = accumulated(0), off = accumulated(1);
+  REQUIRE(plain.size() == off.size());
+  for (auto& [n, t] : plain) {
+    CAPTURE(n);
+    REQUIRE(at::equal(t, off.at(n)));
+  }
+}
+
+TEST_CASE("offload: a checkpoint loaded into an offloaded model is what its next forward reads",
+          "[offload][checkpoint]") {
+  // Model B has uploaded its resident shards (it ran a step); loading A's checkpoint changes
+  // its masters, so B's next forward must take the new values, as A's does.
+  TempDir dir;
+  ParitySpec s = gpt_parity_spec(2, "type=Block");
+  s.options.offload = 1;
+  run_ranks(2, [&](Communicator& comm) {
+    auto model_a = s.make_model();
+    auto a = fully_shard(model_a, s.plan(*model_a), comm, s.options);
+    torch::optim::AdamW opt_a(a->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 2; ++step) {
+      opt_a.zero_grad();
+      s.loss(model_a, comm.rank(), step, 0).backward();
+      opt_a.step();
+    }
+    save_checkpoint(*a, &opt_a, dir.path() + "/ckpt");
+
+    auto model_b = s.make_model();
+    auto b = fully_shard(model_b, s.plan(*model_b), comm, s.options);
+    torch::optim::AdamW opt_b(b->parameters(), torch::optim::AdamWOptions(1e-2));
+    opt_b.zero_grad();
+    s.loss(model_b, comm.rank(), 7, 0).backward();
+    opt_b.step();
+    load_checkpoint(*b, &opt_b, dir.path() + "/ckpt");
+    for (int step = 2; step < 4; ++step) {
+      opt_a.zero_grad();
+      opt_b.zero_grad();
+      at::Tensor la = s.loss(model_a, comm.rank(), step, 0);
+      at::Tensor lb = s.loss(model_b, comm.rank(), step, 0);
+      RANK_REQUIRE(la.item<double>() == lb.item<double>());
+      la.backward();
+      lb.backward();
+      opt_a.step();
+      opt_b.step();
+    }
+  });
+}
+
+TEST_CASE("offload spec options parse, print and are checked", "[offload][spec]") {
+  REQUIRE(parse_policy("offload:type=Block").rules[0].options.offload == 1);
+  REQUIRE(parse_policy("offload1:type=Block").rules[0].options.offload == 1);
+  REQUIRE(parse_policy("offload0:type=Block").rules[0].options.offload == 0);
+  const Policy p = parse_policy("keep+offload2:type=Block");
+  REQUIRE(p.rules[0].options == offload(full_shard_keep(), 2));
+  REQUIRE(p.to_spec() == "keep+offload2:type=Block");
+  REQUIRE(parse_policy("offload+recompute:type=Block").to_spec() ==
+          "recompute+offload:type=Block");
+  REQUIRE(parse_policy(p.to_spec()).rules[0].options == p.rules[0].options);
+  auto message = [](const std::string& spec) {
+    try {
+      parse_policy(spec);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    FAIL("no error for " << spec);
+    return std::string();
+  };
+  REQUIRE(contains(message("offload+offload2:type=Block"), "second offload option 'offload2'"));
+  REQUIRE(contains(message("offload3:type=Block"), "unknown option 'offload3'"));
+  REQUIRE(contains(message("type=Block,offload:path=x"), "in the middle of a rule"));
+  REQUIRE_THROWS_WITH(offload({}, 3), Catch::Contains("0, 1 or 2, got 3"));
+
+  // Out-of-range levels from code are rejected at setup, naming the unit; NO_SHARD units keep
+  // their compute copy on the device, so level 2 is level 1 for them.
+  ParitySpec s = gpt_parity_spec(1, "noshard+offload2:path=blocks.0;type=Block");
+  auto model = s.make_model();
+  Plan plan = s.plan(*model);
+  ShardingOptions bad;
+  bad.offload = 5;
+  REQUIRE_THROWS_WITH(resolve_unit(plan.units[2], bad, 1),
+                      Catch::Contains("offload level must be 0, 1 or 2, got 5"));
+  const Explanation e = explain(*model, plan, 2, ShardingOptions{});
+  for (const auto& u : e.units)
+    if (u.name == "blocks.0") REQUIRE(u.offload == 1);
+}
