@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--bench-args", default="", help="extra flatshard-bench arguments")
     ap.add_argument("--budget", default="", help="also check the advisor at this per-rank budget")
+    ap.add_argument("--granularities", nargs="+", default=GRANULARITIES,
+                    help="flatshard-bench granularities (recompute runs skip 'model')")
     ap.add_argument("--offloads", type=int, nargs="+", default=None,
                     help="offload levels to run (default: 0 1 2 when the bench has --offload)")
     ap.add_argument("--logdir", required=True)
@@ -105,7 +107,9 @@ def main():
                 for off in offloads:
                     tag = f"{model}_b{batch}{'_rc' if recompute else ''}_o{off}"
                     out = os.path.join(a.logdir, f"bench_{tag}.json")
-                    grans = GRANULARITIES if not recompute else ["layer", "leaf", "every-2", "noshard"]
+                    grans = [g for g in a.granularities if not (recompute and g == "model")]
+                    if not grans:
+                        continue
                     cmd = [bench, "--device", a.device, "--nproc", str(a.nproc), "--model", model,
                            "--preset", a.preset, "--batch", str(batch), "--warmup", str(a.warmup),
                            "--steps", str(a.steps), "--granularity", ",".join(grans), "--json", out]
