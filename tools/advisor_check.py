@@ -147,6 +147,10 @@ def main():
                             ecmd += ["--offload", str(off)]
                         erc, text = run(ecmd, os.path.join(a.logdir, f"explain_{tag}_{r['granularity']}.txt"))
                         m = re.search(r"^prediction: peak_bytes=(\d+) step_ms=([0-9.eE+-]+)", text, re.M)
+                        hb = re.search(r"host_bytes=(\d+)", text)
+                        # On CPU ranks the offloaded "host" state is the same memory the
+                        # measured peak counts; on a GPU the peak is device memory only.
+                        host = int(hb.group(1)) if hb and a.device == "cpu" else 0
                         if erc != 0 or not m:
                             failures += 1
                             continue
@@ -154,7 +158,8 @@ def main():
                             "model": model, "batch": batch, "offload": off, "spec": spec,
                             "config": r["granularity"],
                             "calibration": calibrating and r["granularity"].startswith("layer"),
-                            "pred_peak": int(m.group(1)) / 2**20, "meas_peak": r["peak_memory_bytes"] / 2**20,
+                            "pred_peak": (int(m.group(1)) + host) / 2**20,
+                            "meas_peak": r["peak_memory_bytes"] / 2**20,
                             "pred_step": float(m.group(2)), "meas_step": r["step_ms"]["median"],
                         })
         if a.budget:
@@ -170,7 +175,7 @@ def main():
     print(f"# predicted (flatshard-explain --profile, calibrated on the marked row) vs measured "
           f"(flatshard-bench --device {a.device} --nproc {a.nproc} --preset {a.preset}"
           f"{' --seq ' + str(a.seq) if a.seq else ''}, median of {a.steps} steps)")
-    hdr = (f"{'model':<6} {'batch':>5} {'config':<22} {'pred MiB':>9} {'meas MiB':>9} {'err %':>6} "
+    hdr = (f"{'model':<6} {'batch':>5} {'config':<30} {'pred MiB':>9} {'meas MiB':>9} {'err %':>6} "
            f"{'pred ms':>8} {'meas ms':>8} {'err %':>6}  within 5% / 10%")
     print(hdr)
     for r in rows:
@@ -178,7 +183,7 @@ def main():
         se = 100 * (r["pred_step"] - r["meas_step"]) / r["meas_step"] if r["meas_step"] else float("nan")
         ok = ("yes" if abs(pe) <= 5 else "NO") + " / " + ("yes" if abs(se) <= 10 else "NO")
         mark = " (calibration)" if r["calibration"] else ""
-        print(f"{r['model']:<6} {r['batch']:>5} {r['config']:<22} {r['pred_peak']:9.0f} {r['meas_peak']:9.0f} "
+        print(f"{r['model']:<6} {r['batch']:>5} {r['config']:<30} {r['pred_peak']:9.0f} {r['meas_peak']:9.0f} "
               f"{pe:6.1f} {r['pred_step']:8.1f} {r['meas_step']:8.1f} {se:6.1f}  {ok}{mark}")
     for model, spec, text in advice:
         print(f"\n# advisor ({model}, budget {a.budget}, batch {a.batches[0]}): suggested spec {spec!r}")
