@@ -6,7 +6,8 @@ combination the bench supports, with --write-profile on the first (non-recompute
 call of each model at the first batch: that profile (the calibration: compute rate and memory
 passes from its 'layer' run, host cost per unit fitted over its runs) is then used to predict
 every row, other batches included. A profile already in --logdir (profile_<model>.json, from an
-earlier call: split a long run over calls with --models / --batches / --offloads) is reused.
+earlier call: split a long run over calls with --models / --batches / --offloads /
+--granularities) is reused; --reuse then prints the whole table from the bench JSONs there.
 Prints one table:
 
   model batch config  pred peak MiB  meas peak MiB  err %  pred step ms  meas step ms  err %
@@ -87,6 +88,9 @@ def main():
     ap.add_argument("--offloads", type=int, nargs="+", default=None,
                     help="offload levels to run (default: 0 1 2 when the bench has --offload)")
     ap.add_argument("--logdir", required=True)
+    ap.add_argument("--reuse", action="store_true",
+                    help="skip bench calls whose JSON is already in --logdir (an earlier, split "
+                         "run): only the predictions run, and the table covers every call")
     a = ap.parse_args()
     os.makedirs(a.logdir, exist_ok=True)
     bench = os.path.join(a.build, "benchmarks", "flatshard-bench")
@@ -121,11 +125,16 @@ def main():
                         cmd += ["--offload", str(off)]
                     # The profile comes from the first call per model; one already in --logdir
                     # (an earlier call of a split run) is reused, not measured again.
-                    calibrating = bi == 0 and not recompute and off == 0 and not os.path.exists(profile)
-                    if calibrating:
+                    first_call = bi == 0 and not recompute and off == 0
+                    if first_call and not a.reuse and not os.path.exists(profile):
                         cmd += ["--write-profile", profile]
                     cmd += a.bench_args.split()
-                    rc, _ = run(cmd, os.path.join(a.logdir, f"bench_{tag}.txt"))
+                    if a.reuse:
+                        if not os.path.exists(out):
+                            continue  # not measured in an earlier call: nothing to report
+                        rc = 0
+                    else:
+                        rc, _ = run(cmd, os.path.join(a.logdir, f"bench_{tag}.txt"))
                     if rc != 0 or not os.path.exists(out):
                         print(f"advisor_check: flatshard-bench failed for {tag} (exit {rc})", file=sys.stderr)
                         failures += 1
@@ -157,7 +166,7 @@ def main():
                         rows.append({
                             "model": model, "batch": batch, "offload": off, "spec": spec,
                             "config": r["granularity"],
-                            "calibration": calibrating and r["granularity"].startswith("layer"),
+                            "calibration": first_call and r["granularity"] == "layer",
                             "pred_peak": (int(m.group(1)) + host) / 2**20,
                             "meas_peak": r["peak_memory_bytes"] / 2**20,
                             "pred_step": float(m.group(2)), "meas_step": r["step_ms"]["median"],
@@ -174,7 +183,8 @@ def main():
 
     print(f"# predicted (flatshard-explain --profile, calibrated on the marked row) vs measured "
           f"(flatshard-bench --device {a.device} --nproc {a.nproc} --preset {a.preset}"
-          f"{' --seq ' + str(a.seq) if a.seq else ''}, median of {a.steps} steps)")
+          f"{' --seq ' + str(a.seq) if a.seq else ''}, "
+          f"{'as measured by the earlier calls' if a.reuse else f'median of {a.steps} steps'})")
     hdr = (f"{'model':<6} {'batch':>5} {'config':<30} {'pred MiB':>9} {'meas MiB':>9} {'err %':>6} "
            f"{'pred ms':>8} {'meas ms':>8} {'err %':>6}  within 5% / 10%")
     print(hdr)
