@@ -42,7 +42,9 @@
 #               recompute x offload level the bench supports, a machine profile written by the
 #               first call per model (--write-profile), and one table of flatshard-explain's
 #               predicted vs measured peak MiB and step ms (issue 20; GPU_CHECK_ADVISOR_ARGS adds
-#               arguments to the script, e.g. "--bench-args '--layers 4'")
+#               arguments to the script, e.g. "--bench-args '--layers 4'"; to split a long run
+#               over calls keep GPU_CHECK_LOGDIR between them and pass "--models gpt --offloads
+#               0", ..., then "--reuse" for the whole table)
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
 #               every rank of nccl_reliability_test's GPT memory case (100 steps) and
 #               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
