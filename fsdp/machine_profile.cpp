@@ -3,7 +3,11 @@
 
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <vector>
 
@@ -55,6 +59,7 @@ const std::vector<Field>& fields() {
 // Sanity bound: no rate, time or factor of a real machine comes near it; keeps every product
 // with byte counts finite.
 constexpr double kMaxValue = 1e15;
+constexpr int64_t kMaxFileBytes = int64_t{1} << 20;
 
 }  // namespace
 
@@ -124,6 +129,14 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
 }
 
 MachineProfile load_profile(const std::string& path) {
+  // Untrusted input: a regular file of sane size, checked before reading (a FIFO or a device
+  // would block or never end; a directory is not a profile).
+  struct stat st {};
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "machine profile '", path,
+              "': cannot stat: ", std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), "machine profile '", path, "': not a regular file");
+  TORCH_CHECK(st.st_size <= kMaxFileBytes, "machine profile '", path, "': ", st.st_size,
+              " bytes, more than a profile's ", kMaxFileBytes, " (a flat object of numbers)");
   const json::Json doc = json::parse_file(path);  // errors name the path
   return parse_profile(doc.dump(), "machine profile '" + path + "'");
 }

@@ -104,7 +104,8 @@ struct MachineProfile {
 
 // Parses a profile from JSON text; `origin` (e.g. the path) starts every error message.
 MachineProfile parse_profile(const std::string& text, const std::string& origin);
-// Reads and parses a file (missing or unreadable files are errors naming the path).
+// Reads and parses a file: a regular file of at most 1 MiB (missing, unreadable, not regular or
+// larger files are errors naming the path).
 MachineProfile load_profile(const std::string& path);
 // Writes to_json() to `path` (replacing it); throws c10::Error naming the path on failure.
 void save_profile(const MachineProfile& profile, const std::string& path);

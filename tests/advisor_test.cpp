@@ -180,6 +180,14 @@ TEST_CASE("machine profile: defaults round-trip; every invalid kind names key an
   const std::string missing = error_of([&] { load_profile(dir.path() + "/nope.json"); });
   CAPTURE(missing);
   CHECK(missing.find("nope.json") != std::string::npos);
+  CHECK(error_of([&] { load_profile(dir.path()); }).find("not a regular file") !=
+        std::string::npos);
+  {
+    std::ofstream big(dir.path() + "/big.json");
+    big << std::string((1 << 20) + 1, ' ');
+  }
+  CHECK(error_of([&] { load_profile(dir.path() + "/big.json"); }).find("more than a profile's") !=
+        std::string::npos);
 }
 
 TEST_CASE("cost model: predicted peak against the counting allocator on CPU ranks",
