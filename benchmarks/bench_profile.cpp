@@ -60,10 +60,10 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
     if (granularities[i].local || results[i].step_ms.empty()) continue;
     const std::string& l = granularities[i].label;
     const bool layer = l.rfind("layer", 0) == 0;
-    const int rank = l == "layer" ? 0
+    const int rank = l == "layer"                                      ? 0
                      : layer && l.find("offload") == std::string::npos ? 1
-                     : layer                                            ? 2
-                                                                        : 3;
+                     : layer                                           ? 2
+                                                                       : 3;
     if (rank < best_rank) {
       best_rank = rank;
       cal = static_cast<int>(i);

@@ -4,7 +4,8 @@
 // Contract — what is measured, and from which run (everything else keeps its stated default,
 // and the profile's "source" lists both):
 // - The calibration run: "layer" (else a layer run without offload, else any layer run, else
-//   the first sharded run). Its plan is explained and costed (fsdp/cost_model.h) with the profile so far.
+//   the first sharded run). Its plan is explained and costed (fsdp/cost_model.h) with the profile
+//   so far.
 // - memory_gbps: optimizer_bytes_per_param x trainable master elements per rank / the median
 //   optimizer time of the calibration run (the AdamW pass is a pure per-parameter pass).
 // - compute_tflops: the calibration run's FLOPs (the cost model's, recompute included) / (its

@@ -138,8 +138,9 @@ struct CostPrediction {
 };
 
 // Each unit is costed at its own offload level (UnitExplanation::offload, from the plan and
-// ShardingOptions::offload), or at `offload_level` where that is higher (0: as explained). Throws c10::Error for a workload with
-// batch or seq < 1, or a shape whose sizes are not positive (naming the values).
+// ShardingOptions::offload), or at `offload_level` where that is higher (0: as explained). Throws
+// c10::Error for a workload with batch or seq < 1, or a shape whose sizes are not positive (naming
+// the values).
 CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
                             const Workload& workload, const MachineProfile& profile,
                             int offload_level = 0);
