@@ -398,10 +398,12 @@ TEST_CASE("deferred init errors name the tensor, the unit and the rank, on every
     o.init = [](const std::string& name, const at::Tensor& v) {
       v.fill_(name.back() == 's' ? 0.0 : 0.25);  // biases 0, weights 0.25
     };
+    std::mutex mu;
     run_ranks(2, [&](Communicator& comm) {
       auto net = plain_meta_net();
       auto fsdp = fully_shard(net, parse_policy("type=Linear"), comm, o);
       for (const auto& [name, t] : fsdp->gather_full_params()) {
+        std::lock_guard<std::mutex> lock(mu);  // Catch2 from rank threads: one at a time
         CAPTURE(name);
         CHECK(t.device().is_cpu());
         CHECK(at::equal(t, at::full_like(t, name.back() == 's' ? 0.0 : 0.25)));
@@ -434,8 +436,10 @@ TEST_CASE("deferred init under HSDP: values as eager; an init failing on one ran
                                 o);
         auto gathered = fsdp->gather_full_params();
         for (auto& [name, t] : gathered) {
-          CAPTURE(name);
+          // Catch2 is not thread-safe: CAPTURE too must hold the lock (it pushes onto Catch's
+          // message stack; unlocked, rank threads corrupted the heap).
           std::lock_guard<std::mutex> lock(mu);
+          CAPTURE(name);
           CHECK(at::equal(t, eager.at(name)));
         }
       });
