@@ -19,6 +19,7 @@
 #include "models/llama.h"
 #include "parity_util.h"
 #include "wrap_policies/spec.h"
+#include "rank_require.h"
 
 using namespace flatshard;
 using namespace flatshard_test;
@@ -173,7 +174,7 @@ TEST_CASE("sync off: differing buffer values fail at setup naming the buffer and
     ShardingOptions o;
     o.sync_module_states = false;
     auto fsdp = fully_shard(model.ptr(), make_plan(*model, Policy{}), comm, o);
-    CHECK(at::equal(model->rope->inv_freq, before));
+    RANK_CHECK(at::equal(model->rope->inv_freq, before));
   });
 }
 
@@ -214,9 +215,9 @@ TEST_CASE("bf16 compute keeps the fp32 inv_freq; buffer_dtype casts floating buf
       auto [x, y] = ll::synthetic_batch(small_llama(), 2, 1, comm.rank());
       at::Tensor loss = enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
       loss.backward();
-      CHECK(model->rope->inv_freq.scalar_type() == at::kFloat);
-      CHECK(at::equal(model->rope->inv_freq, inv));
-      CHECK(std::isfinite(loss.item<double>()));
+      RANK_CHECK(model->rope->inv_freq.scalar_type() == at::kFloat);
+      RANK_CHECK(at::equal(model->rope->inv_freq, inv));
+      RANK_CHECK(std::isfinite(loss.item<double>()));
     });
     run_ranks(world, [&](Communicator& comm) {
       auto net = BufferNet(0);
@@ -224,12 +225,12 @@ TEST_CASE("bf16 compute keeps the fp32 inv_freq; buffer_dtype casts floating buf
       ShardingOptions o;
       o.mixed_precision.buffer_dtype = at::kBFloat16;
       auto fsdp = fully_shard(net.ptr(), make_plan(*net, Policy{}), comm, o);
-      CHECK(net->stats.scalar_type() == at::kBFloat16);
-      CHECK(at::equal(net->stats, before.at("stats").to(at::kBFloat16)));
-      CHECK(net->steps.scalar_type() == at::kLong);  // integer and bool buffers keep theirs
-      CHECK(at::equal(net->steps, before.at("steps")));
-      CHECK(net->mask.scalar_type() == at::kBool);
-      CHECK(net->scale.scalar_type() == at::kBFloat16);
+      RANK_CHECK(net->stats.scalar_type() == at::kBFloat16);
+      RANK_CHECK(at::equal(net->stats, before.at("stats").to(at::kBFloat16)));
+      RANK_CHECK(net->steps.scalar_type() == at::kLong);  // integer and bool buffers keep theirs
+      RANK_CHECK(at::equal(net->steps, before.at("steps")));
+      RANK_CHECK(net->mask.scalar_type() == at::kBool);
+      RANK_CHECK(net->scale.scalar_type() == at::kBFloat16);
     });
   }
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "collectives/thread_communicator.h"
+#include "rank_require.h"
 
 using flatshard::Communicator;
 using flatshard::ReduceOp;
@@ -42,7 +43,7 @@ TEST_CASE("all_gather: output slot r holds rank r's input", "[collectives]") {
             }
             c.all_gather(in, out, c.current_stream());
             for (int q = 0; q < world; ++q)
-              REQUIRE(at::equal(out.narrow(0, q * n, n), rank_tensor(q, n, dt)));
+              RANK_REQUIRE(at::equal(out.narrow(0, q * n, n), rank_tensor(q, n, dt)));
           });
         }
 }
@@ -66,7 +67,7 @@ TEST_CASE("reduce_scatter: sum and avg over ranks of the rank's slice", "[collec
                 double s = 10.0 * world * (world + 1) / 2 + world * ((r * n + i) % 7);
                 p[i] = op == ReduceOp::kAvg ? s / world : s;
               }
-              REQUIRE(at::equal(out, expect.to(dt)));
+              RANK_REQUIRE(at::equal(out, expect.to(dt)));
             });
           }
 }
@@ -86,7 +87,7 @@ TEST_CASE("all_reduce: sum and avg, in place", "[collectives]") {
               double s = 10.0 * world * (world + 1) / 2 + world * (i % 7);
               p[i] = op == ReduceOp::kAvg ? s / world : s;
             }
-            REQUIRE(at::equal(t, expect.to(dt)));
+            RANK_REQUIRE(at::equal(t, expect.to(dt)));
           });
         }
 }
@@ -100,7 +101,7 @@ TEST_CASE("broadcast: every rank ends with the root's tensor", "[collectives]") 
           flatshard::run_ranks(world, [&](Communicator& c) {
             auto t = rank_tensor(c.rank(), n, dt);
             c.broadcast(t, root, c.current_stream());
-            REQUIRE(at::equal(t, rank_tensor(root, n, dt)));
+            RANK_REQUIRE(at::equal(t, rank_tensor(root, n, dt)));
           });
         }
 }
@@ -113,10 +114,10 @@ TEST_CASE("counters count calls and bytes", "[collectives]") {
     c.reduce_scatter(out, in, ReduceOp::kSum, c.current_stream());
     c.all_reduce(in, ReduceOp::kSum, c.current_stream());
     c.barrier();
-    REQUIRE(c.counters().all_gathers == 1);
-    REQUIRE(c.counters().reduce_scatters == 1);
-    REQUIRE(c.counters().all_reduces == 1);
-    REQUIRE(c.counters().bytes == (5 + 10 + 5) * 4);
+    RANK_REQUIRE(c.counters().all_gathers == 1);
+    RANK_REQUIRE(c.counters().reduce_scatters == 1);
+    RANK_REQUIRE(c.counters().all_reduces == 1);
+    RANK_REQUIRE(c.counters().bytes == (5 + 10 + 5) * 4);
   });
 }
 

@@ -33,6 +33,7 @@
 #include "fsdp/trace_summary.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
+#include "rank_require.h"
 
 using namespace flatshard;
 namespace g = flatshard::gpt;
@@ -65,7 +66,7 @@ void train_tiny_traced(int world, const std::string& spec, const std::string& pa
     o.trace.path = path;
     o.trace.max_steps = max_steps;
     auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), comm, o);
-    REQUIRE(fsdp->tracer() != nullptr);
+    RANK_REQUIRE(fsdp->tracer() != nullptr);
     for (int step = 0; step < steps; ++step) {
       fsdp->reset_counters();
       auto [x, y] = g::synthetic_batch(model->config(), 2, 3, comm.rank(), step);
@@ -289,8 +290,8 @@ TEST_CASE("trace summary: a planted all-gather delay names its unit first",
     ShardingOptions o;
     o.trace.path = path;
     auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Linear")), comm, o);
-    REQUIRE(fsdp->units()[3].name == "l2");
-    REQUIRE(fsdp->units()[3].padded_numel == target);
+    RANK_REQUIRE(fsdp->units()[3].name == "l2");
+    RANK_REQUIRE(fsdp->units()[3].padded_numel == target);
     for (int step = 0; step < 3; ++step) {
       at::Tensor x = at::randn({4, 8});
       flatshard::enter(model, [&] { return model->forward(x); }).backward();
