@@ -26,7 +26,11 @@ std::string bytes_text(long double b) {
   return buf;
 }
 
-bool has_local(const BenchOptions& o);
+bool has_local(const BenchOptions& o) {
+  for (const auto& g : split_granularities(o.granularity_flags))
+    if (g == "local") return true;
+  return false;
+}
 
 long double activations(const BenchOptions& o) {
   const models::ModelConfig& c = o.model;
@@ -40,12 +44,6 @@ long double activations(const BenchOptions& o) {
                                         : c.n_layers() * per_layer;
   const long double values = layers + 2 * tokens * c.vocab();
   return values * (o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4);
-}
-
-bool has_local(const BenchOptions& o) {
-  for (const auto& g : split_granularities(o.granularity_flags))
-    if (g == "local") return true;
-  return false;
 }
 
 }  // namespace

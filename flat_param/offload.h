@@ -13,8 +13,8 @@
 //   into a transient device buffer and a cast on the device, on the all-gather stream, so it
 //   rides the prefetch schedule. The all-gather reads `resident` (no cast per gather).
 //   Why fp32 over PCIe and a device cast instead of a host cast and half the bytes: the host
-//   cast is a CPU pass over every parameter on the thread that issues the step (a serial
-//   ~0.5 s at 1B parameters), the device cast costs microseconds; the copy is asynchronous.
+//   cast is a CPU pass over every parameter on the thread that issues the step, while the
+//   device cast runs at HBM speed beside compute; the copy itself is asynchronous.
 // - Level 2: nothing stays on the device: every gather (forward, and backward when the unit
 //   reshards after forward) uploads the fp32 master into the gathered buffer's own slot the
 //   same way, then all-gathers in place. Twice the PCIe bytes of level 1 per step; the device

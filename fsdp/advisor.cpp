@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iomanip>
 #include <sstream>
 
 #include "support/format.h"
@@ -21,12 +20,6 @@ struct Shape {  // one granularity before the prefetch / offload product
   std::string label, spec;
   bool recompute = false;
 };
-
-std::string fixed(double v, int digits) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(digits) << v;
-  return os.str();
-}
 
 std::vector<Shape> granularities(const AdvisorOptions& a) {
   const std::string layer = "type=" + a.shape.layer_type;
@@ -59,10 +52,10 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
   const CostPrediction &x = c.cost, &b = best.cost;
   const double slower = x.step_ms - b.step_ms;
   std::ostringstream why;
-  why << fixed(x.step_ms, 2) << " ms vs " << fixed(b.step_ms, 2) << " ms";
+  why << format_fixed(x.step_ms, 2) << " ms vs " << format_fixed(b.step_ms, 2) << " ms";
   if (slower <= tie_share * b.step_ms) {
     c.reason = LossReason::kNotFaster;
-    why << ": no faster (within " << fixed(100 * tie_share, 1) << "%); the best peaks at "
+    why << ": no faster (within " << format_fixed(100 * tie_share, 1) << "%); the best peaks at "
         << format_bytes(b.peak_bytes) << " against " << format_bytes(x.peak_bytes);
     c.why = why.str();
     return;
@@ -92,12 +85,12 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
   if (x.replicated_bytes > b.replicated_bytes &&
       (top->reason == LossReason::kExposedAllGather || top->reason == LossReason::kParameterPasses))
     c.reason = LossReason::kReplication;
-  why << ": +" << fixed(top->excess, 2) << " ms " << top->what;
+  why << ": +" << format_fixed(top->excess, 2) << " ms " << top->what;
   if (c.reason == LossReason::kReplication)
     why << " (NO_SHARD units replicate " << format_bytes(x.replicated_bytes) << " per rank)";
   if (c.reason == LossReason::kHostBound)
-    why << " (host " << fixed(x.host_ms, 2) << " ms " << (x.host_bound ? ">" : "beside") << " GPU "
-        << fixed(x.gpu_ms, 2) << " ms)";
+    why << " (host " << format_fixed(x.host_ms, 2) << " ms " << (x.host_bound ? ">" : "beside")
+        << " GPU " << format_fixed(x.gpu_ms, 2) << " ms)";
   c.why = why.str();
 }
 
@@ -256,8 +249,9 @@ std::string Advice::to_string() const {
                TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kLeft});
   for (const auto& c : candidates)
     t.add_row({c.label, std::to_string(c.prefetch), std::to_string(c.offload),
-               std::to_string(c.units), format_bytes(c.cost.peak_bytes), fixed(c.cost.step_ms, 2),
-               fixed(c.cost.exposed_comm_ms, 2), fixed(c.cost.host_ms, 2),
+               std::to_string(c.units), format_bytes(c.cost.peak_bytes),
+               format_fixed(c.cost.step_ms, 2), format_fixed(c.cost.exposed_comm_ms, 2),
+               format_fixed(c.cost.host_ms, 2),
                std::string(flatshard::to_string(c.reason)) + (c.why.empty() ? "" : ": " + c.why)});
   os << t;
   return os.str();

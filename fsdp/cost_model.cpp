@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iomanip>
 #include <sstream>
 
 #include "support/format.h"
@@ -45,11 +44,7 @@ double collective_ms(double latency_us, double gbps, double bus_factor, int64_t 
   return latency_us / 1e3 + bus_factor * static_cast<double>(bytes) / (gbps * 1e6);
 }
 
-std::string ms(double v) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(v < 10 ? 2 : 1) << v;
-  return os.str();
-}
+std::string ms(double v) { return format_fixed(v, v < 10 ? 2 : 1); }
 
 }  // namespace
 

@@ -114,12 +114,6 @@ int64_t collective_count(const UnitCounters& c) {
          c.all_reduces * (c.replicate_bytes > 0 ? 2 : 1) + c.replicate_all_reduces;
 }
 
-std::string fixed1(double v) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << v;
-  return os.str();
-}
-
 // The plan pays collective latency instead of bandwidth: many collectives per step against the
 // reference step, or units below 1 MiB (each collective costs ~latency whatever its size).
 void warn_fragmentation(Explanation& e) {
@@ -139,8 +133,9 @@ void warn_fragmentation(Explanation& e) {
   std::string msg = "fragmented plan: ";
   if (latency_bound) {
     msg += std::to_string(e.collectives_per_step) + " collectives per step x ~" +
-           fixed1(c.collective_latency_us) + " us latency = " + fixed1(latency_ms) + " ms, " +
-           percent(share) + " of a " + fixed1(c.reference_step_ms) +
+           format_fixed(c.collective_latency_us, 1) + " us latency = " +
+           format_fixed(latency_ms, 1) + " ms, " + percent(share) + " of a " +
+           format_fixed(c.reference_step_ms, 1) +
            " ms reference step (explain has no compute model; set your step time with "
            "--reference-step-ms / ExplainOptions::reference_step_ms)";
   }
@@ -153,7 +148,7 @@ void warn_fragmentation(Explanation& e) {
     msg += std::string(latency_bound ? "; " : "") + std::to_string(tiny.size()) + " of " +
            std::to_string(communicating) + " units hold less than 1 MiB each (median " +
            format_bytes(median) + ": " + join(names, 3) +
-           "), and a collective costs ~" + fixed1(c.collective_latency_us) +
+           "), and a collective costs ~" + format_fixed(c.collective_latency_us, 1) +
            " us whatever its size, so they pay latency, not bandwidth";
   }
   if (!tiny.empty()) {
@@ -582,9 +577,11 @@ std::string Explanation::to_string() const {
        << (per_step.all_reduces ? ", plus the replica hop of each all-reduce" : "") << ")";
   os << "\n";
   os << "collective latency: " << collectives_per_step << " collectives per step x "
-     << fixed1(cost.collective_latency_us) << " us = " << fixed1(collective_latency_ms())
-     << " ms, " << percent(collective_latency_ms() / cost.reference_step_ms) << " of a "
-     << fixed1(cost.reference_step_ms) << " ms reference step (a stated constant, not a prediction)\n";
+     << format_fixed(cost.collective_latency_us, 1) << " us = "
+     << format_fixed(collective_latency_ms(), 1) << " ms, "
+     << percent(collective_latency_ms() / cost.reference_step_ms) << " of a "
+     << format_fixed(cost.reference_step_ms, 1)
+     << " ms reference step (a stated constant, not a prediction)\n";
   os << "memory per rank: persistent " << format_bytes(memory.persistent_bytes)
      << " (fp32 master shards + grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
      << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "

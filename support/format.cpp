@@ -29,10 +29,14 @@ std::string format_bytes(int64_t bytes) {
   return os.str();
 }
 
-std::string format_mib(int64_t bytes, int digits) {
+std::string format_fixed(double value, int digits) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", digits, static_cast<double>(bytes) / (1 << 20));
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, value);
   return buf;
+}
+
+std::string format_mib(int64_t bytes, int digits) {
+  return format_fixed(static_cast<double>(bytes) / (1 << 20), digits);
 }
 
 TextTable::TextTable(std::vector<std::string> header)

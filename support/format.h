@@ -6,6 +6,7 @@
 // - format_bytes(): binary units (1 KiB = 1024 B), the largest unit that keeps the number at
 //   least 1, one decimal: "512 B" (exact below 1 KiB), "1.5 KiB", "16.0 MiB", "2.0 GiB", up to
 //   TiB. Negative sizes (differences) keep their sign: "-1.5 KiB".
+// - format_fixed(): a number with `digits` decimals ("95.2"), for times, rates and ratios.
 // - format_mib(): bytes as a bare number of MiB with `digits` decimals ("1.50"), for table
 //   columns whose header names the unit ("peak MiB"), where every row shares it.
 // - TextTable: a header row and rows of cells, all strings. Columns are as wide as their widest
@@ -23,6 +24,7 @@
 namespace flatshard {
 
 std::string format_bytes(int64_t bytes);
+std::string format_fixed(double value, int digits);
 std::string format_mib(int64_t bytes, int digits);
 
 class TextTable {
