@@ -91,21 +91,48 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
   const TransformerShape shape = o.model.transformer_shape();
   const Workload w{o.batch, o.model.seq_len()};
 
-  // Per-unit host cost (and, on cuda, the fixed part) from every run.
-  std::vector<std::pair<double, double>> points;
-  for (size_t i = 0; i < results.size(); ++i) {
-    if (results[i].step_ms.empty()) continue;
-    const double y = cpu ? median(results[i].step_ms) : median(results[i].host_issue_ms);
-    points.emplace_back(static_cast<double>(results[i].units), y);
-  }
+  // Per-unit host cost (and, on cuda, the fixed part). cuda: the host time inside flatshard's
+  // hooks (RunResult::hook_*_ms), forward and backward each fitted over the runs' unit counts.
+  // Not the steps' issue time: in a device-bound run that grows with the host's waits for the
+  // device (a full launch queue), not with its work — issue 20's GPU sweep (1B GPT, 4 seq)
+  // fitted 568 us per unit from it where the hooks took about 110. cpu: host and compute are
+  // serial, so the step time itself.
   double a = 0, b = 0;
-  std::string host_how;
-  if (fit_line(points, &a, &b) && b > 0) {
-    p.host_us_per_unit_forward = 0.4 * b * 1e3;
-    p.host_us_per_unit_backward = 0.6 * b * 1e3;
-    host_how = "host per unit fitted over " + std::to_string(points.size()) + " runs";
+  std::string host_how = "host per unit: default (one unit count only)";
+  using Series = const std::vector<double>& (*)(const RunResult&);
+  auto fit = [&](Series y_of) {
+    std::vector<std::pair<double, double>> points;
+    for (const RunResult& run : results) {
+      const std::vector<double>& y = y_of(run);
+      if (!run.step_ms.empty() && !y.empty())
+        points.emplace_back(static_cast<double>(run.units), median(y));
+    }
+    const bool ok = fit_line(points, &a, &b) && b > 0;
+    if (ok) host_how = "host per unit fitted over " + std::to_string(points.size()) + " runs";
+    return ok ? b * 1e3 : -1.0;  // us per unit
+  };
+  if (cpu) {
+    const double us = fit([](const RunResult& run) -> const std::vector<double>& {
+      return run.step_ms;
+    });
+    if (us > 0) {
+      p.host_us_per_unit_forward = 0.4 * us;
+      p.host_us_per_unit_backward = 0.6 * us;
+    }
   } else {
-    host_how = "host per unit: default (one unit count only)";
+    const double f = fit([](const RunResult& run) -> const std::vector<double>& {
+      return run.hook_forward_ms;
+    });
+    const double bw = fit([](const RunResult& run) -> const std::vector<double>& {
+      return run.hook_backward_ms;
+    });
+    if (f > 0 && bw > 0) {
+      p.host_us_per_unit_forward = f;
+      p.host_us_per_unit_backward = bw;
+      host_how += " (time in flatshard's hooks)";
+    } else {
+      host_how = "host per unit: default (fewer than two unit counts with hook times)";
+    }
   }
   const double per_unit_ms = (p.host_us_per_unit_forward + p.host_us_per_unit_backward) / 1e3;
   if (!cpu) {

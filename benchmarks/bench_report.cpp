@@ -104,6 +104,8 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     row.fwd_bwd_ms = median(run.fwd_bwd_ms);
     row.optimizer_ms = median(run.optimizer_ms);
     row.host_issue_ms = median(run.host_issue_ms);
+    if (!run.hook_forward_ms.empty()) row.hook_forward_ms = median(run.hook_forward_ms);
+    if (!run.hook_backward_ms.empty()) row.hook_backward_ms = median(run.hook_backward_ms);
     row.min_ms = *std::min_element(run.step_ms.begin(), run.step_ms.end());
     row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
     const double tokens = static_cast<double>(options.batch * options.model.seq_len());
@@ -236,6 +238,7 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //               "backward_all_gathers", "reduce_scatters", "all_reduces", "bytes_per_step",
 //               "step_ms": {"median", "min", "max", "all": [...]},
 //               "fwd_bwd_ms_median", "optimizer_ms_median", "host_issue_ms_median",
+//               "hook_forward_ms_median", "hook_backward_ms_median" (null for local),
 //               "ratio_to_local",
 //               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
 //               "setup_s", "setup_peak_memory_bytes", "loss_step0", "check": "ok" | "FAIL",
@@ -294,6 +297,8 @@ void write_json(const Report& rep, const std::string& path) {
     j << "]},\n     \"fwd_bwd_ms_median\": " << number(r.fwd_bwd_ms)
       << ", \"optimizer_ms_median\": " << number(r.optimizer_ms)
       << ", \"host_issue_ms_median\": " << number(r.host_issue_ms)
+      << ", \"hook_forward_ms_median\": " << number(r.hook_forward_ms)
+      << ", \"hook_backward_ms_median\": " << number(r.hook_backward_ms)
       << ", \"ratio_to_local\": " << number(r.ratio_to_local)
       << ", \"tokens_per_s_per_gpu\": " << number(r.tokens_per_s_per_gpu)
       << ", \"mfu\": " << number(r.mfu)

@@ -30,6 +30,7 @@ struct ReportRow {
   double median_ms = 0, min_ms = 0, max_ms = 0;
   double fwd_bwd_ms = 0, optimizer_ms = 0;  // medians of the step's two phases
   double host_issue_ms = 0;                  // median host time to issue a step
+  std::optional<double> hook_forward_ms, hook_backward_ms;  // medians; none for local
   std::optional<double> ratio_to_local;
   double tokens_per_s_per_gpu = 0;
   std::optional<double> mfu;  // fraction of peak

@@ -191,6 +191,11 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
       r.fwd_bwd_ms.push_back(elapsed(0, 1));
       r.optimizer_ms.push_back(elapsed(1, 2));
       r.host_issue_ms.push_back(issue_ms);
+      if (fsdp) {
+        const UnitCounters c = fsdp->counters().total;
+        r.hook_forward_ms.push_back(static_cast<double>(c.host_forward_ns) * 1e-6);
+        r.hook_backward_ms.push_back(static_cast<double>(c.host_backward_ns) * 1e-6);
+      }
       step_ms_sum += ms;
       if (timed) comm_ms += static_cast<double>(timed->nanoseconds()) * 1e-6;
     }

@@ -98,6 +98,9 @@ struct RunResult {
   // Host time to issue the same steps: from the step's start until opt.step() returned, before
   // waiting for the device. Close to the step time: the host is the bottleneck (host-bound).
   std::vector<double> host_issue_ms;
+  // Of that, the host time inside flatshard's hooks (UnitCounters::host_{forward,backward}_ns,
+  // summed over the units): forward and backward, per measured step (empty for local).
+  std::vector<double> hook_forward_ms, hook_backward_ms;
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
   std::optional<double> exposed_comm_share;  // host time inside collectives / step time
   int64_t peak_memory_bytes = 0;

@@ -157,6 +157,7 @@ void Runtime::set_requires_grad_sync(bool v) {
 }
 
 void Runtime::pre_forward(Unit& unit, const torch::nn::Module* member) {
+  HookClock clock(unit, /*backward=*/false);
   TraceScope trace(tracer(), TraceKind::kPreForward, &unit.trace_info());
   if (unit.is_root()) {
     call_depth_ = 0;  // the outermost call (frames left by a forward that threw are gone)
@@ -169,6 +170,7 @@ void Runtime::pre_forward(Unit& unit, const torch::nn::Module* member) {
 
 void Runtime::post_forward(Unit& unit, const torch::nn::Module* member,
                            std::vector<at::Tensor>& outputs) {
+  HookClock clock(unit, /*backward=*/false);
   trace_end(tracer(), TraceKind::kForward, unit.trace_info());
   const bool grad = at::GradMode::is_enabled();
   // Outputs that require no grad arm no backward: the unit reshards as under NoGradGuard.
@@ -239,6 +241,7 @@ at::Tensor Runtime::wrap_input(Unit& unit, const at::Tensor& t) {
 }
 
 void Runtime::pre_backward(Unit& unit) {
+  HookClock clock(unit, /*backward=*/true);
   TraceScope trace(tracer(), TraceKind::kPreBackward, &unit.trace_info());
   if (unit.mark_pre_backward()) on_first_pre_backward(unit);  // prefetches the next units
   unit.pre_backward();

@@ -17,7 +17,28 @@ UnitCounters& UnitCounters::operator+=(const UnitCounters& o) {
   replicate_all_reduces += o.replicate_all_reduces;
   bytes += o.bytes;
   replicate_bytes += o.replicate_bytes;
+  host_forward_ns += o.host_forward_ns;
+  host_backward_ns += o.host_backward_ns;
   return *this;
+}
+
+namespace {
+thread_local int hook_clock_depth = 0;
+}  // namespace
+
+HookClock::HookClock(Unit& unit, bool backward)
+    : unit_(hook_clock_depth == 0 ? &unit : nullptr),
+      backward_(backward),
+      start_(std::chrono::steady_clock::now()) {
+  ++hook_clock_depth;
+}
+
+HookClock::~HookClock() {
+  --hook_clock_depth;
+  if (unit_)
+    unit_->add_host_ns(backward_, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                      std::chrono::steady_clock::now() - start_)
+                                      .count());
 }
 
 namespace {
@@ -209,6 +230,7 @@ void Unit::pre_backward() {
 }
 
 void Unit::on_frozen_input(bool backward) {
+  HookClock clock(*this, backward);
   if (!backward) {
     ++frozen_inputs_pending_;
     return;
@@ -230,12 +252,14 @@ void Unit::check_trainable_unchanged(int rank) const {
 }
 
 void Unit::on_grad_accumulated(size_t param_index) {
+  HookClock clock(*this, /*backward=*/true);
   flat_->accept_grad(param_index);
   if (++grads_ready_ == static_cast<int64_t>(grad_accumulators_.size())) post_backward();
 }
 
 void Unit::post_backward() {
   if (post_backward_done_) return;
+  HookClock clock(*this, /*backward=*/true);  // also from the runtime's finalize_backward
   post_backward_done_ = true;
   trace_end(ctx_.tracer, TraceKind::kBackward, trace_info_);
   if (requires_grad_sync_) {

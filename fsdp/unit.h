@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -58,6 +59,13 @@ struct UnitCounters {
   int64_t replicate_all_reduces = 0;
   int64_t bytes = 0;  // bytes this rank sent into those collectives (replicate ones included)
   int64_t replicate_bytes = 0;  // of which across the replicate group (inter-node with HSDP)
+  // Host time inside this unit's hooks (HookClock below): forward = pre- and post-forward (the
+  // prefetches they issue included), backward = pre-backward, the gradient hooks and the
+  // reduction. What the machine profile's host cost per unit is fitted from
+  // (benchmarks/bench_profile.cpp): unlike a step's issue time it does not grow when the host
+  // waits for a full device queue.
+  int64_t host_forward_ns = 0;
+  int64_t host_backward_ns = 0;
   UnitCounters& operator+=(const UnitCounters& o);
 };
 
@@ -92,6 +100,9 @@ class Unit {
   const std::vector<const torch::nn::Module*>& members() const { return members_; }
   const UnitCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = UnitCounters{}; }
+  void add_host_ns(bool backward, int64_t ns) {
+    (backward ? counters_.host_backward_ns : counters_.host_forward_ns) += ns;
+  }
   // What the tracer records about this unit (fsdp/trace.h).
   const TraceUnit& trace_info() const { return trace_info_; }
 
@@ -177,6 +188,22 @@ class Unit {
   int64_t grads_ready_ = 0;       // AccumulateGrad post hooks fired in this backward
   int64_t frozen_inputs_pending_ = 0;  // frozen unit: wrapped inputs whose gradient is not out
   bool post_backward_done_ = false;
+};
+
+// Times one hook of `unit` into its counters (host_forward_ns / host_backward_ns), from
+// construction to destruction. A hook run inside another one on the same thread (the reduction
+// a gradient hook triggers) is counted once, in the outer one.
+class HookClock {
+ public:
+  HookClock(Unit& unit, bool backward);
+  ~HookClock();
+  HookClock(const HookClock&) = delete;
+  HookClock& operator=(const HookClock&) = delete;
+
+ private:
+  Unit* unit_;  // nullptr: nested, not counted
+  bool backward_;
+  std::chrono::steady_clock::time_point start_;
 };
 
 }  // namespace flatshard

@@ -167,6 +167,17 @@ TEST_CASE("JSON of the default granularities: schema and sane numbers", "[bench]
     const double host = r.at("host_issue_ms_median").as_number();
     CHECK(host > 0);
     CHECK(host <= t.at("max").as_number() * 1.001);
+    // Of which flatshard's hooks (none for local): inside the issue time, forward and backward.
+    if (r.at("granularity").as_string() == "local") {
+      CHECK(r.at("hook_forward_ms_median").is_null());
+      CHECK(r.at("hook_backward_ms_median").is_null());
+    } else {
+      const double hf = r.at("hook_forward_ms_median").as_number();
+      const double hb = r.at("hook_backward_ms_median").as_number();
+      CHECK(hf > 0);
+      CHECK(hb > 0);
+      CHECK(hf + hb <= t.at("max").as_number() * 1.001);
+    }
     CHECK(r.at("tokens_per_s_per_gpu").as_number() == Approx(tokens / (t.at("median").as_number() * 1e-3)));
     CHECK(r.at("ratio_to_local").as_number() == Approx(t.at("median").as_number() / local_median));
     CHECK(r.at("mfu").is_null());  // no --peak-tflops on CPU

@@ -117,11 +117,13 @@ void require_nested(const json& doc) {
 }
 
 // A Communicator that forwards to another and sleeps before every all-gather whose output has
-// `numel` elements: a slow link or straggler, planted on one unit.
+// `numel` elements (and, with `reduce_delay`, every reduce-scatter whose input has): a slow
+// link or straggler, planted on one unit.
 class DelayingCommunicator final : public Communicator {
  public:
-  DelayingCommunicator(Communicator& inner, int64_t numel, std::chrono::milliseconds delay)
-      : inner_(inner), numel_(numel), delay_(delay) {}
+  DelayingCommunicator(Communicator& inner, int64_t numel, std::chrono::milliseconds delay,
+                       std::chrono::milliseconds reduce_delay = std::chrono::milliseconds(0))
+      : inner_(inner), numel_(numel), delay_(delay), reduce_delay_(reduce_delay) {}
   int rank() const override { return inner_.rank(); }
   int world_size() const override { return inner_.world_size(); }
   std::string backend_name() const override { return "delaying(" + inner_.backend_name() + ")"; }
@@ -132,6 +134,7 @@ class DelayingCommunicator final : public Communicator {
   }
   void reduce_scatter(const at::Tensor& in, const at::Tensor& out, ReduceOp op,
                       c10::Stream s) override {
+    if (in.numel() == numel_) std::this_thread::sleep_for(reduce_delay_);
     inner_.reduce_scatter(in, out, op, s);
   }
   void all_reduce(const at::Tensor& t, ReduceOp op, c10::Stream s, Lane lane) override {
@@ -146,7 +149,7 @@ class DelayingCommunicator final : public Communicator {
  private:
   Communicator& inner_;
   int64_t numel_;
-  std::chrono::milliseconds delay_;
+  std::chrono::milliseconds delay_, reduce_delay_;
 };
 
 // Four Linear layers of distinct sizes, so each unit's flat buffer has its own size.
@@ -324,6 +327,51 @@ TEST_CASE("trace summary: a planted all-gather delay names its unit first",
   const auto again = read_traces(json::parse(merged.dump()));
   REQUIRE(again.size() == 2);
   CHECK(summarize(again).units[s.offenders.front()].unit == "l2");
+}
+
+TEST_CASE("hook clock: the counters hold each unit's host time in its hooks, counted once",
+          "[diagnostics][trace]") {
+  // UnitCounters::host_{forward,backward}_ns, what the machine profile's host cost per unit is
+  // fitted from. l2's all-gathers and its reduce-scatter sleep 30 ms each (CPU collectives run
+  // inside the hooks): forward holds one delay, backward two (the gather, wherever a prefetch
+  // issued it, and l2's own reduction), and neither can exceed the wall time of the pass it is
+  // in — a reduction counted both in the gradient hook and in the post-backward it runs would.
+  const int64_t target = 128;  // l2's padded size at world 2 (see the planted-delay case)
+  const auto ms = std::chrono::milliseconds(30);
+  const double delay_ns = 30e6;
+  run_ranks(2, [&](Communicator& inner) {
+    DelayingCommunicator comm(inner, target, ms, ms);
+    torch::manual_seed(0);
+    auto model = Chain();
+    auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Linear")), comm,
+                            ShardingOptions{});
+    RANK_REQUIRE(fsdp->units()[3].name == "l2");
+    for (int step = 0; step < 3; ++step) {
+      fsdp->reset_counters();
+      for (const UnitCounters& c : fsdp->counters().per_unit)
+        RANK_CHECK(c.host_forward_ns + c.host_backward_ns == 0);
+      at::Tensor x = at::randn({4, 8});
+      const auto t0 = std::chrono::steady_clock::now();
+      at::Tensor loss = flatshard::enter(model, [&] { return model->forward(x); });
+      const auto t1 = std::chrono::steady_clock::now();
+      loss.backward();
+      const auto t2 = std::chrono::steady_clock::now();
+      const double fwd_wall = std::chrono::duration<double, std::nano>(t1 - t0).count();
+      const double bwd_wall = std::chrono::duration<double, std::nano>(t2 - t1).count();
+      const StepCounters c = fsdp->counters();
+      const auto fwd = static_cast<double>(c.total.host_forward_ns);
+      const auto bwd = static_cast<double>(c.total.host_backward_ns);
+      RANK_CHECK(fwd >= 0.95 * delay_ns);
+      RANK_CHECK(fwd <= fwd_wall);
+      RANK_CHECK(bwd >= 0.95 * 2 * delay_ns);
+      RANK_CHECK(bwd <= bwd_wall);
+      RANK_CHECK(static_cast<double>(c.per_unit[3].host_backward_ns) >= 0.95 * delay_ns);
+      for (size_t u = 1; u < c.per_unit.size(); ++u) {  // every Linear's hooks ran
+        RANK_CHECK(c.per_unit[u].host_forward_ns > 0);
+        RANK_CHECK(c.per_unit[u].host_backward_ns > 0);
+      }
+    }
+  });
 }
 
 TEST_CASE("trace summary: GPU waits and host-starved gaps", "[diagnostics][trace]") {
