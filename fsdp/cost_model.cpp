@@ -78,7 +78,10 @@ OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType 
   const int64_t grad = u.frozen ? 0 : u.master_bytes;
   t.device_bytes_saved = u.master_bytes + 2 * trainable;
   t.host_bytes = u.master_bytes + grad + 2 * trainable;
-  t.resident_bytes = level == 1 ? u.shard_numel * elem(param_dtype) : 0;
+  // A sharded unit keeps its compute-dtype shard (FlatParam::resident_); a NO_SHARD one uploads
+  // into its unsharded buffer, which it keeps anyway (UnitExplanation::gathered_bytes).
+  const bool sharded = u.strategy != ShardingStrategy::kNoShard;
+  t.resident_bytes = level == 1 && sharded ? u.shard_numel * elem(param_dtype) : 0;
   const int64_t gathers =
       u.per_step.forward_all_gathers + u.per_step.backward_all_gathers + u.per_step.all_reduces;
   t.h2d_bytes = (level == 1 ? 1 : std::max<int64_t>(1, gathers)) * u.master_bytes;
@@ -188,13 +191,16 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     const auto& u = e.units[k];
     // The unit's level as explain resolved it (fsdp/resolve.h), at least `offload_level`.
     level[k] = std::max(u.offload, u.padded_numel > 0 ? offload_level : 0);
+    if (u.strategy == ShardingStrategy::kNoShard) level[k] = std::min(level[k], 1);  // resolve.h
     off[k] = offload_terms(u, level[k], mp.param_dtype);
     const int64_t trainable =
         u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
     persistent +=
         u.master_bytes + 2 * trainable - off[k].device_bytes_saved + off[k].resident_bytes;
     if (u.strategy == ShardingStrategy::kNoShard) {
-      persistent += u.gathered_bytes;
+      // The unsharded buffer; offloaded (even fp32, which otherwise computes on the master
+      // itself) it is a device copy of the host master.
+      persistent += level[k] > 0 ? u.padded_numel * ec : u.gathered_bytes;
       p.replicated_bytes += 2 * u.master_bytes + 2 * trainable;
     }
     master_grad[k] = (u.frozen || level[k] > 0) ? 0 : u.master_bytes;
@@ -241,7 +247,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     for (int j = 0; j < q; ++j)
       if (kept(order[j])) g += transient(order[j]);
     for (int j = q + 1; j <= std::min(n - 1, q + fp); ++j)
-      if (!kept(order[j])) g += transient(order[j]) + upload(order[j]);  // prefetched
+      g += transient(order[j]) + upload(order[j]);  // prefetched (kept or not: not yet counted)
     consider(act, 0, g, "forward of " + e.units[k].name);
     // Layers whose first unit is this one are saved from here on.
     for (int64_t i = 0; i < L; ++i)
@@ -301,20 +307,28 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     if (touches_layer || !place[k].partial.empty() || !place[k].whole.empty())
       g += layer_backward_work;
     consider(a, grads + master_grad[k], g, "backward of " + e.units[k].name);
-    // Its reduction: the flat gradient, the backend's staging (a full-size copy of the
-    // gradient and the fp32 sum of this rank's shard: measured on the threads backend, where
-    // the gap to the counting allocator was exactly these two for world 2 and 4; an all-reduce
-    // stages its full-size sum only), the master gradient.
+    // Its reduction (FlatParam::reduce_grad's general path; Note [One-rank reduction] has none
+    // of these): the flat gradient, the parameters' own gradients (compute dtype, held until
+    // the reduction's event), the reduced shard (an all-reduce works in place), the master
+    // gradient; offloaded, also the reduced shard's fp32 copy until it reaches the host. The
+    // held gradients and the reduced shard were once this model's "staging" of the threads
+    // backend, where the gap to the counting allocator was exactly these two at world 2 and 4;
+    // on the GPU (1B GPT, one unit, offload 1, 1 seq, world 1) the walk without them said
+    // 8.8 GiB where 12.3 were measured.
     double after = a;  // this unit's layers are done
     for (int64_t i = 0; i < L; ++i)
       if (anchor[i] == q) after -= layer_full;
+    const auto& uk = e.units[k];
+    const bool general = !(one_rank && level[k] == 0);
+    const double held =
+        (general ? static_cast<double>(uk.padded_numel) * ec +
+                       (uk.strategy == ShardingStrategy::kNoShard
+                            ? 0.0
+                            : static_cast<double>(er) * uk.shard_numel)
+                 : 0.0) +
+        (level[k] > 0 ? 4.0 * uk.shard_numel : 0.0);
     consider(after, grads + master_grad[k],
-             g - (touches_layer ? layer_backward_work : 0) +
-                 staging * (flat_grad(k) + (e.units[k].strategy == ShardingStrategy::kNoShard
-                                                ? 0.0
-                                                : 4.0 * e.units[k].shard_numel)) +
-                 // offloaded: the fp32 reduced shard on the device until its copy to the host
-                 (level[k] > 0 ? 4.0 * e.units[k].shard_numel : 0.0),
+             g - (touches_layer ? layer_backward_work : 0) + held,
              "reduction of " + e.units[k].name);
     grads += master_grad[k];
     previous = k;

@@ -460,8 +460,9 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.shard_numel = layout.shard_numel;
     u.all_gather_bytes = sharded ? layout.shard_numel * elem_size(param_dtype) : 0;
     u.reduce_bytes = layout.padded_numel * elem_size(reduce_dtype);
-    // A replicated fp32 unit computes on its master directly (FlatParam: full_aliases_master_).
-    u.gathered_bytes = (!sharded && param_dtype == c10::kFloat)
+    // A replicated fp32 unit computes on its master directly (FlatParam: full_aliases_master_),
+    // unless the master is offloaded to the host.
+    u.gathered_bytes = (!sharded && param_dtype == c10::kFloat && u.offload == 0)
                            ? 0
                            : layout.padded_numel * elem_size(param_dtype);
     u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +

@@ -510,6 +510,12 @@ TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
   CHECK(two.resident_bytes == 0);
   CHECK(two.h2d_bytes == 2 * 4 * shard);  // before the forward and the backward gather
   CHECK(offload_terms(block, 0, at::kBFloat16).host_bytes == 0);
+  // NO_SHARD uploads into the unsharded buffer it keeps anyway: no compute shard beside it.
+  const Explanation ns =
+      explain(*model, make_plan(*model, parse_policy("noshard:type=Block;root:noshard")), 2, o);
+  REQUIRE(ns.units[1].strategy == ShardingStrategy::kNoShard);
+  CHECK(offload_terms(ns.units[1], 1, at::kBFloat16).resident_bytes == 0);
+  CHECK(offload_terms(ns.units[1], 1, at::kBFloat16).host_bytes == 16 * ns.units[1].shard_numel);
   // In the prediction: the persistent device state shrinks by exactly the saved bytes.
   const auto s = cfg.transformer_shape();
   const CostPrediction p0 = predict_cost(e, s, {1, 32}, quiet_profile(), 0);
@@ -535,9 +541,13 @@ TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and
   MachineProfile cpu;
   cpu.collective_staging = 1;
   auto model = build_meta(cfg, 0);
-  const Plan plan = make_plan(*model, parse_policy("type=Block"));
+  // Per block; one unit (its reduction holds the parameters' own gradients, the flat gradient,
+  // the reduced shard and its fp32 copy at once); NO_SHARD (no compute shard kept beside the
+  // unsharded buffer; level 2 resolves to 1).
+  for (const std::string spec : {"type=Block", "none", "noshard:type=Block;root:noshard"})
   for (int level : {1, 2}) {
-    CAPTURE(level);
+    CAPTURE(spec, level);
+    const Plan plan = make_plan(*model, parse_policy(spec));
     // explain's per-unit level (ShardingOptions::offload) and predict_cost's argument agree,
     // and the host bytes are explain's own count (MemoryEstimate::host_bytes).
     ShardingOptions o;
@@ -550,7 +560,7 @@ TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and
     CHECK(a.host_bytes == e.memory.host_bytes);
     // On CPU ranks "host" and "device" are the same memory: the counting allocator sees the
     // predicted device peak plus the offloaded state.
-    const int64_t m = measured_peak(cfg, "type=Block", 2, w, 1, level);
+    const int64_t m = measured_peak(cfg, spec, 2, w, 1, level);
     const double err =
         static_cast<double>(a.peak_bytes + a.host_bytes - m) / static_cast<double>(m);
     CAPTURE(a.peak_bytes, a.host_bytes, m, err, a.to_string());
