@@ -273,14 +273,25 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
         act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
     consider(a, 0, g, "backward of the output projection");
   }
+  // The head's parameter gradients (compute dtype) wait for their unit's reduction, as every
+  // gradient does (FlatParam::accept_grad); when the root holds the head, that reduction is the
+  // step's last, so they are held through every layer's backward.
+  const double head_pending = head_owned ? 0.0 : V * static_cast<double>(shape.d_model) * ec;
   // Backward, reverse execution order, the root last.
   double grads = 0;
   int previous = -1;
   for (int q = n - 1; q >= 0; --q) {
     const int k = order[q];
-    double g = static_cast<double>(transient(k));
-    if (e.units[k].per_step.backward_all_gathers)
-      g += staging * transient(k) + (level[k] == 2 ? upload(k) : 0.0);
+    double g = static_cast<double>(transient(k)) + head_pending;
+    // A backward gather's staging lives only while the collective runs, before (a prefetch: long
+    // before) this unit's backward compute: it and the compute's working set are never alive
+    // together (CPU ranks, world 2 and 4: their sum over-counted per-layer plans by about one
+    // layer's gradient work, and hid the head gradient above).
+    double stage = 0;
+    if (e.units[k].per_step.backward_all_gathers) {
+      stage = staging * transient(k);
+      g += level[k] == 2 ? upload(k) : 0.0;
+    }
     for (int j = 0; j < q; ++j) {
       if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
       // a level-2 unit prefetched for backward uploads its master again
@@ -304,9 +315,15 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     }
     // The head's log-softmax output is gone after the loss's backward; its inputs remain.
     if (place[k].head && !e.units[k].is_root) a += tokens * 2.0 * shape.d_model * ec * scale;
-    if (touches_layer || !place[k].partial.empty() || !place[k].whole.empty())
-      g += layer_backward_work;
-    consider(a, grads + master_grad[k], g, "backward of " + e.units[k].name);
+    const double work =
+        touches_layer || !place[k].partial.empty() || !place[k].whole.empty()
+            ? layer_backward_work
+            : 0.0;
+    // A recompute unit keeps the staging in both points, here and at its reduction: measured so
+    // (CPU ranks, world 2 and 4: per-leaf recompute 5-7% under without it), not explained —
+    // the recompute forward's own scratch beside the rebuilt layer is not modelled apart.
+    const double extra = e.units[k].recompute ? stage + work : std::max(stage, work);
+    consider(a, grads + master_grad[k], g + extra, "backward of " + e.units[k].name);
     // Its reduction (FlatParam::reduce_grad's general path; Note [One-rank reduction] has none
     // of these): the flat gradient, the parameters' own gradients (compute dtype, held until
     // the reduction's event), the reduced shard (an all-reduce works in place), the master
@@ -320,15 +337,15 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       if (anchor[i] == q) after -= layer_full;
     const auto& uk = e.units[k];
     const bool general = !(one_rank && level[k] == 0);
+    // (The root's own reduction: its held gradients include the head's.)
     const double held =
-        (general ? static_cast<double>(uk.padded_numel) * ec +
+        (general ? static_cast<double>(uk.padded_numel) * ec - (q == 0 ? head_pending : 0.0) +
                        (uk.strategy == ShardingStrategy::kNoShard
                             ? 0.0
                             : static_cast<double>(er) * uk.shard_numel)
                  : 0.0) +
         (level[k] > 0 ? 4.0 * uk.shard_numel : 0.0);
-    consider(after, grads + master_grad[k],
-             g - (touches_layer ? layer_backward_work : 0) + held,
+    consider(after, grads + master_grad[k], g + (e.units[k].recompute ? stage : 0.0) + held,
              "reduction of " + e.units[k].name);
     grads += master_grad[k];
     previous = k;

@@ -221,6 +221,10 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
       {Family::kGpt, "small", 128, 2, "type=Block", 1},
       {Family::kGpt, "small", 128, 2, "none", 4},
       {Family::kGpt, "small", 128, 2, "type=Block", 4},
+      // SHARD_GRAD_OP keeps every layer gathered into its backward, where the head's gradient
+      // (held for the root's reduction) then sits beside all of them: 5-10% under without it.
+      {Family::kGpt, "small", 128, 2, "grad_op:type=Block"},
+      {Family::kGpt, "small", 128, 2, "grad_op+recompute:type=Block", 4},
   };
   for (const auto& c : cases) {
     const ModelConfig cfg = preset(c.family, c.preset, c.seq);
@@ -229,7 +233,11 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     MachineProfile cpu;
     cpu.collective_staging = 1;  // the threads backend (machine_profile.h)
     const CostPrediction p = predicted(cfg, c.spec, world, w, 1, cpu);
-    const int64_t m = measured_peak(cfg, c.spec, world, w);
+    // Interleaving only lowers the measurement, and on a loaded machine (ctest -j2) the tiny
+    // GPT's moved by 10%: the largest of three runs for it (its steps take milliseconds).
+    int64_t m = 0;
+    for (int r = 0; r < (std::string(c.preset) == "tiny" ? 3 : 1); ++r)
+      m = std::max(m, measured_peak(cfg, c.spec, world, w));
     const double err = static_cast<double>(p.peak_bytes - m) / static_cast<double>(m);
     CAPTURE(models::family_name(c.family), c.preset, c.spec, p.peak_bytes, m, err, p.peak_at,
             p.to_string());
