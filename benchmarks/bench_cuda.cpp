@@ -107,6 +107,10 @@ CudaRank open_cuda_rank(int local_rank) {
                                         marks->ev.at(static_cast<size_t>(b))));
     return static_cast<double>(ms);
   };
+  r.hooks.sync_debug = [](bool on) {
+    c10::cuda::warning_state().set_sync_debug_mode(on ? c10::cuda::SyncDebugMode::L_WARN
+                                                      : c10::cuda::SyncDebugMode::L_DISABLED);
+  };
   r.hooks.memory_current = [stat] { return stat().current; };
   r.hooks.memory_peak = [stat] { return stat().peak; };
   r.hooks.memory_reset_peak = [index] {

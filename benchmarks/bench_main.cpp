@@ -78,6 +78,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.deferred_init = o.deferred_init;
   c.time_collectives = o.device == fb::DeviceKind::kCpu;
   c.kernel_profile_steps = o.kernel_profile_steps;
+  c.sync_debug = o.sync_debug;
   return c;
 }
 

@@ -67,6 +67,7 @@ struct BenchOptions {
   // eager; eager: built on the host in fp32, moved, then sharded. `local` is always eager.
   bool deferred_init = true;
   int kernel_profile_steps = 0;  // --kernel-profile N (cuda only)
+  bool sync_debug = false;       // --sync-debug (cuda only)
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;
   std::string profile_path;  // --write-profile (benchmarks/bench_profile.h)

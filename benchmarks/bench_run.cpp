@@ -178,10 +178,13 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   for (int s = 0; s < total; ++s) {
     if (fsdp) fsdp->reset_counters();
     if (timed) timed->reset_time();
+    const bool watch = config.sync_debug && hooks.sync_debug && s >= config.warmup;
     const auto t0 = std::chrono::steady_clock::now();
+    if (watch) hooks.sync_debug(true);
     mark(0);
     at::Tensor loss = train_step(s, [&] { mark(1); });
     mark(2);
+    if (watch) hooks.sync_debug(false);  // the bench's own wait below is not the step's
     const double issue_ms = ms_since(t0);
     hooks.synchronize();
     const double ms = ms_since(t0);

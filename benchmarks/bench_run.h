@@ -66,6 +66,7 @@ struct RunConfig {
   // After the measured steps, this many more steps under the PyTorch profiler on rank 0
   // (profiling/kernel_profile.h); 0: none. Not part of the timing.
   int kernel_profile_steps = 0;
+  bool sync_debug = false;  // warn at synchronizing device calls while measured steps are issued
 };
 
 // The device side of a rank.
@@ -81,6 +82,8 @@ struct DeviceHooks {
   static constexpr int kMarks = 3;
   std::function<void(int)> mark;
   std::function<double(int, int)> elapsed_ms;
+  // Warn at every synchronizing device call while on (cuda: c10's sync debug mode); null: none.
+  std::function<void(bool)> sync_debug;
 };
 
 // Called on rank 0 after each step: step index over warmup + measured, the total, its time.

@@ -388,6 +388,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--init", "lazy"}, "lazy"},
       {{"--kernel-profile", "0", "--device", "cuda"}, "--kernel-profile must be >= 1, got 0"},
       {{"--kernel-profile", "1"}, "needs --device cuda"},
+      {{"--sync-debug"}, "--sync-debug watches CUDA synchronisation: it needs --device cuda"},
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--nproc", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
