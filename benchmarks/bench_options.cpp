@@ -163,12 +163,13 @@ ParseResult parse_command_line(int argc, char** argv) {
                      "cuda: after the measured steps, profile N more (PyTorch profiler, CUPTI) "
                      "and print rank 0's device time per step by kernel category and name")
           ->group(g_run);
-  auto* o_sync = app.add_flag("--sync-debug",
-                              "cuda: warn at every synchronizing CUDA call while a measured step is "
-                              "issued (c10's sync debug mode; TORCH_SHOW_CPP_STACKTRACES=1 adds the "
-                              "caller's stack): what makes a step's host wait for the device (with CPU "
-                              "offload, the end of backward's one sync is expected)")
-                     ->group(g_run);
+  auto* o_sync =
+      app.add_flag("--sync-debug",
+                   "cuda: warn at every synchronizing CUDA call while a measured step is issued "
+                   "(c10's sync debug mode; TORCH_SHOW_CPP_STACKTRACES=1 adds the caller's "
+                   "stack): what makes a step's host wait for the device (with CPU offload, "
+                   "the end of backward's one sync is expected)")
+          ->group(g_run);
   auto* o_peak = app.add_option("--peak-tflops", peak_tflops,
                                 "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 "
                                 "bf16 dense; cpu: MFU is - unless given)")
@@ -265,7 +266,8 @@ ParseResult parse_command_line(int argc, char** argv) {
     o.kernel_profile_steps = kernel_profile;
   }
   if (o_sync->count()) {
-    if (!cuda) throw UsageError("--sync-debug watches CUDA synchronisation: it needs --device cuda");
+    if (!cuda)
+      throw UsageError("--sync-debug watches CUDA synchronisation: it needs --device cuda");
     o.sync_debug = true;
   }
   if (o_peak->count()) {
