@@ -99,11 +99,10 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
   // serial, so the step time itself.
   double a = 0, b = 0;
   std::string host_how = "host per unit: default (one unit count only)";
-  using Series = const std::vector<double>& (*)(const RunResult&);
-  auto fit = [&](Series y_of) {
+  auto fit = [&](std::vector<double> RunResult::*series) {
     std::vector<std::pair<double, double>> points;
     for (const RunResult& run : results) {
-      const std::vector<double>& y = y_of(run);
+      const std::vector<double>& y = run.*series;
       if (!run.step_ms.empty() && !y.empty())
         points.emplace_back(static_cast<double>(run.units), median(y));
     }
@@ -112,20 +111,14 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
     return ok ? b * 1e3 : -1.0;  // us per unit
   };
   if (cpu) {
-    const double us = fit([](const RunResult& run) -> const std::vector<double>& {
-      return run.step_ms;
-    });
+    const double us = fit(&RunResult::step_ms);
     if (us > 0) {
       p.host_us_per_unit_forward = 0.4 * us;
       p.host_us_per_unit_backward = 0.6 * us;
     }
   } else {
-    const double f = fit([](const RunResult& run) -> const std::vector<double>& {
-      return run.hook_forward_ms;
-    });
-    const double bw = fit([](const RunResult& run) -> const std::vector<double>& {
-      return run.hook_backward_ms;
-    });
+    const double f = fit(&RunResult::hook_forward_ms);
+    const double bw = fit(&RunResult::hook_backward_ms);
     if (f > 0 && bw > 0) {
       p.host_us_per_unit_forward = f;
       p.host_us_per_unit_backward = bw;

@@ -27,9 +27,8 @@ thread_local int hook_clock_depth = 0;
 }  // namespace
 
 HookClock::HookClock(Unit& unit, bool backward)
-    : unit_(hook_clock_depth == 0 ? &unit : nullptr),
-      backward_(backward),
-      start_(std::chrono::steady_clock::now()) {
+    : unit_(hook_clock_depth == 0 ? &unit : nullptr), backward_(backward) {
+  if (unit_) start_ = std::chrono::steady_clock::now();  // nested: no clock read at all
   ++hook_clock_depth;
 }
 
