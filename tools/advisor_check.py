@@ -100,6 +100,8 @@ def main():
                     help="skip bench calls whose JSON is already in --logdir (an earlier, split "
                          "run): only the predictions run, and the table covers every call")
     a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {a.repeat}")
     os.makedirs(a.logdir, exist_ok=True)
     bench = os.path.join(a.build, "benchmarks", "flatshard-bench")
     explain = os.path.join(a.build, "tools", "flatshard-explain")
@@ -262,6 +264,9 @@ def main():
                   f"{' (OVER BUDGET)' if over_any[spec] else ''}, fastest fitting {best_c} "
                   f"{best_ms:.1f} ms: ratio {ratio:.3f} "
                   f"({'within 5% of the fastest' if ratio <= 1.05 else 'SLOWER than 5%'})")
+        else:
+            print("  no repeat measured the suggestion")
+            failures += 1
     return 1 if failures else 0
 
 
