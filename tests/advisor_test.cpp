@@ -198,7 +198,9 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
   // measured peak (what AdvisorOptions::memory_margin covers) and at most 15% over it. The
   // measurement is the process peak of the rank threads / world, which equals the per-rank
   // peak only when the ranks peak at the same moment: their interleaving can only lower it
-  // (the tiny GPT moved by 5% between runs), so the upper bound has the looser tolerance.
+  // (the tiny GPT moved by 5% between runs), so the upper bound has the looser tolerance. The
+  // tiny GPT, whose steps take milliseconds, interleaves most: under ctest -j2 its measured
+  // peak fell 10% (3.07 MB in all of three runs, 3.38 idle), so its bound is 20%.
   struct Case {
     Family family;
     const char* preset;
@@ -233,10 +235,10 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     MachineProfile cpu;
     cpu.collective_staging = 1;  // the threads backend (machine_profile.h)
     const CostPrediction p = predicted(cfg, c.spec, world, w, 1, cpu);
-    // Interleaving only lowers the measurement, and on a loaded machine (ctest -j2) the tiny
-    // GPT's moved by 10%: the largest of three runs for it (its steps take milliseconds).
+    // Interleaving only lowers the measurement: the largest of three runs for the tiny GPT.
+    const bool tiny = std::string(c.preset) == "tiny";
     int64_t m = 0;
-    for (int r = 0; r < (std::string(c.preset) == "tiny" ? 3 : 1); ++r)
+    for (int r = 0; r < (tiny ? 3 : 1); ++r)
       m = std::max(m, measured_peak(cfg, c.spec, world, w));
     const double err = static_cast<double>(p.peak_bytes - m) / static_cast<double>(m);
     CAPTURE(models::family_name(c.family), c.preset, c.spec, p.peak_bytes, m, err, p.peak_at,
@@ -244,7 +246,7 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
 
     CAPTURE(world);
     CHECK(err >= -0.05);
-    CHECK(err <= 0.15);
+    CHECK(err <= (tiny ? 0.20 : 0.15));
   }
 }
 
