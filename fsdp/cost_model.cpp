@@ -24,7 +24,8 @@ struct UnitPlace {
   double position = 0;  // execution order key
 };
 
-bool layer_index(const std::string& path, const std::string& prefix, int64_t* index, bool* whole) {
+bool layer_index(const std::string& path, const std::string& prefix, int64_t* index, bool* whole,
+                 std::string* inner = nullptr) {
   if (prefix.empty() || path.rfind(prefix + ".", 0) != 0) return false;
   const std::string rest = path.substr(prefix.size() + 1);
   const size_t dot = rest.find('.');
@@ -34,7 +35,18 @@ bool layer_index(const std::string& path, const std::string& prefix, int64_t* in
     return false;
   *index = std::stoll(digits);
   *whole = dot == std::string::npos;
+  if (inner) *inner = *whole ? std::string() : rest.substr(dot + 1);
   return true;
+}
+
+// Bytes per token a recompute unit holding only the module at `inner` (its path inside a layer)
+// saves less than the same module without recompute (cost_model.h, activations): a LLaMA RMSNorm
+// keeps its input (d e) instead of its fp32 copy, its cast output and the statistic.
+double recomputed_leaf_saving(const TransformerShape& shape, const std::string& inner) {
+  if (shape.kind == TransformerShape::Kind::kLlama &&
+      (inner == "input_norm" || inner == "post_attn_norm"))
+    return 4.0 * static_cast<double>(shape.d_model) + 4;
+  return 0;
 }
 
 // Time of one collective of `bytes` (what this rank sends, explain's convention) over `world`
@@ -113,6 +125,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
 
   // --- where each unit sits -----------------------------------------------------------------
   std::vector<UnitPlace> place(n);
+  std::vector<double> leaf_saving(L, 0);  // bytes per token, recomputed leaves (see the header)
   for (int k = 0; k < n; ++k) {
     const auto& u = e.units[k];
     UnitPlace& p = place[k];
@@ -120,8 +133,10 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     for (const auto& m : u.modules) {
       int64_t i = 0;
       bool whole = false;
-      if (layer_index(m, shape.layer_prefix, &i, &whole) && i < L) {
+      std::string inner;
+      if (layer_index(m, shape.layer_prefix, &i, &whole, &inner) && i < L) {
         (whole ? p.whole : p.partial).push_back(i);
+        if (!whole && u.recompute) leaf_saving[i] += recomputed_leaf_saving(shape, inner);
         any_layer = true;
         only_input = false;
         continue;
@@ -179,7 +194,9 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       shape.kind == TransformerShape::Kind::kGpt ? 4 * shape.d_model : 2 * shape.mlp_hidden;
   const double layer_backward_work =
       tokens * static_cast<double>(ec * (2 * shape.d_model + 2 * inner)) * scale;
-  auto saved = [&](int64_t i) { return recomputed[i] ? layer_input : layer_full; };
+  auto saved = [&](int64_t i) {
+    return recomputed[i] ? layer_input : layer_full - tokens * leaf_saving[i] * scale;
+  };
 
   // --- persistent state -----------------------------------------------------------------------
   CostPrediction p;
@@ -241,13 +258,26 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   // Offloaded: the fp32 master comes up to a device buffer before its cast (level 1 at the
   // first gather of the step, level 2 at every gather).
   auto upload = [&](int k) { return level[k] > 0 ? 4.0 * e.units[k].shard_numel : 0.0; };
+  // The upload's device buffer is a temporary of the gather's issue (upload_to_device(): freed
+  // when the copy and cast are queued, reused in stream order), so one is alive at a time, at
+  // the pre-forward / pre-backward that issues the gather, beside no compute working set (on the
+  // GPU, 1B GPT at 1 seq, offload 2 per two layers: counting it beside the backward of the unit
+  // that prefetched over-predicted the peak by 23%).
   for (int q = 0; q < n; ++q) {
     const int k = order[q];
-    double g = static_cast<double>(transient(k)) * (1 + staging) + upload(k);
+    // Gathers this pre-forward issues: all of the first 1 + fp units at the first, then the one
+    // fp ahead (fp = 0: its own).
+    double up = 0;
+    if (q == 0 || fp == 0) {
+      for (int j = q; j <= std::min(n - 1, q + fp); ++j) up = std::max(up, upload(order[j]));
+    } else if (q + fp <= n - 1) {
+      up = upload(order[q + fp]);
+    }
+    double g = static_cast<double>(transient(k)) * (1 + staging) + up;
     for (int j = 0; j < q; ++j)
       if (kept(order[j])) g += transient(order[j]);
     for (int j = q + 1; j <= std::min(n - 1, q + fp); ++j)
-      g += transient(order[j]) + upload(order[j]);  // prefetched (kept or not: not yet counted)
+      g += transient(order[j]);  // prefetched (kept or not: not yet counted)
     consider(act, 0, g, "forward of " + e.units[k].name);
     // Layers whose first unit is this one are saved from here on.
     for (int64_t i = 0; i < L; ++i)
@@ -288,20 +318,27 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     // together (CPU ranks, world 2 and 4: their sum over-counted per-layer plans by about one
     // layer's gradient work, and hid the head gradient above).
     double stage = 0;
-    if (e.units[k].per_step.backward_all_gathers) {
-      stage = staging * transient(k);
-      g += level[k] == 2 ? upload(k) : 0.0;
-    }
-    for (int j = 0; j < q; ++j) {
+    if (e.units[k].per_step.backward_all_gathers) stage = staging * transient(k);
+    for (int j = 0; j < q; ++j)
       if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
-      // a level-2 unit prefetched for backward uploads its master again
-      if (!kept(order[j]) && j >= q - bp && level[order[j]] == 2 &&
-          e.units[order[j]].per_step.backward_all_gathers)
-        g += upload(order[j]);
-    }
-    g += flat_grad(k);
     if (q != 0) g += flat_grad(order[0]);
     if (previous >= 0) g += flat_grad(previous);
+    // A level-2 unit gathered for backward uploads its master again: the gathers this
+    // pre-backward issues (all of the first bp at the start of backward, then the one bp ahead;
+    // bp = 0: its own), before this unit's gradient exists.
+    auto upload_backward = [&](int j) {
+      return level[j] == 2 && !kept(j) && e.units[j].per_step.backward_all_gathers ? upload(j)
+                                                                                     : 0.0;
+    };
+    double up = 0;
+    if (bp == 0) {
+      up = upload_backward(k);
+    } else if (q == n - 1) {
+      for (int j = q; j >= std::max(0, q - bp); --j) up = std::max(up, upload_backward(order[j]));
+    } else if (q - bp >= 0) {
+      up = upload_backward(order[q - bp]);
+    }
+    g += flat_grad(k);
     // Activations: layers freed later (anchor < q) saved; layers anchored here being consumed:
     // full (recomputed ones rebuilt whole).
     double a = 0;
@@ -323,6 +360,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     // (CPU ranks, world 2 and 4: per-leaf recompute 5-7% under without it), not explained —
     // the recompute forward's own scratch beside the rebuilt layer is not modelled apart.
     const double extra = e.units[k].recompute ? stage + work : std::max(stage, work);
+    if (up > 0) consider(a, grads, g - flat_grad(k) + up, "backward gather at " + e.units[k].name);
     consider(a, grads + master_grad[k], g + extra, "backward of " + e.units[k].name);
     // Its reduction (FlatParam::reduce_grad's general path; Note [One-rank reduction] has none
     // of these): the flat gradient, the parameters' own gradients (compute dtype, held until
@@ -417,45 +455,77 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     red_ms[k] = r;
     p.comm_ms += gathers * ag_ms[k] + r;
   }
-  // Forward: gathers on their own stream, issued `fp` units ahead (at that unit's pre-forward).
-  std::vector<double> start(n, 0);
-  double compute_t = 0, comm_t = 0;
-  for (int q = 0; q < n; ++q) {
-    const int k = order[q];
-    const double issue = q - fp >= 0 && fp > 0 ? start[order[q - fp]] : (fp > 0 ? 0 : compute_t);
-    double ready = compute_t;
-    if (e.units[k].per_step.forward_all_gathers && ag_ms[k] > 0) {
-      const double s = std::max(comm_t, issue);
-      comm_t = s + ag_ms[k];
-      ready = std::max(ready, comm_t);
+  // Offload copies (cost_model.h): uploads before gathers, downloads after reductions.
+  std::vector<double> up_fwd(n, 0), up_bwd(n, 0), down(n, 0);
+  double copy_ms = 0, cpu_opt_ms = 0;
+  for (int k = 0; k < n; ++k) {
+    const auto& c = e.units[k].per_step;
+    const double h2d = off[k].h2d_bytes / (prof.h2d_gbps * 1e6);
+    if (level[k] == 2 && c.backward_all_gathers > 0) {
+      const double per = h2d / static_cast<double>(std::max<int64_t>(
+                                   1, c.forward_all_gathers + c.backward_all_gathers));
+      up_bwd[k] = per * static_cast<double>(c.backward_all_gathers);
+      up_fwd[k] = h2d - up_bwd[k];
+    } else {
+      up_fwd[k] = h2d;
     }
-    p.exposed_all_gather_ms += ready - compute_t;
-    start[k] = ready;
-    compute_t = ready + fwd_ms[k];
+    down[k] = off[k].d2h_bytes / (prof.d2h_gbps * 1e6);
+    copy_ms += h2d + down[k];
+    cpu_opt_ms += off[k].cpu_optimizer_params / prof.cpu_optimizer_params_per_s * 1e3;
   }
-  // Backward: reverse order; gathers issued `bp` units ahead, reductions after each unit on the
-  // reduce stream; the step waits for the last reduction.
-  double red_t = compute_t;
-  const double backward_begin = compute_t;
-  std::vector<double> bstart(n, 0);
-  for (int q = n - 1; q >= 0; --q) {
-    const int k = order[q];
-    const int ahead = q + bp;
-    const double issue = bp > 0 && ahead <= n - 1 && ahead != q ? bstart[order[ahead]] : compute_t;
-    double ready = compute_t;
-    if (e.units[k].per_step.backward_all_gathers && ag_ms[k] > 0) {
-      // The first bp units of backward are prefetched when backward begins.
-      const double s = std::max(comm_t, bp > 0 && ahead > n - 1 ? backward_begin : issue);
-      comm_t = s + ag_ms[k];
-      ready = std::max(ready, comm_t);
+  // The pipeline: forward gathers on their own stream, issued `fp` units ahead (at that unit's
+  // pre-forward); backward in reverse order, gathers issued `bp` units ahead, reductions after
+  // each unit on the reduce stream; the step waits for the last reduction. Returns the exposed
+  // gather time and the reduction tail.
+  auto walk = [&](bool copies, double* exposed_gathers, double* tail) {
+    std::vector<double> start(n, 0);
+    double compute_t = 0, comm_t = 0, exposed = 0;
+    for (int q = 0; q < n; ++q) {
+      const int k = order[q];
+      const double issue =
+          q - fp >= 0 && fp > 0 ? start[order[q - fp]] : (fp > 0 ? 0 : compute_t);
+      double ready = compute_t;
+      const double busy = (e.units[k].per_step.forward_all_gathers ? ag_ms[k] : 0.0) +
+                          (copies ? up_fwd[k] : 0.0);
+      if (busy > 0) {
+        const double s0 = std::max(comm_t, issue);
+        comm_t = s0 + busy;
+        ready = std::max(ready, comm_t);
+      }
+      exposed += ready - compute_t;
+      start[k] = ready;
+      compute_t = ready + fwd_ms[k];
     }
-    p.exposed_all_gather_ms += ready - compute_t;
-    bstart[k] = ready;
-    compute_t = ready + bwd_ms[k];
-    if (red_ms[k] > 0) red_t = std::max(red_t, compute_t) + red_ms[k];
-  }
-  const double tail = std::max(0.0, red_t - compute_t);
+    double red_t = compute_t;
+    const double backward_begin = compute_t;
+    std::vector<double> bstart(n, 0);
+    for (int q = n - 1; q >= 0; --q) {
+      const int k = order[q];
+      const int ahead = q + bp;
+      const double issue =
+          bp > 0 && ahead <= n - 1 && ahead != q ? bstart[order[ahead]] : compute_t;
+      double ready = compute_t;
+      const double busy = (e.units[k].per_step.backward_all_gathers ? ag_ms[k] : 0.0) +
+                          (copies ? up_bwd[k] : 0.0);
+      if (busy > 0) {
+        // The first bp units of backward are prefetched when backward begins.
+        const double s0 = std::max(comm_t, bp > 0 && ahead > n - 1 ? backward_begin : issue);
+        comm_t = s0 + busy;
+        ready = std::max(ready, comm_t);
+      }
+      exposed += ready - compute_t;
+      bstart[k] = ready;
+      compute_t = ready + bwd_ms[k];
+      const double r = red_ms[k] + (copies ? down[k] : 0.0);
+      if (r > 0) red_t = std::max(red_t, compute_t) + r;
+    }
+    *exposed_gathers = exposed;
+    *tail = std::max(0.0, red_t - compute_t);
+  };
+  double tail = 0;
+  walk(false, &p.exposed_all_gather_ms, &tail);
   p.exposed_comm_ms = p.exposed_all_gather_ms + tail;
+  double copy_exposed = 0;
   if (prof.comm_overlap == 0) {  // synchronous collectives: nothing hides
     double gathers = 0;
     for (int k = 0; k < n; ++k)
@@ -463,18 +533,29 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
                              e.units[k].per_step.backward_all_gathers);
     p.exposed_all_gather_ms = gathers;
     p.exposed_comm_ms = p.comm_ms;
+    copy_exposed = std::max(0.0, copy_ms - p.compute_ms);
+  } else if (copy_ms > 0) {
+    double g = 0, t = 0;
+    walk(true, &g, &t);
+    const double walk_exposed = std::max(0.0, g + t - p.exposed_comm_ms);
+    copy_exposed =
+        walk_exposed + (1 - prof.offload_overlap) * std::max(0.0, copy_ms - walk_exposed);
   }
+  p.cpu_optimizer_ms = cpu_opt_ms;
+  p.offload_ms = cpu_opt_ms + copy_exposed;
 
-  // Offload: copies overlap compute; the CPU optimizer does not.
-  double copy_ms = 0, cpu_opt_ms = 0;
+  // Host: per step, per unit; recompute runs a unit's forward hooks again and re-issues the
+  // forward of the layers it holds whole (their forward share of the per-layer host time).
+  const double per_layer_host = prof.host_ms_per_step / prof.host_reference_layers;
+  const double unit_host = prof.host_us_per_unit_forward + prof.host_us_per_unit_backward;
+  const double forward_share = unit_host > 0 ? prof.host_us_per_unit_forward / unit_host : 0.0;
+  double recompute_host = 0;
   for (int k = 0; k < n; ++k) {
-    copy_ms += off[k].h2d_bytes / (prof.h2d_gbps * 1e6) + off[k].d2h_bytes / (prof.d2h_gbps * 1e6);
-    cpu_opt_ms += off[k].cpu_optimizer_params / prof.cpu_optimizer_params_per_s * 1e3;
+    if (!e.units[k].recompute) continue;
+    recompute_host += prof.host_us_per_unit_forward / 1e3 +
+                      forward_share * per_layer_host * static_cast<double>(place[k].whole.size());
   }
-  p.offload_ms = cpu_opt_ms + std::max(0.0, copy_ms - p.compute_ms);
-
-  p.host_ms = prof.host_ms_per_step * static_cast<double>(L) / prof.host_reference_layers +
-              n * (prof.host_us_per_unit_forward + prof.host_us_per_unit_backward) / 1e3;
+  p.host_ms = per_layer_host * static_cast<double>(L) + n * unit_host / 1e3 + recompute_host;
   p.gpu_ms = p.compute_ms + p.passes_ms + p.optimizer_ms + p.exposed_comm_ms + p.offload_ms;
   p.host_bound = p.host_ms > p.gpu_ms;
   const double norm = prof.host_overlap_norm;  // machine_profile.h: imperfect overlap

@@ -59,9 +59,17 @@
 //               after it; a reduction behind the next unit's backward. exposed = what is left.
 //   host        host_ms_per_step x layers / host_reference_layers + units x
 //               (host_us_per_unit_forward + host_us_per_unit_backward) (machine_profile.h says
-//               where they come from).
-//   offload     offload_terms() below: copies overlap compute (only their excess is exposed),
-//               the CPU optimizer does not.
+//               where they come from); a recompute unit runs its forward hooks again, and a
+//               layer it holds whole issues its forward again (the forward share of the layer's
+//               host time, taken as the hooks' forward / (forward + backward) ratio).
+//   offload     offload_terms() below. Copies ride the collective pipeline above: a unit's
+//               uploads (h2d_gbps) lengthen its gathers on the all-gather stream (level 1: the
+//               first forward gather; level 2: every gather), its gradient's download (d2h_gbps)
+//               its reduction on the reduce stream; what that adds to the exposed time is the
+//               offload's (at one rank, where gathers are copies, the uploads alone), plus
+//               (1 - offload_overlap) of the copy time it hides. Synchronous
+//               collectives (comm_overlap 0): all copies beyond the compute time are exposed. The
+//               CPU optimizer (cpu_optimizer_params_per_s) overlaps nothing.
 //   gpu_ms = compute + passes + optimizer + exposed + offload; step_ms = the
 //   host_overlap_norm-norm of (gpu_ms, host_ms) (machine_profile.h: imperfect overlap; the max
 //   for a large norm); host_bound when host_ms > gpu_ms.
@@ -131,6 +139,7 @@ struct CostPrediction {
   double compute_ms = 0, passes_ms = 0, optimizer_ms = 0, comm_ms = 0, exposed_comm_ms = 0,
          exposed_all_gather_ms = 0, host_ms = 0, offload_ms = 0, recompute_ms = 0, gpu_ms = 0,
          step_ms = 0;
+  double cpu_optimizer_ms = 0;  // the CPU optimizer of offloaded units (a part of offload_ms)
   bool host_bound = false;
   int64_t replicated_bytes = 0;  // NO_SHARD units' master + gradient + AdamW state per rank
 

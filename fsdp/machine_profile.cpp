@@ -48,6 +48,7 @@ const std::vector<Field>& fields() {
       {"h2d_gbps", &MachineProfile::h2d_gbps, false},
       {"d2h_gbps", &MachineProfile::d2h_gbps, false},
       {"cpu_optimizer_params_per_s", &MachineProfile::cpu_optimizer_params_per_s, false},
+      {"offload_overlap", &MachineProfile::offload_overlap, true},
       {"activation_scale", &MachineProfile::activation_scale, false},
       {"allocator_slack", &MachineProfile::allocator_slack, true},
       {"collective_staging", &MachineProfile::collective_staging, true},
@@ -121,6 +122,8 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
     }
     if (field->member == &MachineProfile::comm_overlap && v != 0 && v != 1)
       node.fail("'comm_overlap' must be 0 or 1, got " + std::to_string(v));
+    if (field->member == &MachineProfile::offload_overlap && v > 1)
+      node.fail("'offload_overlap' must be in [0, 1], got " + std::to_string(v));
     p.*(field->member) = v;
   }
   if (!format_seen) root.fail("missing \"format\": \"" + std::string(kFormat) + "\"");

@@ -78,6 +78,11 @@ struct MachineProfile {
   double h2d_gbps = 55;
   double d2h_gbps = 55;
   double cpu_optimizer_params_per_s = 4.4e9;
+  // Of the copy time the pipeline (cost_model.h) hides behind compute, the share that really
+  // hides (1: all of it; the rest is exposed): DMA beside compute in one device. flatshard-bench
+  // --write-profile fits it from the calibration plan at offload 1, after the copy rates from
+  // the one-unit plan (nothing overlaps there), when both ran (bench_profile.h).
+  double offload_overlap = 1.0;
 
   // Activation memory: the analytic bytes per token of cost_model.h multiplied by this factor
   // (1: the closed form as is; a profile written by flatshard-bench stores measured / predicted

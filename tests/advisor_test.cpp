@@ -169,6 +169,7 @@ TEST_CASE("machine profile: defaults round-trip; every invalid kind names key an
       {R"({"format": "other", "version": 1})", "expected \"flatshard-machine-profile\""},
       {R"([1, 2])", "must be a JSON object"},
       {head + R"("source": 3})", "/source: expected a string"},
+      {head + R"("offload_overlap": 1.5})", "'offload_overlap' must be in [0, 1], got 1.5"},
   };
   for (const auto& b : bad) {
     CAPTURE(b.text);
@@ -577,4 +578,100 @@ TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and
     CHECK(err >= -0.05);
     CHECK(err <= 0.15);
   }
+}
+
+TEST_CASE("cost model: offload copies ride the gather and reduction pipeline", "[advisor][offload]") {
+  // World 1, bf16, copies on their streams (comm_overlap 1, the GPU's case).
+  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const Workload w{2, 128};
+  const auto s = cfg.transformer_shape();
+  auto model = build_meta(cfg, 0);
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = at::kBFloat16;
+  o.offload = 1;
+  MachineProfile p = quiet_profile();
+  p.h2d_gbps = 0.5;
+  p.d2h_gbps = 0.25;
+  p.cpu_optimizer_params_per_s = 1e8;
+  auto cost = [&](const std::string& spec, const MachineProfile& prof) {
+    const Explanation e = explain(*model, make_plan(*model, parse_policy(spec)), 1, o);
+    double copies = 0, cpu = 0, root_copies = 0;
+    for (const auto& u : e.units) {
+      const OffloadTerms t = offload_terms(u, u.offload, at::kBFloat16);
+      const double ms = t.h2d_bytes / (prof.h2d_gbps * 1e6) + t.d2h_bytes / (prof.d2h_gbps * 1e6);
+      copies += ms;
+      if (u.is_root) root_copies = ms;
+      cpu += t.cpu_optimizer_params / prof.cpu_optimizer_params_per_s * 1e3;
+    }
+    return std::make_tuple(predict_cost(e, s, w, prof), copies, cpu, root_copies);
+  };
+  SECTION("one unit: its upload precedes all compute, its download follows it: all exposed") {
+    const auto [c, copies, cpu, root] = cost("none", p);
+    CHECK(c.cpu_optimizer_ms == Approx(cpu).epsilon(1e-9));
+    CHECK(c.offload_ms - c.cpu_optimizer_ms == Approx(copies).epsilon(1e-9));
+    CHECK(root == Approx(copies).epsilon(1e-12));
+  }
+  SECTION("per layer, compute far longer than any copy: only the root's upload and download") {
+    MachineProfile slow = p;
+    slow.compute_tflops = 1e-4;
+    const auto [c, copies, cpu, root] = cost("type=Block", slow);
+    REQUIRE(root < copies / 2);
+    CHECK(c.offload_ms - c.cpu_optimizer_ms == Approx(root).epsilon(1e-9));
+  }
+  SECTION("offload_overlap 0: what the pipeline hides is exposed after all") {
+    MachineProfile none = p;
+    none.compute_tflops = 1e-4;
+    none.offload_overlap = 0;
+    const auto [c, copies, cpu, root] = cost("type=Block", none);
+    CHECK(c.offload_ms - c.cpu_optimizer_ms == Approx(copies).epsilon(1e-9));
+    none.offload_overlap = 0.25;
+    const auto [q, copies2, cpu2, root2] = cost("type=Block", none);
+    CHECK(q.offload_ms - q.cpu_optimizer_ms == Approx(root + 0.75 * (copies - root)).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("cost model: recompute costs host time too", "[advisor][time]") {
+  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const Workload w{2, 128};
+  const int64_t L = cfg.transformer_shape().n_layers;
+  MachineProfile p = quiet_profile();
+  p.host_us_per_unit_forward = 1000;  // 1 ms per unit in forward hooks, 3 ms in backward
+  p.host_us_per_unit_backward = 3000;
+  p.host_ms_per_step = 8.0 * static_cast<double>(L);  // 8 ms per layer
+  p.host_reference_layers = static_cast<double>(L);
+  const CostPrediction plain = predicted(cfg, "type=Block", 2, w, 1, p);
+  const CostPrediction rc = predicted(cfg, "recompute:type=Block", 2, w, 1, p);
+  // Each recomputed block runs its forward hooks again (1 ms) and issues its forward again:
+  // the forward share 1 / (1 + 3) of its 8 ms.
+  CHECK(rc.host_ms - plain.host_ms == Approx(static_cast<double>(L) * (1.0 + 8.0 / 4)));
+  // A recomputed leaf re-runs only its own module: the hooks.
+  const CostPrediction leaf = predicted(cfg, "type=Linear|LayerNorm|Embedding", 2, w, 1, p);
+  const CostPrediction leaf_rc = predicted(cfg, "recompute:type=Linear|LayerNorm|Embedding", 2, w, 1, p);
+  auto model = build_meta(cfg, 0);
+  const Explanation e = explain(*model, make_plan(*model, parse_policy(
+                                            "recompute:type=Linear|LayerNorm|Embedding")), 2, {});
+  int recomputed = 0;
+  for (const auto& u : e.units) recomputed += u.recompute ? 1 : 0;
+  REQUIRE(recomputed > static_cast<int>(L));
+  CHECK(leaf_rc.host_ms - leaf.host_ms == Approx(recomputed * 1.0));
+}
+
+TEST_CASE("cost model: a recomputed LLaMA RMSNorm keeps only its input", "[advisor][memory]") {
+  // RMSNorm saves its fp32 copy (4 d), its cast output (d e) and the statistic (4 B) per token;
+  // recomputed, only its input (d e): 4 d + 4 less per norm, two per layer. A recomputed Linear
+  // saves its input either way, so recomputing the Linears changes nothing.
+  const ModelConfig cfg = preset(Family::kLlama, "small", 128);
+  const Workload w{2, 128};
+  const auto s = cfg.transformer_shape();
+  MachineProfile p = quiet_profile();
+  const std::string leaf = "type=Linear|RMSNorm|Embedding";
+  const CostPrediction plain = predicted(cfg, leaf, 1, w, 1, p);
+  const CostPrediction norms = predicted(cfg, "recompute:type=RMSNorm;type=Linear|Embedding", 1, w, 1, p);
+  const CostPrediction linears = predicted(cfg, "recompute:type=Linear;type=RMSNorm|Embedding", 1, w, 1, p);
+  CAPTURE(plain.to_string(), norms.to_string());
+  REQUIRE(plain.peak_at == norms.peak_at);
+  const double per_token = 2.0 * (4.0 * s.d_model + 4) * s.n_layers;
+  CHECK(plain.activation_bytes - norms.activation_bytes ==
+        Approx(per_token * static_cast<double>(w.tokens())));
+  CHECK(linears.activation_bytes == plain.activation_bytes);
 }
