@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,10 +85,11 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
 
 int report(const fb::BenchOptions& o, int world, const std::string& device_description,
            std::vector<std::string> notes, const std::vector<fb::Granularity>& grans,
-           std::vector<fb::RunResult> results) {
+           std::vector<fb::RunResult> results, const fb::RunResult* host_probe = nullptr) {
   if (!o.profile_path.empty())  // before make_report takes the results
-    flatshard::save_profile(fb::measure_profile(o, world, grans, results, device_description),
-                            o.profile_path);
+    flatshard::save_profile(
+        fb::measure_profile(o, world, grans, results, device_description, host_probe),
+        o.profile_path);
   fb::Report rep = fb::make_report(o, world, device_description, std::move(notes),
                                    std::move(results));
   fb::print_table(rep, std::cout);
@@ -158,6 +160,25 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
     results.push_back(fb::run_on_cuda(config, grans[i], *rank.comm, rank.hooks, fn));
     if (env.rank == 0) progress.finish(results.back());
   }
+  // --write-profile: the calibration plan once more on short sequences, for the host's own cost
+  // per step (bench_profile.h); every rank runs it (collectives), rank 0 measures.
+  std::optional<fb::RunResult> probe;
+  const int cal = o.profile_path.empty() ? -1 : fb::calibration_run(grans, results);
+  if (cal >= 0) {
+    fb::RunConfig short_config = config;
+    short_config.input_seq = fb::kHostProbeSeq;
+    short_config.kernel_profile_steps = 0;
+    short_config.sync_debug = false;
+    fb::ProgressFn fn;
+    if (env.rank == 0)
+      fn = progress.start(grans[static_cast<size_t>(cal)].label + " (host probe, " +
+                              std::to_string(fb::kHostProbeSeq) + " tokens)",
+                          static_cast<int>(grans.size()), static_cast<int>(grans.size()) + 1,
+                          o.warmup);
+    probe = fb::run_on_cuda(short_config, grans[static_cast<size_t>(cal)], *rank.comm,
+                            rank.hooks, fn);
+    if (env.rank == 0) progress.finish(*probe);
+  }
   const int world = rank.comm->world_size();
   rank.close();
   if (env.rank != 0) return 0;
@@ -168,7 +189,7 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
                  "CUDA-event timing of the communication streams).",
                  "peak MiB: rank 0's CUDA caching-allocator peak of allocated bytes during the "
                  "steps, minus what was live before the run."},
-                grans, std::move(results));
+                grans, std::move(results), probe ? &*probe : nullptr);
 }
 
 int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::LaunchEnv>& env) {

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <ctime>
 #include <set>
@@ -47,14 +48,11 @@ bool fit_line(const std::vector<std::pair<double, double>>& xy, double* a, doubl
 
 }  // namespace
 
-MachineProfile measure_profile(const BenchOptions& o, int world,
-                               const std::vector<Granularity>& granularities,
-                               const std::vector<RunResult>& results,
-                               const std::string& device_description) {
-  TORCH_CHECK(granularities.size() == results.size(), "measure_profile: ", granularities.size(),
+int calibration_run(const std::vector<Granularity>& granularities,
+                    const std::vector<RunResult>& results) {
+  TORCH_CHECK(granularities.size() == results.size(), "calibration_run: ", granularities.size(),
               " granularities but ", results.size(), " results");
-  // The calibration run: "layer" itself, else a layer run without offload, else a layer run,
-  // else the first sharded one.
+  // "layer" itself, else a layer run without offload, else a layer run, else the first sharded.
   int cal = -1, best_rank = 4;
   for (size_t i = 0; i < results.size(); ++i) {
     if (granularities[i].local || results[i].step_ms.empty()) continue;
@@ -69,6 +67,15 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
       cal = static_cast<int>(i);
     }
   }
+  return cal;
+}
+
+MachineProfile measure_profile(const BenchOptions& o, int world,
+                               const std::vector<Granularity>& granularities,
+                               const std::vector<RunResult>& results,
+                               const std::string& device_description,
+                               const RunResult* host_probe) {
+  const int cal = calibration_run(granularities, results);
   TORCH_CHECK(cal >= 0,
               "--write-profile needs at least one sharded run (a granularity other "
               "than local) to calibrate from");
@@ -128,10 +135,26 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
     }
   }
   const double per_unit_ms = (p.host_us_per_unit_forward + p.host_us_per_unit_backward) / 1e3;
+  std::string step_how;
   if (!cpu) {
-    p.host_ms_per_step =
-        std::max(0.0, median(r.host_issue_ms) - static_cast<double>(e.units.size()) * per_unit_ms);
+    // The model's own host work per step: issue time less the hooks' (bench_profile.h: from
+    // the short-sequence probe when there is one; the full-length run's issue time can be a
+    // wait for the device).
+    const RunResult& h = host_probe && !host_probe->host_issue_ms.empty() ? *host_probe : r;
+    const double hooks = h.hook_forward_ms.empty()
+                             ? static_cast<double>(e.units.size()) * per_unit_ms
+                             : median(h.hook_forward_ms) + median(h.hook_backward_ms);
+    p.host_ms_per_step = std::max(0.0, median(h.host_issue_ms) - hooks);
     p.host_reference_layers = static_cast<double>(shape.n_layers);
+    std::ostringstream how;
+    how << "host_ms_per_step ("
+        << (&h == host_probe ? "issue time less hooks at " + std::to_string(kHostProbeSeq) +
+                                   " tokens per sequence: issued " +
+                                   std::to_string(median(h.host_issue_ms)) + " ms, step " +
+                                   std::to_string(median(h.step_ms)) + " ms"
+                             : std::string("issue time less hooks of the calibration run"))
+        << ")";
+    step_how = how.str();
   }
 
   // cpu: collectives are timed (TimedCommunicator): a bandwidth-only model through the bytes
@@ -170,13 +193,83 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
               c.exposed_comm_ms, " ms)");
   p.compute_tflops = p.compute_tflops * c.compute_ms / compute_ms;
 
+  // Offload (bench_profile.h): the CPU optimizer rate and the copy rates from the calibration
+  // plan at level 1; with the one-unit plan at level 1 beside it (its copies overlap nothing),
+  // the rates from that one and offload_overlap from the calibration plan.
+  std::string offload_how = "defaults: offload rates";
+  auto find_run = [&](const std::string& label) -> int {
+    for (size_t i = 0; i < results.size(); ++i)
+      if (granularities[i].label == label && !results[i].step_ms.empty())
+        return static_cast<int>(i);
+    return -1;
+  };
+  const int off_cal = find_run(g.label + "+offload1");
+  if (off_cal >= 0) {
+    const int off_one = g.label == "model" ? -1 : find_run("model+offload1");
+    auto explained = [&](int i) {
+      return explain(*planning, granularities[static_cast<size_t>(i)].plan, world, o.sharding);
+    };
+    const Explanation eo = explained(off_cal);
+    const RunResult& ro = results[static_cast<size_t>(off_cal)];
+    MachineProfile q = p;
+    const CostPrediction base = predict_cost(eo, shape, w, q);
+    // The CPU optimizer: its measured time less the device optimizer of units not offloaded.
+    const double cpu_ms = median(ro.optimizer_ms) - base.optimizer_ms;
+    const double params = base.cpu_optimizer_ms * q.cpu_optimizer_params_per_s / 1e3;
+    if (cpu_ms > 0 && params > 0) q.cpu_optimizer_params_per_s = params / cpu_ms * 1e3;
+    // The cost model's forward + backward of plan `x` at copy-rate scale `scale`.
+    auto fwd_bwd = [&](const Explanation& x, double scale, double overlap) {
+      MachineProfile t = q;
+      t.h2d_gbps = p.h2d_gbps * scale;
+      t.d2h_gbps = p.d2h_gbps * scale;
+      t.offload_overlap = overlap;
+      const CostPrediction c2 = predict_cost(x, shape, w, t);
+      return c2.gpu_ms - c2.optimizer_ms - c2.cpu_optimizer_ms;
+    };
+    std::ostringstream how;
+    how << "offload: cpu_optimizer_params_per_s from '" << ro.granularity << "' (" << cpu_ms
+        << " ms for " << params << " parameters)";
+    // Copy rates: the prediction falls as they rise; bisect the common scale in log space until
+    // it meets the measurement. Copies that hide entirely show no rate: defaults then.
+    const Explanation er_ = off_one >= 0 ? explained(off_one) : eo;
+    const RunResult& rr = off_one >= 0 ? results[static_cast<size_t>(off_one)] : ro;
+    const double target = median(rr.fwd_bwd_ms);
+    double lo = 1e-3, hi = 1e3;
+    if (fwd_bwd(er_, hi, 1) < target && fwd_bwd(er_, lo, 1) > target) {
+      for (int it = 0; it < 60; ++it) {
+        const double mid = std::sqrt(lo * hi);
+        (fwd_bwd(er_, mid, 1) > target ? lo : hi) = mid;
+      }
+      q.h2d_gbps = p.h2d_gbps * hi;
+      q.d2h_gbps = p.d2h_gbps * hi;
+      how << ", h2d_gbps and d2h_gbps from '" << rr.granularity << "' (fwd+bwd " << target
+          << " ms)";
+      // offload_overlap: the prediction is linear in it (cost_model.h).
+      if (off_one >= 0) {
+        const double full = fwd_bwd(eo, hi, 1), none = fwd_bwd(eo, hi, 0);
+        const double measured = median(ro.fwd_bwd_ms);
+        if (none > full) {
+          q.offload_overlap = std::clamp(1 - (measured - full) / (none - full), 0.0, 1.0);
+          how << ", offload_overlap from '" << ro.granularity << "' (fwd+bwd " << measured
+              << " ms)";
+        }
+      }
+    } else {
+      how << "; copy rates default ('" << rr.granularity << "' fwd+bwd " << target
+          << " ms, predicted " << fwd_bwd(er_, hi, 1) << " to " << fwd_bwd(er_, lo, 1)
+          << " ms over the rate range)";
+    }
+    p = q;
+    offload_how = how.str();
+  }
+
   std::ostringstream src;
   src << "flatshard-bench " << utc_now() << ", " << device_description << ", "
       << models::family_name(o.model.family) << " " << o.preset << " batch " << o.batch << " seq "
       << o.model.seq_len() << ", calibrated on '" << g.label
       << "'; measured: compute_tflops, memory_gbps (optimizer step), " << host_how
-      << (cpu ? " (cpu: host and compute serial)" : ", host_ms_per_step") << "; " << comm_how
-      << "; defaults: offload rates, activation_scale, allocator_slack";
+      << (cpu ? " (cpu: host and compute serial)" : ", " + step_how) << "; " << comm_how << "; "
+      << offload_how << "; defaults: activation_scale, allocator_slack";
   p.source = src.str();
   return p;
 }

@@ -129,6 +129,10 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
   for (int s = 0; s < total; ++s) {
     auto b = config.model.synthetic_batch(config.batch, static_cast<int64_t>(config.seed), rank, s);
+    if (config.input_seq > 0 && config.input_seq < b.first.size(1)) {
+      b.first = b.first.narrow(1, 0, config.input_seq).contiguous();
+      b.second = b.second.narrow(1, 0, config.input_seq).contiguous();
+    }
     batches.emplace_back(b.first.to(hooks.device), b.second.to(hooks.device));
   }
 

@@ -67,6 +67,10 @@ struct RunConfig {
   // (profiling/kernel_profile.h); 0: none. Not part of the timing.
   int kernel_profile_steps = 0;
   bool sync_debug = false;  // warn at synchronizing device calls while measured steps are issued
+  // Tokens per sequence fed to the model: the first `input_seq` of each synthetic sequence
+  // (0: the model's whole seq_len). The host-cost probe of --write-profile (bench_profile.h)
+  // runs the same model on short inputs so that the device never holds the host back.
+  int64_t input_seq = 0;
 };
 
 // The device side of a rank.

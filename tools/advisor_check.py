@@ -2,10 +2,12 @@
 """Predicted vs measured: flatshard-explain's cost model (fsdp/cost_model.h) against flatshard-bench.
 
 For each model and batch, runs flatshard-bench over every granularity x recompute x offload
-combination the bench supports, with --write-profile on the first (non-recompute, offload 0)
-call of each model at the first batch: that profile (the calibration: compute rate and memory
-passes from its 'layer' run, host cost per unit fitted over its runs) is then used to predict
-every row, other batches included. A profile already in --logdir (profile_<model>.json, from an
+combination the bench supports, with --write-profile on the first (non-recompute, offload 0,
+and offload 1 when asked for) call of each model at the first batch: that profile (the
+calibration: compute rate and memory passes from its 'layer' run, host cost per unit fitted
+over its runs, host cost per step from the bench's short-sequence probe, offload rates from
+'layer+offload1'; benchmarks/bench_profile.h) is then used to predict every row, other batches
+included. A profile already in --logdir (profile_<model>.json, from an
 earlier call: split a long run over calls with --models / --batches / --offloads /
 --granularities) is reused; --reuse then prints the whole table from the bench JSONs there.
 Prints one table:
@@ -118,8 +120,14 @@ def main():
         profile = os.path.join(a.logdir, f"profile_{model}.json")
         for bi, batch in enumerate(a.batches):
             for recompute in (False, True):
-                for off in offloads:
-                    tag = f"{model}_b{batch}{'_rc' if recompute else ''}_o{off}"
+                # The profile's call (first batch, no recompute) also runs offload 1 when it is
+                # asked for: the profile calibrates the offload rates from 'layer+offload1'.
+                groups = [[off] for off in offloads]
+                if bi == 0 and not recompute and 0 in offloads and 1 in offloads:
+                    groups = [[0, 1]] + [[off] for off in offloads if off not in (0, 1)]
+                for levels in groups:
+                    off = max(levels)
+                    tag = f"{model}_b{batch}{'_rc' if recompute else ''}_o{'-'.join(map(str, levels))}"
                     out = os.path.join(a.logdir, f"bench_{tag}.json")
                     grans = [g for g in a.granularities if not (recompute and g == "model")]
                     if not grans:
@@ -133,10 +141,10 @@ def main():
                     if recompute:
                         cmd.append("--recompute")
                     if off:
-                        cmd += ["--offload", str(off)]
+                        cmd += ["--offload", ",".join(map(str, levels))]
                     # The profile comes from the first call per model; one already in --logdir
                     # (an earlier call of a split run) is reused, not measured again.
-                    first_call = bi == 0 and not recompute and off == 0
+                    first_call = bi == 0 and not recompute and 0 in levels
                     if first_call and not a.reuse and not os.path.exists(profile):
                         cmd += ["--write-profile", profile]
                     cmd += a.bench_args.split()
@@ -158,13 +166,15 @@ def main():
                         spec = spec_of(r["granularity"], model)
                         if spec is None:
                             continue
+                        lm = re.search(r"\+offload([0-9])$", r["granularity"])
+                        run_off = int(lm.group(1)) if lm else 0
                         ecmd = [explain, "--model", model, "--preset", a.preset, "--world", str(world),
                                 "--param-dtype", dtype, "--batch", str(batch), "--profile", profile,
                                 "--policy", spec]
                         if a.seq:
                             ecmd += ["--seq-len", str(a.seq)]
-                        if off:
-                            ecmd += ["--offload", str(off)]
+                        if run_off:
+                            ecmd += ["--offload", str(run_off)]
                         erc, text = run(ecmd, os.path.join(a.logdir, f"explain_{tag}_{r['granularity']}.txt"))
                         m = re.search(r"^prediction: peak_bytes=(\d+) step_ms=([0-9.eE+-]+)", text, re.M)
                         hb = re.search(r"host_bytes=(\d+)", text)
@@ -175,7 +185,7 @@ def main():
                             failures += 1
                             continue
                         rows.append({
-                            "model": model, "batch": batch, "offload": off, "spec": spec,
+                            "model": model, "batch": batch, "offload": run_off, "spec": spec,
                             "config": r["granularity"],
                             "calibration": first_call and r["granularity"] == "layer",
                             "pred_peak": (int(m.group(1)) + host) / 2**20,
