@@ -196,7 +196,7 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
   // Offload (bench_profile.h): the CPU optimizer rate and the copy rates from the calibration
   // plan at level 1; with the one-unit plan at level 1 beside it (its copies overlap nothing),
   // the rates from that one and offload_overlap from the calibration plan.
-  std::string offload_how = "defaults: offload rates";
+  std::string offload_how = "offload rates: defaults (no offload-1 run of the calibration plan)";
   auto find_run = [&](const std::string& label) -> int {
     for (size_t i = 0; i < results.size(); ++i)
       if (granularities[i].label == label && !results[i].step_ms.empty())
