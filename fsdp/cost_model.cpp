@@ -287,7 +287,16 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   for (int k = 0; k < n; ++k)
     if (kept(k)) kept_all += transient(k);
   consider(act + head_saved + loss_forward_extra, 0, kept_all, "loss forward");
-  consider(act + head_saved + loss_backward_extra, 0, kept_all, "loss backward");
+  // The root's pre-backward is the step's first (its hook sits on the loss): from the loss's
+  // backward on, the root's flat gradient exists (FlatParam::prepare_grad, the general path)
+  // and the first bp units of backward are gathered (Runtime::on_first_pre_backward). (CPU
+  // ranks, world 1, offload 1, recompute per block: without them 67.4 MiB under, the root's
+  // and one block's size.)
+  double prefetched_first = 0;
+  for (int q = n - 1; q >= std::max(1, n - bp); --q)
+    if (!kept(order[q])) prefetched_first += transient(order[q]);
+  consider(act + head_saved + loss_backward_extra, 0,
+           kept_all + flat_grad(order[0]) + prefetched_first, "loss backward");
   {
     // The output projection's backward: the logits' gradient (compute dtype, and the fp32 one
     // it was cast from) beside its saved input, the head unit gathered and the flat gradients
@@ -299,6 +308,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     double g = kept_all + flat_grad(head);
     if (!kept(head)) g += transient(head) * (1 + staging);
     if (head != order[0]) g += flat_grad(order[0]);
+    for (int q = n - 1; q >= std::max(1, n - bp); --q)
+      if (!kept(order[q]) && order[q] != head) g += transient(order[q]);
     const double a =
         act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
     consider(a, 0, g, "backward of the output projection");
