@@ -372,11 +372,14 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     // the recompute forward's own scratch beside the rebuilt layer is not modelled apart.
     const double extra = e.units[k].recompute ? stage + work : std::max(stage, work);
     if (up > 0) consider(a, grads, g - flat_grad(k) + up, "backward gather at " + e.units[k].name);
-    consider(a, grads + master_grad[k], g + extra, "backward of " + e.units[k].name);
-    // Its reduction (FlatParam::reduce_grad's general path; Note [One-rank reduction] has none
-    // of these): the flat gradient, the parameters' own gradients (compute dtype, held until
-    // the reduction's event), the reduced shard (an all-reduce works in place), the master
-    // gradient; offloaded, also the reduced shard's fp32 copy until it reaches the host. The
+    // (Its master gradient does not exist yet: zero_grad leaves none, and the reduction
+    // allocates it. Counted here, the one-unit plans were 6-8% over on the GPU.)
+    consider(a, grads, g + extra, "backward of " + e.units[k].name);
+    // Its reduction (FlatParam::reduce_grad's general path): the flat gradient, the parameters'
+    // own gradients (compute dtype, held until the reduction's event), the reduced shard (an
+    // all-reduce works in place), the master gradient, allocated here; offloaded, also the
+    // reduced shard's fp32 copy until it reaches the host. One rank (Note [One-rank reduction]):
+    // the parameters' own gradients beside the fresh master gradient they are copied into. The
     // held gradients and the reduced shard were once this model's "staging" of the threads
     // backend, where the gap to the counting allocator was exactly these two at world 2 and 4;
     // on the GPU (1B GPT, one unit, offload 1, 1 seq, world 1) the walk without them said
@@ -387,12 +390,14 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     const auto& uk = e.units[k];
     const bool general = !(one_rank && level[k] == 0);
     // (The root's own reduction: its held gradients include the head's.)
+    const double own_grads =
+        general || !uk.frozen ? static_cast<double>(uk.padded_numel) * ec - (q == 0 ? head_pending : 0.0)
+                              : 0.0;
     const double held =
-        (general ? static_cast<double>(uk.padded_numel) * ec - (q == 0 ? head_pending : 0.0) +
-                       (uk.strategy == ShardingStrategy::kNoShard
-                            ? 0.0
-                            : static_cast<double>(er) * uk.shard_numel)
-                 : 0.0) +
+        (general ? own_grads + (uk.strategy == ShardingStrategy::kNoShard
+                                    ? 0.0
+                                    : static_cast<double>(er) * uk.shard_numel)
+                 : own_grads) +
         (level[k] > 0 ? 4.0 * uk.shard_numel : 0.0);
     consider(after, grads + master_grad[k], g + (e.units[k].recompute ? stage : 0.0) + held,
              "reduction of " + e.units[k].name);
