@@ -676,55 +676,57 @@ TEST_CASE("cost model: a recomputed LLaMA RMSNorm keeps only its input", "[advis
   CHECK(linears.activation_bytes == plain.activation_bytes);
 }
 
+namespace {
+
+// A GPT with a big root (vocabulary `vocab`, two blocks, recompute per block) at world 1 and
+// offload `level`: the prediction (CPU ranks: host bytes are the same memory) against the
+// counting allocator. World 1 is deterministic, so the callers' bounds are tight.
+struct BigRoot {
+  CostPrediction cost;
+  double err = 0;
+};
+BigRoot big_root(int64_t vocab, const Workload& w, int level) {
+  ModelConfig cfg = preset(Family::kGpt, "small", w.seq);
+  cfg.vocab() = vocab;
+  cfg.n_layers() = 2;
+  const std::string spec = "recompute:type=Block";
+  ShardingOptions o;
+  o.offload = level;
+  auto model = build_meta(cfg, 0);
+  const Explanation e = explain(*model, make_plan(*model, parse_policy(spec)), 1, o);
+  MachineProfile cpu;
+  cpu.collective_staging = 1;
+  BigRoot r;
+  r.cost = predict_cost(e, cfg.transformer_shape(), w, cpu);
+  const int64_t m = measured_peak(cfg, spec, 1, w, 1, level);
+  r.err = static_cast<double>(r.cost.peak_bytes + r.cost.host_bytes - m) / static_cast<double>(m);
+  return r;
+}
+
+}  // namespace
+
 TEST_CASE("cost model: from the loss's backward on, the root's flat gradient and the first "
           "backward prefetch are alive", "[advisor][memory][offload]") {
   // The root's pre-backward hook sits on the loss: at the step's first backward moment the
   // root's flat gradient is allocated (offloaded: the general path even at one rank) and the
-  // first unit of backward is gathered. A large vocabulary makes the root big and the loss's
-  // backward the peak; recompute keeps the layers' activations small. Without the two the
-  // prediction was 67.4 MiB (5.4%) under; world 1 is deterministic, so the bound is tight.
-  ModelConfig cfg = preset(Family::kGpt, "small", 256);
-  cfg.vocab() = 32768;
-  cfg.n_layers() = 2;
-  const Workload w{8, 256};
+  // first unit of backward is gathered. Many tokens make the loss's backward the peak. Without
+  // the two the prediction was 67.4 MiB (5.4%) under at offload 1.
   for (int level : {0, 1}) {
     CAPTURE(level);
-    ShardingOptions o;
-    o.offload = level;
-    auto model = build_meta(cfg, 0);
-    const Explanation e =
-        explain(*model, make_plan(*model, parse_policy("recompute:type=Block")), 1, o);
-    MachineProfile cpu;
-    cpu.collective_staging = 1;
-    const CostPrediction c = predict_cost(e, cfg.transformer_shape(), w, cpu);
-    const int64_t m = measured_peak(cfg, "recompute:type=Block", 1, w, 1, level);
-    const double err =
-        static_cast<double>(c.peak_bytes + c.host_bytes - m) / static_cast<double>(m);
-    CAPTURE(c.to_string(), m, err);
-    CHECK(c.peak_at == "loss backward");
-    CHECK(std::abs(err) <= 0.01);
+    const BigRoot r = big_root(32768, {8, 256}, level);
+    CAPTURE(r.cost.to_string(), r.err);
+    CHECK(r.cost.peak_at == "loss backward");
+    CHECK(std::abs(r.err) <= 0.01);
   }
 }
 
 TEST_CASE("cost model: at one rank a unit's reduction holds its parameters' gradients beside "
           "the fresh master gradient", "[advisor][memory]") {
   // Note [One-rank reduction]: the gradients autograd wrote are copied into the unit's master
-  // gradient, allocated at the reduction, and released after the copy. A big root (large
-  // vocabulary) at few tokens makes the root's reduction the peak. Without the parameters'
-  // own gradients the prediction was 7.4% under; world 1 is deterministic: 1%.
-  ModelConfig cfg = preset(Family::kGpt, "small", 64);
-  cfg.vocab() = 16384;
-  cfg.n_layers() = 2;
-  const Workload w{4, 64};
-  auto model = build_meta(cfg, 0);
-  const Explanation e =
-      explain(*model, make_plan(*model, parse_policy("recompute:type=Block")), 1, {});
-  MachineProfile cpu;
-  cpu.collective_staging = 1;
-  const CostPrediction c = predict_cost(e, cfg.transformer_shape(), w, cpu);
-  const int64_t m = measured_peak(cfg, "recompute:type=Block", 1, w);
-  const double err = static_cast<double>(c.peak_bytes - m) / static_cast<double>(m);
-  CAPTURE(c.to_string(), m, err);
-  CHECK(c.peak_at == "reduction of <root>");
-  CHECK(std::abs(err) <= 0.01);
+  // gradient, allocated at the reduction, and released after the copy. Few tokens make the
+  // root's reduction the peak. Without the parameters' own gradients: 7.4% under.
+  const BigRoot r = big_root(16384, {4, 64}, 0);
+  CAPTURE(r.cost.to_string(), r.err);
+  CHECK(r.cost.peak_at == "reduction of <root>");
+  CHECK(std::abs(r.err) <= 0.01);
 }
