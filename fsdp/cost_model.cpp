@@ -391,8 +391,9 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     const bool general = !(one_rank && level[k] == 0);
     // (The root's own reduction: its held gradients include the head's.)
     const double own_grads =
-        general || !uk.frozen ? static_cast<double>(uk.padded_numel) * ec - (q == 0 ? head_pending : 0.0)
-                              : 0.0;
+        general || !uk.frozen
+            ? static_cast<double>(uk.padded_numel) * ec - (q == 0 ? head_pending : 0.0)
+            : 0.0;
     const double held =
         (general ? own_grads + (uk.strategy == ShardingStrategy::kNoShard
                                     ? 0.0

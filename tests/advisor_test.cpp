@@ -580,7 +580,8 @@ TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and
   }
 }
 
-TEST_CASE("cost model: offload copies ride the gather and reduction pipeline", "[advisor][offload]") {
+TEST_CASE("cost model: offload copies ride the gather and reduction pipeline",
+          "[advisor][offload]") {
   // World 1, bf16, copies on their streams (comm_overlap 1, the GPU's case).
   const ModelConfig cfg = preset(Family::kGpt, "small", 128);
   const Workload w{2, 128};
@@ -646,7 +647,8 @@ TEST_CASE("cost model: recompute costs host time too", "[advisor][time]") {
   CHECK(rc.host_ms - plain.host_ms == Approx(static_cast<double>(L) * (1.0 + 8.0 / 4)));
   // A recomputed leaf re-runs only its own module: the hooks.
   const CostPrediction leaf = predicted(cfg, "type=Linear|LayerNorm|Embedding", 2, w, 1, p);
-  const CostPrediction leaf_rc = predicted(cfg, "recompute:type=Linear|LayerNorm|Embedding", 2, w, 1, p);
+  const CostPrediction leaf_rc =
+      predicted(cfg, "recompute:type=Linear|LayerNorm|Embedding", 2, w, 1, p);
   auto model = build_meta(cfg, 0);
   const Explanation e = explain(*model, make_plan(*model, parse_policy(
                                             "recompute:type=Linear|LayerNorm|Embedding")), 2, {});
@@ -666,8 +668,10 @@ TEST_CASE("cost model: a recomputed LLaMA RMSNorm keeps only its input", "[advis
   MachineProfile p = quiet_profile();
   const std::string leaf = "type=Linear|RMSNorm|Embedding";
   const CostPrediction plain = predicted(cfg, leaf, 1, w, 1, p);
-  const CostPrediction norms = predicted(cfg, "recompute:type=RMSNorm;type=Linear|Embedding", 1, w, 1, p);
-  const CostPrediction linears = predicted(cfg, "recompute:type=Linear;type=RMSNorm|Embedding", 1, w, 1, p);
+  const CostPrediction norms =
+      predicted(cfg, "recompute:type=RMSNorm;type=Linear|Embedding", 1, w, 1, p);
+  const CostPrediction linears =
+      predicted(cfg, "recompute:type=Linear;type=RMSNorm|Embedding", 1, w, 1, p);
   CAPTURE(plain.to_string(), norms.to_string());
   REQUIRE(plain.peak_at == norms.peak_at);
   const double per_token = 2.0 * (4.0 * s.d_model + 4) * s.n_layers;
