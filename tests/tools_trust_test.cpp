@@ -183,7 +183,7 @@ TEST_CASE("explain: sizes and limits are checked, stdout is checked", "[tools][s
   const Outcome limit =
       run(FLATSHARD_EXPLAIN_EXE, {"--world", "2", "--memory-limit", "1e30TiB"}, {}, 60);
   CAPTURE(limit.out, limit.err);
-  CHECK(limit.exit_code != 0);
+  CHECK(limit.exit_code == 2);  // a command-line error (tools/cli_exit.h)
   CHECK(limit.err.find("'1e30TiB' is too large: at most 9223372036854775807 bytes") !=
         std::string::npos);
   CHECK(limit.out.find("limit -") == std::string::npos);
@@ -224,8 +224,9 @@ TEST_CASE("explain --suggest / --profile and bench --write-profile: inputs are c
                                  "--offload-levels", "3"}}) {
     const Outcome o = run(FLATSHARD_EXPLAIN_EXE, args, {}, 60);
     CAPTURE(args, o.err);
-    CHECK(o.exit_code != 0);
-    CHECK(o.exit_code < 128);  // an error, not a crash
+    CHECK(o.exit_code == 2);  // a usage error, one line (tools/cli_exit.h)
+    CHECK(o.err.rfind("flatshard-explain: error: ", 0) == 0);
+    CHECK(std::count(o.err.begin(), o.err.end(), '\n') == 1);
   }
   // The advisor end to end, and bench's profile read back by explain.
   const Outcome s = run(FLATSHARD_EXPLAIN_EXE,
@@ -306,6 +307,15 @@ TEST_CASE("trace: a file twice, a rank twice, a rank outside the world are refus
     CAPTURE(c.files, o.out, o.err);
     CHECK(o.exit_code == 1);
     CHECK(o.err.find(c.says) != std::string::npos);
+  }
+  // A command-line error (no file, a missing one) is a usage error: 2, one line.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{}, std::vector<std::string>{path("no_such_trace.json")}}) {
+    const Outcome o = run(FLATSHARD_TRACE_EXE, args, {}, 60);
+    CAPTURE(args, o.err);
+    CHECK(o.exit_code == 2);
+    CHECK(o.err.rfind("flatshard-trace: error: ", 0) == 0);
+    CHECK(std::count(o.err.begin(), o.err.end(), '\n') == 1);
   }
 }
 

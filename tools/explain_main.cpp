@@ -19,6 +19,10 @@
 // Its module objects do live on the host (~20 KB a layer), so sizes are checked first, without
 // building anything: at most kMaxLayers layers and kMaxParameters parameters (a clear error with
 // the numbers instead of std::bad_alloc or minutes of allocation).
+//
+// Exit codes: 0 ok; 1 an input that is wrong (a policy that does not parse, a bad profile, a
+// model too large, standard output that cannot be written); 2 a command-line error, one line
+// "flatshard-explain: error: ..." (tools/cli_exit.h).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
@@ -35,6 +39,7 @@
 #include "fsdp/meta_init.h"
 #include "models/family.h"
 #include "wrap_policies/spec.h"
+#include "tools/cli_exit.h"
 
 namespace {
 
@@ -201,7 +206,9 @@ int main(int argc, char** argv) {
                  "--suggest: prefetch depths to try (default 1,2)")
       ->check(CLI::Range(0, 64))
       ->delimiter(',');
-  CLI11_PARSE(app, argc, argv);
+  int parse_exit = 0;
+  if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-explain", &parse_exit))
+    return parse_exit;
 
   try {
     namespace fm = flatshard::models;
@@ -285,7 +292,7 @@ int main(int argc, char** argv) {
     }
     flatshard::flush_stdout();
   } catch (const CLI::Error& e) {
-    return app.exit(e);
+    return flatshard::tools::cli_exit(app, e, "flatshard-explain");
   } catch (const c10::Error& e) {
     std::cerr << "flatshard-explain: " << e.what_without_backtrace() << "\n";
     return 1;

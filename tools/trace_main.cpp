@@ -6,7 +6,8 @@
 //   flatshard-trace --merge /tmp/all.json /tmp/run.rank*.json   # one file for ui.perfetto.dev
 //
 // Exit code 1 on any error: an input that is not a flatshard trace, a rank given twice, a
-// --merge file or standard output that cannot be written (the --merge file is then unchanged).
+// --merge file or standard output that cannot be written (the --merge file is then unchanged);
+// 2 for a command-line error (no file, a file that does not exist: tools/cli_exit.h).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
@@ -16,6 +17,7 @@
 
 #include "fsdp/trace_summary.h"
 #include "support/output_file.h"
+#include "tools/cli_exit.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"flatshard-trace: summarise flatshard trace files (one per rank, or merged)"};
@@ -34,7 +36,9 @@ int main(int argc, char** argv) {
                  "GPU ran an event within this many us of its host recording: it was starved")
       ->capture_default_str();
   app.add_option("--merge", merge, "also write all files as one trace (for ui.perfetto.dev)");
-  CLI11_PARSE(app, argc, argv);
+  int parse_exit = 0;
+  if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-trace", &parse_exit))
+    return parse_exit;
   opts.skip_first_step = !keep_first;
   try {
     // Every input is checked (marker, rank, duplicates) before anything is written.
