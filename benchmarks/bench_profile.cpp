@@ -231,18 +231,18 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
         << " ms for " << params << " parameters)";
     // Copy rates: the prediction falls as they rise; bisect the common scale in log space until
     // it meets the measurement. Copies that hide entirely show no rate: defaults then.
-    const Explanation er_ = off_one >= 0 ? explained(off_one) : eo;
-    const RunResult& rr = off_one >= 0 ? results[static_cast<size_t>(off_one)] : ro;
-    const double target = median(rr.fwd_bwd_ms);
+    const Explanation rate_plan = off_one >= 0 ? explained(off_one) : eo;
+    const RunResult& rate_run = off_one >= 0 ? results[static_cast<size_t>(off_one)] : ro;
+    const double target = median(rate_run.fwd_bwd_ms);
     double lo = 1e-3, hi = 1e3;
-    if (fwd_bwd(er_, hi, 1) < target && fwd_bwd(er_, lo, 1) > target) {
+    if (fwd_bwd(rate_plan, hi, 1) < target && fwd_bwd(rate_plan, lo, 1) > target) {
       for (int it = 0; it < 60; ++it) {
         const double mid = std::sqrt(lo * hi);
-        (fwd_bwd(er_, mid, 1) > target ? lo : hi) = mid;
+        (fwd_bwd(rate_plan, mid, 1) > target ? lo : hi) = mid;
       }
       q.h2d_gbps = p.h2d_gbps * hi;
       q.d2h_gbps = p.d2h_gbps * hi;
-      how << ", h2d_gbps and d2h_gbps from '" << rr.granularity << "' (fwd+bwd " << target
+      how << ", h2d_gbps and d2h_gbps from '" << rate_run.granularity << "' (fwd+bwd " << target
           << " ms)";
       // offload_overlap: the prediction is linear in it (cost_model.h).
       if (off_one >= 0) {
@@ -255,8 +255,8 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
         }
       }
     } else {
-      how << "; copy rates default ('" << rr.granularity << "' fwd+bwd " << target
-          << " ms, predicted " << fwd_bwd(er_, hi, 1) << " to " << fwd_bwd(er_, lo, 1)
+      how << "; copy rates default ('" << rate_run.granularity << "' fwd+bwd " << target
+          << " ms, predicted " << fwd_bwd(rate_plan, hi, 1) << " to " << fwd_bwd(rate_plan, lo, 1)
           << " ms over the rate range)";
     }
     p = q;

@@ -292,11 +292,14 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   // and the first bp units of backward are gathered (Runtime::on_first_pre_backward). (CPU
   // ranks, world 1, offload 1, recompute per block: without them 67.4 MiB under, the root's
   // and one block's size.)
-  double prefetched_first = 0;
-  for (int q = n - 1; q >= std::max(1, n - bp); --q)
-    if (!kept(order[q])) prefetched_first += transient(order[q]);
+  auto prefetched_first = [&](int skip) {  // the first bp units of backward, less `skip`
+    double bytes = 0;
+    for (int q = n - 1; q >= std::max(1, n - bp); --q)
+      if (!kept(order[q]) && order[q] != skip) bytes += transient(order[q]);
+    return bytes;
+  };
   consider(act + head_saved + loss_backward_extra, 0,
-           kept_all + flat_grad(order[0]) + prefetched_first, "loss backward");
+           kept_all + flat_grad(order[0]) + prefetched_first(-1), "loss backward");
   {
     // The output projection's backward: the logits' gradient (compute dtype, and the fp32 one
     // it was cast from) beside its saved input, the head unit gathered and the flat gradients
@@ -308,8 +311,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     double g = kept_all + flat_grad(head);
     if (!kept(head)) g += transient(head) * (1 + staging);
     if (head != order[0]) g += flat_grad(order[0]);
-    for (int q = n - 1; q >= std::max(1, n - bp); --q)
-      if (!kept(order[q]) && order[q] != head) g += transient(order[q]);
+    g += prefetched_first(head);  // the head's own buffer is counted above
     const double a =
         act + tokens * (2.0 * shape.d_model * ec + V * (ec + (ec != 4 ? 4 : 0))) * scale;
     consider(a, 0, g, "backward of the output projection");
@@ -394,12 +396,10 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
         general || !uk.frozen
             ? static_cast<double>(uk.padded_numel) * ec - (q == 0 ? head_pending : 0.0)
             : 0.0;
-    const double held =
-        (general ? own_grads + (uk.strategy == ShardingStrategy::kNoShard
-                                    ? 0.0
-                                    : static_cast<double>(er) * uk.shard_numel)
-                 : own_grads) +
-        (level[k] > 0 ? 4.0 * uk.shard_numel : 0.0);
+    const bool reduced_shard = general && uk.strategy != ShardingStrategy::kNoShard;
+    const double held = own_grads +
+                        (reduced_shard ? static_cast<double>(er) * uk.shard_numel : 0.0) +
+                        (level[k] > 0 ? 4.0 * uk.shard_numel : 0.0);
     consider(after, grads + master_grad[k], g + (e.units[k].recompute ? stage : 0.0) + held,
              "reduction of " + e.units[k].name);
     grads += master_grad[k];

@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 32000])
     a = ap.parse_args()
+    if a.tokens < 1 or a.d < 1 or any(v < 1 for v in a.vocab):
+        ap.error(f"--tokens, --d and --vocab must be >= 1, got {a.tokens}, {a.d}, {a.vocab}")
     if not torch.cuda.is_available():
         raise SystemExit("loss_memory_probe: needs a CUDA device")
     dev, mib = "cuda", 2**20
