@@ -22,13 +22,15 @@
 //   1 seq predicted host-bound by 14-79%). Without a probe: the calibration run's issue time
 //   less its hooks.
 // - Offload, when a run is the calibration plan at offload level 1 (label "<cal>+offload1"):
-//   cpu_optimizer_params_per_s from its optimizer time (less the predicted device optimizer of
-//   units not offloaded). h2d_gbps = d2h_gbps: scaled (bisection on the cost model, copies in
+//   cpu_optimizer_params_per_s from the optimizer time (less the predicted device optimizer of
+//   units not offloaded) of every "+offload1" run, their median rate (the host's AdamW varies by
+//   tens of percent from run to run). h2d_gbps = d2h_gbps: scaled (bisection on the cost model, copies in
 //   the gather and reduction pipeline) until the predicted forward + backward of
 //   "model+offload1" equals the measured one — one unit, whose copies overlap no compute — and
-//   then offload_overlap from "<cal>+offload1" (the prediction is linear in it). Without the
-//   one-unit run: the rates from "<cal>+offload1", offload_overlap 1. Copies the model hides
-//   entirely at every rate leave the defaults (the source says so).
+//   then copy_rate_beside_compute from "<cal>+offload1" (bisection: the prediction falls as it
+//   rises; 1 when the full rate is already too slow). Without the one-unit run: the rates from
+//   "<cal>+offload1", copy_rate_beside_compute 1. Copies the model hides entirely at every rate
+//   leave the defaults (the source says so).
 // - cpu: ranks are threads and collectives synchronous, so host and compute do not overlap:
 //   host_overlap_norm 1 (a sum), host_ms_per_step 0, the per-unit cost the slope of the median
 //   step time against units, split 40/60, compute from the calibration run's fwd+bwd time minus

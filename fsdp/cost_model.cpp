@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 #include "support/format.h"
 
@@ -492,9 +493,39 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   }
   // The pipeline: forward gathers on their own stream, issued `fp` units ahead (at that unit's
   // pre-forward); backward in reverse order, gathers issued `bp` units ahead, reductions after
-  // each unit on the reduce stream; the step waits for the last reduction. Returns the exposed
-  // gather time and the reduction tail.
+  // each unit on the reduce stream; the step waits for the last reduction. A copy runs at
+  // copy_rate_beside_compute of its rate while compute runs beside it (cost_model.h). Returns
+  // the exposed gather time and the reduction tail.
+  const double beside = prof.copy_rate_beside_compute;
   auto walk = [&](bool copies, double* exposed_gathers, double* tail) {
+    // The compute spans so far, in time order (one compute stream: disjoint).
+    std::vector<std::pair<double, double>> spans;
+    auto computes = [&](double begin, double ms) {
+      if (ms > 0) spans.emplace_back(begin, begin + ms);
+      return begin + ms;
+    };
+    // When a copy of `work` ms at its full rate, started at t, ends: slowed inside the compute
+    // spans known so far; after the last one nothing computes (the compute waits for this copy,
+    // or the backward is over).
+    auto copy_end = [&](double t, double work) {
+      if (work <= 0) return t;
+      auto it = std::upper_bound(spans.begin(), spans.end(), t,
+                                 [](double v, const std::pair<double, double>& s) {
+                                   return v < s.second;
+                                 });
+      for (; it != spans.end(); ++it) {
+        if (it->first > t) {  // idle compute before this span: the full rate
+          if (it->first - t >= work) return t + work;
+          work -= it->first - t;
+          t = it->first;
+        }
+        const double can = (it->second - t) * beside;
+        if (can >= work) return t + work / beside;
+        work -= can;
+        t = it->second;
+      }
+      return t + work;
+    };
     std::vector<double> start(n, 0);
     double compute_t = 0, comm_t = 0, exposed = 0;
     for (int q = 0; q < n; ++q) {
@@ -502,39 +533,45 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       const double issue =
           q - fp >= 0 && fp > 0 ? start[order[q - fp]] : (fp > 0 ? 0 : compute_t);
       double ready = compute_t;
-      const double busy = (e.units[k].per_step.forward_all_gathers ? ag_ms[k] : 0.0) +
-                          (copies ? up_fwd[k] : 0.0);
-      if (busy > 0) {
-        const double s0 = std::max(comm_t, issue);
-        comm_t = s0 + busy;
+      const double gather = e.units[k].per_step.forward_all_gathers ? ag_ms[k] : 0.0;
+      const double up = copies ? up_fwd[k] : 0.0;
+      if (gather + up > 0) {  // the upload, then the gather
+        comm_t = copy_end(std::max(comm_t, issue), up) + gather;
         ready = std::max(ready, comm_t);
       }
       exposed += ready - compute_t;
       start[k] = ready;
-      compute_t = ready + fwd_ms[k];
+      compute_t = computes(ready, fwd_ms[k]);
     }
-    double red_t = compute_t;
     const double backward_begin = compute_t;
-    std::vector<double> bstart(n, 0);
+    std::vector<double> bstart(n, 0), bend(n, 0);
     for (int q = n - 1; q >= 0; --q) {
       const int k = order[q];
       const int ahead = q + bp;
       const double issue =
           bp > 0 && ahead <= n - 1 && ahead != q ? bstart[order[ahead]] : compute_t;
       double ready = compute_t;
-      const double busy = (e.units[k].per_step.backward_all_gathers ? ag_ms[k] : 0.0) +
-                          (copies ? up_bwd[k] : 0.0);
-      if (busy > 0) {
+      const double gather = e.units[k].per_step.backward_all_gathers ? ag_ms[k] : 0.0;
+      const double up = copies ? up_bwd[k] : 0.0;
+      if (gather + up > 0) {
         // The first bp units of backward are prefetched when backward begins.
         const double s0 = std::max(comm_t, bp > 0 && ahead > n - 1 ? backward_begin : issue);
-        comm_t = s0 + busy;
+        comm_t = copy_end(s0, up) + gather;
         ready = std::max(ready, comm_t);
       }
       exposed += ready - compute_t;
       bstart[k] = ready;
-      compute_t = ready + bwd_ms[k];
-      const double r = red_ms[k] + (copies ? down[k] : 0.0);
-      if (r > 0) red_t = std::max(red_t, compute_t) + r;
+      compute_t = computes(ready, bwd_ms[k]);
+      bend[k] = compute_t;
+    }
+    // The reductions (the compute never waits for them), each after its unit's backward; the
+    // download follows the unit's reduction.
+    double red_t = backward_begin;
+    for (int q = n - 1; q >= 0; --q) {
+      const int k = order[q];
+      const double down_ms = copies ? down[k] : 0.0;
+      if (red_ms[k] + down_ms > 0)
+        red_t = copy_end(std::max(red_t, bend[k]) + red_ms[k], down_ms);
     }
     *exposed_gathers = exposed;
     *tail = std::max(0.0, red_t - compute_t);
@@ -554,9 +591,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   } else if (copy_ms > 0) {
     double g = 0, t = 0;
     walk(true, &g, &t);
-    const double walk_exposed = std::max(0.0, g + t - p.exposed_comm_ms);
-    copy_exposed =
-        walk_exposed + (1 - prof.offload_overlap) * std::max(0.0, copy_ms - walk_exposed);
+    copy_exposed = std::max(0.0, g + t - p.exposed_comm_ms);
   }
   p.cpu_optimizer_ms = cpu_opt_ms;
   p.offload_ms = cpu_opt_ms + copy_exposed;

@@ -66,8 +66,9 @@
 //               uploads (h2d_gbps) lengthen its gathers on the all-gather stream (level 1: the
 //               first forward gather; level 2: every gather), its gradient's download (d2h_gbps)
 //               its reduction on the reduce stream; what that adds to the exposed time is the
-//               offload's (at one rank, where gathers are copies, the uploads alone), plus
-//               (1 - offload_overlap) of the copy time it hides. Synchronous
+//               offload's (at one rank, where gathers are copies, the uploads alone). Inside
+//               the walk's compute spans a copy runs at copy_rate_beside_compute of its rate
+//               (the compute keeps its own). Synchronous
 //               collectives (comm_overlap 0): all copies beyond the compute time are exposed. The
 //               CPU optimizer (cpu_optimizer_params_per_s) overlaps nothing.
 //   gpu_ms = compute + passes + optimizer + exposed + offload; step_ms = the

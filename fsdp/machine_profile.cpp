@@ -48,7 +48,7 @@ const std::vector<Field>& fields() {
       {"h2d_gbps", &MachineProfile::h2d_gbps, false},
       {"d2h_gbps", &MachineProfile::d2h_gbps, false},
       {"cpu_optimizer_params_per_s", &MachineProfile::cpu_optimizer_params_per_s, false},
-      {"offload_overlap", &MachineProfile::offload_overlap, true},
+      {"copy_rate_beside_compute", &MachineProfile::copy_rate_beside_compute, false},
       {"activation_scale", &MachineProfile::activation_scale, false},
       {"allocator_slack", &MachineProfile::allocator_slack, true},
       {"collective_staging", &MachineProfile::collective_staging, true},
@@ -108,6 +108,9 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
     const Field* field = nullptr;
     for (const Field& f : fields())
       if (key == f.key) field = &f;
+    if (!field && key == "offload_overlap")  // the key this one replaced
+      node.fail("'offload_overlap' is retired: rerun flatshard-bench --write-profile, which "
+                "writes 'copy_rate_beside_compute' (fsdp/machine_profile.h)");
     if (!field) {
       std::string known = "format, version, source";
       for (const Field& f : fields()) known += std::string(", ") + f.key;
@@ -122,8 +125,8 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
     }
     if (field->member == &MachineProfile::comm_overlap && v != 0 && v != 1)
       node.fail("'comm_overlap' must be 0 or 1, got " + std::to_string(v));
-    if (field->member == &MachineProfile::offload_overlap && v > 1)
-      node.fail("'offload_overlap' must be in [0, 1], got " + std::to_string(v));
+    if (field->member == &MachineProfile::copy_rate_beside_compute && v > 1)
+      node.fail("'copy_rate_beside_compute' must be in (0, 1], got " + std::to_string(v));
     p.*(field->member) = v;
   }
   if (!format_seen) root.fail("missing \"format\": \"" + std::string(kFormat) + "\"");

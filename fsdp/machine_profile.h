@@ -78,11 +78,14 @@ struct MachineProfile {
   double h2d_gbps = 55;
   double d2h_gbps = 55;
   double cpu_optimizer_params_per_s = 4.4e9;
-  // Of the copy time the pipeline (cost_model.h) hides behind compute, the share that really
-  // hides (1: all of it; the rest is exposed): DMA beside compute in one device. flatshard-bench
-  // --write-profile fits it from the calibration plan at offload 1, after the copy rates from
-  // the one-unit plan (nothing overlaps there), when both ran (bench_profile.h).
-  double offload_overlap = 1.0;
+  // The share of a copy's rate it keeps while compute kernels run beside it (1: none lost;
+  // cost_model.h's pipeline walk slows the copies inside compute spans, not the compute: on the
+  // H200 the 1B GPT's offloaded forward + backward took as long with recompute as without, the
+  // LLaMA's grew by the recompute). flatshard-bench --write-profile fits it from the calibration
+  // plan at offload 1, after the copy rates from the one-unit plan (nothing overlaps there),
+  // when both ran (bench_profile.h). Replaces offload_overlap (a share of the hidden copy time
+  // exposed anyway), which could not say why recompute hid under the GPT's copies.
+  double copy_rate_beside_compute = 1.0;
 
   // Activation memory: the analytic bytes per token of cost_model.h multiplied by this factor
   // (1: the closed form as is; a profile written by flatshard-bench stores measured / predicted

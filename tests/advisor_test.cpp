@@ -169,7 +169,10 @@ TEST_CASE("machine profile: defaults round-trip; every invalid kind names key an
       {R"({"format": "other", "version": 1})", "expected \"flatshard-machine-profile\""},
       {R"([1, 2])", "must be a JSON object"},
       {head + R"("source": 3})", "/source: expected a string"},
-      {head + R"("offload_overlap": 1.5})", "'offload_overlap' must be in [0, 1], got 1.5"},
+      {head + R"("copy_rate_beside_compute": 1.5})",
+       "'copy_rate_beside_compute' must be in (0, 1], got 1.5"},
+      {head + R"("copy_rate_beside_compute": 0})", "'copy_rate_beside_compute' must be > 0"},
+      {head + R"("offload_overlap": 0.5})", "'offload_overlap' is retired: rerun flatshard-bench"},
   };
   for (const auto& b : bad) {
     CAPTURE(b.text);
@@ -619,15 +622,33 @@ TEST_CASE("cost model: offload copies ride the gather and reduction pipeline",
     REQUIRE(root < copies / 2);
     CHECK(c.offload_ms - c.cpu_optimizer_ms == Approx(root).epsilon(1e-9));
   }
-  SECTION("offload_overlap 0: what the pipeline hides is exposed after all") {
-    MachineProfile none = p;
-    none.compute_tflops = 1e-4;
-    none.offload_overlap = 0;
-    const auto [c, copies, cpu, root] = cost("type=Block", none);
-    CHECK(c.offload_ms - c.cpu_optimizer_ms == Approx(copies).epsilon(1e-9));
-    none.offload_overlap = 0.25;
-    const auto [q, copies2, cpu2, root2] = cost("type=Block", none);
-    CHECK(q.offload_ms - q.cpu_optimizer_ms == Approx(root + 0.75 * (copies - root)).epsilon(1e-9));
+  SECTION("copies slowed beside compute: hidden while the compute outlasts them, linear where not") {
+    // Compute far longer than any copy, even at a tenth of the copy rate: still the root's alone.
+    MachineProfile slow = p;
+    slow.compute_tflops = 1e-4;
+    slow.copy_rate_beside_compute = 0.1;
+    const auto [c, copies, cpu, root] = cost("type=Block", slow);
+    CHECK(c.offload_ms - c.cpu_optimizer_ms == Approx(root).epsilon(1e-9));
+    // Compute a third of the copies: each block's upload outlasts the forward beside it, and
+    // the downloads queue behind the backward, so each copy exposes its time less `beside` x
+    // the compute beside it: the exposure is linear in `beside`, and more than at the full rate.
+    MachineProfile mid = p;
+    const auto [full, copies1, cpu1, root1] = cost("type=Block", mid);
+    mid.compute_tflops = p.compute_tflops * (full.compute_ms / (copies1 / 3));
+    auto exposed = [&](double beside) {
+      MachineProfile x = mid;
+      x.copy_rate_beside_compute = beside;
+      const auto [q, cq, uq, rq] = cost("type=Block", x);
+      return q.offload_ms - q.cpu_optimizer_ms;
+    };
+    const double e25 = exposed(0.25), e50 = exposed(0.5), e75 = exposed(0.75), e100 = exposed(1);
+    CAPTURE(e25, e50, e75, e100, copies1, root1);
+    CHECK(e25 > e50);
+    CHECK(e50 > e75);
+    CHECK(e75 > e100);
+    CHECK(e100 > root1);
+    CHECK(e25 < copies1);
+    CHECK(e25 - e50 == Approx(e50 - e75).epsilon(1e-6));
   }
 }
 

@@ -2,7 +2,7 @@
 // runs are synthesised from the cost model (fsdp/cost_model.h) under a profile whose constants
 // the test chooses, and the fit must give those constants back — per-unit host cost from the
 // hook times, the fixed host cost from the short-sequence probe, compute and memory rates, the
-// CPU optimizer rate, the copy rates from the one-unit plan and offload_overlap from the
+// CPU optimizer rate, the copy rates from the one-unit plan and copy_rate_beside_compute from the
 // per-layer plan. No device is used: measure_profile() only explains and costs plans.
 #include <catch2/catch.hpp>
 
@@ -47,7 +47,7 @@ MachineProfile truth(int64_t layers) {
   t.host_us_per_unit_forward = 30;
   t.host_us_per_unit_backward = 50;
   t.h2d_gbps = t.d2h_gbps = 0.2;  // slow enough that every plan's copies show
-  t.offload_overlap = 0.4;
+  t.copy_rate_beside_compute = 0.4;
   t.cpu_optimizer_params_per_s = 1e8;
   return t;
 }
@@ -120,10 +120,19 @@ TEST_CASE("bench profile: the fit gives back the machine the runs came from",
   CHECK(p.cpu_optimizer_params_per_s == Approx(t.cpu_optimizer_params_per_s).epsilon(1e-6));
   CHECK(p.h2d_gbps == Approx(t.h2d_gbps).epsilon(1e-6));
   CHECK(p.d2h_gbps == Approx(t.d2h_gbps).epsilon(1e-6));
-  CHECK(p.offload_overlap == Approx(t.offload_overlap).epsilon(1e-6));
+  CHECK(p.copy_rate_beside_compute == Approx(t.copy_rate_beside_compute).epsilon(1e-6));
   CHECK(p.source.find("at 64 tokens per sequence") != std::string::npos);
-  CHECK(p.source.find("offload_overlap from 'layer+offload1'") != std::string::npos);
+  CHECK(p.source.find("copy_rate_beside_compute from 'layer+offload1'") != std::string::npos);
 
+  SECTION("the CPU optimizer rate: the median over the offload-1 runs, an outlier ignored") {
+    Runs three = synthesise(o, t, {{"layer", 0}, {"leaf", 0}, {"model", 0}, {"layer", 1},
+                                   {"leaf", 1}, {"model", 1}});
+    three.results[3].optimizer_ms = {three.results[3].optimizer_ms[0] * 1.6};  // layer+offload1
+    const MachineProfile q =
+        fb::measure_profile(o, 1, three.grans, three.results, "test", &probe);
+    CHECK(q.cpu_optimizer_params_per_s == Approx(t.cpu_optimizer_params_per_s).epsilon(1e-6));
+    CHECK(q.source.find("the median of 3 offload-1 runs") != std::string::npos);
+  }
   SECTION("without the probe: the calibration run's issue time less its hooks") {
     const MachineProfile q = fb::measure_profile(o, 1, r.grans, r.results, "test");
     const fb::RunResult& cal = r.results[0];
@@ -131,15 +140,15 @@ TEST_CASE("bench profile: the fit gives back the machine the runs came from",
           Approx(cal.host_issue_ms[0] - cal.hook_forward_ms[0] - cal.hook_backward_ms[0]));
     CHECK(q.source.find("issue time less hooks of the calibration run") != std::string::npos);
   }
-  SECTION("without the one-unit plan: the rates from the per-layer plan, overlap 1") {
+  SECTION("without the one-unit plan: the rates from the per-layer plan, the full rate beside compute") {
     const Runs part = synthesise(o, [&] {
       MachineProfile u = t;
-      u.offload_overlap = 1;
+      u.copy_rate_beside_compute = 1;
       return u;
     }(), {{"layer", 0}, {"leaf", 0}, {"layer", 1}});
     const MachineProfile q = fb::measure_profile(o, 1, part.grans, part.results, "test");
     CHECK(q.h2d_gbps == Approx(t.h2d_gbps).epsilon(1e-6));
-    CHECK(q.offload_overlap == 1);
+    CHECK(q.copy_rate_beside_compute == 1);
   }
   SECTION("copies that hide entirely show no rate: the defaults stay, and the source says so") {
     MachineProfile fast = t;
