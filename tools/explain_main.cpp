@@ -288,7 +288,8 @@ int main(int argc, char** argv) {
                 << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
                 << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
                 << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
-                << " host_bytes=" << p.host_bytes << "\n";
+                << " host_bytes=" << p.host_bytes
+                << " optimizer_ms=" << p.optimizer_ms + p.cpu_optimizer_ms << "\n";
     }
     flatshard::flush_stdout();
   } catch (const CLI::Error& e) {
