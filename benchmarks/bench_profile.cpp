@@ -228,7 +228,10 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
       const double ms = median(results[i].optimizer_ms) - c.optimizer_ms;
       const double n = c.cpu_optimizer_ms * q.cpu_optimizer_params_per_s / 1e3;
       if (ms > 0 && n > 0) rates.push_back(n / ms * 1e3);
-      if (static_cast<int>(i) == off_cal) cpu_ms = ms, params = n;
+      if (static_cast<int>(i) == off_cal) {  // the calibration plan's, for the source line
+        cpu_ms = ms;
+        params = n;
+      }
     }
     if (!rates.empty()) q.cpu_optimizer_params_per_s = median(rates);
     // The cost model's forward + backward of plan `x` at copy-rate scale `scale`.
