@@ -44,9 +44,8 @@ bool layer_index(const std::string& path, const std::string& prefix, int64_t* in
 // saves less than the same module without recompute (cost_model.h, activations): a LLaMA RMSNorm
 // keeps its input (d e) instead of its fp32 copy, its cast output and the statistic.
 double recomputed_leaf_saving(const TransformerShape& shape, const std::string& inner) {
-  if (shape.kind == TransformerShape::Kind::kLlama &&
-      (inner == "input_norm" || inner == "post_attn_norm"))
-    return 4.0 * static_cast<double>(shape.d_model) + 4;
+  for (const auto& path : shape.rms_norm_paths)
+    if (inner == path) return 4.0 * static_cast<double>(shape.d_model) + 4;
   return 0;
 }
 

@@ -95,6 +95,9 @@ struct TransformerShape {
   std::string layer_prefix;
   // Spec type names the advisor builds its candidates from ("Block", "Linear|LayerNorm|Embedding").
   std::string layer_type, leaf_types;
+  // Paths inside a layer of its RMSNorm modules (LLaMA: "input_norm", "post_attn_norm"): one
+  // recomputed as a unit of its own keeps only its input (recomputed_leaf_saving).
+  std::vector<std::string> rms_norm_paths;
 
   int64_t head_dim() const { return d_model / n_heads; }
   // Matmul weight elements of one layer (the FLOP count's N per layer).

@@ -130,6 +130,7 @@ TransformerShape ModelConfig::transformer_shape() const {
     s.mlp_hidden = llama.hidden_size();
     s.n_layers = llama.n_layers;
     s.layer_prefix = "layers";
+    s.rms_norm_paths = {"input_norm", "post_attn_norm"};  // models/llama.cpp, DecoderLayerImpl
   }
   return s;
 }
