@@ -115,6 +115,9 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
               shape.n_layers, " mlp_hidden ", shape.mlp_hidden);
   TORCH_CHECK(offload_level >= 0 && offload_level <= 2,
               "predict_cost: offload level must be 0, 1 or 2, got ", offload_level);
+  TORCH_CHECK(prof.copy_rate_beside_compute > 0 && prof.copy_rate_beside_compute <= 1,
+              "predict_cost: copy_rate_beside_compute must be in (0, 1], got ",
+              prof.copy_rate_beside_compute);
   const auto& mp = e.options.mixed_precision;
   const int64_t ec = elem(mp.param_dtype);
   const int64_t er = elem(mp.reduce_dtype.value_or(mp.param_dtype));

@@ -448,6 +448,9 @@ TEST_CASE("advisor: bad inputs are errors with their values", "[advisor][errors]
           a.extra_specs = {"type=Block;;"};
         }).find("spec 'type=Block;;'") != std::string::npos);
   CHECK(err([](AdvisorOptions& a) { a.workload.batch = 0; }).find("batch 0") != std::string::npos);
+  CHECK(err([](AdvisorOptions& a) {
+          a.profile.copy_rate_beside_compute = 0;  // a profile built in code, not parsed
+        }).find("copy_rate_beside_compute must be in (0, 1], got 0") != std::string::npos);
   CHECK(err([](AdvisorOptions&) {}, 0).find("world 0") != std::string::npos);
 }
 
