@@ -332,8 +332,11 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     // A backward gather's staging lives only while the collective runs, before (a prefetch: long
     // before) this unit's backward compute: it and the compute's working set are never alive
     // together (CPU ranks, world 2 and 4: their sum over-counted per-layer plans by about one
-    // layer's gradient work, and hid the head gradient above).
-    double stage = 0;
+    // layer's gradient work, and hid the head gradient above). It is counted where the gather is
+    // issued ("backward gather at", below), not beside the compute: taking the larger of the two
+    // at the compute put a unit's staging beside its own flat gradient, which does not exist
+    // yet there (CPU ranks, two layers per unit, worlds 2-4: 3.0-6.6% over, now 0.2-1.7%).
+    double stage = 0;  // this unit's own staging, for the recompute rule below
     if (e.units[k].per_step.backward_all_gathers) stage = staging * transient(k);
     for (int j = 0; j < q; ++j)
       if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
@@ -375,8 +378,23 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     // A recompute unit keeps the staging in both points, here and at its reduction: measured so
     // (CPU ranks, world 2 and 4: per-leaf recompute 5-7% under without it), not explained —
     // the recompute forward's own scratch beside the rebuilt layer is not modelled apart.
-    const double extra = e.units[k].recompute ? stage + work : std::max(stage, work);
-    if (up > 0) consider(a, grads, g - flat_grad(k) + up, "backward gather at " + e.units[k].name);
+    // The staging of the gathers this pre-backward issues (the same units as the uploads: all
+    // of the first bp at the start of backward, then the one bp ahead; bp = 0: its own), alive
+    // while each collective runs, before this unit's gradient exists.
+    auto staged = [&](int j) {
+      return !kept(j) && e.units[j].per_step.backward_all_gathers ? staging * transient(j) : 0.0;
+    };
+    double sg = 0;
+    if (bp == 0) {
+      sg = staged(k);
+    } else if (q == n - 1) {
+      for (int j = q; j >= std::max(0, q - bp); --j) sg = std::max(sg, staged(order[j]));
+    } else if (q - bp >= 0) {
+      sg = staged(order[q - bp]);
+    }
+    const double extra = e.units[k].recompute ? stage + work : work;
+    if (up > 0 || sg > 0)
+      consider(a, grads, g - flat_grad(k) + std::max(up, sg), "backward gather at " + e.units[k].name);
     // (Its master gradient does not exist yet: zero_grad leaves none, and the reduction
     // allocates it. Counted here, the one-unit plans were 6-8% over on the GPU.)
     consider(a, grads, g + extra, "backward of " + e.units[k].name);

@@ -231,6 +231,11 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
       // (held for the root's reduction) then sits beside all of them: 5-10% under without it.
       {Family::kGpt, "small", 128, 2, "grad_op:type=Block"},
       {Family::kGpt, "small", 128, 2, "grad_op+recompute:type=Block", 4},
+      // Two layers per unit: a backward gather's staging is counted where the gather is
+      // issued, not beside the unit's own (not yet existing) flat gradient: 3.0% (world 2) and
+      // 6.6% (world 4) over when it was; the bound for these is the issue's 5%.
+      {Family::kGpt, "small", 128, 2, "every=2,type=Block"},
+      {Family::kGpt, "small", 128, 2, "every=2,type=Block", 4},
   };
   for (const auto& c : cases) {
     const ModelConfig cfg = preset(c.family, c.preset, c.seq);
@@ -251,6 +256,7 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     CAPTURE(world);
     CHECK(err >= -0.05);
     CHECK(err <= (tiny ? 0.20 : 0.15));
+    if (std::string(c.spec).rfind("every=", 0) == 0) CHECK(err <= 0.05);
   }
 }
 
