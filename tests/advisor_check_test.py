@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""tools/advisor_check.py end to end on CPU ranks: the issue-20 table and the advisor's check.
+
+Runs the script on the tiny GPT at world 2 (every granularity x recompute x offload 0/1, and
+--budget with one repeat), then checks what it printed against the bench JSONs it wrote:
+- exit 0, and one table row per bench run (18);
+- every row's predicted peak within the bounds tests/advisor_test.cpp states for the tiny GPT
+  on CPU ranks (5% under, 20% over: its steps take milliseconds, the rank threads interleave);
+- the advisor's suggestion was measured and fit the budget in its repeat;
+- bad input: a budget that is not a size, a build without the binaries, exit non-zero with one
+  line naming the value.
+Usage: advisor_check_test.py PYTHON SOURCE_DIR BUILD_DIR
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+py, src, build = sys.argv[1:4]
+script = os.path.join(src, "tools", "advisor_check.py")
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+        print("FAILED: " + what, flush=True)
+
+
+with tempfile.TemporaryDirectory() as logdir:
+    cmd = [py, script, "--build", build, "--device", "cpu", "--nproc", "2", "--preset", "tiny",
+           "--batches", "2", "--models", "gpt", "--offloads", "0", "1", "--warmup", "1",
+           "--steps", "2", "--budget", "4MiB", "--repeat", "1", "--logdir", logdir]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    out = p.stdout
+    check(p.returncode == 0, f"advisor_check exit {p.returncode}: {p.stderr[-2000:]}")
+    rows = [l.split() for l in out.splitlines() if l.startswith("gpt ")]
+    runs = 0
+    for name in os.listdir(logdir):
+        if name.startswith("bench_") and name.endswith(".json"):
+            runs += len(json.load(open(os.path.join(logdir, name)))["runs"])
+    check(len(rows) == 18 and runs == 18, f"{len(rows)} table rows for {runs} bench runs, want 18")
+    for r in rows:
+        # model batch config pred_MiB meas_MiB err% ...
+        err = float(r[5])
+        check(-5.0 <= err <= 20.0, f"{r[2]}: predicted peak {err}% off the measured")
+    check(any(r[2] == "layer" and "(calibration)" in " ".join(r) for r in rows),
+          "the calibration row is not marked")
+    m = re.search(r"suggested spec '([^']+)'", out)
+    check(m is not None, "no suggestion printed:\n" + out[-2000:])
+    check("repeat 0:" in out and "OVER BUDGET" not in out, "the suggestion's repeat:\n" + out[-2000:])
+    check(re.search(r"medians over 1 repeats: chosen [0-9.]+ ms", out) is not None,
+          "no verdict line")
+
+    fresh = os.path.join(logdir, "bad")
+    bad = subprocess.run(cmd[:-6] + ["--budget", "lots", "--repeat", "1", "--logdir", fresh],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    check(bad.returncode != 0 and "'lots' is not a size" in bad.stderr,
+          f"bad budget: exit {bad.returncode}, stderr {bad.stderr[-500:]!r}")
+    # Refused before the sweep: no bench ran.
+    check(not any(n.endswith(".json") for n in os.listdir(fresh)) if os.path.isdir(fresh) else True,
+          "a bad budget was found only after the bench runs")
+    nob = subprocess.run([py, script, "--build", os.path.join(logdir, "nothing"), "--logdir", logdir],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    check(nob.returncode != 0 and "is not built" in nob.stderr,
+          f"missing build: exit {nob.returncode}, stderr {nob.stderr[-500:]!r}")
+
+print("advisor_check_test: " + ("ok" if not failures else f"{len(failures)} failed"))
+sys.exit(1 if failures else 0)
