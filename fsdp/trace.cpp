@@ -9,15 +9,17 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 #include <ostream>
+#include <sstream>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "collectives/communicator.h"
 #include "collectives/env.h"
 #include "fsdp/trace_format.h"
+#include "support/output_file.h"
 #if FLATSHARD_WITH_CUDA
 #include <nvtx3/nvToolsExt.h>
 #endif
@@ -425,12 +427,11 @@ const std::vector<TraceRecord>& Tracer::records() {
 std::string Tracer::write() {
   if (!record_) return "";
   resolve(/*wait=*/true);
-  std::ofstream f(path_, std::ios::trunc);
-  TORCH_CHECK(f.good(), "flatshard trace: cannot open '", path_, "' for writing (rank ",
-              comm_.rank(), ")");
-  write_json(f);
-  f.close();
-  TORCH_CHECK(!f.fail(), "flatshard trace: writing '", path_, "' failed (rank ", comm_.rank(), ")");
+  // Whole or not at all (support/output_file.h): a failed write, a full disk, leaves an earlier
+  // trace at this path as it was, never a truncated one.
+  std::ostringstream os;
+  write_json(os);
+  write_file(path_, os.str(), "flatshard trace (rank " + std::to_string(comm_.rank()) + ")");
   return path_;
 }
 

@@ -37,8 +37,9 @@
 //   TraceOptions::max_steps steps, or 2^20 events, so memory stays bounded; hooks then cost a
 //   call each.
 // - One tracer per ShardedModel per rank; driven by one thread at a time, like the runtime.
-// - The file is written by write() and when the tracer is destroyed (with the ShardedModel);
-//   the destructor never throws (a failed write is a warning).
+// - The file is written by write() and when the tracer is destroyed (with the ShardedModel),
+//   whole or not at all (support/output_file.h: a failed write leaves an earlier file at the
+//   path as it was); the destructor never throws (a failed write is a warning).
 //
 // Environment (read when a ShardedModel is built, only if TraceOptions::path is empty):
 //   FLATSHARD_TRACE        unset/empty: off. A path: trace to it ("{rank}" is replaced by the

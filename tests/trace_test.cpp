@@ -23,6 +23,8 @@
 #include <set>
 #include <thread>
 
+#include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "models/gpt.h"
@@ -223,6 +225,45 @@ TEST_CASE("trace: CPU files are valid JSON with the expected events per unit",
     }
     CHECK(ag_bytes == counted);
   }
+}
+
+TEST_CASE("trace: a write that fails midway leaves the earlier file as it was",
+          "[diagnostics][trace]") {
+  // support/output_file.h: the trace goes to a temporary renamed over the path. A file-size
+  // limit (EFBIG past 64 bytes; SIGXFSZ ignored) fails the write after it began: the earlier
+  // file must survive whole, and the error must name the rank. (Written in place, the path was
+  // truncated to the limit.)
+  const auto dir = temp_dir("whole");
+  const std::string path = (dir / "t.json").string();
+  const std::string earlier = "{\"an earlier trace\": true}\n";
+  { std::ofstream(path) << earlier; }
+  run_ranks(1, [&](Communicator& comm) {
+    auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
+    ShardingOptions o;
+    o.trace.path = path;
+    auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Block")), comm, o);
+    auto [x, y] = g::synthetic_batch(model->config(), 2, 3, comm.rank(), 0);
+    flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); }).backward();
+    rlimit before{};
+    RANK_REQUIRE(::getrlimit(RLIMIT_FSIZE, &before) == 0);
+    auto* old_handler = ::signal(SIGXFSZ, SIG_IGN);
+    rlimit small = before;
+    small.rlim_cur = 64;
+    RANK_REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    std::string error;
+    try {
+      fsdp->write_trace();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    ::setrlimit(RLIMIT_FSIZE, &before);
+    ::signal(SIGXFSZ, old_handler);
+    std::ifstream in(path);
+    const std::string now((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    RANK_CHECK(now == earlier);
+    RANK_CHECK(error.find("flatshard trace (rank 0) '" + path + "'") != std::string::npos);
+  });  // the destructor's write, under no limit, replaces it with the trace
+  CHECK(parse_file(path).at("otherData").at("rank").get<int>() == 0);
 }
 
 TEST_CASE("trace: a unit entered twice per forward has one backward span",
