@@ -5,7 +5,9 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "collectives/rendezvous.h"
@@ -36,15 +38,36 @@ LaunchEnv env_for(int rank, int world, int port) {
 
 std::string str(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
 
+// Rank 0's store on a free port. free_port()'s port is free only until its probe closes: a test
+// running beside this one (ctest -j) may bind it first, so a bind that finds the port taken is
+// retried on another; any other failure is the test's.
+std::pair<c10::intrusive_ptr<c10d::Store>, int> host_on_free_port(int world) {
+  for (int attempt = 0;; ++attempt) {
+    const int port = free_port();
+    try {
+      return {flatshard::create_store(env_for(0, world, port), std::chrono::seconds(20)), port};
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      const bool taken = what.find("EADDRINUSE") != std::string::npos ||
+                         what.find("ddress already in use") != std::string::npos;
+      if (!taken || attempt == 4) throw;
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("rank 0 hosts the store; everyone meets there", "[rendezvous]") {
-  const int world = 3, port = free_port();
+  const int world = 3;
+  const auto hosted = host_on_free_port(world);
+  const auto& host = hosted.first;
+  const int port = hosted.second;
   std::vector<std::string> seen(world);
   std::vector<std::thread> ranks;
   for (int r = 0; r < world; ++r)
     ranks.emplace_back([&, r] {
-      auto store = flatshard::create_store(env_for(r, world, port), std::chrono::seconds(20));
+      auto store = r == 0 ? host
+                          : flatshard::create_store(env_for(r, world, port), std::chrono::seconds(20));
       store->set("hello/" + std::to_string(r), std::vector<uint8_t>{uint8_t('a' + r)});
       flatshard::store_barrier(*store, "test_barrier", world, 0);
       for (int q = 0; q < world; ++q) seen[r] += str(store->get("hello/" + std::to_string(q)));
