@@ -204,13 +204,8 @@ class CheckpointLoader {
 
 ParamLoader checkpoint_loader(const std::string& dir, NameMap name_map,
                               std::shared_ptr<LoadStats> stats) {
-  auto loader =
-      std::make_shared<CheckpointLoader>(dir, std::move(name_map), std::move(stats));
-  ParamLoader out;
-  out.check = [loader](const std::vector<PlannedParam>& params) { loader->check(params); };
-  out.read = [loader](const std::string& name, int64_t begin, int64_t end,
-                      const at::Tensor& dst) { loader->read(name, begin, end, dst); };
-  return out;
+  return ParamLoader::over(
+      std::make_shared<CheckpointLoader>(dir, std::move(name_map), std::move(stats)));
 }
 
 void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,

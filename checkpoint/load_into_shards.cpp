@@ -203,13 +203,8 @@ ParamLoader safetensors_loader(const std::string& path, NameMap name_map,
   if (is_directory(path) && path_exists(join_path(path, "manifest.json")) &&
       !path_exists(join_path(path, kModelName)) && !path_exists(join_path(path, kIndexName)))
     return checkpoint_loader(path, std::move(name_map), std::move(stats));
-  auto loader =
-      std::make_shared<SafetensorsLoader>(path, std::move(name_map), std::move(stats));
-  ParamLoader out;
-  out.check = [loader](const std::vector<PlannedParam>& params) { loader->check(params); };
-  out.read = [loader](const std::string& name, int64_t begin, int64_t end,
-                      const at::Tensor& dst) { loader->read(name, begin, end, dst); };
-  return out;
+  return ParamLoader::over(
+      std::make_shared<SafetensorsLoader>(path, std::move(name_map), std::move(stats)));
 }
 
 }  // namespace flatshard

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -49,6 +50,17 @@ struct ParamLoader {
   std::function<void(const std::string& name, int64_t begin, int64_t end, const at::Tensor& dst)>
       read;
   explicit operator bool() const { return static_cast<bool>(read); }
+
+  // Both callbacks over one shared object with check(params) and read(name, begin, end, dst)
+  // members (a format's loader): the copies of the ParamLoader keep it alive.
+  template <class Loader>
+  static ParamLoader over(std::shared_ptr<Loader> loader) {
+    ParamLoader out;
+    out.check = [loader](const std::vector<PlannedParam>& params) { loader->check(params); };
+    out.read = [loader](const std::string& name, int64_t begin, int64_t end,
+                        const at::Tensor& dst) { loader->read(name, begin, end, dst); };
+    return out;
+  }
 };
 
 struct MixedPrecision {
