@@ -342,21 +342,29 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       if (kept(order[j]) || j >= q - bp) g += transient(order[j]);
     if (q != 0) g += flat_grad(order[0]);
     if (previous >= 0) g += flat_grad(previous);
-    // A level-2 unit gathered for backward uploads its master again: the gathers this
-    // pre-backward issues (all of the first bp at the start of backward, then the one bp ahead;
-    // bp = 0: its own), before this unit's gradient exists.
-    auto upload_backward = [&](int j) {
+    // The largest of f over the units whose gathers this pre-backward issues: all of the first
+    // bp at the start of backward, then the one bp ahead; bp = 0: its own. Before this unit's
+    // gradient exists.
+    auto over_issued = [&](auto&& f) {
+      double most = 0;
+      if (bp == 0) {
+        most = f(k);
+      } else if (q == n - 1) {
+        for (int j = q; j >= std::max(0, q - bp); --j) most = std::max(most, f(order[j]));
+      } else if (q - bp >= 0) {
+        most = f(order[q - bp]);
+      }
+      return most;
+    };
+    // A level-2 unit gathered for backward uploads its master again.
+    const double up = over_issued([&](int j) {
       return level[j] == 2 && !kept(j) && e.units[j].per_step.backward_all_gathers ? upload(j)
                                                                                      : 0.0;
-    };
-    double up = 0;
-    if (bp == 0) {
-      up = upload_backward(k);
-    } else if (q == n - 1) {
-      for (int j = q; j >= std::max(0, q - bp); --j) up = std::max(up, upload_backward(order[j]));
-    } else if (q - bp >= 0) {
-      up = upload_backward(order[q - bp]);
-    }
+    });
+    // Each gather's staging, alive while its collective runs.
+    const double sg = over_issued([&](int j) {
+      return !kept(j) && e.units[j].per_step.backward_all_gathers ? staging * transient(j) : 0.0;
+    });
     g += flat_grad(k);
     // Activations: layers freed later (anchor < q) saved; layers anchored here being consumed:
     // full (recomputed ones rebuilt whole).
@@ -378,23 +386,10 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
     // A recompute unit keeps the staging in both points, here and at its reduction: measured so
     // (CPU ranks, world 2 and 4: per-leaf recompute 5-7% under without it), not explained —
     // the recompute forward's own scratch beside the rebuilt layer is not modelled apart.
-    // The staging of the gathers this pre-backward issues (the same units as the uploads: all
-    // of the first bp at the start of backward, then the one bp ahead; bp = 0: its own), alive
-    // while each collective runs, before this unit's gradient exists.
-    auto staged = [&](int j) {
-      return !kept(j) && e.units[j].per_step.backward_all_gathers ? staging * transient(j) : 0.0;
-    };
-    double sg = 0;
-    if (bp == 0) {
-      sg = staged(k);
-    } else if (q == n - 1) {
-      for (int j = q; j >= std::max(0, q - bp); --j) sg = std::max(sg, staged(order[j]));
-    } else if (q - bp >= 0) {
-      sg = staged(order[q - bp]);
-    }
     const double extra = e.units[k].recompute ? stage + work : work;
     if (up > 0 || sg > 0)
-      consider(a, grads, g - flat_grad(k) + std::max(up, sg), "backward gather at " + e.units[k].name);
+      consider(a, grads, g - flat_grad(k) + std::max(up, sg),
+               "backward gather at " + e.units[k].name);
     // (Its master gradient does not exist yet: zero_grad leaves none, and the reduction
     // allocates it. Counted here, the one-unit plans were 6-8% over on the GPU.)
     consider(a, grads, g + extra, "backward of " + e.units[k].name);
