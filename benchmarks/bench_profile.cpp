@@ -158,9 +158,12 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
   }
 
   // cpu: collectives are timed (TimedCommunicator): a bandwidth-only model through the bytes
-  // the calibration run sent (latency 0: the threads backend's cost is copying).
+  // the calibration run sent (latency 0: the threads backend's cost is copying). One rank has
+  // no peer to send to (an offloaded unit's reduction still counts its bytes and time): the
+  // bus factors below are 0 there, a rate of 0 that no profile may hold; the defaults stay.
   std::string comm_how = "collectives: defaults";
-  if (cpu && r.exposed_comm_share && *r.exposed_comm_share > 0 && r.per_step.bytes > 0) {
+  if (cpu && world > 1 && r.exposed_comm_share && *r.exposed_comm_share > 0 &&
+      r.per_step.bytes > 0) {
     const double comm_ms = *r.exposed_comm_share * median(r.step_ms);
     const double gbps = static_cast<double>(r.per_step.bytes) / (comm_ms * 1e6);
     p.all_gather_latency_us = p.reduce_scatter_latency_us = p.all_reduce_latency_us = 0;

@@ -163,6 +163,30 @@ TEST_CASE("bench profile: the fit gives back the machine the runs came from",
   }
 }
 
+TEST_CASE("bench profile: one CPU rank writes a profile that loads", "[advisor][profile]") {
+  // One rank's timed communicator still counts an offloaded unit's reduction (bytes and time),
+  // but has no peer: the collective rates must stay the defaults, not (W - 1) x rate = 0, which
+  // flatshard-explain refuses ("'all_gather_gbps' must be > 0").
+  fb::BenchOptions o = options();
+  o.device = fb::DeviceKind::kCpu;
+  o.sharding.mixed_precision.param_dtype = at::kFloat;
+  // One unit count (no per-unit fit: cpu fits it from step times, which these synthetic runs,
+  // timed as a GPU would, do not model) and a CPU's compute rate, so the default host cost
+  // per unit leaves compute to calibrate from.
+  MachineProfile t = truth(4);
+  t.compute_tflops = 0.05;
+  Runs r = synthesise(o, t, {{"layer", 0}, {"layer", 1}});
+  for (auto& run : r.results) {
+    run.exposed_comm_share = 0.1;
+    run.per_step.bytes = 1 << 20;
+  }
+  const MachineProfile p = fb::measure_profile(o, 1, r.grans, r.results, "test");
+  CAPTURE(p.to_json());
+  CHECK(p.all_gather_gbps == MachineProfile::defaults().all_gather_gbps);
+  CHECK(p.source.find("collectives: defaults") != std::string::npos);
+  CHECK_NOTHROW(parse_profile(p.to_json(), "the written profile"));
+}
+
 TEST_CASE("bench profile: nothing sharded to calibrate from is an error", "[advisor][profile]") {
   const fb::BenchOptions o = options();
   const Runs r = synthesise(o, truth(4), {{"layer", 0}});
