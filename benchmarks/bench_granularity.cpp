@@ -117,7 +117,9 @@ Granularity resolve_granularity(const std::string& label, const torch::nn::Modul
     const std::string msg = e.what_without_backtrace();
     throw UsageError("granularity '" + label + "': " + msg.substr(0, msg.find('\n')));
   }
-  if (g.plan.matched_modules == 0)
+  // A rule that matches nothing is a typo; a spec without rules ('none', what the advisor
+  // prints for the one-unit plan, or root options alone) asks for the root alone, as 'model'.
+  if (g.plan.matched_modules == 0 && !g.policy.rules.empty())
     throw UsageError("granularity '" + label + "' (policy '" + g.policy.to_spec() +
                      "') matches no module of the model; its types are " + modules.type_names);
   return g;

@@ -279,6 +279,22 @@ TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
   CHECK(s.find("peak memory (MiB)") != std::string::npos);
 }
 
+TEST_CASE("a spec without rules is the one-unit plan, as 'model'", "[bench]") {
+  // flatshard-explain --suggest prints "--granularity 'none'" for the one-unit plan: pasted into
+  // the bench it must run that plan, not be refused as a policy matching nothing.
+  const std::string json = scratch("none.json");
+  const Outcome o = run_bench({"--preset", "tiny", "--steps", "1", "--warmup", "0",
+                               "--granularity", "model", "--granularity", "none", "--json", json});
+  INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+  REQUIRE(o.exit_code == 0);
+  const JsonFile report(json);
+  const auto model = run_named(report.root, "model"), none = run_named(report.root, "none");
+  CHECK(none.at("units").as_int() == 1);
+  CHECK(none.at("units").as_int() == model.at("units").as_int());
+  CHECK(none.at("forward_all_gathers").as_int() == model.at("forward_all_gathers").as_int());
+  CHECK(none.at("check").as_string() == "ok");
+}
+
 TEST_CASE("--optimizer fused: every run uses FusedAdamW; losses still agree", "[bench]") {
   const std::string json = scratch("fused.json");
   const Outcome o = run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",

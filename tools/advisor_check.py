@@ -244,10 +244,7 @@ def main():
         # (A sweep plan that is the suggestion itself, e.g. 'leaf' = its spec, runs once: last.)
         cands = [r["config"] if "recompute" not in r["config"] else r["spec"]
                  for r in fitting if r["spec"] != spec]
-        # The one-unit plan's spec is 'none' (no module wrapped: the root alone), which the
-        # bench refuses as a policy that matches nothing; its name there is 'model'.
-        cands.append("model" if spec == "none" else spec)
-        chosen = cands[-1]
+        cands.append(spec)
         per_plan = {c: [] for c in cands}  # step ms per repeat
         over_any = {c: False for c in cands}
         for rep in range(a.repeat):
@@ -281,13 +278,13 @@ def main():
         # Each plan's median over the repeats (the fastest of several noisy plans per repeat
         # would be biased low), the fastest among those that fit in every repeat.
         done = {c: sorted(v)[len(v) // 2] for c, v in per_plan.items() if v}
-        if chosen in done:
-            failures += over_any[chosen]
+        if spec in done:
+            failures += over_any[spec]
             fit = [(ms, c) for c, ms in done.items() if not over_any[c]]
             best_ms, best_c = min(fit) if fit else (float("nan"), "-")
-            ratio = done[chosen] / best_ms
-            print(f"  medians over {len(per_plan[chosen])} repeats: chosen {done[chosen]:.1f} ms"
-                  f"{' (OVER BUDGET)' if over_any[chosen] else ''}, fastest fitting {best_c} "
+            ratio = done[spec] / best_ms
+            print(f"  medians over {len(per_plan[spec])} repeats: chosen {done[spec]:.1f} ms"
+                  f"{' (OVER BUDGET)' if over_any[spec] else ''}, fastest fitting {best_c} "
                   f"{best_ms:.1f} ms: ratio {ratio:.3f} "
                   f"({'within 5% of the fastest' if ratio <= 1.05 else 'SLOWER than 5%'})")
         else:
