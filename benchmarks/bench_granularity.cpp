@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cctype>
 
 #include "benchmarks/bench_options.h"
@@ -145,6 +146,12 @@ Granularity with_offload(Granularity g, int level) {
   for (UnitSpec& u : g.plan.units) u.options.offload = level;
   g.label += "+offload" + std::to_string(level);
   return g;
+}
+
+int offload_of(const Granularity& g) {
+  int level = 0;
+  for (const UnitSpec& u : g.plan.units) level = std::max(level, u.options.offload.value_or(0));
+  return level;
 }
 
 }  // namespace bench

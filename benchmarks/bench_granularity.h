@@ -47,6 +47,8 @@ Granularity with_recompute(Granularity g);
 // Every unit (the root too) at CPU offload `level` (Note [CPU offload]), "+offloadN" appended;
 // `local` and level 0 are returned unchanged.
 Granularity with_offload(Granularity g, int level);
+// The offload level with_offload() gave `g`'s plan (0: none, or local).
+int offload_of(const Granularity& g);
 
 Granularity resolve_granularity(const std::string& label, const torch::nn::Module& model,
                                 const models::FamilyModules& modules);

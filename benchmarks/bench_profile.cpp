@@ -222,11 +222,7 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
     std::vector<double> rates;
     double cpu_ms = 0, params = 0;
     for (size_t i = 0; i < results.size(); ++i) {
-      const std::string& label = granularities[i].label;
-      const std::string suffix = "+offload1";
-      if (results[i].step_ms.empty() || label.size() < suffix.size() ||
-          label.compare(label.size() - suffix.size(), suffix.size(), suffix) != 0)
-        continue;
+      if (results[i].step_ms.empty() || offload_of(granularities[i]) != 1) continue;
       const CostPrediction c = predict_cost(explained(static_cast<int>(i)), shape, w, q);
       const double ms = median(results[i].optimizer_ms) - c.optimizer_ms;
       const double n = c.cpu_optimizer_ms * q.cpu_optimizer_params_per_s / 1e3;
