@@ -52,7 +52,7 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
     flatshard::MetaInit meta;
     planning = o.model.build(o.seed);
   }
-  const auto& modules = flatshard::models::family_modules(o.model.family);
+  const auto& modules = o.model.family().modules();
   std::vector<fb::Granularity> out;
   for (const auto& label : fb::split_granularities(o.granularity_flags)) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);

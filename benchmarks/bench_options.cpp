@@ -80,12 +80,13 @@ ParseResult parse_command_line(int argc, char** argv) {
   BenchOptions o;
 
   auto* g_model = "Model";
-  app.add_option("--model", family, "gpt (models/gpt.h, default) | llama (models/llama.h)")
-      ->check(CLI::IsMember({"gpt", "llama"}))
+  app.add_option("--model", family,
+                 "model family (models/family.h; default gpt): " + models::families_help())
+      ->check(CLI::IsMember(models::family_names()))
       ->group(g_model);
   auto* o_preset =
-      app.add_option("--preset", preset, "tiny | small | 1b; llama also 7b (default: see below)")
-          ->check(CLI::IsMember({"tiny", "small", "1b", "7b"}))
+      app.add_option("--preset", preset, "the family's preset (default: see below)")
+          ->check(CLI::IsMember(models::all_preset_names()))
           ->group(g_model);
   auto* o_layers =
       app.add_option("--layers", layers, "override: transformer blocks")->group(g_model);
@@ -186,7 +187,7 @@ ParseResult parse_command_line(int argc, char** argv) {
       ->type_name("PATH")
       ->group(g_out);
   app.add_option("--write-profile", o.profile_path,
-                 "write the machine profile these runs measure (fsdp/machine_profile.h; "
+                 "write the machine profile these runs measure (planner/machine_profile.h; "
                  "benchmarks/bench_profile.h says which numbers) to PATH, for flatshard-explain "
                  "--profile")
       ->type_name("PATH")
@@ -210,7 +211,7 @@ ParseResult parse_command_line(int argc, char** argv) {
 
   o.preset = o_preset->count() ? preset : (cuda ? "1b" : "small");
   try {
-    o.model = models::ModelConfig::preset(models::parse_family(family), o.preset);
+    o.model = models::ModelConfig::preset(family, o.preset);
   } catch (const c10::Error& e) {
     throw UsageError("--model " + family + ": " + first_line(e.what_without_backtrace()));
   }

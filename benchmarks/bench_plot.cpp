@@ -146,7 +146,7 @@ std::string render_svg(const Report& rep) {
       << "\" font-family=\"sans-serif\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       << "<text x=\"" << kWidth / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"13\">"
-      << xml("flatshard-bench: " + std::string(models::display_name(m.family)) + " " +
+      << xml("flatshard-bench: " + std::string(m.family().display_name()) + " " +
              rep.options.preset + " (L" + std::to_string(m.n_layers()) + " d" +
              std::to_string(m.d_model()) + " T" + std::to_string(m.seq_len()) + "), " +
              rep.device_description)

@@ -10,8 +10,8 @@
 #include <set>
 #include <sstream>
 
-#include "fsdp/cost_model.h"
-#include "fsdp/explain.h"
+#include "planner/cost_model.h"
+#include "planner/explain.h"
 #include "fsdp/meta_init.h"
 
 namespace flatshard {
@@ -291,7 +291,7 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
 
   std::ostringstream src;
   src << "flatshard-bench " << utc_now() << ", " << device_description << ", "
-      << models::family_name(o.model.family) << " " << o.preset << " batch " << o.batch << " seq "
+      << o.model.family().name() << " " << o.preset << " batch " << o.batch << " seq "
       << o.model.seq_len() << ", calibrated on '" << g.label
       << "'; measured: compute_tflops, memory_gbps (optimizer step), " << host_how
       << (cpu ? " (cpu: host and compute serial)" : ", " + step_how) << "; " << comm_how << "; "

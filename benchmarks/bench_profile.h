@@ -1,11 +1,11 @@
 // flatshard/benchmarks/bench_profile.h — flatshard-bench --write-profile: the machine profile
-// (fsdp/machine_profile.h) these runs measure, for flatshard-explain --profile and the advisor.
+// (planner/machine_profile.h) these runs measure, for flatshard-explain --profile and the advisor.
 //
 // Contract — what is measured, and from which run (everything else keeps its stated default,
 // and the profile's "source" lists both):
 // - The calibration run (calibration_run()): "layer" (else a layer run without offload, else
 //   any layer run, else the first sharded run). Its plan is explained and costed
-//   (fsdp/cost_model.h) with the profile so far.
+//   (planner/cost_model.h) with the profile so far.
 // - memory_gbps: optimizer_bytes_per_param x trainable master elements per rank / the median
 //   optimizer time of the calibration run (the AdamW pass is a pure per-parameter pass).
 // - compute_tflops: the calibration run's FLOPs (the cost model's, recompute included) / (its
@@ -49,7 +49,7 @@
 #include "benchmarks/bench_granularity.h"
 #include "benchmarks/bench_options.h"
 #include "benchmarks/bench_run.h"
-#include "fsdp/machine_profile.h"
+#include "planner/machine_profile.h"
 
 namespace flatshard {
 namespace bench {

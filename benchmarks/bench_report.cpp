@@ -135,7 +135,7 @@ void print_table(const Report& rep, std::ostream& out) {
   const BenchOptions& o = rep.options;
   const auto& m = o.model;
   const auto& mp = o.sharding.mixed_precision;
-  out << "flatshard-bench: " << models::display_name(m.family) << " preset " << o.preset
+  out << "flatshard-bench: " << m.family().display_name() << " preset " << o.preset
       << " (vocab " << m.vocab() << ", d_model " << m.d_model() << ", heads " << m.n_heads()
       << ", layers " << m.n_layers() << ", seq " << m.seq_len() << "; "
       << fixed(m.num_parameters() / 1e6, 2) << " M params, "
@@ -252,7 +252,7 @@ void write_json(const Report& rep, const std::string& path) {
   const auto& mp = o.sharding.mixed_precision;
   std::ostringstream j;
   j << "{\n  \"tool\": \"flatshard-bench\",\n"
-    << "  \"model\": {\"family\": " << json_string(models::family_name(m.family))
+    << "  \"model\": {\"family\": " << json_string(m.family().name())
     << ", \"preset\": " << json_string(o.preset) << ", \"vocab\": " << m.vocab()
     << ", \"d_model\": " << m.d_model() << ", \"n_heads\": " << m.n_heads()
     << ", \"n_layers\": " << m.n_layers() << ", \"seq_len\": " << m.seq_len()

@@ -1,6 +1,7 @@
 # Install rules: `cmake --install <build> --prefix P` gives P/lib/cmake/flatshard with a package
 # config, so another project's `find_package(flatshard)` yields flatshard::flatshard (and
-# flatshard::models, the reference models) carrying LibTorch, NCCL and Abseil usage requirements.
+# flatshard::planner, the offline planner; flatshard::models, the reference models) carrying
+# LibTorch, NCCL and Abseil usage requirements.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -9,6 +10,9 @@ set(FLATSHARD_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/flatshard)
 install(TARGETS flatshard EXPORT flatshardTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+set_target_properties(flatshard_planner PROPERTIES EXPORT_NAME planner)
+target_include_directories(flatshard_planner INTERFACE $<INSTALL_INTERFACE:include/flatshard>)
+install(TARGETS flatshard_planner EXPORT flatshardTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 if(TARGET flatshard_models)
   set_target_properties(flatshard_models PROPERTIES EXPORT_NAME models)
   target_include_directories(flatshard_models INTERFACE $<INSTALL_INTERFACE:include/flatshard>)
@@ -18,7 +22,7 @@ if(TARGET flatshard_models)
 endif()
 # Public headers keep their repository paths under include/flatshard/, so both
 # #include "fsdp/call.h" and #include <flatshard/fsdp/call.h> work for consumers.
-foreach(dir support collectives flat_param wrap_policies fsdp checkpoint)
+foreach(dir support collectives flat_param wrap_policies fsdp checkpoint planner)
   install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard/${dir}
           FILES_MATCHING PATTERN "*.h")
 endforeach()

@@ -31,7 +31,7 @@
 //   additions (finish_host_grad()). Nothing else in the step blocks the host.
 // - NO_SHARD units keep their compute copy on the device (their parameters are never freed);
 //   level 2 acts as level 1 for them (fsdp/resolve.h).
-// - Explain (fsdp/explain.h) counts host bytes per rank: master + gradient (+ AdamW state) for
+// - Explain (planner/explain.h) counts host bytes per rank: master + gradient (+ AdamW state) for
 //   offloaded units; device bytes: `resident` at level 1, none at level 2.
 #pragma once
 

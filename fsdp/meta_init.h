@@ -5,7 +5,7 @@
 //   check_on_meta(*model);          // throws if some parameter was allocated for real
 //   auto plan = make_plan(*model, policy);   explain(*model, plan, 8, opts, {});
 //
-// Why: a plan and its explanation (fsdp/explain.h) need only names, shapes, dtypes and tensor
+// Why: a plan and its explanation (planner/explain.h) need only names, shapes, dtypes and tensor
 // identities. Building a 1B-parameter model on CPU for that costs ~4 GB and ~15 s of init. And
 // a model too large for one rank is built this way and initialised by fully_shard.
 // LibTorch's C++ API has no "default device" (Python's `with torch.device("meta")` is a Python

@@ -1,6 +1,6 @@
 // flatshard/fsdp/trace.cpp — see trace.h. The JSON is streamed, not built as a document (a trace
 // holds up to 2^20 records); nlohmann-json escapes its strings, and every name and key comes from
-// fsdp/trace_format.h, which the reader (fsdp/trace_summary.cpp) uses too.
+// fsdp/trace_format.h, which the reader (planner/trace_summary.cpp) uses too.
 #include "fsdp/trace.h"
 
 #include <c10/util/Exception.h>

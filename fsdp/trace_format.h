@@ -1,5 +1,5 @@
 // flatshard/fsdp/trace_format.h — the flatshard trace file format, written once: the recorder
-// (fsdp/trace.cpp) writes these names and the summary (fsdp/trace_summary.cpp) reads them, so a
+// (fsdp/trace.cpp) writes these names and the summary (planner/trace_summary.cpp) reads them, so a
 // rename here changes both and neither can drift from the other.
 //
 // A trace file is a Chrome Trace Event Format document (ui.perfetto.dev and chrome://tracing

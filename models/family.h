@@ -1,25 +1,47 @@
-// flatshard/models/family.h — the reference model families by name, for the programs that let
-// the user pick one (flatshard-bench, flatshard-explain: --model gpt|llama).
+// flatshard/models/family.h — the model families by name: one descriptor per family, the
+// registry the programs list and parse them from (flatshard-bench, flatshard-explain: --model),
+// and ModelConfig, one family's config by value.
 //
 // Contract
-//   * Family names: "gpt" (models/gpt.h) and "llama" (models/llama.h); parse_family() throws
-//     c10::Error naming both for anything else.
-//   * FamilyModules: the module type names a family's tree uses, so a program builds its
-//     default wrap policies from the model it runs instead of assuming the GPT's names:
+//   * families(): every registered family, in registry order ("gpt", "llama"); family(name)
+//     finds one or throws c10::Error naming the known ones; family_names(): their names;
+//     all_preset_names() and families_help() what a command line offers.
+//   * Family: what a program needs to run or plan a family without knowing it —
+//       name / display_name    "gpt" / "GPT"
+//       preset_names()         "tiny", "small", "1b", ... (each a config that validates)
+//       modules()              the module type names its tree uses (FamilyModules below), so a
+//                              program builds its default wrap policies from the model it runs
+//       preset(name)           a config (c10::Error naming the presets for another name);
+//                              default_config(): the config type's defaults; accepts(c): c is
+//                              of this family's config type
+//       validate / to_string   of a config of this family (another family's: c10::Error)
+//       num_parameters         the exact count; num_parameters_bound: at least that count, in
+//                              long double, for any sizes (no int64 overflow) — what tools check
+//                              hostile sizes against before building anything
+//       flops_per_token        training FLOPs per token (the PaLM convention, models/gpt.h)
+//       build(cfg, seed)       the model on CPU in fp32, deterministic per (seed, tensor name);
+//                              under flatshard::MetaInit: shapes only
+//       loss(model, idx, tgt)  the model's own fp32 next-token loss; `model` must come from
+//                              build() of this family (else c10::Error)
+//       shape(cfg)             the planner's description (planner/model_shape.h)
+//     FamilyOf<Config, Model> implements all but the names, presets, modules, the bound and the
+//     shape from the config's and the model's own members, so a family is one file pair
+//     (docs/design.md "How to add a model family").
+//   * FamilyModules:
 //       layer_type   one transformer layer ("Block" / "DecoderLayer")
 //       leaf_types   every module that owns parameters directly, as a spec alternation
 //                    ("Linear|LayerNorm|Embedding" / "Linear|RMSNorm|Embedding")
 //       type_names   every type of the tree, for error messages
-//   * ModelConfig: one family's config, by value. preset() takes the family's presets (see
-//     GPTConfig::preset, LlamaConfig::preset); the shared sizes (vocab, d_model, n_heads,
-//     n_layers, seq_len) read and write the selected family's fields; num_parameters() and
-//     flops_per_token() are the family's closed forms. build() constructs the model on CPU in
-//     fp32, deterministically from the seed (under flatshard::MetaInit: shapes only).
-//     loss() calls the model's own loss() (fp32); the model must come from build() of a config
-//     of the same family (else c10::Error).
+//   * ModelConfig: a family and a config of it, by value (copies are deep). The shared sizes
+//     (vocab, d_model, n_heads, n_layers, seq_len, tie_embeddings) read and write the config's
+//     fields; as<C>() is the family's own config type (c10::Error for another type).
+//     synthetic_batch() is the shared synthetic language (models/synthetic_language.h) at the
+//     config's vocab and seq_len. Default-constructed: the first family's default config.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
 #include <cstdint>
 #include <memory>
@@ -27,69 +49,170 @@
 #include <utility>
 #include <vector>
 
-#include "fsdp/cost_model.h"
-#include "models/gpt.h"
-#include "models/llama.h"
-
-namespace torch {
-namespace nn {
-class Module;
-}
-}  // namespace torch
+#include "models/transformer.h"
+#include "planner/model_shape.h"
 
 namespace flatshard {
 namespace models {
-
-enum class Family { kGpt, kLlama };
-
-Family parse_family(const std::string& name);
-const char* family_name(Family f);     // "gpt", "llama"
-const char* display_name(Family f);    // "GPT", "LLaMA"
-std::vector<std::string> preset_names(Family f);
 
 struct FamilyModules {
   std::string layer_type;
   std::string leaf_types;
   std::string type_names;
 };
-const FamilyModules& family_modules(Family f);
 
-struct ModelConfig {
-  Family family = Family::kGpt;
-  gpt::GPTConfig gpt;
-  llama::LlamaConfig llama;
+class Family {
+ public:
+  virtual ~Family() = default;
+  virtual const char* name() const = 0;
+  virtual const char* display_name() const = 0;
+  virtual std::vector<std::string> preset_names() const = 0;
+  virtual const FamilyModules& modules() const = 0;
+  virtual std::unique_ptr<TransformerConfig> preset(const std::string& name) const = 0;
+  virtual std::unique_ptr<TransformerConfig> default_config() const = 0;
+  virtual bool accepts(const TransformerConfig& c) const = 0;  // of this family's config type
+  virtual void validate(const TransformerConfig& c) const = 0;
+  virtual std::string to_string(const TransformerConfig& c) const = 0;
+  virtual int64_t num_parameters(const TransformerConfig& c) const = 0;
+  virtual long double num_parameters_bound(const TransformerConfig& c) const = 0;
+  virtual double flops_per_token(const TransformerConfig& c) const = 0;
+  virtual std::shared_ptr<torch::nn::Module> build(const TransformerConfig& c,
+                                                   uint64_t seed) const = 0;
+  virtual at::Tensor loss(torch::nn::Module& model, const at::Tensor& idx,
+                          const at::Tensor& targets) const = 0;
+  virtual TransformerShape shape(const TransformerConfig& c) const = 0;
+};
 
-  static ModelConfig preset(Family family, const std::string& name);
-  void validate() const;
+const std::vector<const Family*>& families();
+const Family& family(const std::string& name);
+std::vector<std::string> family_names();
+// Every family's presets, each name once, in registry order (what a --preset flag accepts; the
+// family then checks its own); and one line for a --model flag's help:
+// "gpt (presets tiny, small, 1b), llama (presets tiny, small, 1b, 7b)".
+std::vector<std::string> all_preset_names();
+std::string families_help();
 
-  int64_t& vocab();
-  int64_t& d_model();
-  int64_t& n_heads();
-  int64_t& n_layers();
-  int64_t& seq_len();
-  int64_t vocab() const;
-  int64_t d_model() const;
-  int64_t n_heads() const;
-  int64_t n_layers() const;
-  int64_t seq_len() const;
-  bool& tie_embeddings();
+// `c` as the family's own config type; c10::Error naming `family` for another family's config.
+template <class Config>
+const Config& config_as(const TransformerConfig& c, const char* family) {
+  const auto* typed = dynamic_cast<const Config*>(&c);
+  TORCH_CHECK(typed != nullptr, "the config is not one of the '", family, "' family");
+  return *typed;
+}
 
-  std::string to_string() const;  // the family config's to_string()
-  int64_t num_parameters() const;
-  // num_parameters() in long double, at least the exact count, for any sizes (no int64
-  // overflow): what tools check hostile sizes against before building anything. GPT: the exact
-  // closed form; LLaMA: kv heads as many as heads, MLP hidden size 8d/3 + 256.
-  long double num_parameters_bound() const;
-  double flops_per_token() const;
+namespace detail {
+// Argument-dependent lookup: the closed forms in a family config's own namespace.
+template <class Config>
+int64_t num_parameters_of(const Config& c) {
+  return num_parameters(c);
+}
+template <class Config>
+double flops_per_token_of(const Config& c) {
+  return flops_per_token(c);
+}
+}  // namespace detail
 
-  std::shared_ptr<torch::nn::Module> build(uint64_t seed) const;
+// The config-and-model half of a family: Config has preset(), validate(), to_string() and
+// num_parameters / flops_per_token free functions in its namespace (found by argument-dependent
+// lookup); Model is the module type Config builds (Model(cfg, seed)) with loss(idx, targets).
+template <class Config, class Model>
+class FamilyOf : public Family {
+ public:
+  static const Config& config(const TransformerConfig& c, const char* family) {
+    return config_as<Config>(c, family);
+  }
+  std::unique_ptr<TransformerConfig> preset(const std::string& name) const override {
+    return std::make_unique<Config>(Config::preset(name));
+  }
+  std::unique_ptr<TransformerConfig> default_config() const override {
+    return std::make_unique<Config>();
+  }
+  bool accepts(const TransformerConfig& c) const override {
+    return dynamic_cast<const Config*>(&c) != nullptr;
+  }
+  void validate(const TransformerConfig& c) const override { config(c, name()).validate(); }
+  std::string to_string(const TransformerConfig& c) const override {
+    return config(c, name()).to_string();
+  }
+  int64_t num_parameters(const TransformerConfig& c) const override {
+    return detail::num_parameters_of(config(c, name()));
+  }
+  double flops_per_token(const TransformerConfig& c) const override {
+    return detail::flops_per_token_of(config(c, name()));
+  }
+  std::shared_ptr<torch::nn::Module> build(const TransformerConfig& c,
+                                           uint64_t seed) const override {
+    return std::make_shared<Model>(config(c, name()), seed);
+  }
+  at::Tensor loss(torch::nn::Module& model, const at::Tensor& idx,
+                  const at::Tensor& targets) const override {
+    auto* m = dynamic_cast<Model*>(&model);
+    TORCH_CHECK(m != nullptr, "the model is a ", model.name(), ", not a ", display_name());
+    return m->loss(idx, targets);
+  }
+};
+
+class ModelConfig {
+ public:
+  ModelConfig();
+  ModelConfig(const Family& family, const TransformerConfig& config);
+  ModelConfig(const ModelConfig& other);
+  ModelConfig& operator=(const ModelConfig& other);
+  ModelConfig(ModelConfig&&) noexcept = default;
+  ModelConfig& operator=(ModelConfig&&) noexcept = default;
+
+  static ModelConfig preset(const Family& family, const std::string& name);
+  static ModelConfig preset(const std::string& family, const std::string& name);
+  // A family's own config (gpt::GPTConfig, llama::LlamaConfig, ...): its Config::family().
+  template <class Config>
+  static ModelConfig of(const Config& c) {
+    return ModelConfig(Config::family(), c);
+  }
+
+  const Family& family() const { return *family_; }
+  TransformerConfig& sizes() { return *config_; }
+  const TransformerConfig& sizes() const { return *config_; }
+  template <class Config>
+  const Config& as() const {
+    return config_as<Config>(*config_, family_->name());
+  }
+  template <class Config>
+  Config& as() {
+    return const_cast<Config&>(static_cast<const ModelConfig*>(this)->as<Config>());
+  }
+
+  void validate() const { family_->validate(*config_); }
+  int64_t& vocab() { return config_->vocab; }
+  int64_t& d_model() { return config_->d_model; }
+  int64_t& n_heads() { return config_->n_heads; }
+  int64_t& n_layers() { return config_->n_layers; }
+  int64_t& seq_len() { return config_->seq_len; }
+  bool& tie_embeddings() { return config_->tie_embeddings; }
+  int64_t vocab() const { return config_->vocab; }
+  int64_t d_model() const { return config_->d_model; }
+  int64_t n_heads() const { return config_->n_heads; }
+  int64_t n_layers() const { return config_->n_layers; }
+  int64_t seq_len() const { return config_->seq_len; }
+
+  std::string to_string() const { return family_->to_string(*config_); }
+  int64_t num_parameters() const { return family_->num_parameters(*config_); }
+  long double num_parameters_bound() const { return family_->num_parameters_bound(*config_); }
+  double flops_per_token() const { return family_->flops_per_token(*config_); }
+  std::shared_ptr<torch::nn::Module> build(uint64_t seed) const {
+    return family_->build(*config_, seed);
+  }
   std::pair<at::Tensor, at::Tensor> synthetic_batch(int64_t batch, int64_t seed, int rank,
                                                     int64_t step) const;
   at::Tensor loss(torch::nn::Module& model, const at::Tensor& idx,
-                  const at::Tensor& targets) const;
-  // The shape the cost model and the plan advisor read (fsdp/cost_model.h): sizes, the layer
-  // list's module path ("blocks" / "layers") and the family's spec type names.
-  TransformerShape transformer_shape() const;
+                  const at::Tensor& targets) const {
+    return family_->loss(model, idx, targets);
+  }
+  // The planner's description (planner/model_shape.h, Family::shape).
+  TransformerShape transformer_shape() const { return family_->shape(*config_); }
+
+ private:
+  const Family* family_;
+  std::unique_ptr<TransformerConfig> config_;
 };
 
 }  // namespace models

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "fsdp/call.h"
+#include "models/family.h"
 #include "models/model_init.h"
 #include "models/synthetic_language.h"
 
@@ -16,35 +17,39 @@ namespace gpt {
 // --- config
 // ---------------------------------------------------------------------------------------
 
-GPTConfig GPTConfig::preset(const std::string& name) {
-  auto make = [](int64_t vocab, int64_t d_model, int64_t n_heads, int64_t n_layers,
-                 int64_t seq_len) {
-    GPTConfig c;
-    c.vocab = vocab;
-    c.d_model = d_model;
-    c.n_heads = n_heads;
-    c.n_layers = n_layers;
-    c.seq_len = seq_len;
-    return c;
-  };
-  if (name == "tiny") return make(512, 64, 4, 2, 32);
-  if (name == "small") return make(4096, 256, 8, 4, 256);
-  if (name == "1b") return make(32768, 2048, 16, 16, 2048);
-  TORCH_CHECK(false, "GPTConfig::preset: unknown preset '", name,
-              "'; known presets: tiny, small, 1b");
+namespace {
+
+struct Preset {
+  const char* name;
+  int64_t vocab, d_model, n_heads, n_layers, seq_len;
+};
+constexpr Preset kPresets[] = {
+    {"tiny", 512, 64, 4, 2, 32},
+    {"small", 4096, 256, 8, 4, 256},
+    {"1b", 32768, 2048, 16, 16, 2048},
+};
+
+}  // namespace
+
+std::vector<std::string> GPTConfig::preset_names() {
+  std::vector<std::string> out;
+  for (const auto& p : kPresets) out.emplace_back(p.name);
+  return out;
 }
 
-void GPTConfig::validate() const {
-  TORCH_CHECK(vocab > 0, "GPTConfig: vocab must be > 0, got ", vocab);
-  TORCH_CHECK(d_model > 0, "GPTConfig: d_model must be > 0, got ", d_model);
-  TORCH_CHECK(n_heads > 0, "GPTConfig: n_heads must be > 0, got ", n_heads);
-  TORCH_CHECK(n_layers > 0, "GPTConfig: n_layers must be > 0, got ", n_layers);
-  TORCH_CHECK(seq_len > 0, "GPTConfig: seq_len must be > 0, got ", seq_len);
-  TORCH_CHECK(d_model % n_heads == 0, "GPTConfig: n_heads (", n_heads, ") must divide d_model (",
-              d_model, ")");
-  TORCH_CHECK(std::isfinite(init_std) && init_std >= 0.0,
-              "GPTConfig: init_std must be finite and >= 0, got ", init_std);
+GPTConfig GPTConfig::preset(const std::string& name) {
+  for (const auto& p : kPresets) {
+    if (name != p.name) continue;
+    GPTConfig c;
+    c.set_sizes(p.vocab, p.d_model, p.n_heads, p.n_layers, p.seq_len);
+    return c;
+  }
+  std::string known;
+  for (const auto& p : kPresets) known += (known.empty() ? "" : ", ") + std::string(p.name);
+  TORCH_CHECK(false, "GPTConfig::preset: unknown preset '", name, "'; known presets: ", known);
 }
+
+void GPTConfig::validate() const { validate_sizes("GPTConfig"); }
 
 std::string GPTConfig::to_string() const {
   std::ostringstream os;
@@ -68,6 +73,28 @@ double flops_per_token(const GPTConfig& cfg) {
   const double L = static_cast<double>(cfg.n_layers);
   const double matmul_params = L * 12.0 * d * d + static_cast<double>(cfg.vocab) * d;
   return 6.0 * matmul_params + 12.0 * L * d * static_cast<double>(cfg.seq_len);
+}
+
+TransformerShape transformer_shape(const GPTConfig& cfg) {
+  cfg.validate();
+  const double d = static_cast<double>(cfg.d_model), H = static_cast<double>(cfg.n_heads);
+  TransformerShape s;
+  s.vocab = cfg.vocab;
+  s.d_model = cfg.d_model;
+  s.n_layers = cfg.n_layers;
+  s.layer_prefix = "blocks";
+  s.input_modules = {"wte", "wpe"};
+  s.head_modules = {"lm_head"};
+  const auto& m = GPTConfig::family().modules();
+  s.layer_type = m.layer_type;
+  s.leaf_types = m.leaf_types;
+  s.layer_matmul_params = 12 * cfg.d_model * cfg.d_model;
+  s.attention_flops_per_token_per_position = 12 * d;
+  s.layer_activations = {17 * d, 2 * (2 * 4) + 4 * H};
+  s.recompute_keeps = {d, 0};
+  s.layer_backward_work = {2 * d + 2 * (4 * d), 0};
+  s.head_activations = {2 * d, 4 * static_cast<double>(cfg.vocab)};
+  return s;
 }
 
 // --- data
@@ -149,14 +176,8 @@ GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed)
   models::GlobalRngRestorer restore_global_rng;
   const int64_t d = cfg_.d_model;
 
-  // Built before wte so that, when tied, wte can adopt lm_head's weight tensor itself (the
-  // Embedding registers a given _weight as is): one TensorImpl under both paths, so gradients
-  // of both uses accumulate into it and ->to() keeps them tied.
-  auto head = torch::nn::Linear(torch::nn::LinearOptions(d, cfg_.vocab).bias(false));
-  auto tok_opts = torch::nn::EmbeddingOptions(cfg_.vocab, d);
-  if (cfg_.tie_embeddings) tok_opts._weight(head->weight);
-
-  wte = register_module("wte", torch::nn::Embedding(tok_opts));
+  auto [tok, head] = models::embedding_and_head(cfg_.vocab, d, cfg_.tie_embeddings);
+  wte = register_module("wte", tok);
   wpe = register_module("wpe", torch::nn::Embedding(cfg_.seq_len, d));
   blocks_list = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {
@@ -165,8 +186,6 @@ GPTImpl::GPTImpl(const GPTConfig& cfg, uint64_t seed)
   }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
   lm_head = register_module("lm_head", head);
-  TORCH_INTERNAL_ASSERT(!cfg_.tie_embeddings ||
-                        wte->weight.unsafeGetTensorImpl() == lm_head->weight.unsafeGetTensorImpl());
 
   init_parameters();
 }
@@ -178,50 +197,67 @@ void GPTImpl::init_parameters() {
 }
 
 void GPTImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
-  at::NoGradGuard no_grad;
-  // A tied weight is one tensor with one init, whichever of its names the caller uses.
-  const std::string key = cfg_.tie_embeddings && name == "lm_head.weight" ? "wte.weight" : name;
-  const models::TensorSite site =
-      models::find_tensor_for_init(*this, key, values, "GPT::init_tensor");
-  const torch::nn::Module* m = site.module;
-  const std::string& path = site.path;
-  if (site.leaf == "bias") {
-    values.zero_();  // Linear and LayerNorm biases
-  } else if (dynamic_cast<const torch::nn::LayerNormImpl*>(m)) {
-    values.fill_(1.0);
-  } else if (dynamic_cast<const torch::nn::LinearImpl*>(m)) {
-    const bool residual =
-        models::path_ends_with(path, "attn.proj") || models::path_ends_with(path, "mlp.proj");
-    const double residual_std = cfg_.scaled_residual_init
-                                    ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers)
-                                    : cfg_.init_std;
-    models::normal_init(values, residual ? residual_std : cfg_.init_std, seed_, key);
-  } else {
-    TORCH_INTERNAL_ASSERT(dynamic_cast<const torch::nn::EmbeddingImpl*>(m), "GPT init: '", name,
-                          "' belongs to no known module type");
-    models::normal_init(values, cfg_.init_std, seed_, key);
+  models::InitScheme scheme;
+  scheme.seed = seed_;
+  scheme.std = cfg_.init_std;
+  scheme.residual_std = cfg_.residual_std();
+  scheme.residual_paths = {"attn.proj", "mlp.proj"};
+  if (cfg_.tie_embeddings) {
+    scheme.tied_head = "lm_head.weight";
+    scheme.tied_embedding = "wte.weight";
   }
+  scheme.who = "GPT::init_tensor";
+  models::init_transformer_tensor(
+      *this, scheme, name, values, [](const models::TensorSite& site, const at::Tensor& v) {
+        if (!dynamic_cast<const torch::nn::LayerNormImpl*>(site.module)) return false;
+        v.fill_(1.0);  // LayerNorm weights (biases are zeroed by the shared walk)
+        return true;
+      });
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& idx) {
-  TORCH_CHECK(idx.dim() == 2, "GPT::forward: idx must be [B, T], got ", idx.sizes());
-  TORCH_CHECK(idx.scalar_type() == at::kLong, "GPT::forward: idx must be int64, got ",
-              idx.scalar_type());
-  const int64_t T = idx.size(1);
-  TORCH_CHECK(T >= 1 && T <= cfg_.seq_len, "GPT::forward: sequence length ", T,
-              " outside [1, seq_len=", cfg_.seq_len, "]");
-  const at::Tensor pos = at::arange(T, idx.options());
+  models::check_tokens(idx, cfg_.seq_len, "GPT::forward");
+  const at::Tensor pos = at::arange(idx.size(1), idx.options());
   at::Tensor x = flatshard::call(wte, idx) + flatshard::call(wpe, pos);
   for (auto& block : blocks_) x = flatshard::call(block, x);
   return flatshard::call(lm_head, flatshard::call(ln_f, x));
 }
 
 at::Tensor GPTImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
-  TORCH_CHECK(targets.sizes() == idx.sizes(), "GPT::loss: targets ", targets.sizes(),
-              " must have the shape of idx ", idx.sizes());
-  const at::Tensor logits = forward(idx);
-  return at::cross_entropy_loss(logits.reshape({-1, cfg_.vocab}).to(at::kFloat),
-                                targets.reshape({-1}));
+  models::check_targets(idx, targets, "GPT::loss");
+  return models::next_token_loss(forward(idx), targets, cfg_.vocab);
+}
+
+// --- the family descriptor (models/family.h) ----------------------------------------------------
+
+namespace {
+
+class GptFamily final : public models::FamilyOf<GPTConfig, GPTImpl> {
+ public:
+  const char* name() const override { return "gpt"; }
+  const char* display_name() const override { return "GPT"; }
+  std::vector<std::string> preset_names() const override { return GPTConfig::preset_names(); }
+  const models::FamilyModules& modules() const override {
+    static const models::FamilyModules m{"Block", "Linear|LayerNorm|Embedding",
+                                         "GPT, Block, CausalSelfAttention, MLP, Linear, "
+                                         "LayerNorm, Embedding"};
+    return m;
+  }
+  long double num_parameters_bound(const models::TransformerConfig& c) const override {
+    // The exact closed form of num_parameters(), in long double.
+    const long double d = c.d_model, V = c.vocab, L = c.n_layers, T = c.seq_len;
+    return V * d * (c.tie_embeddings ? 1 : 2) + T * d + L * (12 * d * d + 13 * d) + 2 * d;
+  }
+  TransformerShape shape(const models::TransformerConfig& c) const override {
+    return transformer_shape(config(c, name()));
+  }
+};
+
+}  // namespace
+
+const models::Family& GPTConfig::family() {
+  static const GptFamily f;
+  return f;
 }
 
 }  // namespace gpt

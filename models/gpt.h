@@ -41,37 +41,39 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "fsdp/deferred_init.h"
+#include "models/transformer.h"
+#include "planner/model_shape.h"
 
 namespace flatshard {
+namespace models {
+class Family;
+}
 namespace gpt {
 
-struct GPTConfig {
-  int64_t vocab = 32768;
-  int64_t d_model = 2048;
-  int64_t n_heads = 16;
-  int64_t n_layers = 16;
-  int64_t seq_len = 2048;  // maximum sequence length (rows of wpe); also T in flops_per_token
-  bool tie_embeddings = false;
-  double init_std = 0.02;
-  bool scaled_residual_init = true;  // GPT-2: residual projections get init_std / sqrt(2 L)
-
+// The GPT's config: the shared sizes and init settings (models/transformer.h; defaults: the
+// "1b" preset's sizes) and nothing of its own.
+struct GPTConfig : models::TransformerConfig {
   // Named presets (each passes validate()):
   //   "tiny"  vocab 512,   d 64,   heads 4,  layers 2,  seq 32     (~0.17 M params; CPU tests)
   //   "small" vocab 4096,  d 256,  heads 8,  layers 4,  seq 256    (~5.3 M params; CPU bench)
   //   "1b"    vocab 32768, d 2048, heads 16, layers 16, seq 2048   (~0.94 B params; GPU bench)
   // Throws c10::Error naming the known presets for any other name.
   static GPTConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
+  // The family descriptor (models/family.h) this config belongs to.
+  static const models::Family& family();
 
-  // Throws c10::Error with the offending values: every size > 0, n_heads divides d_model,
-  // init_std finite and >= 0.
+  // Throws c10::Error with the offending values (TransformerConfig::validate_sizes).
   void validate() const;
-
-  int64_t head_dim() const { return d_model / n_heads; }
+  std::unique_ptr<models::TransformerConfig> clone() const override {
+    return std::make_unique<GPTConfig>(*this);
+  }
   // One line, e.g. "vocab=512 d_model=64 n_heads=4 n_layers=2 seq_len=32 tied=0".
   std::string to_string() const;
 };
@@ -89,6 +91,18 @@ int64_t num_parameters(const GPTConfig& cfg);
 // value matmuls (QKᵀ and AV) at full T; causal kernels skip about half of that work, the
 // convention counts it anyway. MFU = tokens/s · flops_per_token / peak FLOP/s.
 double flops_per_token(const GPTConfig& cfg);
+
+// The planner's description of the GPT (planner/model_shape.h): paths blocks / wte, wpe /
+// lm_head, spec types "Block" and "Linear|LayerNorm|Embedding", and the closed forms (element
+// size e of the compute dtype, d model width, H heads):
+//   layer_matmul_params       12 d^2
+//   attention FLOPs           12 d per token and position
+//   layer_activations         17 d e + 2 (2 x 4) + 4 H   (ln1, qkv, SDPA q k v out lse, proj
+//                             input copy, ln2, fc, GELU)
+//   recompute_keeps           d e (the layer's input)
+//   layer_backward_work       e (2 d + 2 x 4 d)
+//   head_activations          2 d e + 4 V  (ln_f input, lm_head input, fp32 log-softmax)
+TransformerShape transformer_shape(const GPTConfig& cfg);
 
 // A deterministic batch of the synthetic language (models/synthetic_language.h, shared with the
 // other model families) at cfg.vocab and cfg.seq_len: int64 CPU tensors [batch, seq_len], idx and

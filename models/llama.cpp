@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "fsdp/call.h"
+#include "models/family.h"
 #include "models/model_init.h"
 #include "models/synthetic_language.h"
 
@@ -15,42 +16,47 @@ namespace llama {
 
 // --- config -------------------------------------------------------------------------------------
 
+namespace {
+
+struct Preset {
+  const char* name;
+  int64_t vocab, d_model, n_heads, n_kv_heads, n_layers, seq_len, multiple_of;
+};
+constexpr Preset kPresets[] = {
+    {"tiny", 512, 64, 4, 2, 2, 32, 32},
+    {"small", 4096, 256, 8, 4, 4, 256, 256},
+    {"1b", 32000, 2048, 16, 16, 16, 2048, 256},
+    {"7b", 32000, 4096, 32, 32, 32, 4096, 256},
+};
+
+}  // namespace
+
+std::vector<std::string> LlamaConfig::preset_names() {
+  std::vector<std::string> out;
+  for (const auto& p : kPresets) out.emplace_back(p.name);
+  return out;
+}
+
 LlamaConfig LlamaConfig::preset(const std::string& name) {
-  auto make = [](int64_t vocab, int64_t d_model, int64_t n_heads, int64_t n_kv_heads,
-                 int64_t n_layers, int64_t seq_len) {
+  for (const auto& p : kPresets) {
+    if (name != p.name) continue;
     LlamaConfig c;
-    c.vocab = vocab;
-    c.d_model = d_model;
-    c.n_heads = n_heads;
-    c.n_kv_heads = n_kv_heads;
-    c.n_layers = n_layers;
-    c.seq_len = seq_len;
-    return c;
-  };
-  if (name == "tiny") {
-    LlamaConfig c = make(512, 64, 4, 2, 2, 32);
-    c.multiple_of = 32;
+    c.set_sizes(p.vocab, p.d_model, p.n_heads, p.n_layers, p.seq_len);
+    c.n_kv_heads = p.n_kv_heads;
+    c.multiple_of = p.multiple_of;
     return c;
   }
-  if (name == "small") return make(4096, 256, 8, 4, 4, 256);
-  if (name == "1b") return make(32000, 2048, 16, 16, 16, 2048);
-  if (name == "7b") return make(32000, 4096, 32, 32, 32, 4096);
-  TORCH_CHECK(false, "LlamaConfig::preset: unknown preset '", name,
-              "'; known presets: tiny, small, 1b, 7b");
+  std::string known;
+  for (const auto& p : kPresets) known += (known.empty() ? "" : ", ") + std::string(p.name);
+  TORCH_CHECK(false, "LlamaConfig::preset: unknown preset '", name, "'; known presets: ", known);
 }
 
 void LlamaConfig::validate() const {
-  TORCH_CHECK(vocab > 0, "LlamaConfig: vocab must be > 0, got ", vocab);
-  TORCH_CHECK(d_model > 0, "LlamaConfig: d_model must be > 0, got ", d_model);
-  TORCH_CHECK(n_heads > 0, "LlamaConfig: n_heads must be > 0, got ", n_heads);
+  validate_sizes("LlamaConfig");
   TORCH_CHECK(n_kv_heads >= 0, "LlamaConfig: n_kv_heads must be >= 0 (0: n_heads), got ",
               n_kv_heads);
-  TORCH_CHECK(n_layers > 0, "LlamaConfig: n_layers must be > 0, got ", n_layers);
-  TORCH_CHECK(seq_len > 0, "LlamaConfig: seq_len must be > 0, got ", seq_len);
   TORCH_CHECK(hidden >= 0, "LlamaConfig: hidden must be >= 0 (0: the LLaMA rule), got ", hidden);
   TORCH_CHECK(multiple_of > 0, "LlamaConfig: multiple_of must be > 0, got ", multiple_of);
-  TORCH_CHECK(d_model % n_heads == 0, "LlamaConfig: n_heads (", n_heads,
-              ") must divide d_model (", d_model, ")");
   TORCH_CHECK(n_heads % kv_heads() == 0, "LlamaConfig: n_kv_heads (", kv_heads(),
               ") must divide n_heads (", n_heads, ")");
   TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: the head dim d_model / n_heads = ", d_model,
@@ -59,8 +65,6 @@ void LlamaConfig::validate() const {
               "LlamaConfig: rope_theta must be finite and > 1, got ", rope_theta);
   TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0.0,
               "LlamaConfig: norm_eps must be finite and > 0, got ", norm_eps);
-  TORCH_CHECK(std::isfinite(init_std) && init_std >= 0.0,
-              "LlamaConfig: init_std must be finite and >= 0, got ", init_std);
 }
 
 int64_t LlamaConfig::hidden_size() const {
@@ -93,6 +97,36 @@ double flops_per_token(const LlamaConfig& cfg) {
   const double matmul_params =
       L * (2.0 * d * d + 2.0 * d * kv + 3.0 * d * h) + static_cast<double>(cfg.vocab) * d;
   return 6.0 * matmul_params + 12.0 * L * d * static_cast<double>(cfg.seq_len);
+}
+
+TransformerShape transformer_shape(const LlamaConfig& cfg) {
+  cfg.validate();
+  const int64_t kvh = cfg.kv_heads();
+  const double d = static_cast<double>(cfg.d_model), H = static_cast<double>(cfg.n_heads);
+  const double kv = static_cast<double>(kvh * cfg.head_dim());
+  const double h = static_cast<double>(cfg.hidden_size());
+  TransformerShape s;
+  s.vocab = cfg.vocab;
+  s.d_model = cfg.d_model;
+  s.n_layers = cfg.n_layers;
+  s.layer_prefix = "layers";
+  s.input_modules = {"embed_tokens", "rope"};
+  s.head_modules = {"lm_head"};
+  const auto& m = LlamaConfig::family().modules();
+  s.layer_type = m.layer_type;
+  s.leaf_types = m.leaf_types;
+  const int64_t di = cfg.d_model, kvi = kvh * cfg.head_dim();
+  s.layer_matmul_params = 2 * di * di + 2 * di * kvi + 3 * di * cfg.hidden_size();
+  s.attention_flops_per_token_per_position = 12 * d;
+  // Per element: the norms' cast outputs (2 d), attention (GQA: 4 d + kv + 2 d), SwiGLU (4 h);
+  // fixed: the norms' fp32 copies and statistics, SDPA's fp32 log-sum-exp.
+  const double attn = kvh != cfg.n_heads ? 4 * d + kv + 2 * d : 4 * d + 3 * kv;
+  s.layer_activations = {2 * d + attn + 4 * h, 2 * (4 * d + 4) + 4 * H};
+  s.recompute_keeps = {d, 0};
+  s.layer_backward_work = {2 * d + 2 * (2 * h), 0};
+  s.recomputed_leaf_savings = {{"input_norm", 4 * d + 4}, {"post_attn_norm", 4 * d + 4}};
+  s.head_activations = {2 * d, 4 * static_cast<double>(cfg.vocab)};
+  return s;
 }
 
 std::pair<at::Tensor, at::Tensor> synthetic_batch(const LlamaConfig& cfg, int64_t batch,
@@ -215,13 +249,8 @@ LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed)
   models::GlobalRngRestorer restore_global_rng;
   const int64_t d = cfg_.d_model;
 
-  // Built before embed_tokens so that, when tied, the Embedding can adopt lm_head's weight
-  // tensor itself: one TensorImpl under both paths (see gpt.cpp for why this order).
-  auto head = torch::nn::Linear(torch::nn::LinearOptions(d, cfg_.vocab).bias(false));
-  auto tok_opts = torch::nn::EmbeddingOptions(cfg_.vocab, d);
-  if (cfg_.tie_embeddings) tok_opts._weight(head->weight);
-
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(tok_opts));
+  auto [tok, head] = models::embedding_and_head(cfg_.vocab, d, cfg_.tie_embeddings);
+  embed_tokens = register_module("embed_tokens", tok);
   rope = register_module("rope", RotaryEmbedding(cfg_.head_dim(), cfg_.rope_theta));
   layers_list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {
@@ -230,8 +259,6 @@ LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed)
   }
   norm = register_module("norm", RMSNorm(d, cfg_.norm_eps));
   lm_head = register_module("lm_head", head);
-  TORCH_INTERNAL_ASSERT(!cfg_.tie_embeddings || embed_tokens->weight.unsafeGetTensorImpl() ==
-                                                    lm_head->weight.unsafeGetTensorImpl());
   init_parameters();
 }
 
@@ -243,51 +270,75 @@ void LlamaImpl::init_parameters() {
 }
 
 void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
-  at::NoGradGuard no_grad;
-  // A tied weight is one tensor with one init, whichever of its names the caller uses.
-  const std::string key =
-      cfg_.tie_embeddings && name == "lm_head.weight" ? "embed_tokens.weight" : name;
-  const models::TensorSite site =
-      models::find_tensor_for_init(*this, key, values, "Llama::init_tensor");
-  const torch::nn::Module* m = site.module;
-  const std::string& path = site.path;
-  if (dynamic_cast<const RotaryEmbeddingImpl*>(m)) {
-    values.copy_(rope_inv_freq(cfg_.head_dim(), cfg_.rope_theta));
-  } else if (dynamic_cast<const RMSNormImpl*>(m)) {
-    values.fill_(1.0);
-  } else if (dynamic_cast<const torch::nn::LinearImpl*>(m)) {
-    const bool residual =
-        models::path_ends_with(path, "attn.o") || models::path_ends_with(path, "mlp.down");
-    const double residual_std = cfg_.scaled_residual_init
-                                    ? cfg_.init_std / std::sqrt(2.0 * cfg_.n_layers)
-                                    : cfg_.init_std;
-    models::normal_init(values, residual ? residual_std : cfg_.init_std, seed_, key);
-  } else {
-    TORCH_INTERNAL_ASSERT(dynamic_cast<const torch::nn::EmbeddingImpl*>(m), "Llama init: '",
-                          name, "' belongs to no known module type");
-    models::normal_init(values, cfg_.init_std, seed_, key);
+  models::InitScheme scheme;
+  scheme.seed = seed_;
+  scheme.std = cfg_.init_std;
+  scheme.residual_std = cfg_.residual_std();
+  scheme.residual_paths = {"attn.o", "mlp.down"};
+  if (cfg_.tie_embeddings) {
+    scheme.tied_head = "lm_head.weight";
+    scheme.tied_embedding = "embed_tokens.weight";
   }
+  scheme.who = "Llama::init_tensor";
+  models::init_transformer_tensor(
+      *this, scheme, name, values, [this](const models::TensorSite& site, const at::Tensor& v) {
+        if (dynamic_cast<const RotaryEmbeddingImpl*>(site.module)) {
+          v.copy_(rope_inv_freq(cfg_.head_dim(), cfg_.rope_theta));
+        } else if (dynamic_cast<const RMSNormImpl*>(site.module)) {
+          v.fill_(1.0);
+        } else {
+          return false;
+        }
+        return true;
+      });
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& idx) {
-  TORCH_CHECK(idx.dim() == 2, "Llama::forward: idx must be [B, T], got ", idx.sizes());
-  TORCH_CHECK(idx.scalar_type() == at::kLong, "Llama::forward: idx must be int64, got ",
-              idx.scalar_type());
-  const int64_t T = idx.size(1);
-  TORCH_CHECK(T >= 1 && T <= cfg_.seq_len, "Llama::forward: sequence length ", T,
-              " outside [1, seq_len=", cfg_.seq_len, "]");
-  const auto [cos, sin] = flatshard::call(rope, T);
+  models::check_tokens(idx, cfg_.seq_len, "Llama::forward");
+  const auto [cos, sin] = flatshard::call(rope, idx.size(1));
   at::Tensor x = flatshard::call(embed_tokens, idx);
   for (auto& layer : layers_) x = flatshard::call(layer, x, cos, sin);
   return flatshard::call(lm_head, flatshard::call(norm, x));
 }
 
 at::Tensor LlamaImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
-  TORCH_CHECK(targets.sizes() == idx.sizes(), "Llama::loss: targets ", targets.sizes(),
-              " must have the shape of idx ", idx.sizes());
-  const at::Tensor logits = forward(idx);
-  return at::cross_entropy_loss(logits.reshape({-1, cfg_.vocab}).to(at::kFloat),
-                                targets.reshape({-1}));
+  models::check_targets(idx, targets, "Llama::loss");
+  return models::next_token_loss(forward(idx), targets, cfg_.vocab);
+}
+
+// --- the family descriptor (models/family.h) ----------------------------------------------------
+
+namespace {
+
+class LlamaFamily final : public models::FamilyOf<LlamaConfig, LlamaImpl> {
+ public:
+  const char* name() const override { return "llama"; }
+  const char* display_name() const override { return "LLaMA"; }
+  std::vector<std::string> preset_names() const override { return LlamaConfig::preset_names(); }
+  const models::FamilyModules& modules() const override {
+    static const models::FamilyModules m{"DecoderLayer", "Linear|RMSNorm|Embedding",
+                                         "Llama, DecoderLayer, Attention, MLP, RMSNorm, "
+                                         "RotaryEmbedding, Linear, Embedding"};
+    return m;
+  }
+  long double num_parameters_bound(const models::TransformerConfig& c) const override {
+    // kv heads as many as heads (the most), MLP hidden size 8d/3 + 256 (above the rule's), or
+    // the config's own when set.
+    const auto& l = config(c, name());
+    const long double d = c.d_model, V = c.vocab, L = c.n_layers;
+    const long double h = l.hidden > 0 ? static_cast<long double>(l.hidden) : 8 * d / 3 + l.multiple_of;
+    return V * d * (c.tie_embeddings ? 1 : 2) + L * (2 * d + 4 * d * d + 3 * d * h) + d;
+  }
+  TransformerShape shape(const models::TransformerConfig& c) const override {
+    return transformer_shape(config(c, name()));
+  }
+};
+
+}  // namespace
+
+const models::Family& LlamaConfig::family() {
+  static const LlamaFamily f;
+  return f;
 }
 
 }  // namespace llama

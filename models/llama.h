@@ -57,31 +57,33 @@
 #include <torch/nn/modules/linear.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "fsdp/deferred_init.h"
+#include "models/transformer.h"
+#include "planner/model_shape.h"
 
 namespace flatshard {
+namespace models {
+class Family;
+}
 namespace llama {
 
-struct LlamaConfig {
-  int64_t vocab = 32000;
-  int64_t d_model = 2048;
-  int64_t n_heads = 16;
+// The LLaMA's config: the shared sizes and init settings (models/transformer.h; defaults: the
+// "1b" preset's sizes) and its own fields.
+struct LlamaConfig : models::TransformerConfig {
   int64_t n_kv_heads = 0;  // key/value heads; 0: n_heads (no grouping). Must divide n_heads.
-  int64_t n_layers = 16;
-  int64_t seq_len = 2048;  // maximum sequence length; also T in flops_per_token
   // SwiGLU hidden size; 0: the LLaMA rule, multiple_of · ceil(floor(8·d/3) / multiple_of).
   int64_t hidden = 0;
   int64_t multiple_of = 256;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
-  bool tie_embeddings = false;
-  double init_std = 0.02;
-  bool scaled_residual_init = true;  // residual projections get init_std / sqrt(2 L)
+
+  LlamaConfig() { vocab = 32000; }
 
   // Named presets (each passes validate()); kv = n_kv_heads, h = hidden (from the rule):
   //   "tiny"  vocab 512,   d 64,   heads 4,  kv 2,  layers 2,  seq 32,   h 192   (~0.16 M)
@@ -92,13 +94,18 @@ struct LlamaConfig {
   // tiny uses multiple_of 32 (the rule's 256 would make its MLP 4d wide). Throws c10::Error
   // naming the known presets for any other name.
   static LlamaConfig preset(const std::string& name);
+  static std::vector<std::string> preset_names();
+  // The family descriptor (models/family.h) this config belongs to.
+  static const models::Family& family();
 
-  // Throws c10::Error with the offending values: every size > 0 (n_kv_heads, hidden >= 0),
-  // n_heads divides d_model, n_kv_heads divides n_heads, the head dim is even (RoPE rotates
-  // pairs), rope_theta > 1, norm_eps > 0, init_std finite and >= 0.
+  // Throws c10::Error with the offending values: the shared sizes
+  // (TransformerConfig::validate_sizes), n_kv_heads, hidden >= 0, multiple_of > 0, n_kv_heads
+  // divides n_heads, the head dim is even (RoPE rotates pairs), rope_theta > 1, norm_eps > 0.
   void validate() const;
+  std::unique_ptr<models::TransformerConfig> clone() const override {
+    return std::make_unique<LlamaConfig>(*this);
+  }
 
-  int64_t head_dim() const { return d_model / n_heads; }
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
   int64_t hidden_size() const;  // hidden, or the LLaMA rule when hidden == 0
   // One line, e.g. "vocab=512 d_model=64 n_heads=4 n_kv_heads=2 n_layers=2 seq_len=32
@@ -117,6 +124,22 @@ int64_t num_parameters(const LlamaConfig& cfg);
 // N counts every matmul weight (the output projection whether tied or not); left out: the
 // embedding gather, norms, RoPE, SiLU and the gating product, softmax.
 double flops_per_token(const LlamaConfig& cfg);
+
+// The planner's description of the LLaMA (planner/model_shape.h): paths layers / embed_tokens,
+// rope / lm_head, spec types "DecoderLayer" and "Linear|RMSNorm|Embedding", and the closed forms
+// (element size e of the compute dtype, d model width, H heads, kv = kv_heads() · hd, h the MLP
+// width):
+//   layer_matmul_params       2 d^2 + 2 d kv + 3 d h
+//   attention FLOPs           12 d per token and position
+//   layer_activations         2 (4 d + d e + 4) + e (4 d + 3 kv) + 4 H + 4 h e; under GQA
+//                             e (4 d + kv + 2 d) instead of e (4 d + 3 kv)   (two RMSNorms with
+//                             fp32 statistics; q, rotated q, k, rotated k or the repeated k and
+//                             v, v, SDPA out, o input copy; SwiGLU's 4 h e)
+//   recompute_keeps           d e (the layer's input)
+//   layer_backward_work       e (2 d + 2 x 2 h)
+//   recomputed leaves         input_norm, post_attn_norm keep their input: 4 d + 4 saved
+//   head_activations          2 d e + 4 V
+TransformerShape transformer_shape(const LlamaConfig& cfg);
 
 // A batch of the shared synthetic language (models/synthetic_language.h) at cfg.vocab and
 // cfg.seq_len: int64 CPU [batch, seq_len] tokens and next-token targets, per (seed, rank, step).

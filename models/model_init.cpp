@@ -3,6 +3,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 
 #include <algorithm>
 #include <mutex>
@@ -133,6 +135,30 @@ TensorSite find_tensor_for_init(const torch::nn::Module& root, const std::string
   TORCH_CHECK(values.sizes() == site.tensor.sizes(), who, ": '", name, "' is ",
               site.tensor.sizes(), ", got values of shape ", values.sizes());
   return site;
+}
+
+void init_transformer_tensor(const torch::nn::Module& root, const InitScheme& scheme,
+                             const std::string& name, const at::Tensor& values,
+                             const InitOther& other) {
+  at::NoGradGuard no_grad;
+  // A tied weight is one tensor with one init, whichever of its names the caller uses.
+  const std::string& key =
+      !scheme.tied_head.empty() && name == scheme.tied_head ? scheme.tied_embedding : name;
+  const TensorSite site = find_tensor_for_init(root, key, values, scheme.who);
+  const torch::nn::Module* m = site.module;
+  if (site.leaf == "bias") {
+    values.zero_();
+  } else if (dynamic_cast<const torch::nn::LinearImpl*>(m)) {
+    bool residual = false;
+    for (const auto& suffix : scheme.residual_paths)
+      residual = residual || path_ends_with(site.path, suffix);
+    normal_init(values, residual ? scheme.residual_std : scheme.std, scheme.seed, key);
+  } else if (dynamic_cast<const torch::nn::EmbeddingImpl*>(m)) {
+    normal_init(values, scheme.std, scheme.seed, key);
+  } else {
+    TORCH_INTERNAL_ASSERT(other && other(site, values), scheme.who, ": '", name,
+                          "' belongs to no known module type");
+  }
 }
 
 }  // namespace models

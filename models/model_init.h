@@ -37,6 +37,14 @@
 //     another shape.
 //   * init_each_parameter(root, init): init(name, tensor) once per distinct parameter (a tied
 //     one under its first name): a family's eager init over its own init_tensor().
+//   * init_transformer_tensor(root, scheme, name, values, other): the init walk every
+//     transformer family shares, for one parameter or buffer: a tied head weight resolves to the
+//     embedding's name (one tensor, one init), biases 0, Linear weights ~ N(0, scheme.std) —
+//     those of the residual projections (a module path ending in one of
+//     scheme.residual_paths) ~ N(0, scheme.residual_std) —, Embedding weights ~ N(0, std), each
+//     drawn per (seed, name) by normal_init; anything else goes to other(site, values), which
+//     initialises a family's own modules (norms, rotary tables) and returns whether it knew the
+//     module (false: an internal error naming the parameter).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -82,6 +90,19 @@ TensorSite find_tensor_for_init(const torch::nn::Module& root, const std::string
                                 const at::Tensor& values, const char* who);
 void init_each_parameter(const torch::nn::Module& root,
                          const std::function<void(const std::string&, const at::Tensor&)>& init);
+
+struct InitScheme {
+  uint64_t seed = 0;
+  double std = 0.02, residual_std = 0.02;
+  std::vector<std::string> residual_paths;  // "attn.proj", "mlp.proj"
+  // Tied embeddings: the head's weight name and the embedding's it aliases; empty: untied.
+  std::string tied_head, tied_embedding;
+  const char* who = "init_tensor";          // error prefix: "GPT::init_tensor"
+};
+using InitOther = std::function<bool(const TensorSite&, const at::Tensor&)>;
+void init_transformer_tensor(const torch::nn::Module& root, const InitScheme& scheme,
+                             const std::string& name, const at::Tensor& values,
+                             const InitOther& other);
 
 inline bool path_ends_with(const std::string& path, const std::string& suffix) {
   return path.size() >= suffix.size() &&

@@ -1,5 +1,5 @@
 // The machine profile, the cost model's memory prediction and the plan advisor (fsdp/
-// machine_profile.h, fsdp/cost_model.h, fsdp/advisor.h), label advisor.
+// machine_profile.h, planner/cost_model.h, planner/advisor.h), label advisor.
 //
 // Independent references: the counting CPU allocator's measured peak of a real training step
 // on CPU ranks (threads) for memory; hand-built profiles that make one cost term decisive for
@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "collectives/thread_communicator.h"
-#include "fsdp/advisor.h"
+#include "planner/advisor.h"
 #include "fsdp/call.h"
-#include "fsdp/cost_model.h"
-#include "fsdp/explain.h"
-#include "fsdp/machine_profile.h"
+#include "planner/cost_model.h"
+#include "planner/explain.h"
+#include "planner/machine_profile.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "models/family.h"
@@ -30,7 +30,9 @@
 #include <fstream>
 
 using namespace flatshard;
-using models::Family;
+// The reference families by descriptor (models/family.h).
+using Family = const models::Family*;
+const Family kGpt = &models::family("gpt"), kLlama = &models::family("llama");
 using models::ModelConfig;
 
 namespace {
@@ -90,7 +92,7 @@ int64_t measured_peak(const ModelConfig& c, const std::string& spec, int world, 
 }
 
 ModelConfig preset(Family f, const std::string& name, int64_t seq) {
-  ModelConfig c = ModelConfig::preset(f, name);
+  ModelConfig c = ModelConfig::preset(*f, name);
   c.seq_len() = seq;
   return c;
 }
@@ -213,29 +215,29 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     int world = 2;
   };
   const std::vector<Case> cases = {
-      {Family::kGpt, "tiny", 32, 4, "type=Block"},
-      {Family::kGpt, "tiny", 32, 4, "recompute:type=Block"},
-      {Family::kGpt, "small", 128, 2, "type=Block"},
-      {Family::kGpt, "small", 128, 2, "recompute:type=Block"},
-      {Family::kGpt, "small", 128, 2, "type=Linear|LayerNorm|Embedding"},
-      {Family::kGpt, "small", 128, 2, "none"},
-      {Family::kLlama, "small", 128, 2, "type=DecoderLayer"},
-      {Family::kLlama, "small", 128, 2, "recompute:type=DecoderLayer"},
-      {Family::kGpt, "small", 128, 2, "noshard:type=Block;root:noshard"},
+      {kGpt, "tiny", 32, 4, "type=Block"},
+      {kGpt, "tiny", 32, 4, "recompute:type=Block"},
+      {kGpt, "small", 128, 2, "type=Block"},
+      {kGpt, "small", 128, 2, "recompute:type=Block"},
+      {kGpt, "small", 128, 2, "type=Linear|LayerNorm|Embedding"},
+      {kGpt, "small", 128, 2, "none"},
+      {kLlama, "small", 128, 2, "type=DecoderLayer"},
+      {kLlama, "small", 128, 2, "recompute:type=DecoderLayer"},
+      {kGpt, "small", 128, 2, "noshard:type=Block;root:noshard"},
       // One rank (no flat gradient, no collectives: Note [One-rank reduction]) and four.
-      {Family::kGpt, "small", 128, 2, "none", 1},
-      {Family::kGpt, "small", 128, 2, "type=Block", 1},
-      {Family::kGpt, "small", 128, 2, "none", 4},
-      {Family::kGpt, "small", 128, 2, "type=Block", 4},
+      {kGpt, "small", 128, 2, "none", 1},
+      {kGpt, "small", 128, 2, "type=Block", 1},
+      {kGpt, "small", 128, 2, "none", 4},
+      {kGpt, "small", 128, 2, "type=Block", 4},
       // SHARD_GRAD_OP keeps every layer gathered into its backward, where the head's gradient
       // (held for the root's reduction) then sits beside all of them: 5-10% under without it.
-      {Family::kGpt, "small", 128, 2, "grad_op:type=Block"},
-      {Family::kGpt, "small", 128, 2, "grad_op+recompute:type=Block", 4},
+      {kGpt, "small", 128, 2, "grad_op:type=Block"},
+      {kGpt, "small", 128, 2, "grad_op+recompute:type=Block", 4},
       // Two layers per unit: a backward gather's staging is counted where the gather is
       // issued, not beside the unit's own (not yet existing) flat gradient: 3.0% (world 2) and
       // 6.6% (world 4) over when it was; the bound for these is the issue's 5%.
-      {Family::kGpt, "small", 128, 2, "every=2,type=Block"},
-      {Family::kGpt, "small", 128, 2, "every=2,type=Block", 4},
+      {kGpt, "small", 128, 2, "every=2,type=Block"},
+      {kGpt, "small", 128, 2, "every=2,type=Block", 4},
   };
   for (const auto& c : cases) {
     const ModelConfig cfg = preset(c.family, c.preset, c.seq);
@@ -250,7 +252,7 @@ TEST_CASE("cost model: predicted peak against the counting allocator on CPU rank
     for (int r = 0; r < (tiny ? 3 : 1); ++r)
       m = std::max(m, measured_peak(cfg, c.spec, world, w));
     const double err = static_cast<double>(p.peak_bytes - m) / static_cast<double>(m);
-    CAPTURE(models::family_name(c.family), c.preset, c.spec, p.peak_bytes, m, err, p.peak_at,
+    CAPTURE(c.family->name(), c.preset, c.spec, p.peak_bytes, m, err, p.peak_at,
             p.to_string());
 
     CAPTURE(world);
@@ -280,7 +282,7 @@ TEST_CASE("advisor: over a sweep of budgets at world 2-4 the plan fits, predicte
   MachineProfile cpu = quiet_profile();
   cpu.collective_staging = 1;
   cpu.host_us_per_unit_forward = cpu.host_us_per_unit_backward = 200;
-  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};
   auto model = build_meta(cfg, 0);
   for (int world : {2, 3, 4}) {
@@ -317,7 +319,7 @@ TEST_CASE("advisor: over a sweep of budgets at world 2-4 the plan fits, predicte
 }
 
 TEST_CASE("advisor: the suggested spec round-trips through parse_policy", "[advisor][spec]") {
-  for (Family f : {Family::kGpt, Family::kLlama}) {
+  for (Family f : {kGpt, kLlama}) {
     const ModelConfig cfg = preset(f, "small", 128);
     auto model = build_meta(cfg, 0);
     AdvisorOptions a = advisor_for(cfg, {2, 128}, int64_t{1} << 40, quiet_profile());
@@ -336,7 +338,7 @@ TEST_CASE("advisor: the suggested spec round-trips through parse_policy", "[advi
 }
 
 TEST_CASE("advisor: each losing reason, where it is the decisive one", "[advisor][reasons]") {
-  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};
   auto model = build_meta(cfg, 0);
   const int64_t big = int64_t{1} << 40;
@@ -434,7 +436,7 @@ TEST_CASE("advisor: each losing reason, where it is the decisive one", "[advisor
 }
 
 TEST_CASE("advisor: bad inputs are errors with their values", "[advisor][errors]") {
-  const ModelConfig cfg = preset(Family::kGpt, "tiny", 32);
+  const ModelConfig cfg = preset(kGpt, "tiny", 32);
   auto model = build_meta(cfg, 0);
   auto err = [&](const std::function<void(AdvisorOptions&)>& change, int world = 2) {
     AdvisorOptions a = advisor_for(cfg, {1, 32}, int64_t{1} << 30, quiet_profile());
@@ -463,7 +465,7 @@ TEST_CASE("advisor: bad inputs are errors with their values", "[advisor][errors]
 TEST_CASE("cost model: step terms against closed forms", "[advisor][time]") {
   // GPT small at its own seq_len: the model's flops_per_token() (models/gpt.h, an independent
   // closed form) at the profile's rate is the whole compute term.
-  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};
   MachineProfile p = quiet_profile();
   p.compute_tflops = 0.01;
@@ -477,7 +479,7 @@ TEST_CASE("cost model: step terms against closed forms", "[advisor][time]") {
   // Recompute: one more forward of every layer, a third of its training FLOPs
   // (6 N_layer + 12 d T per token -> 2 N_layer + 4 d T).
   const auto s = cfg.transformer_shape();
-  const double layer_fwd = tokens * (2.0 * s.layer_matmul_params() + 4.0 * s.d_model * 128) *
+  const double layer_fwd = tokens * (2.0 * s.layer_matmul_params + 4.0 * s.d_model * 128) *
                            s.n_layers / (p.compute_tflops * 1e9);
   const CostPrediction rc = predicted(cfg, "recompute:type=Block", 2, w, 1, p);
   CHECK(rc.recompute_ms == Approx(layer_fwd).epsilon(1e-9));
@@ -514,7 +516,7 @@ TEST_CASE("cost model: step terms against closed forms", "[advisor][time]") {
 }
 
 TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
-  const ModelConfig cfg = preset(Family::kGpt, "tiny", 32);
+  const ModelConfig cfg = preset(kGpt, "tiny", 32);
   auto model = build_meta(cfg, 0);
   ShardingOptions o;
   o.mixed_precision.param_dtype = at::kBFloat16;
@@ -559,7 +561,7 @@ TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
 
 TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and host alike",
           "[advisor][offload]") {
-  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};
   MachineProfile cpu;
   cpu.collective_staging = 1;
@@ -595,7 +597,7 @@ TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and
 TEST_CASE("cost model: offload copies ride the gather and reduction pipeline",
           "[advisor][offload]") {
   // World 1, bf16, copies on their streams (comm_overlap 1, the GPU's case).
-  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};
   const auto s = cfg.transformer_shape();
   auto model = build_meta(cfg, 0);
@@ -662,7 +664,7 @@ TEST_CASE("cost model: offload copies ride the gather and reduction pipeline",
 }
 
 TEST_CASE("cost model: recompute costs host time too", "[advisor][time]") {
-  const ModelConfig cfg = preset(Family::kGpt, "small", 128);
+  const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};
   const int64_t L = cfg.transformer_shape().n_layers;
   MachineProfile p = quiet_profile();
@@ -692,7 +694,7 @@ TEST_CASE("cost model: a recomputed LLaMA RMSNorm keeps only its input", "[advis
   // RMSNorm saves its fp32 copy (4 d), its cast output (d e) and the statistic (4 B) per token;
   // recomputed, only its input (d e): 4 d + 4 less per norm, two per layer. A recomputed Linear
   // saves its input either way, so recomputing the Linears changes nothing.
-  const ModelConfig cfg = preset(Family::kLlama, "small", 128);
+  const ModelConfig cfg = preset(kLlama, "small", 128);
   const Workload w{2, 128};
   const auto s = cfg.transformer_shape();
   MachineProfile p = quiet_profile();
@@ -720,7 +722,7 @@ struct BigRoot {
   double err = 0;
 };
 BigRoot big_root(int64_t vocab, const Workload& w, int level) {
-  ModelConfig cfg = preset(Family::kGpt, "small", w.seq);
+  ModelConfig cfg = preset(kGpt, "small", w.seq);
   cfg.vocab() = vocab;
   cfg.n_layers() = 2;
   const std::string spec = "recompute:type=Block";

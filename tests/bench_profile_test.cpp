@@ -1,5 +1,5 @@
 // flatshard-bench --write-profile's fit (benchmarks/bench_profile.h) against a known machine: the
-// runs are synthesised from the cost model (fsdp/cost_model.h) under a profile whose constants
+// runs are synthesised from the cost model (planner/cost_model.h) under a profile whose constants
 // the test chooses, and the fit must give those constants back — per-unit host cost from the
 // hook times, the fixed host cost from the short-sequence probe, compute and memory rates, the
 // CPU optimizer rate, the copy rates from the one-unit plan and copy_rate_beside_compute from the
@@ -13,9 +13,9 @@
 #include "benchmarks/bench_options.h"
 #include "benchmarks/bench_profile.h"
 #include "benchmarks/bench_run.h"
-#include "fsdp/cost_model.h"
-#include "fsdp/explain.h"
-#include "fsdp/machine_profile.h"
+#include "planner/cost_model.h"
+#include "planner/explain.h"
+#include "planner/machine_profile.h"
 #include "fsdp/meta_init.h"
 #include "models/family.h"
 
@@ -65,7 +65,7 @@ Runs synthesise(const fb::BenchOptions& o, const MachineProfile& t,
     MetaInit meta;
     planning = o.model.build(o.seed);
   }
-  const auto& modules = models::family_modules(o.model.family);
+  const auto& modules = o.model.family().modules();
   Runs r;
   for (const auto& [label, level] : labels) {
     fb::Granularity g =

@@ -34,13 +34,15 @@
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
-using models::Family;
+// The reference families by descriptor (models/family.h).
+using Family = const models::Family*;
+const Family kGpt = &models::family("gpt"), kLlama = &models::family("llama");
 using models::ModelConfig;
 
 namespace {
 
 ModelConfig tiny(Family f, int64_t layers = 2, bool tied = false) {
-  ModelConfig c = ModelConfig::preset(f, "tiny");
+  ModelConfig c = ModelConfig::preset(*f, "tiny");
   c.n_layers() = layers;
   c.tie_embeddings() = tied;
   return c;
@@ -52,7 +54,7 @@ std::shared_ptr<torch::nn::Module> build_meta(const ModelConfig& c, uint64_t see
 }
 
 Policy policy(Family f, const std::string& granularity) {
-  const auto& m = models::family_modules(f);
+  const auto& m = f->modules();
   return parse_policy("type=" + (granularity == "layer" ? m.layer_type : m.leaf_types));
 }
 
@@ -77,7 +79,7 @@ Sharded run_sharded(const ModelConfig& c, uint64_t seed, int world, const std::s
   std::mutex mu;
   run_ranks(world, [&](Communicator& comm) {
     auto model = deferred ? build_meta(c, seed) : c.build(seed);
-    auto fsdp = fully_shard(model, policy(c.family, granularity), comm, options);
+    auto fsdp = fully_shard(model, policy(&c.family(), granularity), comm, options);
     auto gathered = fsdp->gather_full_params();
     torch::optim::AdamW opt(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
     std::vector<double> losses;
@@ -118,9 +120,9 @@ bool contains(const std::string& s, const std::string& part) {
 
 TEST_CASE("the models initialise each tensor alone, in any order, as construction does",
           "[deferred]") {
-  for (Family f : {Family::kGpt, Family::kLlama}) {
+  for (Family f : {kGpt, kLlama}) {
     for (bool tied : {false, true}) {
-      CAPTURE(models::family_name(f), tied);
+      CAPTURE(f->name(), tied);
       const ModelConfig c = tiny(f, 2, tied);
       const auto eager = eager_params(c, 11);
       auto meta = build_meta(c, 11);
@@ -156,7 +158,7 @@ TEST_CASE("the models initialise each tensor alone, in any order, as constructio
     }
   }
   // Per-tensor seeds: another seed changes every drawn tensor.
-  const auto a = eager_params(tiny(Family::kGpt), 1), b = eager_params(tiny(Family::kGpt), 2);
+  const auto a = eager_params(tiny(kGpt), 1), b = eager_params(tiny(kGpt), 2);
   CHECK_FALSE(at::equal(a.at("blocks.0.attn.qkv.weight"), b.at("blocks.0.attn.qkv.weight")));
   CHECK(models::tensor_seed(0, "a") != models::tensor_seed(0, "b"));
   CHECK(models::tensor_seed(0, "a") == models::tensor_seed(0, "a"));
@@ -190,10 +192,10 @@ TEST_CASE("normal_init: chunked draws independent of thread count, layout and de
 
 TEST_CASE("deferred init equals the eager model bit for bit at world 1..4; training agrees",
           "[deferred][parity]") {
-  for (Family f : {Family::kGpt, Family::kLlama}) {
+  for (Family f : {kGpt, kLlama}) {
     for (const std::string granularity : {"layer", "leaf"}) {
       for (int world = 1; world <= 4; ++world) {
-        CAPTURE(models::family_name(f), granularity, world);
+        CAPTURE(f->name(), granularity, world);
         const ModelConfig c = tiny(f, 3);
         const auto eager = eager_params(c, 7);
         const Sharded deferred = run_sharded(c, 7, world, granularity, true, 2);
@@ -211,8 +213,8 @@ TEST_CASE("deferred init equals the eager model bit for bit at world 1..4; train
 
 TEST_CASE("deferred init: tied embeddings, bf16 compute, sync_module_states off, HSDP-free",
           "[deferred][parity]") {
-  for (Family f : {Family::kGpt, Family::kLlama}) {
-    CAPTURE(models::family_name(f));
+  for (Family f : {kGpt, kLlama}) {
+    CAPTURE(f->name());
     const ModelConfig c = tiny(f, 2, /*tied=*/true);
     const auto eager = eager_params(c, 3);
     ShardingOptions bf16;
@@ -249,7 +251,7 @@ SetupMemory setup_memory(const ModelConfig& c, int world, bool deferred,
   mem.reset_peak();
   run_ranks(world, [&](Communicator& comm) {
     auto model = deferred ? build_meta(c, 5) : c.build(5);
-    auto fsdp = fully_shard(model, policy(c.family, "layer"), comm, options);
+    auto fsdp = fully_shard(model, policy(&c.family(), "layer"), comm, options);
     comm.barrier();
     if (comm.rank() == 0) {
       std::lock_guard<std::mutex> lock(mu);
@@ -275,13 +277,13 @@ TEST_CASE("setup memory: shards plus one unit at a time; eager setup exceeds the
   ShardingOptions bf16;
   bf16.mixed_precision.param_dtype = at::kBFloat16;
   bf16.sync_module_states = false;  // deterministic init: no broadcast needed, strict bound
-  for (Family f : {Family::kGpt, Family::kLlama}) {
+  for (Family f : {kGpt, kLlama}) {
     for (const ShardingOptions& o : {fp32, bf16}) {
       const ModelConfig c = tiny(f, 8);  // several layers, so the whole model is well above
       const int world = 2;
       const SetupMemory deferred = setup_memory(c, world, true, o);
       const SetupMemory eager = setup_memory(c, world, false, o);
-      CAPTURE(models::family_name(f), o.mixed_precision.param_dtype, deferred.peak, eager.peak,
+      CAPTURE(f->name(), o.mixed_precision.param_dtype, deferred.peak, eager.peak,
               deferred.bound);
       CHECK(deferred.peak > 0);
       CHECK(deferred.peak <= deferred.bound);
@@ -414,7 +416,7 @@ TEST_CASE("deferred init errors name the tensor, the unit and the rank, on every
 
 TEST_CASE("deferred init under HSDP: values as eager; an init failing on one rank fails all",
           "[deferred][hsdp]") {
-  const ModelConfig c = tiny(Family::kLlama, 2);
+  const ModelConfig c = tiny(kLlama, 2);
   const auto eager = eager_params(c, 9);
   for (const bool fail : {false, true}) {
     CAPTURE(fail);
@@ -432,7 +434,7 @@ TEST_CASE("deferred init under HSDP: values as eager; an init failing on one ran
         };
       }
       std::string e = message_of([&] {
-        auto fsdp = fully_shard(model, policy(c.family, "layer"), ShardingMesh(shard, &replicate),
+        auto fsdp = fully_shard(model, policy(&c.family(), "layer"), ShardingMesh(shard, &replicate),
                                 o);
         auto gathered = fsdp->gather_full_params();
         for (auto& [name, t] : gathered) {

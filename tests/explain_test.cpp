@@ -1,4 +1,4 @@
-// flatshard-explain's numbers (fsdp/explain.h), label diagnostics.
+// flatshard-explain's numbers (planner/explain.h), label diagnostics.
 //
 // Independent references: unit sizes, padding and bytes are written out by hand from the GPT
 // shapes (comments show the arithmetic), and the per-step collectives are compared with what the
@@ -15,7 +15,7 @@
 #include "collectives/thread_communicator.h"
 #include "collectives/thread_mesh.h"
 #include "fsdp/call.h"
-#include "fsdp/explain.h"
+#include "planner/explain.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/resolve.h"
 #include "fsdp/sharded_model.h"
@@ -610,7 +610,7 @@ TEST_CASE("explain warns about replicated NO_SHARD state, naming units and bytes
 
 namespace {
 
-// The memory rules of fsdp/explain.h written out pair by pair, as directly as they read:
+// The memory rules of planner/explain.h written out pair by pair, as directly as they read:
 // O(n^2) per call, the reference the O(n) estimate_memory is checked against.
 MemoryEstimate reference_memory(const std::vector<UnitExplanation>& units, int fwd, int bwd) {
   auto inside = [](const std::string& inner, const std::string& outer) {

@@ -15,7 +15,7 @@
 #include <torch/optim/adamw.h>
 
 #include "checkpoint/checkpoint.h"
-#include "fsdp/explain.h"
+#include "planner/explain.h"
 #include "fsdp/fused_adamw.h"
 #include "gpt_parity_spec.h"
 #include "llama_parity_spec.h"

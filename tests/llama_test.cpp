@@ -18,6 +18,7 @@
 
 #include "fsdp/meta_init.h"
 #include "models/family.h"
+#include "models/gpt.h"
 #include "models/model_init.h"
 #include "temp_dir.h"
 
@@ -291,7 +292,7 @@ TEST_CASE("LLaMA config errors name the values", "[llama]") {
   bad([](LlamaConfig& c) { c.rope_theta = 0.5; }, "rope_theta must be finite and > 1, got 0.5");
   bad([](LlamaConfig& c) { c.norm_eps = 0; }, "norm_eps");
   CHECK_THROWS_WITH(LlamaConfig::preset("13b"), Catch::Contains("tiny, small, 1b, 7b"));
-  CHECK_THROWS_WITH(flatshard::models::parse_family("bert"), Catch::Contains("gpt, llama"));
+  CHECK_THROWS_WITH(flatshard::models::family("bert"), Catch::Contains("gpt, llama"));
 }
 
 TEST_CASE("both families share one synthetic language", "[llama]") {

@@ -49,7 +49,9 @@ using namespace flatshard;
 using flatshard_test::read_bytes;
 using flatshard_test::TempDir;
 using flatshard_test::write_bytes;
-using models::Family;
+// The reference families by descriptor (models/family.h).
+using Family = const models::Family*;
+const Family kGpt = &models::family("gpt"), kLlama = &models::family("llama");
 using models::ModelConfig;
 
 namespace {
@@ -100,11 +102,8 @@ put("int", {n: (torch.ones(x.shape, dtype=torch.int32) if n == victim else x)
 )PY";
 
 ModelConfig config(Family f) {
-  ModelConfig c;
-  c.family = f;
-  c.gpt = flatshard_test::parity_gpt_config();
-  c.llama = flatshard_test::parity_llama_config();
-  return c;
+  return f == kGpt ? ModelConfig::of(flatshard_test::parity_gpt_config())
+                   : ModelConfig::of(flatshard_test::parity_llama_config());
 }
 
 std::shared_ptr<torch::nn::Module> build_meta(const ModelConfig& c) {
@@ -113,7 +112,7 @@ std::shared_ptr<torch::nn::Module> build_meta(const ModelConfig& c) {
 }
 
 Policy policy(Family f) {
-  return parse_policy("type=" + models::family_modules(f).layer_type);
+  return parse_policy("type=" + f->modules().layer_type);
 }
 
 // The files for `c` under tmp/"files"; returns the victim (a 2-D parameter of the first layer).
@@ -190,7 +189,7 @@ Loaded load_sharded(const ModelConfig& c, int world, const std::string& path, Na
     options.load = safetensors_loader(path, map, stats);
     try {
       auto model = eager ? c.build(kSeed) : build_meta(c);
-      auto fsdp = fully_shard(model, policy(c.family), comm, options);
+      auto fsdp = fully_shard(model, policy(&c.family()), comm, options);
       auto gathered = fsdp->gather_full_params();
       std::lock_guard<std::mutex> lock(mu);
       out.bytes[r] = stats->bytes;
@@ -227,7 +226,7 @@ int64_t total_bytes(const std::map<std::string, at::Tensor>& ref, int64_t elem) 
 
 TEST_CASE("safetensors files load into shards equal to the plain model, world 1..4",
           "[load]") {
-  for (Family f : {Family::kGpt, Family::kLlama}) {
+  for (Family f : {kGpt, kLlama}) {
     const ModelConfig c = config(f);
     TempDir tmp;
     write_files(c, tmp);
@@ -276,7 +275,7 @@ TEST_CASE("safetensors files load into shards equal to the plain model, world 1.
 }
 
 TEST_CASE("loading errors name the tensor on every rank", "[load]") {
-  const ModelConfig c = config(Family::kLlama);
+  const ModelConfig c = config(kLlama);
   TempDir tmp;
   const std::string victim = write_files(c, tmp);
   const std::string files = tmp / "files";
@@ -317,7 +316,7 @@ TEST_CASE("loading errors name the tensor on every rank", "[load]") {
 }
 
 TEST_CASE("one rank that cannot load fails every rank, at the check and at a read", "[load]") {
-  const ModelConfig c = config(Family::kGpt);
+  const ModelConfig c = config(kGpt);
   TempDir tmp;
   const std::string victim = write_files(c, tmp);
   const std::string files = tmp / "files";
@@ -342,7 +341,7 @@ TEST_CASE("one rank that cannot load fails every rank, at the check and at a rea
       }
       try {
         auto model = build_meta(c);
-        fully_shard(model, policy(c.family), comm, options);
+        fully_shard(model, policy(&c.family()), comm, options);
       } catch (const c10::Error& e) {
         std::lock_guard<std::mutex> lock(mu);
         errors[static_cast<size_t>(comm.rank())] = e.what_without_backtrace();
@@ -358,7 +357,7 @@ TEST_CASE("one rank that cannot load fails every rank, at the check and at a rea
 }
 
 TEST_CASE("a flatshard checkpoint, full or sharded, loads into shards at another world size", "[load]") {
-  const ModelConfig c = config(Family::kLlama);
+  const ModelConfig c = config(kLlama);
   TempDir tmp;
   std::map<std::string, at::Tensor> saved;
   std::mutex mu;
@@ -366,7 +365,7 @@ TEST_CASE("a flatshard checkpoint, full or sharded, loads into shards at another
     const std::string dir = tmp / (kind == CheckpointKind::kFull ? "full" : "sharded");
     run_ranks(2, [&](Communicator& comm) {
       auto model = c.build(kSeed + 1);  // other values than the meta model's own init
-      auto fsdp = fully_shard(model, policy(c.family), comm);
+      auto fsdp = fully_shard(model, policy(&c.family()), comm);
       CheckpointOptions options;
       options.kind = kind;
       options.durable = false;
@@ -398,7 +397,7 @@ TEST_CASE("a flatshard checkpoint, full or sharded, loads into shards at another
 }
 
 TEST_CASE("HSDP: every replica loads its own shards", "[load][hsdp]") {
-  const ModelConfig c = config(Family::kGpt);
+  const ModelConfig c = config(kGpt);
   TempDir tmp;
   write_files(c, tmp);
   const std::string path = tmp / "files/split";
@@ -411,7 +410,7 @@ TEST_CASE("HSDP: every replica loads its own shards", "[load][hsdp]") {
     ShardingOptions options;
     options.load = safetensors_loader(path, {}, stats);
     auto model = build_meta(c);
-    auto fsdp = fully_shard(model, policy(c.family), ShardingMesh(shard, &replicate), options);
+    auto fsdp = fully_shard(model, policy(&c.family()), ShardingMesh(shard, &replicate), options);
     auto gathered = fsdp->gather_full_params();
     std::lock_guard<std::mutex> lock(mu);
     bytes[static_cast<size_t>(replicate.rank() * 2 + shard.rank())] = stats->bytes;

@@ -19,7 +19,7 @@
 #include "profiling/counting_allocator.h"
 #include "rank_require.h"
 #include "tiny_net.h"
-#include "fsdp/explain.h"
+#include "planner/explain.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;

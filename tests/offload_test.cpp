@@ -11,7 +11,7 @@
 #include <torch/optim/adamw.h>
 
 #include "checkpoint/checkpoint.h"
-#include "fsdp/explain.h"
+#include "planner/explain.h"
 #include "gpt_parity_spec.h"
 #include "llama_parity_spec.h"
 #include "parity_util.h"

@@ -22,7 +22,7 @@
 #include <mutex>
 
 #include "collectives/thread_communicator.h"
-#include "fsdp/explain.h"
+#include "planner/explain.h"
 #include "fsdp/resolve.h"
 #include "gpt_parity_spec.h"
 #include "models/llama.h"

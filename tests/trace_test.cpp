@@ -1,4 +1,4 @@
-// Per-unit traces (fsdp/trace.h) and their summary (fsdp/trace_summary.h), label diagnostics.
+// Per-unit traces (fsdp/trace.h) and their summary (planner/trace_summary.h), label diagnostics.
 //
 // CPU, ranks as threads: the trace files must be valid JSON (read with nlohmann-json's parser,
 // not with the summary's reader; names spelled out here, not taken from fsdp/trace_format.h),
@@ -32,7 +32,7 @@
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "fsdp/trace.h"
-#include "fsdp/trace_summary.h"
+#include "planner/trace_summary.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 #include "rank_require.h"

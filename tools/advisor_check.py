@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted vs measured: flatshard-explain's cost model (fsdp/cost_model.h) against flatshard-bench.
+"""Predicted vs measured: flatshard-explain's cost model (planner/cost_model.h) against flatshard-bench.
 
 For each model and batch, runs flatshard-bench over every granularity x recompute x offload
 combination the bench supports, with --write-profile on the first (non-recompute, offload 0,

@@ -12,10 +12,10 @@
 //                     (adds the predicted peak with activations and the predicted step time)
 //   flatshard-explain --preset 1b --world 8 --param-dtype bf16 --batch 4 --suggest
 //                     --memory-limit 40GiB [--profile machine.json]   (the plan advisor,
-//                     fsdp/advisor.h: the best plan as a spec, and why the others lose)
+//                     planner/advisor.h: the best plan as a spec, and why the others lose)
 //
 // The reference model (--model gpt | llama, models/family.h) is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
-// allocates nothing. Your own model: call flatshard::explain() (fsdp/explain.h) from C++.
+// allocates nothing. Your own model: call flatshard::explain() (planner/explain.h) from C++.
 // Its module objects do live on the host (~20 KB a layer), so sizes are checked first, without
 // building anything: at most kMaxLayers layers and kMaxParameters parameters (a clear error with
 // the numbers instead of std::bad_alloc or minutes of allocation).
@@ -31,10 +31,10 @@
 #include <limits>
 #include <map>
 
-#include "fsdp/advisor.h"
-#include "fsdp/cost_model.h"
-#include "fsdp/explain.h"
-#include "fsdp/machine_profile.h"
+#include "planner/advisor.h"
+#include "planner/cost_model.h"
+#include "planner/explain.h"
+#include "planner/machine_profile.h"
 #include "support/output_file.h"
 #include "fsdp/meta_init.h"
 #include "models/family.h"
@@ -128,11 +128,12 @@ int main(int argc, char** argv) {
   int64_t batch = 0, seq = 0;
   std::vector<int> offload_levels = {0}, prefetch_depths = {1, 2};
   std::map<std::string, int64_t> overrides;
-  app.add_option("--model", family, "model family: gpt (models/gpt.h), llama (models/llama.h)")
-      ->check(CLI::IsMember({"gpt", "llama"}))
+  app.add_option("--model", family,
+                 "model family (models/family.h): " + flatshard::models::families_help())
+      ->check(CLI::IsMember(flatshard::models::family_names()))
       ->capture_default_str();
-  app.add_option("--preset", preset, "preset: tiny, small, 1b; llama also 7b")
-      ->check(CLI::IsMember({"tiny", "small", "1b", "7b"}))
+  app.add_option("--preset", preset, "the family's preset")
+      ->check(CLI::IsMember(flatshard::models::all_preset_names()))
       ->capture_default_str();
   for (const char* key : {"vocab", "d-model", "n-heads", "n-layers", "seq-len"})
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
@@ -187,12 +188,12 @@ int main(int argc, char** argv) {
   app.add_flag("--plan", show_plan, "also print the plan (Plan::to_string)");
   app.add_option("--batch", batch,
                  "sequences per rank per step: adds the predicted peak with activations and the "
-                 "step time (fsdp/cost_model.h)")
+                 "step time (planner/cost_model.h)")
       ->check(at_least(1));
   app.add_option("--seq", seq, "tokens per sequence for --batch (default: the model's seq_len)")
       ->check(at_least(1));
   app.add_option("--profile", profile_path,
-                 "machine profile JSON (fsdp/machine_profile.h; flatshard-bench --write-profile); "
+                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
                  "default: the stated defaults (1x/2x H200 measurements)");
   app.add_flag("--suggest", suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
@@ -212,7 +213,7 @@ int main(int argc, char** argv) {
 
   try {
     namespace fm = flatshard::models;
-    auto cfg = fm::ModelConfig::preset(fm::parse_family(family), preset);
+    auto cfg = fm::ModelConfig::preset(family, preset);
     if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
     if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
     if (overrides["n-heads"]) cfg.n_heads() = overrides["n-heads"];
@@ -220,7 +221,7 @@ int main(int argc, char** argv) {
     if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
     cfg.tie_embeddings() = tied;
     const bool policy_given = !policy.empty();
-    if (policy.empty()) policy = "type=" + fm::family_modules(cfg.family).layer_type;
+    if (policy.empty()) policy = "type=" + cfg.family().modules().layer_type;
     TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--n-layers ", cfg.n_layers(),
                 " is more than explain builds (at most ", kMaxLayers,
                 " layers: each is a set of host objects, even on the meta device)");
@@ -267,14 +268,14 @@ int main(int argc, char** argv) {
       a.offload_levels = offload_levels;
       a.prefetch_depths = prefetch_depths;
       if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
-      std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
+      std::cout << "model: " << cfg.family().display_name() << " " << cfg.to_string() << " ("
                 << cfg.num_parameters() << " params)\n";
       std::cout << flatshard::suggest(*model, world, replicate, opts, a).to_string();
       flatshard::flush_stdout();
       return 0;
     }
     const auto plan = flatshard::make_plan(*model, flatshard::parse_policy(policy));
-    std::cout << "model: " << fm::display_name(cfg.family) << " " << cfg.to_string() << " ("
+    std::cout << "model: " << cfg.family().display_name() << " " << cfg.to_string() << " ("
               << cfg.num_parameters()
               << " params); policy: " << policy << "\n";
     if (show_plan) std::cout << plan.to_string();

@@ -4,7 +4,7 @@
 Runs, on one CUDA device, what models/gpt.cpp and models/llama.cpp do at the head:
     loss = cross_entropy(linear(h, W).reshape(-1, V).float(), targets)
 and prints, per vocabulary size, the bytes per logit alive after forward, at the forward peak
-and at the backward peak (relative to before the forward). fsdp/cost_model.h counts 4 after
+and at the backward peak (relative to before the forward). planner/cost_model.h counts 4 after
 forward (the fp32 log-softmax output), 10 at the forward peak (bf16 logits, their fp32 copy,
 the log-softmax output) and 12 in backward (two more fp32 [tokens, V] gradients). Also prints
 which SDPA kernel runs and whether its output's transpose is contiguous (if it is, the

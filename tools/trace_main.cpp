@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "fsdp/trace_summary.h"
+#include "planner/trace_summary.h"
 #include "support/output_file.h"
 #include "tools/cli_exit.h"
 

@@ -1,5 +1,5 @@
-// flatshard/fsdp/machine_profile.cpp — see machine_profile.h.
-#include "fsdp/machine_profile.h"
+// flatshard/planner/machine_profile.cpp — see machine_profile.h.
+#include "planner/machine_profile.h"
 
 #include <c10/util/Exception.h>
 
@@ -110,7 +110,7 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
       if (key == f.key) field = &f;
     if (!field && key == "offload_overlap")  // the key this one replaced
       node.fail("'offload_overlap' is retired: rerun flatshard-bench --write-profile, which "
-                "writes 'copy_rate_beside_compute' (fsdp/machine_profile.h)");
+                "writes 'copy_rate_beside_compute' (planner/machine_profile.h)");
     if (!field) {
       std::string known = "format, version, source";
       for (const Field& f : fields()) known += std::string(", ") + f.key;

@@ -1,4 +1,4 @@
-// flatshard/fsdp/trace_summary.h — read flatshard traces (fsdp/trace.h) and say where a step's
+// flatshard/planner/trace_summary.h — read flatshard traces (fsdp/trace.h) and say where a step's
 // time goes: per unit exposed communication, GPU idle gaps with their cause, top offenders with
 // one line of advice each. flatshard-trace (tools/trace_main.cpp) prints it; tests check it on
 // planted delays. The file format (names, tracks, categories) is fsdp/trace_format.h's.

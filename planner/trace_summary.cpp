@@ -1,5 +1,5 @@
-// flatshard/fsdp/trace_summary.cpp — see trace_summary.h.
-#include "fsdp/trace_summary.h"
+// flatshard/planner/trace_summary.cpp — see trace_summary.h.
+#include "planner/trace_summary.h"
 
 #include <c10/util/Exception.h>
 

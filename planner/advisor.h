@@ -1,4 +1,4 @@
-// flatshard/fsdp/advisor.h — the plan advisor: the plan that fits a per-rank memory budget at
+// flatshard/planner/advisor.h — the plan advisor: the plan that fits a per-rank memory budget at
 // the best predicted step time, and why each alternative loses.
 //
 //   AdvisorOptions a;
@@ -20,8 +20,8 @@
 //   offload_levels (as ShardingOptions::offload; default {0}: offload only when asked).
 //   A candidate's spec never carries the prefetch depth or the offload level: Candidate::
 //   command_line() shows all three as flags.
-// - Each is explained (fsdp/explain.h) with the caller's ShardingOptions (strategy, dtypes,
-//   align) and costed by predict_cost() (fsdp/cost_model.h). It fits when its predicted peak
+// - Each is explained (planner/explain.h) with the caller's ShardingOptions (strategy, dtypes,
+//   align) and costed by predict_cost() (planner/cost_model.h). It fits when its predicted peak
 //   is <= memory_limit_bytes. The best: the fitting candidate with the least predicted step;
 //   candidates within tie_share of it are tied and the smallest peak among them wins.
 // - Every other candidate gets one LossReason, the decisive one:
@@ -50,9 +50,9 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/cost_model.h"
-#include "fsdp/explain.h"
-#include "fsdp/machine_profile.h"
+#include "planner/cost_model.h"
+#include "planner/explain.h"
+#include "planner/machine_profile.h"
 #include "fsdp/options.h"
 
 namespace torch {

@@ -1,13 +1,14 @@
-// flatshard/fsdp/cost_model.h — predicted peak memory and step time of an explained plan, for a
-// transformer of known shape, a batch and a machine profile (fsdp/machine_profile.h).
+// flatshard/planner/cost_model.h — predicted peak memory and step time of an explained plan, for a
+// transformer of known shape, a batch and a machine profile (planner/machine_profile.h).
 //
 //   Explanation e = explain(*model, plan, world, options);
 //   CostPrediction p = predict_cost(e, shape, {batch, seq}, profile);
 //   p.peak_bytes, p.step_ms, p.exposed_comm_ms, p.host_ms, p.host_bound
 //
-// explain() (fsdp/explain.h) knows the plan's bytes and collectives but not the model's compute
-// or activations; this adds both, from a TransformerShape (a plain description: fsdp/ does not
-// know models/; tools build it from models::ModelConfig, see TransformerShape::layer_prefix).
+// explain() (planner/explain.h) knows the plan's bytes and collectives but not the model's compute
+// or activations; this adds both, from a TransformerShape (planner/model_shape.h: plain data —
+// the planner knows no model family and no module name; a family of models/ or a checkpoint's
+// description fills it in).
 //
 // Memory model (per rank, live bytes; what flatshard-bench's "peak MiB" measures):
 //   persistent  fp32 master shards + AdamW's two moments (trainable part) + NO_SHARD compute
@@ -26,25 +27,22 @@
 //               the fp32 master uploaded to a device buffer before its cast at a gather (level
 //               1: the first of the step; level 2: every one), the fp32 reduced shard on the
 //               device until its copy to the host.
-//   activations per layer and token, closed forms of what autograd saves (element size e of
-//               the compute dtype, d model width, hd = d / H, kv = H_kv hd, h the MLP width):
-//     GPT   (ln1, qkv, SDPA q k v out lse, proj input copy, ln2, fc, GELU):
-//               17 d e + 2 (2 x 4) + 4 H
-//     LLaMA (two RMSNorms with fp32 statistics: 4 d + d e + 4 each; q, rotated q, k, rotated k
-//               or the repeated k and v under GQA, v, SDPA out, o input copy, 4 h e of SwiGLU):
-//               2 (4 d + d e + 4) + e (4 d + 3 kv) [GQA: e (4 d + kv + 2 d)] + 4 H + 4 h e
-//     head  (ln_f / norm input, lm_head input, log-softmax output in fp32): 2 d e + 4 V, and at
-//               the loss: the logits (V e) and their fp32 copy (4 V, when e != 4) in forward, two
+//   activations per layer and token: TransformerShape's per-token terms (planner/model_shape.h),
+//               filled by the model's description — the closed forms of what autograd saves
+//               live with the family that has them (models/gpt.h, models/llama.h). At the
+//               loss: the logits (V e) and their fp32 copy (4 V, when e != 4) in forward, two
 //               more fp32 [tokens, V] gradients at the start of backward.
-//     A recompute unit that holds whole layers keeps only each layer's input (d e); its backward
-//     materialises all of its layers' activations again. Units smaller than a layer (leaf
-//     granularity) save what the layer saves, recompute or not (the ops between the leaves run
-//     outside any unit). Everything is multiplied by MachineProfile::activation_scale.
+//     A recompute unit that holds whole layers keeps only TransformerShape::recompute_keeps per
+//     token and layer; its backward materialises all of its layers' activations again. Units
+//     smaller than a layer (leaf granularity) save what the layer saves, recompute or not (the
+//     ops between the leaves run outside any unit), less recomputed_leaf_savings. Everything is
+//     multiplied by MachineProfile::activation_scale.
 //   peak_bytes = the walk's maximum x (1 + allocator_slack).
 //
 // Step-time model (ms, per rank):
-//   compute     tokens x FLOPs / compute_tflops, FLOPs = 6 N_matmul + 12 L d seq per token (the
-//               models' closed form at this seq), plus a second forward (2 N_layer + 4 d seq) of
+//   compute     tokens x FLOPs / compute_tflops, FLOPs = 6 N_matmul + L x
+//               attention_flops_per_token_per_position x seq per token (the families' closed
+//               form at this seq), plus a second forward (2 N_layer + 4 d seq) of
 //               every layer a recompute unit holds (a recompute unit smaller than a layer: its
 //               share of the layer's forward, the layer's FLOPs split evenly over its units).
 //   passes      per-parameter memory passes at memory_gbps: the fp32 -> compute-dtype cast
@@ -80,33 +78,11 @@
 #include <string>
 #include <vector>
 
-#include "fsdp/explain.h"
-#include "fsdp/machine_profile.h"
+#include "planner/explain.h"
+#include "planner/machine_profile.h"
+#include "planner/model_shape.h"
 
 namespace flatshard {
-
-// The shape of a reference transformer (models/gpt.h, models/llama.h) the cost model needs.
-struct TransformerShape {
-  enum class Kind { kGpt, kLlama };
-  Kind kind = Kind::kGpt;
-  int64_t vocab = 0, d_model = 0, n_heads = 0, n_kv_heads = 0, mlp_hidden = 0, n_layers = 0;
-  // Module path of the layer list ("blocks" / "layers"): unit modules "<prefix>.<i>" are layer
-  // i, "<prefix>.<i>.<...>" are inside it.
-  std::string layer_prefix;
-  // Spec type names the advisor builds its candidates from ("Block", "Linear|LayerNorm|Embedding").
-  std::string layer_type, leaf_types;
-  // Paths inside a layer of its RMSNorm modules (LLaMA: "input_norm", "post_attn_norm"): one
-  // recomputed as a unit of its own keeps only its input (recomputed_leaf_saving).
-  std::vector<std::string> rms_norm_paths;
-
-  int64_t head_dim() const { return d_model / n_heads; }
-  // Matmul weight elements of one layer (the FLOP count's N per layer).
-  int64_t layer_matmul_params() const;
-  // Activation bytes autograd saves per token for one layer / the head (see the header
-  // comment), element size `e` of the compute dtype; no scale applied.
-  double layer_activation_bytes_per_token(int64_t e) const;
-  double head_activation_bytes_per_token(int64_t e) const;
-};
 
 struct Workload {
   int64_t batch = 1;  // sequences per rank per step

@@ -1,5 +1,5 @@
-// flatshard/fsdp/machine_profile.h — the measured numbers of one machine that the step-time and
-// memory model (fsdp/cost_model.h) and the plan advisor (fsdp/advisor.h) read.
+// flatshard/planner/machine_profile.h — the measured numbers of one machine that the step-time and
+// memory model (planner/cost_model.h) and the plan advisor (planner/advisor.h) read.
 //
 //   MachineProfile p = load_profile("machine.json");   // or MachineProfile::defaults()
 //   std::cout << p.to_json();                          // what save_profile() writes

@@ -1,4 +1,4 @@
-// flatshard/fsdp/explain.h — what a plan will cost, before anything runs.
+// flatshard/planner/explain.h — what a plan will cost, before anything runs.
 //
 //   auto plan = make_plan(*model, parse_policy("type=Block"));
 //   Explanation e = explain(*model, plan, /*world_size=*/8, options, /*memory_limit=*/40_GiB);

@@ -1,5 +1,5 @@
-// flatshard/fsdp/advisor.cpp — see advisor.h.
-#include "fsdp/advisor.h"
+// flatshard/planner/advisor.cpp — see advisor.h.
+#include "planner/advisor.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
