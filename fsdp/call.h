@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "fsdp/recompute.h"
+#include "fsdp/unit_entry.h"
 
 namespace torch {
 namespace nn {
@@ -64,14 +65,7 @@ class Unit;
 
 namespace detail {
 
-// A registered member module's unit and the runtime that drives it (fsdp/runtime.h).
-struct UnitEntry {
-  Runtime* runtime = nullptr;
-  Unit* unit = nullptr;
-};
-
-// unit == nullptr when `m` is not a unit member of a live ShardedModel (the common, cheap case).
-UnitEntry find_unit(const torch::nn::Module* m);
+// UnitEntry and find_unit: fsdp/unit_entry.h.
 // Before the member module runs: the runtime unshards the unit (or waits for the prefetched
 // all-gather).
 void pre_forward(const UnitEntry& e, const torch::nn::Module* m);

@@ -9,7 +9,6 @@
 
 #include <mutex>
 
-#include "fsdp/call.h"
 #include "fsdp/runtime.h"
 #include "fsdp/unit.h"
 

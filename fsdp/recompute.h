@@ -51,16 +51,11 @@
 #include <functional>
 #include <vector>
 
-namespace torch {
-namespace nn {
-class Module;
-}
-}  // namespace torch
+#include "fsdp/unit_entry.h"
 
 namespace flatshard {
 namespace detail {
 
-struct UnitEntry;  // fsdp/call.h, which includes this header for its recompute path
 
 // The unit recomputes (Note [Recompute]) and grad mode is on: flatshard::call takes the
 // recompute path.
