@@ -24,9 +24,9 @@
 //       loss(model, idx, tgt)  the model's own fp32 next-token loss; `model` must come from
 //                              build() of this family (else c10::Error)
 //       shape(cfg)             the planner's description (planner/model_shape.h)
-//     FamilyOf<Config, Model> implements all but the names, presets, modules, the bound and the
-//     shape from the config's and the model's own members, so a family is one file pair
-//     (docs/design.md "How to add a model family").
+//     FamilyOf<Config, Model> implements it from the config's and the model's own members and
+//     the family's free functions, so a family is one file pair (docs/design.md "How to add a
+//     model family").
 //   * FamilyModules:
 //       layer_type   one transformer layer ("Block" / "DecoderLayer")
 //       leaf_types   every module that owns parameters directly, as a spec alternation
@@ -110,14 +110,36 @@ template <class Config>
 double flops_per_token_of(const Config& c) {
   return flops_per_token(c);
 }
+template <class Config>
+long double num_parameters_bound_of(const Config& c) {
+  return num_parameters_bound(c);
+}
+template <class Config>
+TransformerShape transformer_shape_of(const Config& c) {
+  return transformer_shape(c);
+}
 }  // namespace detail
 
-// The config-and-model half of a family: Config has preset(), validate(), to_string() and
-// num_parameters / flops_per_token free functions in its namespace (found by argument-dependent
-// lookup); Model is the module type Config builds (Model(cfg, seed)) with loss(idx, targets).
+// A family from its config and model types: Config has preset(), preset_names(), validate(),
+// to_string() and, in its namespace (found by argument-dependent lookup), the free functions
+// num_parameters, num_parameters_bound, flops_per_token and transformer_shape; Model is the
+// module type Config builds (Model(cfg, seed)) with loss(idx, targets). The names and module
+// types are data: `static const FamilyOf<XConfig, XImpl> f("x", "X", {...}); return f;`.
 template <class Config, class Model>
-class FamilyOf : public Family {
+class FamilyOf final : public Family {
  public:
+  FamilyOf(const char* name, const char* display_name, FamilyModules modules)
+      : name_(name), display_name_(display_name), modules_(std::move(modules)) {}
+  const char* name() const override { return name_; }
+  const char* display_name() const override { return display_name_; }
+  std::vector<std::string> preset_names() const override { return Config::preset_names(); }
+  const FamilyModules& modules() const override { return modules_; }
+  long double num_parameters_bound(const TransformerConfig& c) const override {
+    return detail::num_parameters_bound_of(config(c, name()));
+  }
+  TransformerShape shape(const TransformerConfig& c) const override {
+    return detail::transformer_shape_of(config(c, name()));
+  }
   static const Config& config(const TransformerConfig& c, const char* family) {
     return config_as<Config>(c, family);
   }
@@ -150,6 +172,11 @@ class FamilyOf : public Family {
     TORCH_CHECK(m != nullptr, "the model is a ", model.name(), ", not a ", display_name());
     return m->loss(idx, targets);
   }
+
+ private:
+  const char* name_;
+  const char* display_name_;
+  FamilyModules modules_;
 };
 
 class ModelConfig {

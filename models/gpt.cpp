@@ -68,6 +68,12 @@ int64_t num_parameters(const GPTConfig& cfg) {
   return embeddings + cfg.n_layers * per_block + 2 * d;
 }
 
+long double num_parameters_bound(const GPTConfig& cfg) {
+  // num_parameters()'s closed form in long double: exact, whatever the sizes.
+  const long double d = cfg.d_model, V = cfg.vocab, L = cfg.n_layers, T = cfg.seq_len;
+  return V * d * (cfg.tie_embeddings ? 1 : 2) + T * d + L * (12 * d * d + 13 * d) + 2 * d;
+}
+
 double flops_per_token(const GPTConfig& cfg) {
   const double d = static_cast<double>(cfg.d_model);
   const double L = static_cast<double>(cfg.n_layers);
@@ -230,33 +236,12 @@ at::Tensor GPTImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
 
 // --- the family descriptor (models/family.h) ----------------------------------------------------
 
-namespace {
-
-class GptFamily final : public models::FamilyOf<GPTConfig, GPTImpl> {
- public:
-  const char* name() const override { return "gpt"; }
-  const char* display_name() const override { return "GPT"; }
-  std::vector<std::string> preset_names() const override { return GPTConfig::preset_names(); }
-  const models::FamilyModules& modules() const override {
-    static const models::FamilyModules m{"Block", "Linear|LayerNorm|Embedding",
-                                         "GPT, Block, CausalSelfAttention, MLP, Linear, "
-                                         "LayerNorm, Embedding"};
-    return m;
-  }
-  long double num_parameters_bound(const models::TransformerConfig& c) const override {
-    // The exact closed form of num_parameters(), in long double.
-    const long double d = c.d_model, V = c.vocab, L = c.n_layers, T = c.seq_len;
-    return V * d * (c.tie_embeddings ? 1 : 2) + T * d + L * (12 * d * d + 13 * d) + 2 * d;
-  }
-  TransformerShape shape(const models::TransformerConfig& c) const override {
-    return transformer_shape(config(c, name()));
-  }
-};
-
-}  // namespace
-
 const models::Family& GPTConfig::family() {
-  static const GptFamily f;
+  static const models::FamilyOf<GPTConfig, GPTImpl> f(
+      "gpt", "GPT",
+      {"Block", "Linear|LayerNorm|Embedding",
+                                        "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, "
+                                        "Embedding"});
   return f;
 }
 

@@ -82,6 +82,9 @@ struct GPTConfig : models::TransformerConfig {
 //   V·d·(tied ? 1 : 2) + T·d + L·(12·d² + 13·d) + 2·d
 // (per block: ln1 2d, qkv 3d²+3d, attn.proj d²+d, ln2 2d, fc 4d²+4d, mlp.proj 4d²+d; ln_f 2d).
 int64_t num_parameters(const GPTConfig& cfg);
+// The same closed form in long double, for any sizes (no int64 overflow): what tools check
+// hostile sizes against before building anything.
+long double num_parameters_bound(const GPTConfig& cfg);
 
 // Training FLOPs per token (forward + backward), PaLM appendix-B / Chinchilla convention:
 //   flops_per_token = 6·N + 12·L·d·T,   N = L·12·d² + V·d,   T = cfg.seq_len

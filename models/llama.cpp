@@ -89,6 +89,15 @@ int64_t num_parameters(const LlamaConfig& cfg) {
   return cfg.vocab * d * (cfg.tie_embeddings ? 1 : 2) + cfg.n_layers * per_layer + d;
 }
 
+long double num_parameters_bound(const LlamaConfig& cfg) {
+  // kv heads as many as heads (the most), the MLP width the config's own or above the rule's
+  // (8d/3 + multiple_of): at least num_parameters(), in long double, for any sizes.
+  const long double d = cfg.d_model, V = cfg.vocab, L = cfg.n_layers;
+  const long double h = cfg.hidden > 0 ? static_cast<long double>(cfg.hidden)
+                                       : 8 * d / 3 + static_cast<long double>(cfg.multiple_of);
+  return V * d * (cfg.tie_embeddings ? 1 : 2) + L * (2 * d + 4 * d * d + 3 * d * h) + d;
+}
+
 double flops_per_token(const LlamaConfig& cfg) {
   const double d = static_cast<double>(cfg.d_model);
   const double L = static_cast<double>(cfg.n_layers);
@@ -308,36 +317,12 @@ at::Tensor LlamaImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
 
 // --- the family descriptor (models/family.h) ----------------------------------------------------
 
-namespace {
-
-class LlamaFamily final : public models::FamilyOf<LlamaConfig, LlamaImpl> {
- public:
-  const char* name() const override { return "llama"; }
-  const char* display_name() const override { return "LLaMA"; }
-  std::vector<std::string> preset_names() const override { return LlamaConfig::preset_names(); }
-  const models::FamilyModules& modules() const override {
-    static const models::FamilyModules m{"DecoderLayer", "Linear|RMSNorm|Embedding",
-                                         "Llama, DecoderLayer, Attention, MLP, RMSNorm, "
-                                         "RotaryEmbedding, Linear, Embedding"};
-    return m;
-  }
-  long double num_parameters_bound(const models::TransformerConfig& c) const override {
-    // kv heads as many as heads (the most), MLP hidden size 8d/3 + 256 (above the rule's), or
-    // the config's own when set.
-    const auto& l = config(c, name());
-    const long double d = c.d_model, V = c.vocab, L = c.n_layers;
-    const long double h = l.hidden > 0 ? static_cast<long double>(l.hidden) : 8 * d / 3 + l.multiple_of;
-    return V * d * (c.tie_embeddings ? 1 : 2) + L * (2 * d + 4 * d * d + 3 * d * h) + d;
-  }
-  TransformerShape shape(const models::TransformerConfig& c) const override {
-    return transformer_shape(config(c, name()));
-  }
-};
-
-}  // namespace
-
 const models::Family& LlamaConfig::family() {
-  static const LlamaFamily f;
+  static const models::FamilyOf<LlamaConfig, LlamaImpl> f(
+      "llama", "LLaMA",
+      {"DecoderLayer", "Linear|RMSNorm|Embedding",
+                                        "Llama, DecoderLayer, Attention, MLP, RMSNorm, "
+                                        "RotaryEmbedding, Linear, Embedding"});
   return f;
 }
 

@@ -118,6 +118,9 @@ struct LlamaConfig : models::TransformerConfig {
 //   V·d·(tied ? 1 : 2) + L·(2·d + 2·d² + 2·d·kv + 3·d·h) + d
 // (per layer: two RMSNorm weights, q and o d², k and v d·kv, gate/up/down d·h; final norm d).
 int64_t num_parameters(const LlamaConfig& cfg);
+// At least num_parameters(), in long double, for any sizes (no int64 overflow): kv heads as
+// many as heads, the MLP width above the rule's unless set.
+long double num_parameters_bound(const LlamaConfig& cfg);
 
 // Training FLOPs per token, the convention of gpt::flops_per_token (PaLM appendix B):
 //   6·N + 12·L·d·T,   N = L·(2·d² + 2·d·kv + 3·d·h) + V·d,   T = cfg.seq_len

@@ -46,11 +46,10 @@ std::pair<torch::nn::Embedding, torch::nn::Linear> embedding_and_head(int64_t vo
 
 void check_tokens(const at::Tensor& idx, int64_t seq_len, const char* who) {
   TORCH_CHECK(idx.dim() == 2, who, ": idx must be [B, T], got ", idx.sizes());
-  TORCH_CHECK(idx.scalar_type() == at::kLong, who, ": idx must be int64, got ",
-              idx.scalar_type());
+  TORCH_CHECK(idx.scalar_type() == at::kLong, who, ": idx must be int64, got ", idx.scalar_type());
   const int64_t T = idx.size(1);
-  TORCH_CHECK(T >= 1 && T <= seq_len, who, ": sequence length ", T, " outside [1, seq_len=",
-              seq_len, "]");
+  TORCH_CHECK(T >= 1 && T <= seq_len, who, ": sequence length ", T,
+              " outside [1, seq_len=", seq_len, "]");
 }
 
 void check_targets(const at::Tensor& idx, const at::Tensor& targets, const char* who) {
@@ -59,8 +58,7 @@ void check_targets(const at::Tensor& idx, const at::Tensor& targets, const char*
 }
 
 at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab) {
-  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
-                                targets.reshape({-1}));
+  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
 }
 
 }  // namespace models

@@ -52,13 +52,13 @@ struct TransformerShape {
   std::string layer_type, leaf_types;
 
   // One layer, closed forms of its family:
-  int64_t layer_matmul_params = 0;     // matmul weight elements (the FLOP count's N per layer)
+  int64_t layer_matmul_params = 0;  // matmul weight elements (the FLOP count's N per layer)
   // Attention score and value matmuls per token: this x the sequence length (12 d for the
   // PaLM convention, models/gpt.h flops_per_token).
   double attention_flops_per_token_per_position = 0;
-  PerToken layer_activations;     // what autograd saves per token for the layer's backward
-  PerToken recompute_keeps;       // what a recompute unit holding the whole layer keeps (its input)
-  PerToken layer_backward_work;   // the backward's working set per token (largest temporaries)
+  PerToken layer_activations;    // what autograd saves per token for the layer's backward
+  PerToken recompute_keeps;      // what a recompute unit holding the whole layer keeps (its input)
+  PerToken layer_backward_work;  // the backward's working set per token (largest temporaries)
   // Paths inside a layer of modules that, recomputed as units of their own, keep less than
   // they would save otherwise: bytes per token saved (LLaMA's RMSNorms keep their input, not
   // the fp32 copy, the cast output and the statistic).
