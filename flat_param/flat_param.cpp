@@ -12,8 +12,8 @@
 #include <mutex>
 
 #include "collectives/agree.h"
+#include "flat_param/collective_plan.h"
 #include "flat_param/offload.h"
-#include "flat_param/upcast.h"
 
 namespace flatshard {
 
@@ -106,8 +106,18 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
       replicate_(replicate),
       config_(config) {
   at::NoGradGuard no_grad;
-  const int world = config_.sharded ? comm_.world_size() : 1;
-  const c10::Device device = comm_.device();
+  make_layout(check_params(fill || load_ranges));
+  initial_values(fill, load_ranges);
+  choose_plans();
+  move_to_host();
+  make_views();
+  make_full_buffer();
+  attach_and_guard();
+}
+
+FlatParam::~FlatParam() = default;
+
+std::vector<std::vector<int64_t>> FlatParam::check_params(bool deferred) {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : params_) {
     TORCH_CHECK(p.param.defined(), "unit '", unit_name_, "': parameter '", p.name,
@@ -125,7 +135,6 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
                 p.param.device(), " (rank ", comm_.rank(), ")");
     TORCH_CHECK(p.param.is_leaf(), "unit '", unit_name_, "': parameter '", p.name,
                 "' is not a leaf tensor");
-    const bool deferred = fill || load_ranges;
     TORCH_CHECK(p.param.is_meta() == deferred, "unit '", unit_name_,
                 "' (rank ", comm_.rank(), "): parameter '", p.name, "' is ",
                 deferred ? "not on the meta device, but the unit is built with deferred values"
@@ -135,6 +144,11 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     trainable_.push_back(p.param.requires_grad());
     if (trainable_.back()) ++num_trainable_;
   }
+  return shapes;
+}
+
+void FlatParam::make_layout(const std::vector<std::vector<int64_t>>& shapes) {
+  const int world = config_.sharded ? comm_.world_size() : 1;
   layout_ = FlatLayout::make(shapes, world, config_.align);
   pending_.resize(params_.size());
   int64_t end = 0;
@@ -143,43 +157,59 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     if (next > end) padding_.emplace_back(end, next);
     if (i < layout_.numels.size()) end = layout_.offsets[i] + layout_.numels[i];
   }
+}
 
+void FlatParam::initial_values(const std::function<void()>& fill, const RangeFill& load_ranges) {
   TORCH_CHECK(!(fill && load_ranges), "unit '", unit_name_,
               "': built with both an init and a loader");
   if (load_ranges) {
     load_master(load_ranges);  // Note [Loading into shards]: no full buffer, no broadcast
+    return;
+  }
+  // The full fp32 values, padding zero, on the communicator's device.
+  at::Tensor init = at::zeros({layout_.padded_numel},
+                              at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
+  if (fill) {
+    fill_deferred(init, fill);
   } else {
-    // The full fp32 values, padding zero, on the communicator's device.
-    at::Tensor init =
-        at::zeros({layout_.padded_numel}, at::TensorOptions().dtype(at::kFloat).device(device));
-    if (fill) {
-      fill_deferred(init, fill);
-    } else {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        init.narrow(0, layout_.offsets[i], layout_.numels[i])
-            .copy_(params_[i].param.detach().reshape({-1}));
-      }
-    }
-    if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
-      comm_.broadcast(init, 0, comm_.current_stream());
-    }
-    // HSDP: every shard group now holds its rank 0's values; make them global rank 0's.
-    if (config_.sync_module_states && hybrid() && layout_.padded_numel > 0) {
-      replicate_->broadcast(init, 0, replicate_->current_stream());
-    }
-    if (config_.sharded) {
-      master_ = init.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel).clone();
-    } else {
-      master_ = init;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      init.narrow(0, layout_.offsets[i], layout_.numels[i])
+          .copy_(params_[i].param.detach().reshape({-1}));
     }
   }
-  TORCH_CHECK(config_.offload >= 0 && config_.offload <= 2, "unit '", unit_name_,
-              "': offload level must be 0, 1 or 2, got ", config_.offload);
-  if (config_.offload > 0) {  // Note [CPU offload]: the optimizer's side lives on the host
-    at::Tensor host = host_empty(master_.numel(), at::kFloat, device);
-    host.copy_(master_);
-    master_ = host;
+  broadcast_values(init);
+  if (config_.sharded) {
+    master_ = init.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel).clone();
+  } else {
+    master_ = init;
   }
+}
+
+void FlatParam::broadcast_values(const at::Tensor& init) {
+  if (config_.sync_module_states && comm_.world_size() > 1 && layout_.padded_numel > 0) {
+    comm_.broadcast(init, 0, comm_.current_stream());
+  }
+  // HSDP: every shard group now holds its rank 0's values; make them global rank 0's.
+  if (config_.sync_module_states && hybrid() && layout_.padded_numel > 0) {
+    replicate_->broadcast(init, 0, replicate_->current_stream());
+  }
+}
+
+void FlatParam::choose_plans() {
+  // Both throw for an offload level other than 0, 1 or 2.
+  gather_ = make_gather_plan(unit_name_, config_, layout_, comm_);
+  reduce_ = make_reduce_plan(unit_name_, config_, layout_, comm_, replicate_);
+}
+
+void FlatParam::move_to_host() {
+  if (config_.offload == 0) return;
+  // Note [CPU offload]: the optimizer's side lives on the host.
+  at::Tensor host = host_empty(master_.numel(), at::kFloat, comm_.device());
+  host.copy_(master_);
+  master_ = host;
+}
+
+void FlatParam::make_views() {
   // Note [Frozen parameters]: a unit of frozen parameters only has no optimizer parameter.
   master_.requires_grad_(num_trainable_ > 0);
   // Note [Original-parameter views]: views by storage (set_), not autograd views of master_,
@@ -198,21 +228,22 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     views_.push_back(std::move(v));
   }
   views_active_ = num_trainable_ > 0 && num_trainable_ < params_.size();
+}
 
-  full_aliases_master_ =
-      !config_.sharded && config_.param_dtype == at::kFloat && config_.offload == 0;
+void FlatParam::make_full_buffer() {
+  full_aliases_master_ = full_aliases_master(config_);
   if (full_aliases_master_) {
     full_ = master_.detach();
   } else {
-    full_ = resizable_empty(layout_.padded_numel, config_.param_dtype, device);
-    if (!config_.sharded) {
-      upload_to_device(full_, master_.detach());
-      uploaded_version_ = master_version();
-    }
+    full_ = resizable_empty(layout_.padded_numel, config_.param_dtype, comm_.device());
   }
-  if (config_.sharded && config_.offload == 1)  // uploaded at the first unshard()
-    resident_ = at::empty({layout_.shard_numel},
-                          at::TensorOptions().dtype(config_.param_dtype).device(device));
+  // Replicated: full_ gets the master's values; offload 1: the resident shard (uploaded at the
+  // first unshard()).
+  const at::Tensor master = master_.detach();
+  gather_->prepare(GatherArgs{master, full_, views_});
+}
+
+void FlatParam::attach_and_guard() {
   // Note [Unsharded buffer lifetime]: from here on the parameters are views of full_.
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor view =
@@ -229,23 +260,22 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Commun
     }
     params_[i].param.set_data(view);
   }
-  if (config_.sharded) {
-    const size_t nbytes = static_cast<size_t>(layout_.padded_numel) * full_.element_size();
-    for (const auto& p : params_) {
-      guards_.push_back(make_guard(
-          nbytes, full_.device(),
-          "flatshard: parameter '" + p.name + "' of unit '" + unit_name_ + "' (rank " +
-              std::to_string(comm_.rank()) +
-              ") was read while the unit is sharded: outside its unit's flatshard::call it "
-              "holds no values. Enter the module through flatshard::call(module, args...) or "
-              "flatshard::enter(module, fn) instead of calling its forward() directly; between "
-              "steps read parameters with ShardedModel::gather_full_params(). After the "
-              "ShardedModel is destroyed its sharded parameters have no values: gather them "
-              "(or save a checkpoint) first."));
-    }
-    resize_tensor_storage(full_, 0);
-    guard_params();
+  if (!config_.sharded) return;
+  const size_t nbytes = static_cast<size_t>(layout_.padded_numel) * full_.element_size();
+  for (const auto& p : params_) {
+    guards_.push_back(make_guard(
+        nbytes, full_.device(),
+        "flatshard: parameter '" + p.name + "' of unit '" + unit_name_ + "' (rank " +
+            std::to_string(comm_.rank()) +
+            ") was read while the unit is sharded: outside its unit's flatshard::call it "
+            "holds no values. Enter the module through flatshard::call(module, args...) or "
+            "flatshard::enter(module, fn) instead of calling its forward() directly; between "
+            "steps read parameters with ShardedModel::gather_full_params(). After the "
+            "ShardedModel is destroyed its sharded parameters have no values: gather them "
+            "(or save a checkpoint) first."));
   }
+  resize_tensor_storage(full_, 0);
+  guard_params();
 }
 
 void FlatParam::fill_deferred(const at::Tensor& init, const std::function<void()>& fill) {
@@ -347,73 +377,19 @@ void FlatParam::unshard(c10::Stream stream, bool attach) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
   const at::Tensor master = master_.detach();
-  if (!config_.sharded) {
-    if (config_.offload == 0) {
-      if (!full_aliases_master_) full_.copy_(master);
-    } else if (master_version() != uploaded_version_) {  // Note [CPU offload]
-      upload_to_device(full_, master);
-      uploaded_version_ = master_version();
-    }
-  } else {
+  if (config_.sharded) {  // Note [Unsharded buffer lifetime]: full()'s storage comes back
     resize_tensor_storage(full_, layout_.padded_numel);
     if (attach) attach_params();
-    if (layout_.padded_numel == 0) return;
-    at::Tensor slot = full_.narrow(0, layout_.shard_begin(comm_.rank()), layout_.shard_numel);
-    if (config_.offload == 0) {
-      slot.copy_(master);
-      comm_.all_gather(slot, full_, stream);
-    } else {
-      comm_.all_gather(offload_gather_input(slot), full_, stream);
-    }
   }
+  gather_->gather(GatherArgs{master, full_, views_}, stream);
   // (Not for the replicated fp32 buffer: it is the optimizer's master, whose padding must stay 0.)
   if (config_.poison_padding && !full_aliases_master_)
     for (const auto& [b, e] : padding_) full_.narrow(0, b, e - b).fill_(NAN);
 }
 
-at::Tensor FlatParam::offload_gather_input(const at::Tensor& slot) {
-  const at::Tensor master = master_.detach();
-  if (config_.offload >= 2) {
-    upload_to_device(slot, master);
-    return slot;
-  }
-  const int64_t version = master_version();
-  if (version != uploaded_version_) {
-    upload_to_device(resident_, master);
-    uploaded_version_ = version;
-  }
-  return resident_;
-}
+void FlatParam::finish_host_grad() { reduce_->finish_host_grad(master_); }
 
-void FlatParam::deliver_host_grad(const at::Tensor& g) {
-  at::Tensor& mg = master_.mutable_grad();
-  if (!mg.defined()) {
-    // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
-    // someone still holds it (a tensor or a view of its storage) — pinning pages per step
-    // would cost more than the copy.
-    if (!host_grad_.defined() || host_grad_.use_count() > 1 ||
-        host_grad_.storage().use_count() > 1)
-      host_grad_ = host_empty(g.numel(), at::kFloat, comm_.device());
-    mg = host_grad_;
-    download_to_host(mg, g);
-    return;
-  }
-  if (!host_grad_stage_.defined())
-    host_grad_stage_ = host_empty(g.numel(), at::kFloat, comm_.device());
-  download_to_host(host_grad_stage_, g);
-  host_grad_staged_ = true;
-}
-
-void FlatParam::finish_host_grad() {
-  if (!host_grad_staged_) return;
-  at::NoGradGuard no_grad;
-  master_.mutable_grad().add_(host_grad_stage_);
-  host_grad_staged_ = false;
-}
-
-int64_t FlatParam::resident_bytes() const {
-  return resident_.defined() ? static_cast<int64_t>(resident_.nbytes()) : 0;
-}
+int64_t FlatParam::resident_bytes() const { return gather_->resident_bytes(); }
 
 void FlatParam::reshard() {
   if (!config_.sharded) return;
@@ -496,60 +472,12 @@ void FlatParam::accept_grad(size_t i) {
   g = region.view(layout_.shapes[i]);
 }
 
-bool FlatParam::one_rank_reduce() const {
-  return comm_.world_size() == 1 && !hybrid() && config_.offload == 0 &&
-         (config_.reduce_dtype == config_.param_dtype || config_.reduce_dtype == at::kFloat);
-}
+bool FlatParam::one_rank_reduce() const { return !reduce_->needs_flat_grad(); }
 
-// Note [One-rank reduction]
-// With one rank in the group (and no replicas) the reduction is the identity, and the flat
-// gradient exists only to feed it: reduce_grad() writes each parameter's gradient straight into
-// its region of master().grad (one read of the compute-dtype gradient, one fp32 write: the
-// upcast copy_), zeroes padding and regions no gradient reached, and allocates no flat
-// gradient and no reduced buffer. Against the general path (copy into the flat gradient, the
-// one-rank "reduce-scatter" copy, then the upcast) that saves two compute-dtype copies of the
-// unit per step and two unit-sized buffers at the backward peak. Values are the same: the
-// general path's reduction of one rank changes nothing, and its upcast is exact. Only when the
-// reduce dtype rounds nothing (it is the compute dtype or fp32); a lower reduce dtype takes the
-// general path, whose rounding is then the requested behaviour.
-std::vector<at::Tensor> FlatParam::reduce_one_rank() {
-  std::vector<at::Tensor> in_use = absorb_view_grads();
-  at::Tensor& mg = master_.mutable_grad();
-  const bool fresh = !mg.defined();
-  if (fresh) mg = at::empty({master_.numel()}, master_.options().requires_grad(false));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor region = mg.narrow(0, layout_.offsets[i], layout_.numels[i]);
-    at::Tensor src;
-    if (pending_[i].defined()) {
-      src = pending_[i].reshape({-1});
-    } else if (full_grad_.defined() && grad_written_[i]) {
-      src = full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]);
-    }
-    if (!src.defined()) {
-      if (fresh) region.zero_();  // no gradient reached it: zero, as the general path
-    } else if (fresh) {
-      copy_to_float(region, src);  // Note [Vectorized upcast]: ATen's casting copy is ~3x slower
-    } else {
-      region.add_(src);
-    }
-    if (pending_[i].defined()) in_use.push_back(std::move(pending_[i]));
-  }
-  if (fresh)
-    for (const auto& [b, e] : padding_) mg.narrow(0, b, e - b).zero_();
-  point_view_grads();
-  if (full_grad_.defined()) in_use.push_back(full_grad_);
-  drop_grad();
-  return in_use;
-}
-
-std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
-  at::NoGradGuard no_grad;
-  c10::StreamGuard guard(stream);
-  if (one_rank_reduce()) return reduce_one_rank();
+void FlatParam::complete_flat_grad(std::vector<at::Tensor>& in_use) {
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
   // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
   // wrote. The pending gradients go to `in_use`: the compute stream allocated them.
-  std::vector<at::Tensor> in_use;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!pending_[i].defined()) continue;
     at::Tensor region =
@@ -561,43 +489,32 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   for (const auto& [b, e] : padding_) full_grad_.narrow(0, b, e - b).zero_();
   for (size_t i = 0; i < params_.size(); ++i)
     if (!grad_written_[i]) full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).zero_();
-  at::Tensor send = full_grad_.scalar_type() == config_.reduce_dtype
-                        ? full_grad_
-                        : full_grad_.to(config_.reduce_dtype);
-  at::Tensor reduced;
-  if (config_.sharded) {
-    reduced = at::empty({layout_.shard_numel}, send.options());
-    comm_.reduce_scatter(send, reduced, ReduceOp::kAvg, stream);
-  } else {
-    comm_.all_reduce(send, ReduceOp::kAvg, stream);
-    reduced = send;
+}
+
+std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
+  at::NoGradGuard no_grad;
+  c10::StreamGuard guard(stream);
+  std::vector<at::Tensor> in_use;
+  ReduceResult r;
+  if (reduce_->needs_flat_grad()) {  // else Note [One-rank reduction]: no flat gradient
+    complete_flat_grad(in_use);
+    r = reduce_->reduce(full_grad_, stream);
   }
-  // HSDP: the shard group's average, averaged across replicas = the mean over all ranks. Same
-  // stream, so it starts as soon as the reduce-scatter ends and overlaps the backward compute
-  // just as that does. It reads and writes only `reduced`, which is either allocated on
-  // `stream` (freed there, stream-ordered) or `send`, returned below: nothing new for
-  // Note [Reduce buffer lifetime].
-  if (hybrid()) replicate_->all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
-  at::Tensor g = to_float(reduced);
   for (auto& t : absorb_view_grads()) in_use.push_back(std::move(t));
-  at::Tensor& mg = master_.mutable_grad();
-  if (config_.offload > 0) {
-    deliver_host_grad(g);  // Note [CPU offload]; `g` was allocated on this stream
-  } else if (mg.defined()) {
-    mg.add_(g);
-  } else {
-    mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
-  }
+  GradState s{layout_, padding_, full_grad_, grad_written_, pending_, master_, in_use};
+  reduce_->land(r, s);
   point_view_grads();
-  in_use.push_back(full_grad_);
-  in_use.push_back(send);
+  if (full_grad_.defined()) in_use.push_back(full_grad_);
+  if (r.sent.defined()) in_use.push_back(std::move(r.sent));
   drop_grad();
   return in_use;
 }
 
-int64_t FlatParam::master_version() const {
-  int64_t v = static_cast<int64_t>(master_._version());
-  for (const auto& view : views_) v += static_cast<int64_t>(view.tensor._version());
+int64_t FlatParam::master_version() const { return master_version_of(master_, views_); }
+
+int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {
+  int64_t v = static_cast<int64_t>(master._version());
+  for (const auto& view : views) v += static_cast<int64_t>(view.tensor._version());
   return v;
 }
 
@@ -660,18 +577,8 @@ void FlatParam::drop_grad() {
   full_grad_ = at::Tensor();
 }
 
-int64_t FlatParam::all_gather_bytes() const {
-  return config_.sharded ? layout_.shard_numel * c10::elementSize(config_.param_dtype) : 0;
-}
-
-int64_t FlatParam::reduce_bytes() const {
-  return layout_.padded_numel * c10::elementSize(config_.reduce_dtype);
-}
-
-int64_t FlatParam::replicate_reduce_bytes() const {
-  if (!hybrid()) return 0;
-  const int64_t n = config_.sharded ? layout_.shard_numel : layout_.padded_numel;
-  return n * c10::elementSize(config_.reduce_dtype);
-}
+int64_t FlatParam::all_gather_bytes() const { return gather_->bytes(); }
+int64_t FlatParam::reduce_bytes() const { return reduce_->bytes(); }
+int64_t FlatParam::replicate_reduce_bytes() const { return reduce_->replicate_bytes(); }
 
 }  // namespace flatshard

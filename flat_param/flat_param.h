@@ -69,13 +69,16 @@
 //   copy of the reduced shard to the host gradient; the caller synchronizes with the stream
 //   and calls finish_host_grad() before the optimizer reads it.
 // - All collectives go through the given Communicator on the given stream; the caller orders
-//   streams (fsdp/ does). No method here blocks the host on the device.
+//   streams (fsdp/ does). No method here blocks the host on the device. Which collectives run
+//   is decided once, at construction: a GatherPlan for unshard() and a ReducePlan for
+//   reduce_grad() (flat_param/collective_plan.h); FlatParam keeps the buffers and views.
 // - Not thread-safe; one FlatParam per unit per rank.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -108,6 +111,9 @@ struct ShardView {
   int64_t numel() const { return end - begin; }
 };
 
+class GatherPlan;  // flat_param/collective_plan.h
+class ReducePlan;
+
 struct ParamRef {
   std::string name;  // fully qualified, for messages
   at::Tensor param;  // the module's parameter handle (a leaf)
@@ -125,6 +131,7 @@ class FlatParam {
   FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
             const FlatParamConfig& config, Communicator* replicate = nullptr,
             const std::function<void()>& fill = {}, const RangeFill& load_ranges = {});
+  ~FlatParam();
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
 
@@ -133,6 +140,9 @@ class FlatParam {
   const FlatParamConfig& config() const { return config_; }
   const std::vector<ParamRef>& params() const { return params_; }
   int64_t numel() const { return layout_.used_numel; }
+  // The collectives chosen at construction (flat_param/collective_plan.h).
+  const GatherPlan& gather_plan() const { return *gather_; }
+  const ReducePlan& reduce_plan() const { return *reduce_; }
 
   // Whether parameter i requires grad (read once, at construction).
   bool trainable(size_t i) const { return trainable_[i]; }
@@ -204,7 +214,7 @@ class FlatParam {
   void drop_grad();
 
   // True when reduce_grad() skips the flat gradient and the collective: one rank, no replicas,
-  // a reduce dtype that rounds nothing (Note [One-rank reduction], flat_param.cpp). The flat
+  // a reduce dtype that rounds nothing (Note [One-rank reduction], collective_plan.cpp). The flat
   // gradient is then not needed before reduce_grad() when copies are deferred.
   bool one_rank_reduce() const;
 
@@ -217,7 +227,7 @@ class FlatParam {
   int64_t resident_bytes() const;
 
   // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
-  // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP).
+  // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP): the plans'.
   int64_t all_gather_bytes() const;
   int64_t reduce_bytes() const;
   int64_t replicate_reduce_bytes() const;
@@ -225,20 +235,38 @@ class FlatParam {
   bool hybrid() const { return replicate_ != nullptr && replicate_->world_size() > 1; }
 
  private:
+  // Construction, in this order (flat_param.cpp).
+  // The parameters' checks (dtype, device, leaf, meta iff `deferred`); their shapes; trainable_.
+  std::vector<std::vector<int64_t>> check_params(bool deferred);
+  // layout_ over the shard group (1 rank for replicated units), padding_, pending_.
+  void make_layout(const std::vector<std::vector<int64_t>>& shapes);
+  // master_ on the device: loaded (load_master), or the full fp32 values copied or filled
+  // (fill_deferred), broadcast (broadcast_values) and sliced to this rank's shard.
+  void initial_values(const std::function<void()>& fill, const RangeFill& load_ranges);
   // Deferred values: materialises the parameters in `init` (or beside it), runs `fill`, checks
   // and agrees, then copies the values that are not already in `init` there.
   void fill_deferred(const at::Tensor& init, const std::function<void()>& fill);
   // Loaded values: master_ = zeros of the shard, each intersecting range read into it, agreed.
   void load_master(const RangeFill& load_ranges);
+  // sync_module_states: rank 0's values within the shard group, then across replicas.
+  void broadcast_values(const at::Tensor& init);
+  // gather_ and reduce_ (flat_param/collective_plan.h), once.
+  void choose_plans();
+  // Note [CPU offload]: master_ moves to (pinned) host memory.
+  void move_to_host();
+  // master_ becomes the optimizer's leaf; views_ (Note [Original-parameter views]).
+  void make_views();
+  // full_ (the master itself for replicated fp32) and the gather plan's own buffers.
+  void make_full_buffer();
+  // The parameters become views of full_; sharded units: guards made, full_ freed, guarded.
+  void attach_and_guard();
+
+  // Note [Flat gradient without zero-fill]: the pending copies into full_grad_ (the pending
+  // gradients go to `in_use`), then zeroes what no gradient wrote.
+  void complete_flat_grad(std::vector<at::Tensor>& in_use);
   void clear_param_grads();
   void guard_params();
   void point_view_grads();
-  std::vector<at::Tensor> reduce_one_rank();  // Note [One-rank reduction]
-  // Note [CPU offload]: the all-gather's input on the current stream (level 1: the resident
-  // shard, uploaded if the master changed; level 2: `slot`, uploaded).
-  at::Tensor offload_gather_input(const at::Tensor& slot);
-  // Note [CPU offload]: the reduced fp32 shard `g` (device) into the host gradient.
-  void deliver_host_grad(const at::Tensor& g);
 
   std::string unit_name_;
   std::vector<ParamRef> params_;
@@ -264,12 +292,10 @@ class FlatParam {
   // (sharded units only; empty for replicated ones).
   std::vector<c10::Storage> guards_;
   bool attached_ = true;  // the parameters point at full()'s storage
-  // Note [CPU offload]
-  at::Tensor resident_;              // level 1, sharded: compute-dtype shard on the device
-  int64_t uploaded_version_ = -1;    // master_version() that resident_ / full_ last took
-  at::Tensor host_grad_;             // pinned; the host gradient's buffer, reused when free
-  at::Tensor host_grad_stage_;       // pinned; a reduction beside an existing host gradient
-  bool host_grad_staged_ = false;    // host_grad_stage_ holds one to add
+  // The collectives (flat_param/collective_plan.h): chosen in the constructor, never changed.
+  // They own what only they need (offload's resident shard, the host gradient buffers).
+  std::unique_ptr<GatherPlan> gather_;
+  std::unique_ptr<ReducePlan> reduce_;
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold
@@ -279,6 +305,8 @@ bool storage_is_allocated(const at::Tensor& t);
 // True when `t` reads a guard storage of a sharded parameter (Note [Guarded sharded
 // parameters]): a parameter (or a view of one) of a sharded unit that is not gathered.
 bool is_guarded_param(const at::Tensor& t);
+// Sum of the version counters of `master` and the views' tensors: FlatParam::master_version().
+int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views);
 // Gives the meta tensor `t` (a parameter or buffer of a model built on the meta device) the
 // storage, offset and strides of `data`, which must have t's shape and dtype: the same
 // TensorImpl — what modules, autograd and plans hold — now reads `data`'s storage on its

@@ -1,0 +1,373 @@
+#include "flat_param/collective_plan.h"
+
+#include "flat_param/offload.h"
+#include "flat_param/upcast.h"
+
+namespace flatshard {
+
+int64_t GatherArgs::master_version() const { return master_version_of(master, views); }
+
+bool full_aliases_master(const FlatParamConfig& config) {
+  return !config.sharded && config.param_dtype == at::kFloat && config.offload == 0;
+}
+
+namespace {
+
+// --- gathers ---------------------------------------------------------------------------------
+
+// Sharded plans: this rank's slot of full() is the all-gather's output slot. Each subclass writes
+// its gather() whole, so a gather costs one virtual call.
+class ShardedGather : public GatherPlan {
+ public:
+  ShardedGather(std::string name, const FlatLayout& layout, at::ScalarType param_dtype,
+                Communicator& comm)
+      : GatherPlan(std::move(name)),
+        begin_(layout.shard_begin(comm.rank())),
+        shard_numel_(layout.shard_numel),
+        padded_numel_(layout.padded_numel),
+        param_dtype_(param_dtype),
+        comm_(comm) {}
+  int64_t bytes() const final { return shard_numel_ * c10::elementSize(param_dtype_); }
+
+ protected:
+  at::Tensor slot(const at::Tensor& full) const { return full.narrow(0, begin_, shard_numel_); }
+
+  int64_t begin_, shard_numel_, padded_numel_;
+  at::ScalarType param_dtype_;
+  Communicator& comm_;
+};
+
+// Offload 0: cast the master into the slot, gather in place.
+class AllGather final : public ShardedGather {
+ public:
+  using ShardedGather::ShardedGather;
+  void gather(const GatherArgs& a, c10::Stream stream) override {
+    if (padded_numel_ == 0) return;
+    const at::Tensor mine = slot(a.full);
+    mine.copy_(a.master);
+    comm_.all_gather(mine, a.full, stream);
+  }
+};
+
+// Note [CPU offload], level 1: the device keeps the shard in the compute dtype, refreshed from
+// the host master when its version changed; the all-gather reads it (no cast per gather).
+class ResidentAllGather final : public ShardedGather {
+ public:
+  using ShardedGather::ShardedGather;
+  int64_t resident_bytes() const override {
+    return resident_.defined() ? static_cast<int64_t>(resident_.nbytes()) : 0;
+  }
+  void prepare(const GatherArgs&) override {  // uploaded at the first gather
+    resident_ =
+        at::empty({shard_numel_}, at::TensorOptions().dtype(param_dtype_).device(comm_.device()));
+  }
+  void gather(const GatherArgs& a, c10::Stream stream) override {
+    if (padded_numel_ == 0) return;
+    const int64_t version = a.master_version();
+    if (version != uploaded_version_) {
+      upload_to_device(resident_, a.master);
+      uploaded_version_ = version;
+    }
+    comm_.all_gather(resident_, a.full, stream);
+  }
+
+ private:
+  at::Tensor resident_;            // compute-dtype shard on the device
+  int64_t uploaded_version_ = -1;  // master_version() resident_ last took
+};
+
+// Note [CPU offload], level 2: nothing stays on the device; every gather uploads the master
+// into the slot.
+class UploadAllGather final : public ShardedGather {
+ public:
+  using ShardedGather::ShardedGather;
+  void gather(const GatherArgs& a, c10::Stream stream) override {
+    if (padded_numel_ == 0) return;
+    const at::Tensor mine = slot(a.full);
+    upload_to_device(mine, a.master);
+    comm_.all_gather(mine, a.full, stream);
+  }
+};
+
+// NO_SHARD, not offloaded: recast the master into full() (nothing when full() is the master).
+class ReplicatedRecast final : public GatherPlan {
+ public:
+  explicit ReplicatedRecast(bool recast) : GatherPlan("ReplicatedRecast"), recast_(recast) {}
+  int64_t bytes() const override { return 0; }
+  void prepare(const GatherArgs& a) override {
+    if (recast_) upload_to_device(a.full, a.master);  // same device: a plain copy_
+  }
+  void gather(const GatherArgs& a, c10::Stream) override {
+    if (recast_) a.full.copy_(a.master);
+  }
+
+ private:
+  bool recast_;  // false: full() aliases the master
+};
+
+// NO_SHARD, offloaded (level 2 acts as level 1, fsdp/resolve.h): full() stays on the device,
+// uploaded from the host master when its version changed.
+class ReplicatedUpload final : public GatherPlan {
+ public:
+  ReplicatedUpload() : GatherPlan("ReplicatedUpload") {}
+  int64_t bytes() const override { return 0; }
+  void prepare(const GatherArgs& a) override {
+    upload_to_device(a.full, a.master);
+    uploaded_version_ = a.master_version();
+  }
+  void gather(const GatherArgs& a, c10::Stream) override {
+    const int64_t version = a.master_version();
+    if (version != uploaded_version_) {  // Note [CPU offload]
+      upload_to_device(a.full, a.master);
+      uploaded_version_ = version;
+    }
+  }
+
+ private:
+  int64_t uploaded_version_ = -1;  // master_version() full() last took
+};
+
+// --- reductions ------------------------------------------------------------------------------
+
+// Reductions through the flat gradient: cast to the reduce dtype, collective(), upcast to
+// fp32; land() sets or adds the result to the device master gradient.
+class FlatGradReduce : public ReducePlan {
+ public:
+  FlatGradReduce(std::string name, at::ScalarType reduce_dtype, int64_t padded_numel)
+      : ReducePlan(std::move(name)), reduce_dtype_(reduce_dtype), padded_numel_(padded_numel) {}
+  bool needs_flat_grad() const final { return true; }
+  int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
+  ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) final {
+    at::Tensor send =
+        flat_grad.scalar_type() == reduce_dtype_ ? flat_grad : flat_grad.to(reduce_dtype_);
+    at::Tensor reduced = collective(send, stream);
+    at::Tensor grad = to_float(reduced);
+    return {std::move(grad), std::move(send), std::move(reduced)};
+  }
+  void land(const ReduceResult& r, GradState& s) override {
+    at::Tensor& mg = s.master.mutable_grad();
+    if (mg.defined()) {
+      mg.add_(r.grad);
+    } else {
+      mg = r.grad;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
+    }
+  }
+  // `send` (reduce dtype, the whole flat buffer) to this rank's mean over ranks, reduce dtype,
+  // on `stream`: a fresh buffer allocated on `stream`, or `send` itself.
+  virtual at::Tensor collective(const at::Tensor& send, c10::Stream stream) = 0;
+
+ protected:
+  at::ScalarType reduce_dtype_;
+  int64_t padded_numel_;
+};
+
+class ReduceScatter final : public FlatGradReduce {
+ public:
+  ReduceScatter(at::ScalarType reduce_dtype, const FlatLayout& layout, Communicator& comm)
+      : FlatGradReduce("ReduceScatter", reduce_dtype, layout.padded_numel),
+        shard_numel_(layout.shard_numel),
+        comm_(comm) {}
+  at::Tensor collective(const at::Tensor& send, c10::Stream stream) override {
+    at::Tensor reduced = at::empty({shard_numel_}, send.options());
+    comm_.reduce_scatter(send, reduced, ReduceOp::kAvg, stream);
+    return reduced;
+  }
+
+ private:
+  int64_t shard_numel_;
+  Communicator& comm_;
+};
+
+class AllReduce final : public FlatGradReduce {
+ public:
+  AllReduce(at::ScalarType reduce_dtype, const FlatLayout& layout, Communicator& comm)
+      : FlatGradReduce("AllReduce", reduce_dtype, layout.padded_numel), comm_(comm) {}
+  at::Tensor collective(const at::Tensor& send, c10::Stream stream) override {
+    comm_.all_reduce(send, ReduceOp::kAvg, stream);
+    return send;
+  }
+
+ private:
+  Communicator& comm_;
+};
+
+// HSDP: the shard group's average (the wrapped reduction), averaged across replicas = the mean
+// over all ranks. Same stream, so it starts as soon as the reduce-scatter ends and overlaps the
+// backward compute just as that does. It reads and writes only the reduced buffer, which is
+// either allocated on `stream` (freed there, stream-ordered) or `send`, which reduce_grad()
+// returns: nothing new for Note [Reduce buffer lifetime].
+class ReplicateAllReduce final : public FlatGradReduce {
+ public:
+  ReplicateAllReduce(std::unique_ptr<FlatGradReduce> inner, at::ScalarType reduce_dtype,
+                     const FlatLayout& layout, bool sharded, Communicator& replicate)
+      : FlatGradReduce("ReplicateAllReduce(" + inner->name() + ")", reduce_dtype,
+                       layout.padded_numel),
+        inner_(std::move(inner)),
+        reduced_numel_(sharded ? layout.shard_numel : layout.padded_numel),
+        replicate_(replicate) {}
+  int64_t bytes() const override { return inner_->bytes(); }
+  int64_t replicate_bytes() const override {
+    return reduced_numel_ * c10::elementSize(reduce_dtype_);
+  }
+  at::Tensor collective(const at::Tensor& send, c10::Stream stream) override {
+    at::Tensor reduced = inner_->collective(send, stream);
+    replicate_.all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
+    return reduced;
+  }
+
+ private:
+  std::unique_ptr<FlatGradReduce> inner_;
+  int64_t reduced_numel_;  // elements the wrapped reduction leaves on this rank
+  Communicator& replicate_;
+};
+
+// Note [CPU offload]: the wrapped reduction runs as without offload; its fp32 result goes to
+// the host gradient on the same stream, without blocking the host.
+class HostGradDelivery final : public ReducePlan {
+ public:
+  HostGradDelivery(std::unique_ptr<FlatGradReduce> inner, c10::Device device)
+      : ReducePlan("HostGradDelivery(" + inner->name() + ")"),
+        inner_(std::move(inner)),
+        device_(device) {}
+  bool needs_flat_grad() const override { return true; }
+  int64_t bytes() const override { return inner_->bytes(); }
+  int64_t replicate_bytes() const override { return inner_->replicate_bytes(); }
+  ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) override {
+    return inner_->reduce(flat_grad, stream);
+  }
+  // r.grad was allocated on this stream.
+  void land(const ReduceResult& r, GradState& s) override {
+    const at::Tensor& g = r.grad;
+    at::Tensor& mg = s.master.mutable_grad();
+    if (!mg.defined()) {
+      // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
+      // someone still holds it (a tensor or a view of its storage) — pinning pages per step
+      // would cost more than the copy.
+      if (!host_grad_.defined() || host_grad_.use_count() > 1 ||
+          host_grad_.storage().use_count() > 1)
+        host_grad_ = host_empty(g.numel(), at::kFloat, device_);
+      mg = host_grad_;
+      download_to_host(mg, g);
+      return;
+    }
+    if (!host_grad_stage_.defined()) host_grad_stage_ = host_empty(g.numel(), at::kFloat, device_);
+    download_to_host(host_grad_stage_, g);
+    host_grad_staged_ = true;
+  }
+  void finish_host_grad(const at::Tensor& master) override {
+    if (!host_grad_staged_) return;
+    at::NoGradGuard no_grad;
+    master.mutable_grad().add_(host_grad_stage_);
+    host_grad_staged_ = false;
+  }
+
+ private:
+  std::unique_ptr<FlatGradReduce> inner_;
+  c10::Device device_;             // the communicator's: pinned host memory when CUDA
+  at::Tensor host_grad_;           // pinned; the host gradient's buffer, reused when free
+  at::Tensor host_grad_stage_;     // pinned; a reduction beside an existing host gradient
+  bool host_grad_staged_ = false;  // host_grad_stage_ holds one to add
+};
+
+// Note [One-rank reduction]
+// With one rank in the group (and no replicas) the reduction is the identity, and the flat
+// gradient exists only to feed it: reduce_grad() writes each parameter's gradient straight into
+// its region of master().grad (one read of the compute-dtype gradient, one fp32 write: the
+// upcast copy_), zeroes padding and regions no gradient reached, and allocates no flat
+// gradient and no reduced buffer. Against the general path (copy into the flat gradient, the
+// one-rank "reduce-scatter" copy, then the upcast) that saves two compute-dtype copies of the
+// unit per step and two unit-sized buffers at the backward peak. Values are the same: the
+// general path's reduction of one rank changes nothing, and its upcast is exact. Only when the
+// reduce dtype rounds nothing (it is the compute dtype or fp32); a lower reduce dtype takes the
+// general path, whose rounding is then the requested behaviour.
+class OneRankReduce final : public ReducePlan {
+ public:
+  OneRankReduce(at::ScalarType reduce_dtype, const FlatLayout& layout)
+      : ReducePlan("OneRankReduce"),
+        reduce_dtype_(reduce_dtype),
+        padded_numel_(layout.padded_numel) {}
+  bool needs_flat_grad() const override { return false; }
+  // What the general path would send (the unit's counters count it the same).
+  int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
+  ReduceResult reduce(const at::Tensor&, c10::Stream) override { return {}; }  // no collective
+  void land(const ReduceResult&, GradState& s) override {
+    at::Tensor& mg = s.master.mutable_grad();
+    const bool fresh = !mg.defined();
+    if (fresh) mg = at::empty({s.master.numel()}, s.master.options().requires_grad(false));
+    const FlatLayout& l = s.layout;
+    for (size_t i = 0; i < s.pending.size(); ++i) {
+      at::Tensor region = mg.narrow(0, l.offsets[i], l.numels[i]);
+      at::Tensor src;
+      if (s.pending[i].defined()) {
+        src = s.pending[i].reshape({-1});
+      } else if (s.flat_grad.defined() && s.written[i]) {
+        src = s.flat_grad.narrow(0, l.offsets[i], l.numels[i]);
+      }
+      if (!src.defined()) {
+        if (fresh) region.zero_();  // no gradient reached it: zero, as the general path
+      } else if (fresh) {
+        copy_to_float(region, src);  // Note [Vectorized upcast]: ATen's casting copy is ~3x slower
+      } else {
+        region.add_(src);
+      }
+      if (s.pending[i].defined()) s.in_use.push_back(std::move(s.pending[i]));
+    }
+    if (fresh)
+      for (const auto& [b, e] : s.padding) mg.narrow(0, b, e - b).zero_();
+  }
+
+ private:
+  at::ScalarType reduce_dtype_;
+  int64_t padded_numel_;
+};
+
+void check_offload(const std::string& unit_name, const FlatParamConfig& config) {
+  TORCH_CHECK(config.offload >= 0 && config.offload <= 2, "unit '", unit_name,
+              "': offload level must be 0, 1 or 2, got ", config.offload);
+}
+
+}  // namespace
+
+std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
+                                             const FlatParamConfig& config,
+                                             const FlatLayout& layout, Communicator& comm) {
+  check_offload(unit_name, config);
+  if (!config.sharded) {
+    if (config.offload > 0) return std::make_unique<ReplicatedUpload>();
+    return std::make_unique<ReplicatedRecast>(!full_aliases_master(config));
+  }
+  switch (config.offload) {
+    case 1:
+      return std::make_unique<ResidentAllGather>("ResidentAllGather", layout, config.param_dtype,
+                                                 comm);
+    case 2:
+      return std::make_unique<UploadAllGather>("UploadAllGather", layout, config.param_dtype, comm);
+    default:
+      return std::make_unique<AllGather>("AllGather", layout, config.param_dtype, comm);
+  }
+}
+
+std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
+                                             const FlatParamConfig& config,
+                                             const FlatLayout& layout, Communicator& comm,
+                                             Communicator* replicate) {
+  check_offload(unit_name, config);
+  const bool hybrid = replicate != nullptr && replicate->world_size() > 1;
+  // Note [One-rank reduction]: the reduce dtype must round nothing.
+  if (comm.world_size() == 1 && !hybrid && config.offload == 0 &&
+      (config.reduce_dtype == config.param_dtype || config.reduce_dtype == at::kFloat))
+    return std::make_unique<OneRankReduce>(config.reduce_dtype, layout);
+  std::unique_ptr<FlatGradReduce> plan;
+  if (config.sharded) {
+    plan = std::make_unique<ReduceScatter>(config.reduce_dtype, layout, comm);
+  } else {
+    plan = std::make_unique<AllReduce>(config.reduce_dtype, layout, comm);
+  }
+  if (hybrid)
+    plan = std::make_unique<ReplicateAllReduce>(std::move(plan), config.reduce_dtype, layout,
+                                                config.sharded, *replicate);
+  if (config.offload > 0) return std::make_unique<HostGradDelivery>(std::move(plan), comm.device());
+  return plan;
+}
+
+}  // namespace flatshard

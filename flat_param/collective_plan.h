@@ -1,0 +1,162 @@
+// flatshard/flat_param/collective_plan.h — the collectives of one flat parameter, chosen once.
+//
+// Contract
+// - A GatherPlan fills the unsharded buffer full() from the fp32 master; a ReducePlan turns the
+//   unit's gradient into master().grad. FlatParam owns every buffer and view (master, full(),
+//   the flat gradient, the parameters' views and guards) and hands the plans references to
+//   them per call (GatherArgs, GradState: on the stack, nothing allocated); the plans own the
+//   collectives, the casts around them, and the state only they need (offload's resident shard
+//   and host gradient buffers).
+// - Chosen ONCE, in FlatParam's constructor, by make_gather_plan() / make_reduce_plan() from
+//   the FlatParamConfig, the layout and the communicators; after that FlatParam never branches
+//   on the strategy to issue a collective: unshard() calls gather(), reduce_grad() calls
+//   reduce() then land(). The choice, in the factories' order:
+//     gather  NO_SHARD: ReplicatedRecast (offload 0: recast master into full(), or nothing when
+//                       full() is the fp32 master itself: full_aliases_master()),
+//                       ReplicatedUpload (offload 1 or 2: upload when master_version changed);
+//             sharded:  AllGather (offload 0: cast master into this rank's slot, all-gather),
+//                       ResidentAllGather (offload 1: the device's compute-dtype shard, uploaded
+//                       when master_version changed, is the all-gather's input),
+//                       UploadAllGather (offload 2: upload into the slot at every gather).
+//     reduce  OneRankReduce when one rank, no replicas, no offload and a reduce dtype that
+//             rounds nothing (Note [One-rank reduction], collective_plan.cpp); else
+//             ReduceScatter (sharded) or AllReduce (NO_SHARD), wrapped by ReplicateAllReduce
+//             when the replicate group has more than one rank (HSDP), and that by
+//             HostGradDelivery when offloaded (Note [CPU offload], flat_param/offload.h).
+//   name() spells the composition, e.g. "HostGradDelivery(ReplicateAllReduce(ReduceScatter))".
+// - Streams: every call enqueues on `stream`, which FlatParam has made current (StreamGuard),
+//   and returns; nothing blocks the host. The caller orders `stream` against compute (fsdp/).
+// - Numerics: the plans issue exactly the ops FlatParam issued inline before this seam, in the
+//   same order on the same stream. Per call no allocation but the buffers the collectives
+//   need and no std::function: a gather is one virtual call; a reduction is reduce() and
+//   land(), plus FlatGradReduce::collective() once per layer (ReplicateAllReduce adds one).
+// - Bytes: bytes() is what one gather / one reduction sends from this rank (all_gather_bytes(),
+//   reduce_bytes() of FlatParam; the one-rank reduction counts the bytes the general path
+//   would send, as before); replicate_bytes() the HSDP all-reduce's (0 without it).
+//   planner/explain.cpp predicts the same numbers from the layout without communicators.
+//
+// How to add a collective (say an fp8 all-gather: each rank sends its shard as fp8 with a
+// scale, receivers dequantize into full()):
+//   1. flat_param/collective_plan.cpp: a GatherPlan subclass (gather(): quantize master into a
+//      buffer it owns, all-gather it, dequantize into full(); bytes(): shard_numel * 1 plus the
+//      scales), and its choice in make_gather_plan(). A new reduction is a FlatGradReduce
+//      subclass (its collective()), composing with ReplicateAllReduce and HostGradDelivery.
+//   2. flat_param/flat_param.h: the FlatParamConfig field that asks for it (with its default
+//      and meaning); FlatParam itself does not change.
+//   3. fsdp/resolve.h / resolve.cpp: the unit setting (plan option or ShardingOptions field in
+//      fsdp/options.h, and its spec keyword in wrap_policies/ if the plan text names it) that
+//      sets the field, so the runtime and explain resolve it alike.
+//   4. planner/explain.cpp: the unit's all_gather_bytes / reduce_bytes closed form (and
+//      planner/cost_model.cpp if it changes memory or time); fsdp/unit.cpp only if the unit's
+//      counters (which collective ran) change.
+//   5. tests/collective_plan_test.cpp: the factory's choice, the byte count's closed form,
+//      and the gathered buffer / reduced gradient against an independent reference; a parity
+//      run (tests/fsdp_test.cpp style) with the option on.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Stream.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "flat_param/flat_param.h"
+#include "flat_param/layout.h"
+
+namespace flatshard {
+
+// What one gather reads and writes (references into FlatParam).
+struct GatherArgs {
+  const at::Tensor& master;             // fp32 shard, detached; host memory when offloaded
+  const at::Tensor& full;               // unsharded buffer (param dtype); sharded: with storage
+  const std::vector<ShardView>& views;  // with `master`: what master_version() sums
+  // Sum of the version counters of master and the views (FlatParam::master_version()).
+  int64_t master_version() const;
+};
+
+class GatherPlan {
+ public:
+  explicit GatherPlan(std::string name) : name_(std::move(name)) {}
+  virtual ~GatherPlan() = default;
+  GatherPlan(const GatherPlan&) = delete;
+  GatherPlan& operator=(const GatherPlan&) = delete;
+
+  const std::string& name() const { return name_; }
+  // Bytes one gather sends from this rank (FlatParam::all_gather_bytes()).
+  virtual int64_t bytes() const = 0;
+  // Device bytes the plan holds between gathers (offload 1's resident shard).
+  virtual int64_t resident_bytes() const { return 0; }
+  // Once, at construction, when full() exists: a replicated plan fills it, offload 1 allocates
+  // its resident shard.
+  virtual void prepare(const GatherArgs&) {}
+  // full() from the masters, on `stream`.
+  virtual void gather(const GatherArgs& args, c10::Stream stream) = 0;
+
+ private:
+  std::string name_;
+};
+
+// A reduction's result (FlatGradReduce plans; empty for the one-rank reduction).
+struct ReduceResult {
+  at::Tensor grad;     // fp32: this rank's share of the mean over all ranks (shard or whole buffer)
+  at::Tensor sent;     // what the collective read: the flat gradient or its reduce-dtype copy
+  at::Tensor reduced;  // the collective's output (reduce dtype); freed when reduce_grad() returns
+};
+
+// FlatParam's gradient state as land() reads and writes it (references into FlatParam).
+struct GradState {
+  const FlatLayout& layout;
+  const std::vector<std::pair<int64_t, int64_t>>& padding;  // [begin, end) gaps
+  const at::Tensor& flat_grad;  // full_grad(): complete iff needs_flat_grad(); may be undefined
+  const std::vector<bool>& written;  // per parameter: its region of flat_grad holds a gradient
+  std::vector<at::Tensor>& pending;  // per parameter: a deferred gradient, or undefined
+  const at::Tensor& master;          // master(): land() sets or adds to its .grad
+  std::vector<at::Tensor>& in_use;   // buffers the stream still reads (reduce_grad() returns)
+};
+
+class ReducePlan {
+ public:
+  explicit ReducePlan(std::string name) : name_(std::move(name)) {}
+  virtual ~ReducePlan() = default;
+  ReducePlan(const ReducePlan&) = delete;
+  ReducePlan& operator=(const ReducePlan&) = delete;
+
+  const std::string& name() const { return name_; }
+  // False for the one-rank reduction, which reads the gradients where they are: no flat
+  // gradient, no collective (FlatParam::one_rank_reduce() is the negation).
+  virtual bool needs_flat_grad() const = 0;
+  // Bytes one reduction sends from this rank, without / of the HSDP replicate all-reduce.
+  virtual int64_t bytes() const = 0;
+  virtual int64_t replicate_bytes() const { return 0; }
+  // Step 1 (needs_flat_grad() only), on `stream`: the complete flat gradient (param dtype,
+  // padded_numel: every region written or zeroed) to this rank's fp32 reduced gradient.
+  virtual ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) = 0;
+  // Step 2, once FlatParam has absorbed the shard views' gradients into master's .grad (Note
+  // [Original-parameter views]): `r` into master's .grad (set, or added to an existing one).
+  virtual void land(const ReduceResult& r, GradState& s) = 0;
+  // Offload: after the host waited for the last reduction's stream, adds a staged gradient.
+  virtual void finish_host_grad(const at::Tensor& /*master*/) {}
+
+ private:
+  std::string name_;
+};
+
+// Whether full() is the fp32 master itself (replicated, fp32 compute, not offloaded): no
+// second copy, nothing to gather.
+bool full_aliases_master(const FlatParamConfig& config);
+
+// The plans of a unit laid out as `layout` whose collectives go through `comm` (the shard group
+// for sharded units) and, with HSDP, `replicate` (nullptr or one rank: none). Throws c10::Error
+// naming the unit for an offload level other than 0, 1 or 2.
+std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
+                                             const FlatParamConfig& config,
+                                             const FlatLayout& layout, Communicator& comm);
+std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
+                                             const FlatParamConfig& config,
+                                             const FlatLayout& layout, Communicator& comm,
+                                             Communicator* replicate);
+
+}  // namespace flatshard
