@@ -13,6 +13,10 @@
 //   flatshard-explain --preset 1b --world 8 --param-dtype bf16 --batch 4 --suggest
 //                     --memory-limit 40GiB [--profile machine.json]   (the plan advisor,
 //                     planner/advisor.h: the best plan as a spec, and why the others lose)
+//   flatshard-explain --weights ~/models/Llama-3-70B --world 64 --param-dtype bf16 --batch 1
+//                     (any checkpoint, from its headers: a model.safetensors, a Hugging Face
+//                     index, a flatshard checkpoint or a directory holding one; with a LLaMA-style
+//                     config.json also --batch and --suggest. planner/weights_tree.h)
 //
 // The reference model (--model gpt | llama, models/family.h) is built on the meta device (fsdp/meta_init.h): explaining 1B parameters
 // allocates nothing. Your own model: call flatshard::explain() (planner/explain.h) from C++.
@@ -38,6 +42,8 @@
 #include "support/output_file.h"
 #include "fsdp/meta_init.h"
 #include "models/family.h"
+#include "models/hf_config.h"
+#include "planner/weights_tree.h"
 #include "wrap_policies/spec.h"
 #include "tools/cli_exit.h"
 
@@ -110,6 +116,214 @@ CLI::Validator number_above(double lo, bool or_equal) {
         return "expected a number, got '" + text + "'";
       },
       std::string("NUMBER") + (or_equal ? ">=" : ">") + CLI::detail::to_string(lo));
+}
+
+// What the command line asks of the plan, whatever the model (--model/--preset or --weights).
+struct Request {
+  std::string policy, strategy, param_dtype, reduce_dtype, memory_limit, profile_path;
+  int world = 1, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
+  int64_t align = 8, batch = 0, seq = 0;
+  bool keep = false, show_plan = false, suggest = false;
+  std::vector<int> offload_levels, prefetch_depths;
+  flatshard::ExplainOptions cost;
+};
+
+// Errors about the files are one line (a name or a JSON message must not break it).
+std::string one_line(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  for (auto& c : s)
+    if (c == '\n' || c == '\r') c = ' ';
+  return s;
+}
+
+// A model to explain: its module tree on the meta device, what to print above the plan, the
+// default policy and, where known, the shape --batch and --suggest need.
+struct Described {
+  std::shared_ptr<torch::nn::Module> tree;
+  std::vector<std::string> notes;  // printed before the plan, one line each
+  std::string model_line;          // "model: GPT vocab=... (N params)"; empty: none
+  std::string default_policy, policy_note;
+  std::optional<flatshard::TransformerShape> shape;
+  std::string no_shape;      // why `shape` is unset
+  int64_t seq_len = 0;       // the model's longest sequence (0: unknown)
+  std::string seq_len_what;  // what sets it, for the --seq error
+};
+
+// A reference family (models/family.h) built on meta from its preset and the size flags.
+Described describe_reference(const std::string& family, const std::string& preset,
+                             std::map<std::string, int64_t>& overrides, bool tied) {
+  namespace fm = flatshard::models;
+  auto cfg = fm::ModelConfig::preset(family, preset);
+  if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
+  if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
+  if (overrides["n-heads"]) cfg.n_heads() = overrides["n-heads"];
+  if (overrides["n-layers"]) cfg.n_layers() = overrides["n-layers"];
+  if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
+  cfg.tie_embeddings() = tied;
+  TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--n-layers ", cfg.n_layers(),
+              " is more than explain builds (at most ", kMaxLayers,
+              " layers: each is a set of host objects, even on the meta device)");
+  const long double params = cfg.num_parameters_bound();
+  TORCH_CHECK(params <= kMaxParameters, "the model would have ", static_cast<double>(params),
+              " parameters (", cfg.to_string(), "), more than the sanity bound of ",
+              static_cast<double>(kMaxParameters),
+              "; check --vocab, --d-model, --n-layers and --seq-len");
+  Described d;
+  {
+    flatshard::MetaInit meta;  // shapes only: nothing is allocated or initialised
+    d.tree = cfg.build(/*seed=*/0);
+  }
+  flatshard::check_on_meta(*d.tree);
+  d.model_line = "model: " + std::string(cfg.family().display_name()) + " " + cfg.to_string() +
+                 " (" + std::to_string(cfg.num_parameters()) + " params)";
+  d.default_policy = "type=" + cfg.family().modules().layer_type;
+  d.shape = cfg.transformer_shape();
+  d.seq_len = cfg.seq_len();
+  d.seq_len_what = "the model's seq_len " + std::to_string(cfg.seq_len()) + " (use --seq-len)";
+  return d;
+}
+
+// --weights: a checkpoint explained from its files' headers (planner/weights_tree.h reads them
+// and builds the tree; models/hf_config.h reads config.json: type names, tied embeddings and
+// the shape).
+Described describe_weights(const std::string& path) {
+  namespace fm = flatshard::models;
+  struct {
+    flatshard::WeightsInfo info;
+    std::optional<fm::HfConfig> config;
+  } m;
+  Described d;
+  m.info = flatshard::read_weights(path, fm::hf_naming());
+  const auto& w = m.info;
+  TORCH_CHECK(static_cast<long double>(w.num_parameters()) <= kMaxParameters, w.path, ": ",
+              w.num_parameters(), " parameters, more than the sanity bound of ",
+              static_cast<double>(kMaxParameters));
+  const std::string config_path = w.config_path();
+  if (!config_path.empty()) m.config = fm::read_hf_config(config_path);
+  if (m.config) {
+    if (auto note = fm::tie_hf_embeddings(*m.config, m.info)) d.notes.push_back(*note);
+    fm::check_hf_weights(*m.config, m.info);
+  }
+  std::string weights =
+      w.path + " (" + flatshard::weights_format_name(w.format) + ", " +
+      std::to_string(w.files.size()) + (w.files.size() == 1 ? " file, " : " files, ") +
+      std::to_string(w.tensors.size()) + " tensors, " + std::to_string(w.num_parameters()) +
+      " params, file dtype " + w.dtype_summary() + "; planned as fp32 masters)";
+  d.notes.insert(d.notes.begin(), "weights: " + weights);
+  const bool known = m.config && m.config->known();
+  d.notes.insert(d.notes.begin() + 1, m.config
+                                          ? "config: " + config_path + ": " + m.config->describe()
+                                          : "config: none (no config.json in " + w.dir + ")");
+  d.notes.insert(d.notes.begin() + 2,
+                 known
+                     ? "types: from the architecture (" + m.config->type_prefix + "DecoderLayer, " +
+                           m.config->type_prefix + "Attention, " + m.config->type_prefix + "MLP, " +
+                           m.config->type_prefix + "RMSNorm, Linear, Embedding)"
+                     : std::string("types: guessed from the tensor names: Linear (2-D weight), "
+                                   "Embedding (2-D weight, path contains 'embed'), Norm (1-D "
+                                   "weight), Module (the rest)"));
+  int64_t buffers = 0;
+  std::string first_buffer;
+  for (const auto& t : w.tensors)
+    if (t.buffer && buffers++ == 0) first_buffer = t.name;
+  if (buffers > 0)
+    d.notes.push_back("buffers: " + std::to_string(buffers) + " tensors not planned (" +
+                      first_buffer + (buffers > 1 ? ", ...)" : ")"));
+  if (w.unlisted > 0)
+    d.notes.push_back("unlisted: " + std::to_string(w.unlisted) +
+                      " tensors in the shard files are not in weight_map (left out)");
+  d.tree = flatshard::module_tree_from_weights(
+      m.info, m.config ? fm::hf_naming(*m.config) : fm::hf_naming());
+  if (known) {
+    d.shape = fm::hf_transformer_shape(*m.config);
+  } else {
+    d.no_shape = m.config ? "config.json: " + m.config->describe() +
+                                ": activations and step time need the model's shape"
+                          : "no config.json: activations and step time need the model's shape; "
+                            "pass a directory with config.json";
+  }
+  if (known) {
+    d.seq_len = m.config->llama->seq_len;
+    d.seq_len_what = "the model's max_position_embeddings " + std::to_string(d.seq_len);
+  }
+  const auto layers = flatshard::find_layer_list(m.info);
+  const auto spec = layers ? flatshard::layer_list_policy(*layers) : std::nullopt;
+  d.default_policy = spec ? *spec : "none";
+  d.policy_note = spec ? " (default: one unit per layer of " + layers->prefix + ", " +
+                             std::to_string(layers->count) + " layers)"
+                       : " (default: no layer list recognised, the root only; pass --policy)";
+  return d;
+}
+
+// The plan, its explanation and (with --batch) the prediction, or (--suggest) the advisor's
+// choice, for any described model.
+int run(const Described& m, const Request& r) {
+  const bool policy_given = !r.policy.empty();
+  const std::string policy = policy_given ? r.policy : m.default_policy;
+  const std::string policy_note = policy_given ? "" : m.policy_note;
+
+  flatshard::ShardingOptions opts;
+  opts.strategy = r.strategy == "full"      ? flatshard::ShardingStrategy::kFullShard
+                  : r.strategy == "grad_op" ? flatshard::ShardingStrategy::kShardGradOp
+                                            : flatshard::ShardingStrategy::kNoShard;
+  opts.reshard_after_forward = !r.keep;
+  opts.offload = r.offload;
+  opts.forward_prefetch = r.prefetch >= 0 ? r.prefetch : r.fwd_prefetch;
+  opts.backward_prefetch = r.prefetch >= 0 ? r.prefetch : r.bwd_prefetch;
+  auto dtype = [](const std::string& s) { return s == "bf16" ? c10::kBFloat16 : c10::kFloat; };
+  opts.mixed_precision.param_dtype = dtype(r.param_dtype);
+  if (!r.reduce_dtype.empty()) opts.mixed_precision.reduce_dtype = dtype(r.reduce_dtype);
+  opts.align = r.align;
+  std::optional<int64_t> limit;
+  if (!r.memory_limit.empty()) limit = parse_bytes(r.memory_limit);
+  flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
+  if (!r.profile_path.empty()) profile = flatshard::load_profile(r.profile_path);
+  const flatshard::Workload workload{r.batch > 0 ? r.batch : 1, r.seq > 0 ? r.seq : m.seq_len};
+  if (m.shape)
+    TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
+                m.seq_len_what);
+
+  for (const auto& n : m.notes) std::cout << n << "\n";
+  if (r.suggest) {
+    TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
+    if (!m.shape) {
+      flatshard::flush_stdout();
+      std::cerr << "flatshard-explain: --suggest: " << m.no_shape << std::endl;
+      return 1;
+    }
+    flatshard::AdvisorOptions a;
+    a.memory_limit_bytes = *limit;
+    a.workload = workload;
+    a.shape = *m.shape;
+    a.profile = profile;
+    a.offload_levels = r.offload_levels;
+    a.prefetch_depths = r.prefetch_depths;
+    if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
+    if (!m.model_line.empty()) std::cout << m.model_line << "\n";
+    std::cout << flatshard::suggest(*m.tree, r.world, r.replicate, opts, a).to_string();
+    flatshard::flush_stdout();
+    return 0;
+  }
+  const auto plan = flatshard::make_plan(*m.tree, flatshard::parse_policy(policy));
+  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ") << "policy: " << policy
+            << policy_note << "\n";
+  if (r.show_plan) std::cout << plan.to_string();
+  const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, r.cost);
+  std::cout << e.to_string();
+  if (r.batch > 0 && !m.shape) {
+    std::cout << "note: --batch: " << m.no_shape << "\n";
+  } else if (r.batch > 0) {
+    const auto p = flatshard::predict_cost(e, *m.shape, workload, profile);
+    std::cout << "batch " << workload.batch << " x seq " << workload.seq
+              << "; profile: " << profile.source << "\n"
+              << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
+              << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
+              << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
+              << " host_bytes=" << p.host_bytes
+              << " optimizer_ms=" << p.optimizer_ms + p.cpu_optimizer_ms << "\n";
+  }
+  flatshard::flush_stdout();
+  return 0;
 }
 
 }  // namespace
@@ -207,92 +421,57 @@ int main(int argc, char** argv) {
                  "--suggest: prefetch depths to try (default 1,2)")
       ->check(CLI::Range(0, 64))
       ->delimiter(',');
+  std::string weights;
+  {
+    CLI::Option* w = app.add_option(
+        "--weights", weights,
+        "explain a checkpoint from its headers instead of a reference model: a model.safetensors, "
+        "a Hugging Face *.safetensors.index.json, a flatshard checkpoint's manifest.json, or a "
+        "directory holding one (with config.json: type names and the shape for --batch and "
+        "--suggest; planner/weights_tree.h, models/hf_config.h)");
+    for (const char* other : {"--model", "--preset", "--vocab", "--d-model", "--n-heads",
+                              "--n-layers", "--seq-len", "--tied"})
+      w->excludes(app.get_option(other));
+  }
   int parse_exit = 0;
   if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-explain", &parse_exit))
     return parse_exit;
 
+  Request r;
+  r.policy = policy;
+  r.strategy = strategy;
+  r.param_dtype = param_dtype;
+  r.reduce_dtype = reduce_dtype;
+  r.memory_limit = memory_limit;
+  r.profile_path = profile_path;
+  r.world = world;
+  r.replicate = replicate;
+  r.prefetch = prefetch;
+  r.fwd_prefetch = fwd_prefetch;
+  r.bwd_prefetch = bwd_prefetch;
+  r.offload = offload;
+  r.align = align;
+  r.batch = batch;
+  r.seq = seq;
+  r.keep = keep;
+  r.show_plan = show_plan;
+  r.suggest = suggest;
+  r.offload_levels = offload_levels;
+  r.prefetch_depths = prefetch_depths;
+  r.cost = cost;
   try {
-    namespace fm = flatshard::models;
-    auto cfg = fm::ModelConfig::preset(family, preset);
-    if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
-    if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
-    if (overrides["n-heads"]) cfg.n_heads() = overrides["n-heads"];
-    if (overrides["n-layers"]) cfg.n_layers() = overrides["n-layers"];
-    if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
-    cfg.tie_embeddings() = tied;
-    const bool policy_given = !policy.empty();
-    if (policy.empty()) policy = "type=" + cfg.family().modules().layer_type;
-    TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--n-layers ", cfg.n_layers(),
-                " is more than explain builds (at most ", kMaxLayers,
-                " layers: each is a set of host objects, even on the meta device)");
-    const long double params = cfg.num_parameters_bound();
-    TORCH_CHECK(params <= kMaxParameters, "the model would have ",
-                static_cast<double>(params), " parameters (", cfg.to_string(),
-                "), more than the sanity bound of ", static_cast<double>(kMaxParameters),
-                "; check --vocab, --d-model, --n-layers and --seq-len");
-
-    std::shared_ptr<torch::nn::Module> model;
-    {
-      flatshard::MetaInit meta;  // shapes only: nothing is allocated or initialised
-      model = cfg.build(/*seed=*/0);
+    Described m;
+    if (!weights.empty()) {  // a checkpoint's headers instead of a reference model
+      try {
+        m = describe_weights(weights);
+      } catch (const c10::Error& e) {  // about the files: one line (names, JSON messages)
+        std::cerr << "flatshard-explain: " << one_line(e.what_without_backtrace()) << std::endl;
+        return 1;
+      }
+    } else {
+      m = describe_reference(family, preset, overrides, tied);
     }
-    flatshard::check_on_meta(*model);
-
-    flatshard::ShardingOptions opts;
-    opts.strategy = strategy == "full"      ? flatshard::ShardingStrategy::kFullShard
-                    : strategy == "grad_op" ? flatshard::ShardingStrategy::kShardGradOp
-                                            : flatshard::ShardingStrategy::kNoShard;
-    opts.reshard_after_forward = !keep;
-    opts.offload = offload;
-    opts.forward_prefetch = prefetch >= 0 ? prefetch : fwd_prefetch;
-    opts.backward_prefetch = prefetch >= 0 ? prefetch : bwd_prefetch;
-    auto dtype = [](const std::string& s) { return s == "bf16" ? c10::kBFloat16 : c10::kFloat; };
-    opts.mixed_precision.param_dtype = dtype(param_dtype);
-    if (!reduce_dtype.empty()) opts.mixed_precision.reduce_dtype = dtype(reduce_dtype);
-    opts.align = align;
-    std::optional<int64_t> limit;
-    if (!memory_limit.empty()) limit = parse_bytes(memory_limit);
-
-    flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
-    if (!profile_path.empty()) profile = flatshard::load_profile(profile_path);
-    const flatshard::Workload workload{batch > 0 ? batch : 1, seq > 0 ? seq : cfg.seq_len()};
-    TORCH_CHECK(workload.seq <= cfg.seq_len(), "--seq ", workload.seq,
-                " is longer than the model's seq_len ", cfg.seq_len(), " (use --seq-len)");
-    if (suggest) {
-      TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
-      flatshard::AdvisorOptions a;
-      a.memory_limit_bytes = *limit;
-      a.workload = workload;
-      a.shape = cfg.transformer_shape();
-      a.profile = profile;
-      a.offload_levels = offload_levels;
-      a.prefetch_depths = prefetch_depths;
-      if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
-      std::cout << "model: " << cfg.family().display_name() << " " << cfg.to_string() << " ("
-                << cfg.num_parameters() << " params)\n";
-      std::cout << flatshard::suggest(*model, world, replicate, opts, a).to_string();
-      flatshard::flush_stdout();
-      return 0;
-    }
-    const auto plan = flatshard::make_plan(*model, flatshard::parse_policy(policy));
-    std::cout << "model: " << cfg.family().display_name() << " " << cfg.to_string() << " ("
-              << cfg.num_parameters()
-              << " params); policy: " << policy << "\n";
-    if (show_plan) std::cout << plan.to_string();
-    const auto e = flatshard::explain(*model, plan, world, opts, limit, replicate, cost);
-    std::cout << e.to_string();
-    if (batch > 0) {
-      const auto p =
-          flatshard::predict_cost(e, cfg.transformer_shape(), workload, profile);
-      std::cout << "batch " << workload.batch << " x seq " << workload.seq
-                << "; profile: " << profile.source << "\n"
-                << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
-                << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
-                << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
-                << " host_bytes=" << p.host_bytes
-                << " optimizer_ms=" << p.optimizer_ms + p.cpu_optimizer_ms << "\n";
-    }
-    flatshard::flush_stdout();
+    return run(m, r);
   } catch (const CLI::Error& e) {
     return flatshard::tools::cli_exit(app, e, "flatshard-explain");
   } catch (const c10::Error& e) {

@@ -1,0 +1,311 @@
+// flatshard/models/hf_config.cpp — see hf_config.h for the contract.
+#include "models/hf_config.h"
+
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <vector>
+
+#include "models/family.h"
+#include "support/json.h"
+
+namespace flatshard {
+namespace models {
+
+namespace {
+
+// A known architecture: its type-name prefix and transformers' defaults for the optional keys.
+struct Known {
+  const char* architecture;
+  const char* model_type;
+  const char* prefix;
+  int64_t max_position_embeddings;
+};
+const Known kKnown[] = {
+    {"LlamaForCausalLM", "llama", "Llama", 2048},
+    {"MistralForCausalLM", "mistral", "Mistral", 4096 * 32},
+    {"Qwen2ForCausalLM", "qwen2", "Qwen2", 32768},
+};
+const char* kKnownList = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM";
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool is_number(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  return os.str() + "]";
+}
+
+// A required size in [1, hi].
+int64_t size_key(const json::Node& root, const std::string& key, int64_t hi) {
+  const json::Node n = root.at(key);
+  const int64_t v = n.as_int();
+  if (v < 1 || v > hi)
+    n.fail("must be in [1, " + std::to_string(hi) + "], got " + std::to_string(v));
+  return v;
+}
+std::optional<json::Node> present(const json::Node& root, const std::string& key) {
+  auto n = root.find(key);
+  if (n && n->is_null()) return std::nullopt;
+  return n;
+}
+
+// Path renaming for hf_transformer_shape: the family's top-level paths and the components
+// inside a layer (models/llama.h's module paths -> transformers' names).
+const std::map<std::string, std::string>& top_names() {
+  static const std::map<std::string, std::string> m = {{"layers", "model.layers"},
+                                                       {"embed_tokens", "model.embed_tokens"},
+                                                       {"norm", "model.norm"},
+                                                       {"lm_head", "lm_head"},
+                                                       {"rope", ""}};  // no tensors in HF files
+  return m;
+}
+const std::map<std::string, std::string>& inner_names() {
+  static const std::map<std::string, std::string> m = {
+      {"input_norm", "input_layernorm"},
+      {"post_attn_norm", "post_attention_layernorm"},
+      {"attn", "self_attn"},
+      {"q", "q_proj"},
+      {"k", "k_proj"},
+      {"v", "v_proj"},
+      {"o", "o_proj"},
+      {"mlp", "mlp"},
+      {"gate", "gate_proj"},
+      {"up", "up_proj"},
+      {"down", "down_proj"}};
+  return m;
+}
+std::string rename(const std::string& path, bool top) {
+  std::string out;
+  size_t start = 0;
+  bool first = true;
+  while (start <= path.size()) {
+    const size_t dot = path.find('.', start);
+    const std::string part =
+        path.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    const auto& table = first && top ? top_names() : inner_names();
+    auto it = table.find(part);
+    TORCH_CHECK(it != table.end(), "hf_transformer_shape: the LLaMA family's path '", path,
+                "' has no Hugging Face name (models/hf_config.cpp's tables need it)");
+    if (first && top && it->second.empty()) return "";
+    out += (out.empty() ? "" : ".") + it->second;
+    first = false;
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string HfConfig::describe() const {
+  std::string name = architecture.empty() ? model_type : architecture;
+  if (name.empty()) name = "(no architecture)";
+  if (!known()) return name + ": " + unknown_reason;
+  return name + " (flatshard's LLaMA: " + llama->to_string() + ")";
+}
+
+HfConfig parse_hf_config(const std::string& text, const std::string& path) {
+  HfConfig c;
+  c.path = path;
+  const json::Json doc = json::parse(text, path);
+  const json::Node root(doc, path);
+  TORCH_CHECK(root.is_object(), path, ": config.json must be a JSON object");
+  if (auto a = present(root, "architectures")) {
+    const auto items = a->items();
+    if (!items.empty()) c.architecture = items.front().as_string();
+  }
+  if (auto m = present(root, "model_type")) c.model_type = m->as_string();
+  if (auto t = present(root, "tie_word_embeddings")) c.tie_word_embeddings = t->as_bool();
+
+  const Known* known = nullptr;
+  for (const Known& k : kKnown)
+    if (c.architecture.empty() ? c.model_type == k.model_type : c.architecture == k.architecture)
+      known = &k;
+  if (known == nullptr) {
+    c.unknown_reason =
+        c.architecture.empty() && c.model_type.empty()
+            ? "names no architecture (no 'architectures' or 'model_type')"
+            : std::string("architecture not known to flatshard (known: ") + kKnownList + ")";
+    return c;
+  }
+  c.type_prefix = known->prefix;
+
+  llama::LlamaConfig l;
+  l.vocab = size_key(root, "vocab_size", int64_t{1} << 31);
+  l.d_model = size_key(root, "hidden_size", int64_t{1} << 20);
+  l.n_heads = size_key(root, "num_attention_heads", int64_t{1} << 16);
+  l.n_layers = size_key(root, "num_hidden_layers", int64_t{1} << 16);
+  l.hidden = size_key(root, "intermediate_size", int64_t{1} << 22);
+  l.n_kv_heads = present(root, "num_key_value_heads")
+                     ? size_key(root, "num_key_value_heads", int64_t{1} << 16)
+                     : l.n_heads;
+  l.seq_len = present(root, "max_position_embeddings")
+                  ? size_key(root, "max_position_embeddings", int64_t{1} << 31)
+                  : known->max_position_embeddings;
+  if (auto r = present(root, "rope_theta")) l.rope_theta = r->as_number();
+  l.norm_eps = 1e-6;
+  if (auto e = present(root, "rms_norm_eps")) l.norm_eps = e->as_number();
+  l.tie_embeddings = c.tie_word_embeddings;
+  if (auto h = present(root, "head_dim")) {
+    const int64_t hd = h->as_int();
+    if (l.d_model % l.n_heads != 0 || hd != l.d_model / l.n_heads)
+      h->fail("head_dim " + std::to_string(hd) + " is not hidden_size / num_attention_heads = " +
+              std::to_string(l.d_model) + " / " + std::to_string(l.n_heads) +
+              "; flatshard's LLaMA derives the head size from them, so this model's attention "
+              "shapes are not supported yet");
+  }
+  try {
+    l.validate();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
+  }
+  c.llama = l;
+  return c;
+}
+
+HfConfig read_hf_config(const std::string& path) {
+  return parse_hf_config(read_weights_text_file(path, kMaxConfigBytes), path);
+}
+
+namespace {
+
+bool is_hf_buffer(const std::string& name) {
+  return name == "inv_freq" || ends_with(name, ".inv_freq");
+}
+bool is_hf_head(const std::string& top_level) {
+  return top_level == "lm_head" || top_level == "output" || top_level == "head" ||
+         top_level == "score" || top_level == "classifier";
+}
+std::string hf_generic_type(const ModuleView& m) {
+  std::string type = generic_module_type(m);  // "Linear": a 2-D weight
+  if (type == "Linear" && m.path.find("embed") != std::string::npos) return "Embedding";
+  return type;
+}
+
+}  // namespace
+
+WeightsNaming hf_naming() { return {is_hf_buffer, is_hf_head, hf_generic_type}; }
+
+WeightsNaming hf_naming(const HfConfig& c) {
+  WeightsNaming n = hf_naming();
+  n.module_type = hf_module_namer(c);
+  return n;
+}
+
+ModuleTypeFn hf_module_namer(const HfConfig& c) {
+  if (!c.known()) return hf_generic_type;
+  const std::string p = c.type_prefix;
+  const std::string root =
+      ends_with(c.architecture, "ForCausalLM") ? c.architecture : p + "ForCausalLM";
+  return [p, root](const ModuleView& m) -> std::string {
+    if (m.path.empty()) return root;
+    if (m.path == "model") return p + "Model";
+    if (m.path == "model.layers") return "ModuleList";
+    const std::string layers = "model.layers.";
+    if (m.path.compare(0, layers.size(), layers) == 0 && is_number(m.path.substr(layers.size())))
+      return p + "DecoderLayer";
+    if (m.name == "self_attn") return p + "Attention";
+    if (m.name == "mlp") return p + "MLP";
+    if (ends_with(m.name, "_proj") || m.path == "lm_head") return "Linear";
+    if (m.name == "embed_tokens") return "Embedding";
+    if (ends_with(m.name, "norm")) return p + "RMSNorm";  // *_layernorm, norm
+    if (m.name == "rotary_emb") return p + "RotaryEmbedding";
+    return hf_generic_type(m);
+  };
+}
+
+void check_hf_weights(const HfConfig& c, const WeightsInfo& w) {
+  if (!c.known()) return;
+  const llama::LlamaConfig& l = *c.llama;
+  const std::string who = c.path + " (" + c.architecture + ")";
+  std::set<int64_t> layers;
+  const std::string prefix = "model.layers.";
+  for (const auto& t : w.tensors) {
+    if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string rest = t.name.substr(prefix.size());
+    const std::string index = rest.substr(0, rest.find('.'));
+    TORCH_CHECK(is_number(index) && index.size() <= 9, who, ": tensor '", t.name,
+                "' is under model.layers but not in a numbered layer");
+    layers.insert(std::stoll(index));
+  }
+  TORCH_CHECK(!layers.empty(), who, ": no tensor of ", w.path,
+              " is under model.layers; the config does not describe these weights");
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == l.n_layers && *layers.begin() == 0 &&
+                  *layers.rbegin() == l.n_layers - 1,
+              who, ": num_hidden_layers is ", l.n_layers, " but ", w.path, " holds ", layers.size(),
+              " layers model.layers.", *layers.begin(), " .. ", *layers.rbegin(),
+              w.format == WeightsFormat::kSafetensors
+                  ? " (one shard of several? pass the directory or its index)"
+                  : "");
+  const int64_t d = l.d_model, hd = l.d_model / l.n_heads, h = l.hidden_size();
+  auto expect = [&](const std::string& name, std::vector<int64_t> shape, bool required) {
+    const WeightTensor* t = w.find(name);
+    TORCH_CHECK(t != nullptr || !required, who, ": ", w.path, " has no tensor '", name, "'");
+    if (t == nullptr) return;
+    TORCH_CHECK(t->shape == shape, who, ": tensor '", name, "' in ", t->file, " has shape ",
+                shape_string(t->shape), " but the config implies ", shape_string(shape));
+  };
+  expect("model.embed_tokens.weight", {l.vocab, d}, true);
+  if (!l.tie_embeddings) {
+    const bool tied_alias = [&] {
+      for (const auto& a : w.aliases)
+        if (a.first == "lm_head.weight") return true;
+      return false;
+    }();
+    if (!tied_alias) expect("lm_head.weight", {l.vocab, d}, true);
+  }
+  const std::string l0 = "model.layers.0.";
+  expect(l0 + "self_attn.q_proj.weight", {l.n_heads * hd, d}, false);
+  expect(l0 + "self_attn.k_proj.weight", {l.kv_heads() * hd, d}, false);
+  expect(l0 + "self_attn.v_proj.weight", {l.kv_heads() * hd, d}, false);
+  expect(l0 + "self_attn.o_proj.weight", {d, l.n_heads * hd}, false);
+  expect(l0 + "mlp.gate_proj.weight", {h, d}, false);
+  expect(l0 + "mlp.up_proj.weight", {h, d}, false);
+  expect(l0 + "mlp.down_proj.weight", {d, h}, false);
+}
+
+std::optional<std::string> tie_hf_embeddings(const HfConfig& c, WeightsInfo& w) {
+  if (!c.tie_word_embeddings) return std::nullopt;
+  const bool head = w.find("lm_head.weight") != nullptr;
+  const bool embed = w.find("model.embed_tokens.weight") != nullptr;
+  if (head)
+    return std::string(
+        "tie_word_embeddings is set but the files hold lm_head.weight: counted as "
+        "its own tensor");
+  if (!embed) return std::nullopt;
+  add_alias(w, "lm_head.weight", "model.embed_tokens.weight");
+  return std::string(
+      "tied: lm_head.weight is model.embed_tokens.weight (config.json "
+      "tie_word_embeddings; one tensor)");
+}
+
+TransformerShape hf_transformer_shape(const HfConfig& c) {
+  TORCH_CHECK(c.known(), c.path, ": ", c.describe(), "; no shape for the cost model");
+  TransformerShape s = ModelConfig::of(*c.llama).transformer_shape();
+  s.layer_prefix = rename(s.layer_prefix, /*top=*/true);
+  for (auto* list : {&s.input_modules, &s.head_modules}) {
+    std::vector<std::string> renamed;
+    for (const auto& m : *list)
+      if (auto r = rename(m, /*top=*/true); !r.empty()) renamed.push_back(r);
+    *list = std::move(renamed);
+  }
+  for (auto& [path, bytes] : s.recomputed_leaf_savings) path = rename(path, /*top=*/false);
+  s.layer_type = c.type_prefix + "DecoderLayer";
+  s.leaf_types = "Linear|" + c.type_prefix + "RMSNorm|Embedding";
+  s.validate();
+  return s;
+}
+
+}  // namespace models
+}  // namespace flatshard
