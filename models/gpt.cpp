@@ -203,16 +203,8 @@ void GPTImpl::init_parameters() {
 }
 
 void GPTImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
-  models::InitScheme scheme;
-  scheme.seed = seed_;
-  scheme.std = cfg_.init_std;
-  scheme.residual_std = cfg_.residual_std();
-  scheme.residual_paths = {"attn.proj", "mlp.proj"};
-  if (cfg_.tie_embeddings) {
-    scheme.tied_head = "lm_head.weight";
-    scheme.tied_embedding = "wte.weight";
-  }
-  scheme.who = "GPT::init_tensor";
+  const auto scheme = models::InitScheme::of(cfg_, seed_, {"attn.proj", "mlp.proj"}, "lm_head.weight",
+                                             "wte.weight", "GPT::init_tensor");
   models::init_transformer_tensor(
       *this, scheme, name, values, [](const models::TensorSite& site, const at::Tensor& v) {
         if (!dynamic_cast<const torch::nn::LayerNormImpl*>(site.module)) return false;
@@ -240,8 +232,7 @@ const models::Family& GPTConfig::family() {
   static const models::FamilyOf<GPTConfig, GPTImpl> f(
       "gpt", "GPT",
       {"Block", "Linear|LayerNorm|Embedding",
-                                        "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, "
-                                        "Embedding"});
+       "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, Embedding"});
   return f;
 }
 

@@ -279,16 +279,8 @@ void LlamaImpl::init_parameters() {
 }
 
 void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) const {
-  models::InitScheme scheme;
-  scheme.seed = seed_;
-  scheme.std = cfg_.init_std;
-  scheme.residual_std = cfg_.residual_std();
-  scheme.residual_paths = {"attn.o", "mlp.down"};
-  if (cfg_.tie_embeddings) {
-    scheme.tied_head = "lm_head.weight";
-    scheme.tied_embedding = "embed_tokens.weight";
-  }
-  scheme.who = "Llama::init_tensor";
+  const auto scheme = models::InitScheme::of(cfg_, seed_, {"attn.o", "mlp.down"}, "lm_head.weight",
+                                             "embed_tokens.weight", "Llama::init_tensor");
   models::init_transformer_tensor(
       *this, scheme, name, values, [this](const models::TensorSite& site, const at::Tensor& v) {
         if (dynamic_cast<const RotaryEmbeddingImpl*>(site.module)) {
@@ -321,8 +313,7 @@ const models::Family& LlamaConfig::family() {
   static const models::FamilyOf<LlamaConfig, LlamaImpl> f(
       "llama", "LLaMA",
       {"DecoderLayer", "Linear|RMSNorm|Embedding",
-                                        "Llama, DecoderLayer, Attention, MLP, RMSNorm, "
-                                        "RotaryEmbedding, Linear, Embedding"});
+       "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding"});
   return f;
 }
 

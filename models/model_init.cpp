@@ -137,6 +137,22 @@ TensorSite find_tensor_for_init(const torch::nn::Module& root, const std::string
   return site;
 }
 
+InitScheme InitScheme::of(const TransformerConfig& cfg, uint64_t seed,
+                          std::vector<std::string> residual_paths, std::string head_weight,
+                          std::string embedding_weight, const char* who) {
+  InitScheme s;
+  s.seed = seed;
+  s.std = cfg.init_std;
+  s.residual_std = cfg.residual_std();
+  s.residual_paths = std::move(residual_paths);
+  if (cfg.tie_embeddings) {
+    s.tied_head = std::move(head_weight);
+    s.tied_embedding = std::move(embedding_weight);
+  }
+  s.who = who;
+  return s;
+}
+
 void init_transformer_tensor(const torch::nn::Module& root, const InitScheme& scheme,
                              const std::string& name, const at::Tensor& values,
                              const InitOther& other) {

@@ -56,6 +56,8 @@
 #include <utility>
 #include <vector>
 
+#include "models/transformer.h"
+
 namespace flatshard {
 namespace models {
 
@@ -98,6 +100,12 @@ struct InitScheme {
   // Tied embeddings: the head's weight name and the embedding's it aliases; empty: untied.
   std::string tied_head, tied_embedding;
   const char* who = "init_tensor";          // error prefix: "GPT::init_tensor"
+
+  // A config's scheme (models/transformer.h): its init_std and residual_std(), and the tied
+  // names only when cfg.tie_embeddings.
+  static InitScheme of(const TransformerConfig& cfg, uint64_t seed,
+                       std::vector<std::string> residual_paths, std::string head_weight,
+                       std::string embedding_weight, const char* who);
 };
 using InitOther = std::function<bool(const TensorSite&, const at::Tensor&)>;
 void init_transformer_tensor(const torch::nn::Module& root, const InitScheme& scheme,
