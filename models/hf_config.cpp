@@ -153,18 +153,66 @@ HfConfig parse_hf_config(const std::string& text, const std::string& path) {
   l.seq_len = present(root, "max_position_embeddings")
                   ? size_key(root, "max_position_embeddings", int64_t{1} << 31)
                   : known->max_position_embeddings;
-  if (auto r = present(root, "rope_theta")) l.rope_theta = r->as_number();
   l.norm_eps = 1e-6;
   if (auto e = present(root, "rms_norm_eps")) l.norm_eps = e->as_number();
   l.tie_embeddings = c.tie_word_embeddings;
   if (auto h = present(root, "head_dim")) {
     const int64_t hd = h->as_int();
-    if (l.d_model % l.n_heads != 0 || hd != l.d_model / l.n_heads)
-      h->fail("head_dim " + std::to_string(hd) + " is not hidden_size / num_attention_heads = " +
-              std::to_string(l.d_model) + " / " + std::to_string(l.n_heads) +
-              "; flatshard's LLaMA derives the head size from them, so this model's attention "
-              "shapes are not supported yet");
+    if (hd <= 0 || hd > (int64_t{1} << 16))
+      h->fail("head_dim " + std::to_string(hd) + " is outside [1, 65536]");
+    // An explicit head size other than hidden_size / num_attention_heads (Mistral-Nemo,
+    // Llama-3-style variants): LlamaConfig::head_size.
+    if (l.d_model % l.n_heads != 0 || hd != l.d_model / l.n_heads) l.head_size = hd;
   }
+  if (auto a = present(root, "hidden_act"))
+    if (a->as_string() != "silu")
+      a->fail("hidden_act '" + a->as_string() +
+              "' is not supported (flatshard's LLaMA MLP is SwiGLU with silu)");
+  if (auto b = present(root, "mlp_bias"))
+    if (b->as_bool())
+      b->fail("mlp_bias true is not supported (flatshard's LLaMA MLP has no biases)");
+  // Qwen2's q/k/v biases are implied by its architecture (its config has no attention_bias).
+  l.attention_bias = std::string(known->prefix) == "Qwen2";
+  if (auto b = present(root, "attention_bias")) l.attention_bias = b->as_bool();
+  // RoPE: transformers 5 writes rope_parameters {rope_type, rope_theta, factor, ...}; earlier
+  // configs rope_theta beside rope_scaling {rope_type | type, factor, ...} (null: none).
+  if (auto r = present(root, "rope_theta")) l.rope_theta = r->as_number();
+  std::optional<json::Node> rope = present(root, "rope_parameters");
+  if (!rope) rope = present(root, "rope_scaling");
+  if (rope) {
+    if (auto t = rope->find("rope_theta")) l.rope_theta = t->as_number();
+    std::optional<json::Node> type = rope->find("rope_type");
+    if (!type) type = rope->find("type");
+    const std::string kind = type ? type->as_string() : "default";
+    auto number = [&](const char* key) {
+      auto v = rope->find(key);
+      if (!v) rope->fail(std::string("rope type '") + kind + "' needs '" + key + "'");
+      return v->as_number();
+    };
+    if (kind == "linear") {
+      l.rope_scaling.type = llama::RopeScaling::Type::kLinear;
+      l.rope_scaling.factor = number("factor");
+    } else if (kind == "llama3") {
+      l.rope_scaling.type = llama::RopeScaling::Type::kLlama3;
+      l.rope_scaling.factor = number("factor");
+      l.rope_scaling.low_freq_factor = number("low_freq_factor");
+      l.rope_scaling.high_freq_factor = number("high_freq_factor");
+      auto o = rope->find("original_max_position_embeddings");
+      if (!o) rope->fail("rope type 'llama3' needs 'original_max_position_embeddings'");
+      l.rope_scaling.original_max_position_embeddings = o->as_int();
+    } else if (kind != "default") {
+      (type ? *type : *rope)
+          .fail("rope type '" + kind + "' is not supported (supported: default, linear, llama3)");
+    }
+  }
+  // Sliding-window attention (Mistral): implemented (LlamaConfig::sliding_window). Qwen2's
+  // per-layer windows (use_sliding_window, max_window_layers) are not.
+  if (auto u = present(root, "use_sliding_window"))
+    if (u->as_bool())
+      u->fail("use_sliding_window true is not supported (per-layer windows, max_window_layers)");
+  if (std::string(known->prefix) == "Mistral")
+    if (present(root, "sliding_window"))
+      l.sliding_window = size_key(root, "sliding_window", int64_t{1} << 31);
   try {
     l.validate();
   } catch (const c10::Error& e) {
@@ -248,7 +296,7 @@ void check_hf_weights(const HfConfig& c, const WeightsInfo& w) {
               w.format == WeightsFormat::kSafetensors
                   ? " (one shard of several? pass the directory or its index)"
                   : "");
-  const int64_t d = l.d_model, hd = l.d_model / l.n_heads, h = l.hidden_size();
+  const int64_t d = l.d_model, hd = l.head_dim(), h = l.hidden_size();
   auto expect = [&](const std::string& name, std::vector<int64_t> shape, bool required) {
     const WeightTensor* t = w.find(name);
     TORCH_CHECK(t != nullptr || !required, who, ": ", w.path, " has no tensor '", name, "'");

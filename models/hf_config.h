@@ -20,13 +20,19 @@
 //       vocab_size -> vocab, hidden_size -> d_model, num_attention_heads -> n_heads,
 //       num_key_value_heads -> n_kv_heads (default n_heads), num_hidden_layers -> n_layers,
 //       intermediate_size -> hidden, max_position_embeddings -> seq_len (default 2048),
-//       rope_theta (default 10000), rms_norm_eps -> norm_eps (default 1e-6),
-//       tie_word_embeddings -> tie_embeddings.
+//       rms_norm_eps -> norm_eps (default 1e-6), tie_word_embeddings -> tie_embeddings,
+//       head_dim -> head_size (when it is not hidden_size / num_attention_heads),
+//       attention_bias (Qwen2: true, implied by the architecture), RoPE: rope_parameters
+//       (transformers 5) or rope_theta + rope_scaling (earlier) with rope_type / type default,
+//       linear (factor) or llama3 (factor, low_freq_factor, high_freq_factor,
+//       original_max_position_embeddings) -> rope_theta, rope_scaling; Mistral's sliding_window
+//       -> sliding_window (null: none).
+//     Refused, naming the key and value: another rope type (yarn, dynamic, longrope, ...),
+//     hidden_act other than silu, mlp_bias true, Qwen2's use_sliding_window true.
 //     The five sizes are required; each is bounded (hidden_size <= 2^20, intermediate_size <=
 //     2^22, heads <= 2^16, layers <= 2^16, vocab and positions <= 2^31: every closed form stays
-//     inside int64) and the result passes LlamaConfig::validate(). An explicit head_dim other
-//     than hidden_size / num_attention_heads (Mistral-Nemo style) is refused: flatshard's
-//     LLaMA derives the head size. Errors are one line naming the file and the key.
+//     inside int64) and the result passes LlamaConfig::validate(). Errors are one line naming
+//     the file and the key.
 //   * Any other architecture (or none): `llama` is unset, `unknown_reason` says why, and type
 //     names fall back to hf_naming()'s guesses.
 //   * hf_naming(): the Hugging Face checkpoint conventions that need no config, as a

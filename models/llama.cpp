@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "fsdp/call.h"
@@ -52,19 +53,39 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
 }
 
 void LlamaConfig::validate() const {
-  validate_sizes("LlamaConfig");
+  TORCH_CHECK(head_size >= 0, "LlamaConfig: head_size must be >= 0 (0: d_model / n_heads), got ",
+              head_size);
+  TORCH_CHECK(sliding_window >= 0, "LlamaConfig: sliding_window must be >= 0 (0: none), got ",
+              sliding_window);
+  validate_sizes("LlamaConfig", /*heads_divide=*/head_size == 0);
   TORCH_CHECK(n_kv_heads >= 0, "LlamaConfig: n_kv_heads must be >= 0 (0: n_heads), got ",
               n_kv_heads);
   TORCH_CHECK(hidden >= 0, "LlamaConfig: hidden must be >= 0 (0: the LLaMA rule), got ", hidden);
   TORCH_CHECK(multiple_of > 0, "LlamaConfig: multiple_of must be > 0, got ", multiple_of);
   TORCH_CHECK(n_heads % kv_heads() == 0, "LlamaConfig: n_kv_heads (", kv_heads(),
               ") must divide n_heads (", n_heads, ")");
-  TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: the head dim d_model / n_heads = ", d_model,
-              " / ", n_heads, " = ", head_dim(), " must be even (RoPE rotates pairs)");
+  TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: the head dim ",
+              head_size > 0 ? "head_size = " + std::to_string(head_size)
+                            : "d_model / n_heads = " + std::to_string(d_model) + " / " +
+                                  std::to_string(n_heads) + " = " + std::to_string(head_dim()),
+              " must be even (RoPE rotates pairs)");
   TORCH_CHECK(std::isfinite(rope_theta) && rope_theta > 1.0,
               "LlamaConfig: rope_theta must be finite and > 1, got ", rope_theta);
   TORCH_CHECK(std::isfinite(norm_eps) && norm_eps > 0.0,
               "LlamaConfig: norm_eps must be finite and > 0, got ", norm_eps);
+  const RopeScaling& r = rope_scaling;
+  if (r.type != RopeScaling::Type::kNone)
+    TORCH_CHECK(std::isfinite(r.factor) && r.factor > 0,
+                "LlamaConfig: rope_scaling factor must be finite and > 0, got ", r.factor);
+  if (r.type == RopeScaling::Type::kLlama3) {
+    TORCH_CHECK(std::isfinite(r.low_freq_factor) && std::isfinite(r.high_freq_factor) &&
+                    r.low_freq_factor > 0 && r.low_freq_factor < r.high_freq_factor,
+                "LlamaConfig: llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, "
+                "got ", r.low_freq_factor, " and ", r.high_freq_factor);
+    TORCH_CHECK(r.original_max_position_embeddings > 0,
+                "LlamaConfig: llama3 rope_scaling original_max_position_embeddings must be > 0, "
+                "got ", r.original_max_position_embeddings);
+  }
 }
 
 int64_t LlamaConfig::hidden_size() const {
@@ -78,14 +99,21 @@ std::string LlamaConfig::to_string() const {
   os << "vocab=" << vocab << " d_model=" << d_model << " n_heads=" << n_heads
      << " n_kv_heads=" << kv_heads() << " n_layers=" << n_layers << " seq_len=" << seq_len
      << " hidden=" << hidden_size() << " tied=" << tie_embeddings;
+  if (head_size > 0) os << " head_dim=" << head_size;
+  if (attention_bias) os << " qkv_bias=1";
+  if (sliding_window > 0) os << " window=" << sliding_window;
+  if (rope_scaling.type == RopeScaling::Type::kLinear) os << " rope=linear:" << rope_scaling.factor;
+  if (rope_scaling.type == RopeScaling::Type::kLlama3) os << " rope=llama3:" << rope_scaling.factor;
   return os.str();
 }
 
 // --- closed forms -------------------------------------------------------------------------------
 
 int64_t num_parameters(const LlamaConfig& cfg) {
-  const int64_t d = cfg.d_model, kv = cfg.kv_heads() * cfg.head_dim(), h = cfg.hidden_size();
-  const int64_t per_layer = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * h;
+  const int64_t d = cfg.d_model, q = cfg.n_heads * cfg.head_dim();
+  const int64_t kv = cfg.kv_heads() * cfg.head_dim(), h = cfg.hidden_size();
+  const int64_t bias = cfg.attention_bias ? q + 2 * kv : 0;
+  const int64_t per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * h + bias;
   return cfg.vocab * d * (cfg.tie_embeddings ? 1 : 2) + cfg.n_layers * per_layer + d;
 }
 
@@ -95,17 +123,21 @@ long double num_parameters_bound(const LlamaConfig& cfg) {
   const long double d = cfg.d_model, V = cfg.vocab, L = cfg.n_layers;
   const long double h = cfg.hidden > 0 ? static_cast<long double>(cfg.hidden)
                                        : 8 * d / 3 + static_cast<long double>(cfg.multiple_of);
-  return V * d * (cfg.tie_embeddings ? 1 : 2) + L * (2 * d + 4 * d * d + 3 * d * h) + d;
+  // q = H hd (d unless head_size is set); k and v at most as wide; biases at most 3 q.
+  const long double q = cfg.head_size > 0 ? static_cast<long double>(cfg.n_heads) * cfg.head_size
+                                          : d;
+  return V * d * (cfg.tie_embeddings ? 1 : 2) + L * (2 * d + 4 * d * q + 3 * d * h + 3 * q) + d;
 }
 
 double flops_per_token(const LlamaConfig& cfg) {
   const double d = static_cast<double>(cfg.d_model);
   const double L = static_cast<double>(cfg.n_layers);
   const double kv = static_cast<double>(cfg.kv_heads() * cfg.head_dim());
+  const double q = static_cast<double>(cfg.n_heads * cfg.head_dim());
   const double h = static_cast<double>(cfg.hidden_size());
   const double matmul_params =
-      L * (2.0 * d * d + 2.0 * d * kv + 3.0 * d * h) + static_cast<double>(cfg.vocab) * d;
-  return 6.0 * matmul_params + 12.0 * L * d * static_cast<double>(cfg.seq_len);
+      L * (2.0 * d * q + 2.0 * d * kv + 3.0 * d * h) + static_cast<double>(cfg.vocab) * d;
+  return 6.0 * matmul_params + 12.0 * L * q * static_cast<double>(cfg.seq_len);
 }
 
 TransformerShape transformer_shape(const LlamaConfig& cfg) {
@@ -113,6 +145,7 @@ TransformerShape transformer_shape(const LlamaConfig& cfg) {
   const int64_t kvh = cfg.kv_heads();
   const double d = static_cast<double>(cfg.d_model), H = static_cast<double>(cfg.n_heads);
   const double kv = static_cast<double>(kvh * cfg.head_dim());
+  const double q = static_cast<double>(cfg.n_heads * cfg.head_dim());
   const double h = static_cast<double>(cfg.hidden_size());
   TransformerShape s;
   s.vocab = cfg.vocab;
@@ -124,12 +157,12 @@ TransformerShape transformer_shape(const LlamaConfig& cfg) {
   const auto& m = LlamaConfig::family().modules();
   s.layer_type = m.layer_type;
   s.leaf_types = m.leaf_types;
-  const int64_t di = cfg.d_model, kvi = kvh * cfg.head_dim();
-  s.layer_matmul_params = 2 * di * di + 2 * di * kvi + 3 * di * cfg.hidden_size();
-  s.attention_flops_per_token_per_position = 12 * d;
-  // Per element: the norms' cast outputs (2 d), attention (GQA: 4 d + kv + 2 d), SwiGLU (4 h);
+  const int64_t di = cfg.d_model, kvi = kvh * cfg.head_dim(), qi = cfg.n_heads * cfg.head_dim();
+  s.layer_matmul_params = 2 * di * qi + 2 * di * kvi + 3 * di * cfg.hidden_size();
+  s.attention_flops_per_token_per_position = 12 * q;
+  // Per element: the norms' cast outputs (2 d), attention (GQA: 4 q + kv + 2 q), SwiGLU (4 h);
   // fixed: the norms' fp32 copies and statistics, SDPA's fp32 log-sum-exp.
-  const double attn = kvh != cfg.n_heads ? 4 * d + kv + 2 * d : 4 * d + 3 * kv;
+  const double attn = kvh != cfg.n_heads ? 4 * q + kv + 2 * q : 4 * q + 3 * kv;
   s.layer_activations = {2 * d + attn + 4 * h, 2 * (4 * d + 4) + 4 * H};
   s.recompute_keeps = {d, 0};
   s.layer_backward_work = {2 * d + 2 * (2 * h), 0};
@@ -168,16 +201,40 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return normed.to(x.scalar_type()) * weight;
 }
 
-at::Tensor rope_inv_freq(int64_t head_dim, double theta) {
+at::Tensor rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling) {
   // 1 / theta^(2i/hd) with the ops (and so the rounding) of the LLaMA and HF code:
   //   1.0 / (theta ** (torch.arange(0, hd, 2).float() / hd)). Also builds on meta.
   const at::Tensor i2 = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kFloat));
-  return at::reciprocal(at::pow(at::Scalar(theta), i2 / static_cast<double>(head_dim)));
+  const at::Tensor inv_freq =
+      at::reciprocal(at::pow(at::Scalar(theta), i2 / static_cast<double>(head_dim)));
+  switch (scaling.type) {
+    case RopeScaling::Type::kNone:
+      return inv_freq;
+    case RopeScaling::Type::kLinear:  // transformers' _compute_linear_scaling_rope_parameters
+      return inv_freq / scaling.factor;
+    case RopeScaling::Type::kLlama3:
+      break;
+  }
+  // transformers' _compute_llama3_parameters, op for op (fp32). Under MetaInit only the shape
+  // counts (at::where has no meta kernel); init_tensor() computes the values later.
+  if (inv_freq.is_meta()) return inv_freq;
+  const double old_len = static_cast<double>(scaling.original_max_position_embeddings);
+  const double low_wavelen = old_len / scaling.low_freq_factor;
+  const double high_wavelen = old_len / scaling.high_freq_factor;
+  const at::Tensor wavelen = 2 * M_PI / inv_freq;
+  at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq);
+  const at::Tensor smooth = (old_len / wavelen - scaling.low_freq_factor) /
+                            (scaling.high_freq_factor - scaling.low_freq_factor);
+  const at::Tensor smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled;
+  const at::Tensor medium = at::logical_not(wavelen < high_wavelen)
+                                .logical_and(at::logical_not(wavelen > low_wavelen));
+  return at::where(medium, smoothed, scaled);
 }
 
-RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, double theta)
+RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, double theta,
+                                         const RopeScaling& scaling)
     : torch::nn::Module("RotaryEmbedding") {
-  inv_freq = register_buffer("inv_freq", rope_inv_freq(head_dim, theta));
+  inv_freq = register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling));
 }
 
 void RotaryEmbeddingImpl::to(torch::Device device, torch::Dtype /*dtype*/, bool non_blocking) {
@@ -193,15 +250,18 @@ std::tuple<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(int64_t T) {
 }
 
 AttentionImpl::AttentionImpl(const LlamaConfig& cfg)
-    : torch::nn::Module("Attention"), n_heads_(cfg.n_heads), n_kv_heads_(cfg.kv_heads()) {
+    : torch::nn::Module("Attention"),
+      n_heads_(cfg.n_heads),
+      n_kv_heads_(cfg.kv_heads()),
+      window_(cfg.sliding_window) {
   const int64_t d = cfg.d_model, hd = cfg.head_dim();
-  auto linear = [](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  auto linear = [](int64_t in, int64_t out, bool bias) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
   };
-  q = register_module("q", linear(d, n_heads_ * hd));
-  k = register_module("k", linear(d, n_kv_heads_ * hd));
-  v = register_module("v", linear(d, n_kv_heads_ * hd));
-  o = register_module("o", linear(n_heads_ * hd, d));
+  q = register_module("q", linear(d, n_heads_ * hd, cfg.attention_bias));
+  k = register_module("k", linear(d, n_kv_heads_ * hd, cfg.attention_bias));
+  v = register_module("v", linear(d, n_kv_heads_ * hd, cfg.attention_bias));
+  o = register_module("o", linear(n_heads_ * hd, d, false));
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
@@ -220,8 +280,17 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
     kh = kh.repeat_interleave(g, /*dim=*/1);
     vh = vh.repeat_interleave(g, /*dim=*/1);
   }
-  const at::Tensor y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{},
-                                                        /*dropout_p=*/0.0, /*is_causal=*/true);
+  at::Tensor y;
+  if (window_ > 0 && T > window_) {  // keys j with i - W < j <= i
+    const at::Tensor i = at::arange(T, x.options().dtype(at::kLong)).unsqueeze(1);
+    const at::Tensor j = at::arange(T, x.options().dtype(at::kLong)).unsqueeze(0);
+    const at::Tensor keep = (j <= i).logical_and(j > i - window_);
+    y = at::scaled_dot_product_attention(qh, kh, vh, keep, /*dropout_p=*/0.0,
+                                         /*is_causal=*/false);
+  } else {
+    y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                         /*is_causal=*/true);
+  }
   return flatshard::call(o, y.transpose(1, 2).reshape({B, T, n_heads_ * hd}));
 }
 
@@ -260,7 +329,8 @@ LlamaImpl::LlamaImpl(const LlamaConfig& cfg, uint64_t seed)
 
   auto [tok, head] = models::embedding_and_head(cfg_.vocab, d, cfg_.tie_embeddings);
   embed_tokens = register_module("embed_tokens", tok);
-  rope = register_module("rope", RotaryEmbedding(cfg_.head_dim(), cfg_.rope_theta));
+  rope = register_module("rope",
+                         RotaryEmbedding(cfg_.head_dim(), cfg_.rope_theta, cfg_.rope_scaling));
   layers_list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {
     layers_.emplace_back(cfg_);
@@ -284,7 +354,7 @@ void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) c
   models::init_transformer_tensor(
       *this, scheme, name, values, [this](const models::TensorSite& site, const at::Tensor& v) {
         if (dynamic_cast<const RotaryEmbeddingImpl*>(site.module)) {
-          v.copy_(rope_inv_freq(cfg_.head_dim(), cfg_.rope_theta));
+          v.copy_(rope_inv_freq(cfg_.head_dim(), cfg_.rope_theta, cfg_.rope_scaling));
         } else if (dynamic_cast<const RMSNormImpl*>(site.module)) {
           v.fill_(1.0);
         } else {
@@ -295,7 +365,8 @@ void LlamaImpl::init_tensor(const std::string& name, const at::Tensor& values) c
 }
 
 at::Tensor LlamaImpl::forward(const at::Tensor& idx) {
-  models::check_tokens(idx, cfg_.seq_len, "Llama::forward");
+  // No length limit: RoPE is computed for the batch's positions (llama.h).
+  models::check_tokens(idx, std::numeric_limits<int64_t>::max(), "Llama::forward");
   const auto [cos, sin] = flatshard::call(rope, idx.size(1));
   at::Tensor x = flatshard::call(embed_tokens, idx);
   for (auto& layer : layers_) x = flatshard::call(layer, x, cos, sin);

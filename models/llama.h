@@ -12,10 +12,16 @@
 //     to x's dtype before the weight multiplies (as LLaMA does).
 //     attn: q Linear d -> H·hd, k and v Linear d -> Hkv·hd, rotary embedding on q and k, each
 //     k/v head shared by H/Hkv consecutive q heads (grouped-query attention; Hkv = H is plain
-//     multi-head), causal scaled_dot_product_attention, o Linear H·hd -> d. hd = d / H.
+//     multi-head), causal scaled_dot_product_attention (with sliding_window W and T > W: a
+//     boolean mask keeping keys j with i - W < j <= i, as transformers' Mistral), o Linear
+//     H·hd -> d. hd = d / H, or
+//     LlamaConfig::head_size when set (then H·hd need not be d). attention_bias: q, k and v
+//     have biases (Qwen2), o has none.
 //     mlp: down(silu(gate(x)) · up(x)); gate, up Linear d -> hidden, down hidden -> d.
 //   * Rotary embedding (RoPE, the "rotate half" layout of HF transformers): the registered fp32
-//     buffer rope.inv_freq[i] = theta^(-2i/hd), i in [0, hd/2). For position p, angle
+//     buffer rope.inv_freq[i] = theta^(-2i/hd), i in [0, hd/2), then scaled as
+//     LlamaConfig::rope_scaling says (RopeScaling below: none, linear, llama3 — transformers'
+//     rules). For position p, angle
 //     a_{p,i} = p · inv_freq[i]; a head vector x (hd values) becomes
 //       out[i]        = x[i] · cos a − x[i + hd/2] · sin a
 //       out[i + hd/2] = x[i + hd/2] · cos a + x[i] · sin a          (i < hd/2)
@@ -75,8 +81,28 @@ namespace llama {
 
 // The LLaMA's config: the shared sizes and init settings (models/transformer.h; defaults: the
 // "1b" preset's sizes) and its own fields.
+// RoPE frequency scaling, as transformers' rope_scaling / rope_parameters: kLinear divides every
+// inverse frequency by `factor`; kLlama3 (Llama 3.1+) divides the low frequencies (wavelength
+// above original_max_position_embeddings / low_freq_factor) by `factor`, keeps the high ones
+// (wavelength below original_max_position_embeddings / high_freq_factor) and interpolates
+// between: s = (original / wavelength - low) / (high - low), f' = (1 - s) f / factor + s f.
+struct RopeScaling {
+  enum class Type { kNone, kLinear, kLlama3 };
+  Type type = Type::kNone;
+  double factor = 1.0;
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;  // kLlama3
+  int64_t original_max_position_embeddings = 8192;       // kLlama3
+};
+
 struct LlamaConfig : models::TransformerConfig {
   int64_t n_kv_heads = 0;  // key/value heads; 0: n_heads (no grouping). Must divide n_heads.
+  // The size of one head; 0: d_model / n_heads (then n_heads must divide d_model).
+  int64_t head_size = 0;
+  bool attention_bias = false;  // q, k, v Linear biases (Qwen2)
+  RopeScaling rope_scaling;
+  // Sliding-window attention (Mistral): a query at position i sees keys j with i - W < j <= i;
+  // 0: every earlier key (plain causal). Only sequences longer than W differ.
+  int64_t sliding_window = 0;
   // SwiGLU hidden size; 0: the LLaMA rule, multiple_of · ceil(floor(8·d/3) / multiple_of).
   int64_t hidden = 0;
   int64_t multiple_of = 256;
@@ -99,31 +125,35 @@ struct LlamaConfig : models::TransformerConfig {
   static const models::Family& family();
 
   // Throws c10::Error with the offending values: the shared sizes
-  // (TransformerConfig::validate_sizes), n_kv_heads, hidden >= 0, multiple_of > 0, n_kv_heads
-  // divides n_heads, the head dim is even (RoPE rotates pairs), rope_theta > 1, norm_eps > 0.
+  // (TransformerConfig::validate_sizes; n_heads divides d_model unless head_size is set),
+  // n_kv_heads, hidden, head_size >= 0, multiple_of > 0, n_kv_heads divides n_heads, the head
+  // dim is even (RoPE rotates pairs), rope_theta > 1, norm_eps > 0, the scaling's factors finite
+  // and > 0 (llama3: low_freq_factor < high_freq_factor, original_max_position_embeddings > 0).
   void validate() const;
   std::unique_ptr<models::TransformerConfig> clone() const override {
     return std::make_unique<LlamaConfig>(*this);
   }
 
   int64_t kv_heads() const { return n_kv_heads > 0 ? n_kv_heads : n_heads; }
+  int64_t head_dim() const override { return head_size > 0 ? head_size : d_model / n_heads; }
   int64_t hidden_size() const;  // hidden, or the LLaMA rule when hidden == 0
   // One line, e.g. "vocab=512 d_model=64 n_heads=4 n_kv_heads=2 n_layers=2 seq_len=32
   // hidden=192 tied=0".
   std::string to_string() const;
 };
 
-// Number of distinct parameter elements of Llama(cfg), in closed form (kv = kv_heads()·hd,
-// h = hidden_size()):
-//   V·d·(tied ? 1 : 2) + L·(2·d + 2·d² + 2·d·kv + 3·d·h) + d
-// (per layer: two RMSNorm weights, q and o d², k and v d·kv, gate/up/down d·h; final norm d).
+// Number of distinct parameter elements of Llama(cfg), in closed form (q = H·hd, kv =
+// kv_heads()·hd, h = hidden_size(), b = attention_bias):
+//   V·d·(tied ? 1 : 2) + L·(2·d + 2·d·q + 2·d·kv + 3·d·h + b·(q + 2·kv)) + d
+// (per layer: two RMSNorm weights, q and o d·q, k and v d·kv, gate/up/down d·h, the biases;
+// final norm d).
 int64_t num_parameters(const LlamaConfig& cfg);
 // At least num_parameters(), in long double, for any sizes (no int64 overflow): kv heads as
 // many as heads, the MLP width above the rule's unless set.
 long double num_parameters_bound(const LlamaConfig& cfg);
 
 // Training FLOPs per token, the convention of gpt::flops_per_token (PaLM appendix B):
-//   6·N + 12·L·d·T,   N = L·(2·d² + 2·d·kv + 3·d·h) + V·d,   T = cfg.seq_len
+//   6·N + 12·L·q·T,   N = L·(2·d·q + 2·d·kv + 3·d·h) + V·d,   T = cfg.seq_len, q = H·hd
 // N counts every matmul weight (the output projection whether tied or not); left out: the
 // embedding gather, norms, RoPE, SiLU and the gating product, softmax.
 double flops_per_token(const LlamaConfig& cfg);
@@ -132,10 +162,10 @@ double flops_per_token(const LlamaConfig& cfg);
 // rope / lm_head, spec types "DecoderLayer" and "Linear|RMSNorm|Embedding", and the closed forms
 // (element size e of the compute dtype, d model width, H heads, kv = kv_heads() · hd, h the MLP
 // width):
-//   layer_matmul_params       2 d^2 + 2 d kv + 3 d h
-//   attention FLOPs           12 d per token and position
-//   layer_activations         2 (4 d + d e + 4) + e (4 d + 3 kv) + 4 H + 4 h e; under GQA
-//                             e (4 d + kv + 2 d) instead of e (4 d + 3 kv)   (two RMSNorms with
+//   layer_matmul_params       2 d q + 2 d kv + 3 d h   (q = H hd, which is d unless head_size)
+//   attention FLOPs           12 q per token and position
+//   layer_activations         2 (4 d + d e + 4) + e (4 q + 3 kv) + 4 H + 4 h e; under GQA
+//                             e (4 q + kv + 2 q) instead of e (4 q + 3 kv)   (two RMSNorms with
 //                             fp32 statistics; q, rotated q, k, rotated k or the repeated k and
 //                             v, v, SDPA out, o input copy; SwiGLU's 4 h e)
 //   recompute_keeps           d e (the layer's input)
@@ -150,7 +180,7 @@ std::pair<at::Tensor, at::Tensor> synthetic_batch(const LlamaConfig& cfg, int64_
                                                   int64_t seed, int rank, int64_t step = 0);
 
 // rope.inv_freq's values (the contract above): fp32 [hd/2] on CPU (meta under MetaInit).
-at::Tensor rope_inv_freq(int64_t head_dim, double theta);
+at::Tensor rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling = {});
 
 // x: [..., T, hd] (any leading dims), cos/sin: [T, hd/2] -> x rotated per the contract, in x's
 // dtype (cos and sin are cast to it).
@@ -171,7 +201,7 @@ TORCH_MODULE(RMSNorm);
 
 class RotaryEmbeddingImpl : public torch::nn::Module {
  public:
-  RotaryEmbeddingImpl(int64_t head_dim, double theta);
+  RotaryEmbeddingImpl(int64_t head_dim, double theta, const RopeScaling& scaling = {});
   // (cos, sin) of the angles p · inv_freq for positions p in [0, T): fp32 [T, hd/2] each, on
   // inv_freq's device.
   std::tuple<at::Tensor, at::Tensor> forward(int64_t T);
@@ -198,7 +228,7 @@ class AttentionImpl : public torch::nn::Module {
   torch::nn::Linear v{nullptr};  // d -> Hkv·hd
   torch::nn::Linear o{nullptr};  // H·hd -> d
  private:
-  int64_t n_heads_, n_kv_heads_;
+  int64_t n_heads_, n_kv_heads_, window_;
 };
 TORCH_MODULE(Attention);
 
@@ -230,7 +260,9 @@ class LlamaImpl : public torch::nn::Module, public flatshard::InitializesItself 
   // Validates cfg, builds on CPU in fp32 and initializes from `seed` (see the contract above).
   explicit LlamaImpl(const LlamaConfig& cfg, uint64_t seed = 0);
 
-  // idx: int64 [B, T] with 1 <= T <= seq_len -> logits [B, T, vocab] in the parameters' dtype.
+  // idx: int64 [B, T], T >= 1 -> logits [B, T, vocab] in the parameters' dtype. Any T: RoPE is
+  // computed for the positions the batch has (seq_len is what flops_per_token and the synthetic
+  // batches use, as transformers' max_position_embeddings is no limit either).
   at::Tensor forward(const at::Tensor& idx);
   // Mean next-token cross-entropy of forward(idx) against targets (int64 [B, T]), fp32 scalar.
   at::Tensor loss(const at::Tensor& idx, const at::Tensor& targets);

@@ -16,13 +16,13 @@ void TransformerConfig::set_sizes(int64_t v, int64_t d, int64_t h, int64_t l, in
   seq_len = t;
 }
 
-void TransformerConfig::validate_sizes(const char* who) const {
+void TransformerConfig::validate_sizes(const char* who, bool heads_divide) const {
   TORCH_CHECK(vocab > 0, who, ": vocab must be > 0, got ", vocab);
   TORCH_CHECK(d_model > 0, who, ": d_model must be > 0, got ", d_model);
   TORCH_CHECK(n_heads > 0, who, ": n_heads must be > 0, got ", n_heads);
   TORCH_CHECK(n_layers > 0, who, ": n_layers must be > 0, got ", n_layers);
   TORCH_CHECK(seq_len > 0, who, ": seq_len must be > 0, got ", seq_len);
-  TORCH_CHECK(d_model % n_heads == 0, who, ": n_heads (", n_heads, ") must divide d_model (",
+  TORCH_CHECK(!heads_divide || d_model % n_heads == 0, who, ": n_heads (", n_heads, ") must divide d_model (",
               d_model, ")");
   TORCH_CHECK(std::isfinite(init_std) && init_std >= 0.0, who,
               ": init_std must be finite and >= 0, got ", init_std);

@@ -7,7 +7,8 @@
 //   * TransformerConfig: the fields every family has. A family's config derives from it and
 //     adds its own (LlamaConfig: kv heads, MLP width, RoPE, norm eps) and implements clone().
 //     validate_sizes(who) throws c10::Error prefixed by `who` ("GPTConfig") with the offending
-//     values: every size > 0, n_heads divides d_model, init_std finite and >= 0.
+//     values: every size > 0, n_heads divides d_model (unless heads_divide is false), init_std
+//     finite and >= 0.
 //     set_sizes(...) sets the five sizes at once (what a preset table writes). residual_std():
 //     init_std / sqrt(2 n_layers) with scaled_residual_init (GPT-2), else init_std.
 //   * embedding_and_head(vocab, d, tied): the token embedding [vocab, d] and the output
@@ -51,8 +52,10 @@ struct TransformerConfig {
 
   void set_sizes(int64_t vocab, int64_t d_model, int64_t n_heads, int64_t n_layers,
                  int64_t seq_len);
-  void validate_sizes(const char* who) const;
-  int64_t head_dim() const { return d_model / n_heads; }
+  // heads_divide: n_heads must divide d_model (false for a family with an explicit head size).
+  void validate_sizes(const char* who, bool heads_divide = true) const;
+  // The size of one attention head: d_model / n_heads unless the family sets its own.
+  virtual int64_t head_dim() const { return d_model / n_heads; }
   double residual_std() const;
 };
 

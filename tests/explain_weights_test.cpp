@@ -751,9 +751,10 @@ TEST_CASE("weights: bad inputs are one line naming the file, exit 1, no hang",
     make_dirs(d);
     write_safetensors(d + "/model.safetensors", llama_tensors(kSmall));
     auto j = nlohmann::ordered_json::parse(llama_config(kSmall, 256));
-    j["head_dim"] = 64;  // 256 / 8 = 32
+    j["head_dim"] = 64;  // 256 / 8 = 32: q_proj would be [512, 256], the file has [256, 256]
     write_text(d + "/config.json", j.dump());
-    cases.push_back({"explicit head_dim", d, d + "/config.json", "head_dim 64"});
+    cases.push_back({"explicit head_dim the weights do not have", d, d + "/config.json",
+                     "self_attn.q_proj.weight"});
   }
 
   for (const auto& c : cases) {
@@ -802,5 +803,8 @@ TEST_CASE(
   CHECK(contains(o.out, "prediction: peak_bytes="));
   WARN("70B index: read + tree + explain in process "
        << in_process << " s; flatshard-explain --weights --batch 1 " << tool << " s wall");
-  REQUIRE(tool < 3.0);
+  // The reading itself, bounded loosely for a loaded 2-core CI machine (23 ms idle): headers
+  // only, no quadratic walk. The tool's wall time is mostly process start (loading LibTorch,
+  // ~0.9 s idle, 4 s under ctest -j2 beside builds), which says nothing about the reader.
+  REQUIRE(in_process < 3.0);
 }

@@ -5,12 +5,16 @@
 #   - The PyPI torch wheel pinned to FLATSHARD_TORCH_VERSION in a virtualenv cached per user,
 #     keyed by that version (LibTorch headers/libs and the NCCL of the same wheel set).
 #   - In the same venv, the PyPI safetensors package pinned to FLATSHARD_SAFETENSORS_VERSION
-#     (tests/safetensors_interop_test: files must load in the reference implementation).
+#     (tests/safetensors_interop_test: files must load in the reference implementation) and
+#     transformers pinned to FLATSHARD_TRANSFORMERS_VERSION (tests/hf_parity_test: Hugging Face
+#     checkpoints against transformers' own logits). transformers 5.23 needs safetensors >= 0.8,
+#     hence the safetensors pin.
 # Prints the venv's python path on its last line (used by the Makefile).
 set -euo pipefail
 
 TORCH_VERSION="${FLATSHARD_TORCH_VERSION:-2.11.0}"
-SAFETENSORS_VERSION="${FLATSHARD_SAFETENSORS_VERSION:-0.7.0}"
+SAFETENSORS_VERSION="${FLATSHARD_SAFETENSORS_VERSION:-0.8.0}"
+TRANSFORMERS_VERSION="${FLATSHARD_TRANSFORMERS_VERSION:-5.23.0}"
 CACHE_ROOT="${FLATSHARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/flatshard}"
 VENV="$CACHE_ROOT/venv-torch-$TORCH_VERSION"
 
@@ -65,5 +69,16 @@ sys.exit(m.version('safetensors') != '$SAFETENSORS_VERSION' or not (m.version('n
   log "installing safetensors[torch]==$SAFETENSORS_VERSION into $VENV"
   "$VENV/bin/python" -m pip install -q --progress-bar off "safetensors[torch]==$SAFETENSORS_VERSION" >&2 ||
     log "warning: could not install safetensors==$SAFETENSORS_VERSION; safetensors_interop_test will fail"
+fi
+
+# --- transformers in the same venv (test-only: tests/hf_parity_test), checked the same way ----
+if ! "$VENV/bin/python" -c "
+import importlib.metadata as m, sys
+sys.exit(m.version('transformers') != '$TRANSFORMERS_VERSION')
+" >/dev/null 2>&1; then
+  log "installing transformers==$TRANSFORMERS_VERSION into $VENV (one-time)"
+  "$VENV/bin/python" -m pip install -q --progress-bar off "transformers==$TRANSFORMERS_VERSION" \
+      "safetensors[torch]==$SAFETENSORS_VERSION" >&2 ||
+    log "warning: could not install transformers==$TRANSFORMERS_VERSION; hf_parity_test will fail"
 fi
 echo "$VENV/bin/python"
