@@ -42,6 +42,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <memory>
 #include <tuple>
