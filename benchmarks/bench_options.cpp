@@ -8,6 +8,8 @@
 #include <iostream>
 #include <sstream>
 
+#include "support/input_file.h"
+
 namespace flatshard {
 namespace bench {
 
@@ -141,7 +143,19 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--warmup", warmup, "untimed steps per run (default 2)")->group(g_run);
   auto* o_steps = app.add_option("--steps", steps, "timed steps per run (cpu 5, cuda 20)")
                       ->group(g_run);
-  app.add_option("--seed", seed, "model init and data seed (default 0)")->group(g_run);
+  app.add_option("--seed", seed, "model init and data seed (default 0)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            // CLI11 converts an all-digit value past 2^64 - 1 by saturating, silently.
+            if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos) return "";
+            const std::string max = "18446744073709551615";
+            const std::string digits = v.substr(std::min(v.find_first_not_of('0'), v.size()));
+            if (digits.size() < max.size() || (digits.size() == max.size() && digits <= max))
+              return "";
+            return v + " is out of range [0, " + max + "] (2^64 - 1)";
+          },
+          "UINT64"))
+      ->group(g_run);
   app.add_option("--optimizer", optimizer,
                  "adamw: torch::optim::AdamW (default) | fused: flatshard::FusedAdamW (one fused "
                  "ATen kernel per device and dtype); every run, local included, uses it")
@@ -186,7 +200,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--plot", o.plot_path, "write an SVG bar chart (step time, peak memory) to PATH")
       ->type_name("PATH")
       ->group(g_out);
-  app.add_option("--write-profile", o.profile_path,
+  auto* o_profile = app.add_option("--write-profile", o.profile_path,
                  "write the machine profile these runs measure (planner/machine_profile.h; "
                  "benchmarks/bench_profile.h says which numbers) to PATH, for flatshard-explain "
                  "--profile")
@@ -203,8 +217,16 @@ ParseResult parse_command_line(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::string msg = e.what();
     std::replace(msg.begin(), msg.end(), '\n', ' ');
-    throw UsageError(msg);
+    throw UsageError(printable_escape(msg));  // CLI11 quotes the user's value: no raw ESC
   }
+  // A granularity or policy spec is printable text: one with control bytes (ESC, BEL) would be
+  // echoed raw to the terminal by every later error that names it.
+  for (const auto& flag : o.granularity_flags)
+    if (printable_escape(flag) != flag)
+      throw UsageError("--granularity '" + printable_escape(flag) +
+                       "': control characters are not part of any granularity or policy spec");
+  if (o_profile->count() && o.profile_path.empty())
+    throw UsageError("--write-profile needs a file path, got ''");
 
   o.device = device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
   const bool cuda = o.device == DeviceKind::kCuda;

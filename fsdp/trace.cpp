@@ -14,6 +14,8 @@
 #include <sstream>
 #include <string>
 
+#include <sys/stat.h>
+
 #include <nlohmann/json.hpp>
 
 #include "collectives/communicator.h"
@@ -160,7 +162,23 @@ std::unique_ptr<Tracer> Tracer::create(const ShardingOptions& options, Communica
     if (!env::get(env::kTraceSteps).empty()) max_steps = env::trace_steps();
   }
   TORCH_CHECK(max_steps >= 0, "TraceOptions::max_steps must be >= 0, got ", max_steps);
-  path = path == "nvtx" ? "" : trace_file_for_rank(path, comm.rank(), comm.world_size());
+  if (path != "nvtx") {
+    // A directory is refused here, at setup (trace.h): its rank file would land beside it.
+    const std::string file = trace_file_for_rank(path, comm.rank(), comm.world_size());
+    for (const std::string& p : {path, file}) {
+      struct stat st {};
+      TORCH_CHECK(p.back() != '/' && !(::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode)),
+                  "flatshard trace: '", path, "' (FLATSHARD_TRACE or TraceOptions::path) ",
+                  p == path ? std::string("is")
+                            : "names the directory '" + file + "' for this rank: it is",
+                  " a directory, not a file path: give a file inside it, e.g. '",
+                  path.back() == '/' ? path : path + "/", "trace.json' (world sizes > 1 write "
+                  "trace.rank<R>.json there)");
+    }
+    path = file;
+  } else {
+    path = "";
+  }
   return std::make_unique<Tracer>(path, max_steps, options, comm, all_gather_stream,
                                   reduce_scatter_stream);
 }

@@ -44,6 +44,11 @@
 // Environment (read when a ShardedModel is built, only if TraceOptions::path is empty):
 //   FLATSHARD_TRACE        unset/empty: off. A path: trace to it ("{rank}" is replaced by the
 //                          rank; without it world sizes > 1 get ".rank<R>" before ".json").
+//                          A file path, never a directory: a path that is an existing
+//                          directory or ends in '/' (or whose rank file is one) is refused
+//                          when the ShardedModel is built (c10::Error naming it and the fix,
+//                          "<dir>/trace.json"), instead of writing "<dir>.rank<R>" beside it.
+//                          The same holds for TraceOptions::path.
 //                          "nvtx": NVTX ranges only, no events recorded, no file.
 //   FLATSHARD_TRACE_STEPS  steps to record (default TraceOptions::max_steps = 64).
 #pragma once

@@ -3,14 +3,11 @@
 
 #include <c10/util/Exception.h>
 
-#include <sys/stat.h>
-
-#include <cerrno>
 #include <cmath>
-#include <cstring>
 #include <sstream>
 #include <vector>
 
+#include "support/input_file.h"
 #include "support/json.h"
 #include "support/output_file.h"
 
@@ -21,45 +18,65 @@ namespace {
 constexpr const char* kFormat = "flatshard-machine-profile";
 constexpr int64_t kVersion = 1;
 
-// A numeric key: where it lives, and whether 0 is allowed (a latency or a slack may be 0; a
-// rate or a divisor may not).
+// A numeric key: where it lives and its physical bounds (machine_profile.h states them next to
+// each key).
 struct Field {
   const char* key;
   double MachineProfile::*member;
-  bool zero_ok;
+  double lo, hi;
+  const char* unit;  // for messages
 };
 
+constexpr double kLatency = kMaxLatencyUs;
+constexpr double kMinGbps = 1e-4, kMaxGbps = 1e5;
+constexpr double kMaxHostMs = 1e6;
+
 const std::vector<Field>& fields() {
+  using P = MachineProfile;
   static const std::vector<Field> f = {
-      {"all_gather_latency_us", &MachineProfile::all_gather_latency_us, true},
-      {"all_gather_gbps", &MachineProfile::all_gather_gbps, false},
-      {"reduce_scatter_latency_us", &MachineProfile::reduce_scatter_latency_us, true},
-      {"reduce_scatter_gbps", &MachineProfile::reduce_scatter_gbps, false},
-      {"all_reduce_latency_us", &MachineProfile::all_reduce_latency_us, true},
-      {"all_reduce_gbps", &MachineProfile::all_reduce_gbps, false},
-      {"host_ms_per_step", &MachineProfile::host_ms_per_step, true},
-      {"host_reference_layers", &MachineProfile::host_reference_layers, false},
-      {"host_us_per_unit_forward", &MachineProfile::host_us_per_unit_forward, true},
-      {"host_us_per_unit_backward", &MachineProfile::host_us_per_unit_backward, true},
-      {"host_overlap_norm", &MachineProfile::host_overlap_norm, false},
-      {"compute_tflops", &MachineProfile::compute_tflops, false},
-      {"memory_gbps", &MachineProfile::memory_gbps, false},
-      {"optimizer_bytes_per_param", &MachineProfile::optimizer_bytes_per_param, true},
-      {"h2d_gbps", &MachineProfile::h2d_gbps, false},
-      {"d2h_gbps", &MachineProfile::d2h_gbps, false},
-      {"cpu_optimizer_params_per_s", &MachineProfile::cpu_optimizer_params_per_s, false},
-      {"copy_rate_beside_compute", &MachineProfile::copy_rate_beside_compute, false},
-      {"activation_scale", &MachineProfile::activation_scale, false},
-      {"allocator_slack", &MachineProfile::allocator_slack, true},
-      {"collective_staging", &MachineProfile::collective_staging, true},
-      {"comm_overlap", &MachineProfile::comm_overlap, true},
+      {"all_gather_latency_us", &P::all_gather_latency_us, 0, kLatency, "us"},
+      {"all_gather_gbps", &P::all_gather_gbps, kMinGbps, kMaxGbps, "GB/s"},
+      {"reduce_scatter_latency_us", &P::reduce_scatter_latency_us, 0, kLatency, "us"},
+      {"reduce_scatter_gbps", &P::reduce_scatter_gbps, kMinGbps, kMaxGbps, "GB/s"},
+      {"all_reduce_latency_us", &P::all_reduce_latency_us, 0, kLatency, "us"},
+      {"all_reduce_gbps", &P::all_reduce_gbps, kMinGbps, kMaxGbps, "GB/s"},
+      {"host_ms_per_step", &P::host_ms_per_step, 0, kMaxHostMs, "ms"},
+      {"host_reference_layers", &P::host_reference_layers, 1, 1e6, "layers"},
+      {"host_us_per_unit_forward", &P::host_us_per_unit_forward, 0, kLatency, "us"},
+      {"host_us_per_unit_backward", &P::host_us_per_unit_backward, 0, kLatency, "us"},
+      {"host_overlap_norm", &P::host_overlap_norm, 1, 64, ""},
+      {"compute_tflops", &P::compute_tflops, 1e-6, 1e5, "TFLOP/s"},
+      {"memory_gbps", &P::memory_gbps, kMinGbps, kMaxGbps, "GB/s"},
+      {"optimizer_bytes_per_param", &P::optimizer_bytes_per_param, 0, 1024, "bytes"},
+      {"h2d_gbps", &P::h2d_gbps, kMinGbps, kMaxGbps, "GB/s"},
+      {"d2h_gbps", &P::d2h_gbps, kMinGbps, kMaxGbps, "GB/s"},
+      {"cpu_optimizer_params_per_s", &P::cpu_optimizer_params_per_s, 1e3, 1e13, "parameters/s"},
+      {"copy_rate_beside_compute", &P::copy_rate_beside_compute, 1e-3, 1, ""},
+      {"activation_scale", &P::activation_scale, 1e-2, 1e2, ""},
+      {"allocator_slack", &P::allocator_slack, 0, 10, ""},
+      {"collective_staging", &P::collective_staging, 0, 16, "copies"},
+      {"comm_overlap", &P::comm_overlap, 0, 1, "(0 or 1)"},
   };
   return f;
 }
 
-// Sanity bound: no rate, time or factor of a real machine comes near it; keeps every product
-// with byte counts finite.
-constexpr double kMaxValue = 1e15;
+// "" when `v` is a valid value of `f`, else why not (naming the key, its bounds and the value).
+std::string out_of_bounds(const Field& f, double v) {
+  const bool binary = f.member == &MachineProfile::comm_overlap;
+  if (std::isfinite(v) && v >= f.lo && v <= f.hi && (!binary || v == 0 || v == 1)) return "";
+  std::ostringstream why;
+  if (binary) {
+    why << "'" << f.key << "' must be 0 or 1, got " << v;
+  } else if (f.member == &MachineProfile::copy_rate_beside_compute && v > f.hi) {
+    why << "'" << f.key << "' must be in (0, 1], got " << v;  // a share of the copy rate
+  } else {
+    why << "'" << f.key << "' must be " << (f.lo > 0 ? "> 0" : ">= 0") << " and at most " << f.hi
+        << ", within its physical bounds [" << f.lo << ", " << f.hi << "]" << (*f.unit ? " " : "")
+        << f.unit << " (planner/machine_profile.h), got " << v;
+  }
+  return why.str();
+}
+
 constexpr int64_t kMaxFileBytes = int64_t{1} << 20;
 
 }  // namespace
@@ -76,13 +93,14 @@ std::string MachineProfile::to_json() const {
 
 std::string MachineProfile::to_string() const {
   std::ostringstream os;
-  os << "machine profile (" << source << "):";
+  os << "machine profile (" << printable_escape(source) << "):";
   for (const Field& f : fields()) os << " " << f.key << "=" << this->*f.member;
   return os.str();
 }
 
-MachineProfile parse_profile(const std::string& text, const std::string& origin) {
-  const json::Json doc = json::parse(text, origin);
+namespace {
+
+MachineProfile profile_of(const json::Json& doc, const std::string& origin) {
   const json::Node root(doc, origin);
   if (!root.is_object()) root.fail("a machine profile must be a JSON object");
   MachineProfile p;
@@ -102,7 +120,7 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
       continue;
     }
     if (key == "source") {
-      p.source = node.as_string();
+      p.source = printable_escape(node.as_string());  // printed to terminals (machine_profile.h)
       continue;
     }
     const Field* field = nullptr;
@@ -117,16 +135,8 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
       node.fail("unknown key '" + key + "' (known: " + known + ")");
     }
     const double v = node.as_number();  // JSON cannot hold NaN/Inf; huge literals can overflow
-    if (!std::isfinite(v) || v < 0 || (v == 0 && !field->zero_ok) || v > kMaxValue) {
-      std::ostringstream why;
-      why << "'" << key << "' must be " << (field->zero_ok ? ">= 0" : "> 0") << " and at most "
-          << kMaxValue << ", got " << v;
-      node.fail(why.str());
-    }
-    if (field->member == &MachineProfile::comm_overlap && v != 0 && v != 1)
-      node.fail("'comm_overlap' must be 0 or 1, got " + std::to_string(v));
-    if (field->member == &MachineProfile::copy_rate_beside_compute && v > 1)
-      node.fail("'copy_rate_beside_compute' must be in (0, 1], got " + std::to_string(v));
+    const std::string why = out_of_bounds(*field, v);
+    if (!why.empty()) node.fail(why);
     p.*(field->member) = v;
   }
   if (!format_seen) root.fail("missing \"format\": \"" + std::string(kFormat) + "\"");
@@ -134,20 +144,29 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
   return p;
 }
 
+}  // namespace
+
+MachineProfile parse_profile(const std::string& text, const std::string& origin) {
+  return profile_of(json::parse(text, origin), origin);
+}
+
 MachineProfile load_profile(const std::string& path) {
-  // Untrusted input: a regular file of sane size, checked before reading (a FIFO or a device
-  // would block or never end; a directory is not a profile).
-  struct stat st {};
-  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "machine profile '", path,
-              "': cannot stat: ", std::strerror(errno));
-  TORCH_CHECK(S_ISREG(st.st_mode), "machine profile '", path, "': not a regular file");
-  TORCH_CHECK(st.st_size <= kMaxFileBytes, "machine profile '", path, "': ", st.st_size,
-              " bytes, more than a profile's ", kMaxFileBytes, " (a flat object of numbers)");
-  const json::Json doc = json::parse_file(path);  // errors name the path
-  return parse_profile(doc.dump(), "machine profile '" + path + "'");
+  // Untrusted input: a regular file of sane size, never blocking (support/input_file.h).
+  const std::string origin = "machine profile '" + printable_escape(path) + "'";
+  return profile_of(
+      read_json_file(path, kMaxFileBytes, "machine profile", "a profile's limit"),
+      origin);
+}
+
+void check_profile(const MachineProfile& profile, const std::string& origin) {
+  for (const Field& f : fields()) {
+    const std::string why = out_of_bounds(f, profile.*f.member);
+    TORCH_CHECK(why.empty(), origin, ": ", why);
+  }
 }
 
 void save_profile(const MachineProfile& profile, const std::string& path) {
+  check_profile(profile, "machine profile '" + printable_escape(path) + "' (not written)");
   write_file(path, profile.to_json(), "machine profile");
 }
 

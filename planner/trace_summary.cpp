@@ -9,15 +9,17 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <sys/stat.h>
 
 #include "fsdp/trace_format.h"
 #include "support/format.h"
+#include "support/input_file.h"
 
 namespace flatshard {
 
@@ -78,6 +80,33 @@ const json& array_at(const json& o, const char* key, const char* where) {
   return *v;
 }
 
+// Bounds of what a trace may say (trace_summary.h): integers the reader casts, and times.
+constexpr int64_t kMaxWorld = int64_t{1} << 24;     // ranks (as otherData.world_size's bound)
+constexpr int64_t kMaxStep = int64_t{1} << 30;
+constexpr int64_t kMaxBytes = int64_t{1} << 62;
+constexpr int64_t kMaxPrefetch = int64_t{1} << 20;
+constexpr double kMaxTimeUs = 1e15;      // ~31.7 years of steady_clock (time since boot)
+constexpr double kMaxDurationUs = 1e12;  // ~11.6 days for one event
+
+// An optional integer member: absent or not a number, the fallback (as number_or); a number
+// must be an integer in [lo, hi] (it is cast: 1e30 would be undefined behaviour).
+int64_t integer_or(const json& o, const char* key, int64_t fallback, int64_t lo, int64_t hi,
+                   const std::string& where) {
+  const json* v = member(o, key);
+  if (!v || !v->is_number()) return fallback;
+  const double d = v->get<double>();
+  TORCH_CHECK(d >= static_cast<double>(lo) && d <= static_cast<double>(hi) && d == std::floor(d),
+              where, ": '", key, "' must be an integer in [", lo, ", ", hi, "], got ", v->dump());
+  return v->is_number_float() ? static_cast<int64_t>(d) : v->get<int64_t>();
+}
+
+int64_t integer_at(const json& o, const char* key, int64_t lo, int64_t hi,
+                   const std::string& where) {
+  const json* v = member(o, key);
+  TORCH_CHECK(v && v->is_number(), where, ": expected a number '", key, "', got ", type_of(v));
+  return integer_or(o, key, 0, lo, hi, where);
+}
+
 TraceUnitMeta unit_meta(const json& u) {
   TraceUnitMeta m;
   const json* name = member(u, k::kName);
@@ -87,9 +116,10 @@ TraceUnitMeta unit_meta(const json& u) {
   m.strategy = string_or(u, k::kStrategy, "");
   const json* r = member(u, k::kReshardAfterForward);
   m.reshard_after_forward = r && r->is_boolean() && r->get<bool>();
-  m.padded_numel = static_cast<int64_t>(number_or(u, k::kPaddedNumel, 0));
-  m.all_gather_bytes = static_cast<int64_t>(number_or(u, k::kAllGatherBytes, 0));
-  m.reduce_bytes = static_cast<int64_t>(number_or(u, k::kReduceBytes, 0));
+  const std::string where = "otherData.units: unit '" + printable_escape(m.name) + "'";
+  m.padded_numel = integer_or(u, k::kPaddedNumel, 0, 0, kMaxBytes, where);
+  m.all_gather_bytes = integer_or(u, k::kAllGatherBytes, 0, 0, kMaxBytes, where);
+  m.reduce_bytes = integer_or(u, k::kReduceBytes, 0, 0, kMaxBytes, where);
   m.kind = string_or(u, k::kKind, "");
   return m;
 }
@@ -117,29 +147,128 @@ RankTrace rank_meta(const json& other) {
               "], got ", member(other, k::kRank)->dump());
   t.rank = static_cast<int>(rank);
   t.device = string_or(other, k::kDevice, "?");
-  t.forward_prefetch = static_cast<int>(number_or(other, k::kForwardPrefetch, 1));
-  t.backward_prefetch = static_cast<int>(number_or(other, k::kBackwardPrefetch, 1));
+  t.forward_prefetch =
+      static_cast<int>(integer_or(other, k::kForwardPrefetch, 1, 0, kMaxPrefetch, "otherData"));
+  t.backward_prefetch =
+      static_cast<int>(integer_or(other, k::kBackwardPrefetch, 1, 0, kMaxPrefetch, "otherData"));
   if (member(other, k::kUnits))
     for (const auto& u : array_at(other, k::kUnits, "otherData")) t.units.push_back(unit_meta(u));
   return t;
 }
 
-TraceEvent trace_event(const json& e) {
+// "trace event <index> '<name>'": how an event's errors start (the index into traceEvents).
+std::string event_where(size_t index, const std::string& name) {
+  return "trace event " + std::to_string(index) + " '" + printable_escape(name) + "'";
+}
+
+// A time in microseconds: finite, within [lo, hi].
+double time_at(const json& o, const char* key, double fallback, bool required, double lo,
+               double hi, const std::string& where) {
+  const json* v = member(o, key);
+  if (!v || !v->is_number()) {
+    TORCH_CHECK(!required, where, ": expected a number '", key, "', got ", type_of(v));
+    return fallback;
+  }
+  const double d = v->get<double>();
+  TORCH_CHECK(std::isfinite(d) && d >= lo && d <= hi, where, ": '", key, "' ", v->dump(),
+              " is outside [", lo, ", ", hi, "] us (", key == std::string(k::kDur)
+                  ? "durations are never negative; 1e12 us is ~11.6 days"
+                  : "steady_clock time in microseconds; 1e15 us is ~31 years",
+              ")");
+  return d;
+}
+
+// Checks one complete event's fields (trace_summary.h: what a valid event is); `index` is its
+// place in traceEvents.
+TraceEvent trace_event(const json& e, size_t index) {
   TraceEvent ev;
-  ev.rank = static_cast<int>(number_at(e, k::kPid, "trace event"));
-  ev.tid = static_cast<int>(number_or(e, k::kTid, 0));
+  ev.index = index;
   ev.name = string_or(e, k::kName, "");
+  const std::string where = event_where(index, ev.name);
+  ev.rank = static_cast<int>(integer_at(e, k::kPid, 0, kMaxWorld, where));
+  ev.tid = static_cast<int>(integer_or(e, k::kTid, 0, 0, tf::kTrackCount - 1, where));
   ev.cat = string_or(e, k::kCat, "");
-  ev.ts = number_at(e, k::kTs, "trace event");
-  ev.dur = number_or(e, k::kDur, 0);
+  ev.ts = time_at(e, k::kTs, 0, /*required=*/true, -kMaxTimeUs, kMaxTimeUs, where);
+  ev.dur = time_at(e, k::kDur, 0, /*required=*/false, 0, kMaxDurationUs, where);
   if (const json* a = member(e, k::kArgs)) {
     ev.unit = string_or(*a, k::kUnit, "");
     ev.phase = string_or(*a, k::kPhase, "");
-    ev.step = static_cast<int>(number_or(*a, k::kStep, -1));
-    ev.bytes = static_cast<int64_t>(number_or(*a, k::kBytes, 0));
-    ev.host_ts = number_or(*a, k::kHostTs, -1);
+    ev.step = static_cast<int>(integer_or(*a, k::kStep, -1, 0, kMaxStep, where + ": args"));
+    ev.bytes = integer_or(*a, k::kBytes, 0, 0, kMaxBytes, where + ": args");
+    ev.host_ts = time_at(*a, k::kHostTs, -1, /*required=*/false, -kMaxTimeUs, kMaxTimeUs,
+                         where + ": args");
   }
   return ev;
+}
+
+// The rest of an event's validity (trace_summary.h), once its rank is known: on failure the
+// error of the first bad event in document order, "" when the rank's events are consistent.
+struct BadEvent {
+  size_t index = std::numeric_limits<size_t>::max();
+  std::string why;
+  void note(size_t i, std::string w) {
+    if (i < index) {
+      index = i;
+      why = std::move(w);
+    }
+  }
+};
+
+void check_rank_events(const RankTrace& r, BadEvent& bad) {
+  std::set<std::string> units;
+  for (const auto& u : r.units) units.insert(u.name);
+  std::map<int, size_t> step_event;  // step -> the index of its step event
+  for (const auto& e : r.events) {
+    const std::string where = event_where(e.index, e.name);
+    if (e.step < 0) {
+      bad.note(e.index, where + ": no args.step (every event belongs to a step)");
+      continue;
+    }
+    if (!e.phase.empty() && e.phase != tf::phase::kForward && e.phase != tf::phase::kBackward)
+      bad.note(e.index, where + ": phase '" + printable_escape(e.phase) + "' is neither '" +
+                            tf::phase::kForward + "' nor '" + tf::phase::kBackward + "'");
+    if (!e.unit.empty() && !units.count(e.unit))
+      bad.note(e.index, where + ": unit '" + printable_escape(e.unit) +
+                            "' is not in rank " + std::to_string(r.rank) + "'s otherData." +
+                            k::kUnits + " (" + std::to_string(units.size()) + " units)");
+    if (e.cat == tf::cat::kStep) {
+      const auto [it, fresh] = step_event.emplace(e.step, e.index);
+      if (!fresh)
+        bad.note(e.index, where + ": a second step event for step " + std::to_string(e.step) +
+                              " of rank " + std::to_string(r.rank) + " (the first is trace event " +
+                              std::to_string(it->second) + ")");
+    }
+  }
+  if (step_event.empty() && !r.events.empty()) {
+    const TraceEvent& e = r.events.front();
+    bad.note(e.index, event_where(e.index, e.name) + ": rank " + std::to_string(r.rank) +
+                          " has no step events (" + std::to_string(r.events.size()) +
+                          " other events): nothing to summarise; fsdp/trace.h writes one per "
+                          "recorded step");
+  }
+  for (const auto& e : r.events)
+    if (e.step >= 0 && !step_event.empty() && !step_event.count(e.step))
+      bad.note(e.index, event_where(e.index, e.name) + ": step " + std::to_string(e.step) +
+                            " of rank " + std::to_string(r.rank) + " has no step event");
+  // One event per (track, category, unit, phase, step, begin, host record time): two with all of
+  // them equal are one event written twice (the recorder's events of one unit and kind differ in
+  // their begin times; a unit called twice in one pass has two of each).
+  auto key = [&](const TraceEvent& e) {
+    return std::tie(e.tid, e.cat, e.unit, e.phase, e.step, e.ts, e.host_ts);
+  };
+  std::vector<const TraceEvent*> order;
+  order.reserve(r.events.size());
+  for (const auto& e : r.events) order.push_back(&e);
+  std::sort(order.begin(), order.end(), [&](const TraceEvent* a, const TraceEvent* b) {
+    return key(*a) < key(*b) || (key(*a) == key(*b) && a->index < b->index);
+  });
+  for (size_t i = 1; i < order.size(); ++i)
+    if (key(*order[i]) == key(*order[i - 1]))
+      bad.note(order[i]->index,
+               event_where(order[i]->index, order[i]->name) + ": the same event as trace event " +
+                   std::to_string(order[i - 1]->index) +
+                   " (track, category, unit, phase, step and begin time all equal): a trace "
+                   "holds each event once");
 }
 
 // --- summarize, step by step -------------------------------------------------------------------
@@ -469,12 +598,12 @@ std::vector<IdleGap> largest(std::vector<IdleGap> gaps, int top) {
 
 }  // namespace
 
-std::vector<RankTrace> read_traces(const json& doc) {
-  const json* events = member(doc, k::kTraceEvents);
+std::vector<RankTrace> read_traces(const nlohmann::json& doc) {
+  const nlohmann::json* events = member(doc, k::kTraceEvents);
   TORCH_CHECK(events && events->is_array(), "not a Chrome trace: expected an object with '",
               k::kTraceEvents, "' (an array), got ",
               doc.is_object() ? type_of(events) : doc.type_name());
-  const json* other = member(doc, k::kOtherData);
+  const nlohmann::json* other = member(doc, k::kOtherData);
   std::vector<RankTrace> ranks;
   if (other && member(*other, tf::kMergedRanks)) {
     for (const auto& o : array_at(*other, tf::kMergedRanks, "otherData"))
@@ -491,27 +620,101 @@ std::vector<RankTrace> read_traces(const json& doc) {
                 " has world_size ", ranks[i].world_size, ", rank ", ranks.front().rank, " has ",
                 ranks.front().world_size, ": not one run");
   }
-  for (const auto& e : *events) {
+  BadEvent bad;  // the error names the first bad event in document order, whatever its fault
+  for (size_t i = 0; i < events->size() && i < bad.index; ++i) {
+    const nlohmann::json& e = (*events)[i];
     if (string_or(e, k::kPh, "") != k::kPhComplete) continue;
-    TraceEvent ev = trace_event(e);
+    TraceEvent ev;
+    try {
+      ev = trace_event(e, i);
+    } catch (const c10::Error& err) {
+      bad.note(i, err.what_without_backtrace());
+      break;
+    }
     const auto it = by_rank.find(ev.rank);
-    TORCH_CHECK(it != by_rank.end(), "trace event of pid ", ev.rank, " without rank metadata");
+    if (it == by_rank.end()) {
+      bad.note(i, event_where(i, ev.name) + ": pid " + std::to_string(ev.rank) +
+                      " without rank metadata (otherData holds " + std::to_string(ranks.size()) +
+                      " rank(s))");
+      break;
+    }
     ranks[it->second].events.push_back(std::move(ev));
   }
+  for (const auto& r : ranks) check_rank_events(r, bad);
+  TORCH_CHECK(bad.why.empty(), bad.why);
   return ranks;
 }
 
-json read_trace_json(const std::string& path) {
-  std::ifstream f(path);
-  TORCH_CHECK(f.good(), "cannot open '", path, "'");
-  json doc;
-  try {
-    doc = json::parse(f);
-  } catch (const json::parse_error& e) {
-    TORCH_CHECK(false, path, ": not valid JSON: ", e.what());
+namespace {
+
+// nlohmann's ordered document (support/json.h's) as the plain one this reader works on, moved
+// member by member: strings are moved, containers freed as they are copied, so a large trace is
+// never held twice.
+nlohmann::json plain(flatshard::json::Json&& v) {
+  using V = flatshard::json::Json::value_t;
+  switch (v.type()) {
+    case V::object: {
+      nlohmann::json out = nlohmann::json::object();
+      for (auto it = v.begin(); it != v.end(); ++it) out[it.key()] = plain(std::move(it.value()));
+      v = nullptr;
+      return out;
+    }
+    case V::array: {
+      nlohmann::json out = nlohmann::json::array();
+      auto& a = v.get_ref<flatshard::json::Json::array_t&>();
+      out.get_ref<nlohmann::json::array_t&>().reserve(a.size());
+      for (auto& item : a) {
+        out.push_back(plain(std::move(item)));
+        item = nullptr;
+      }
+      v = nullptr;
+      return out;
+    }
+    case V::string:
+      return nlohmann::json(std::move(v.get_ref<std::string&>()));
+    case V::boolean:
+      return v.get<bool>();
+    case V::number_integer:
+      return v.get<int64_t>();
+    case V::number_unsigned:
+      return v.get<uint64_t>();
+    case V::number_float:
+      return v.get<double>();
+    default:
+      return nullptr;
   }
-  return doc;
 }
+
+}  // namespace
+
+nlohmann::json read_trace_json(const std::string& path) {
+  const std::string text =
+      read_input_file(path, kMaxTraceFileBytes, "trace", "a trace's limit (kMaxTraceFileBytes)");
+  flatshard::json::Json doc;
+  try {
+    doc = flatshard::json::parse(text);  // strict, depth-limited (support/json.h)
+  } catch (const c10::Error& e) {
+    // "invalid JSON at byte B (line L, column C): why" -> "<path>: not valid JSON at byte ...".
+    const std::string msg = e.what_without_backtrace();
+    const std::string lead = "invalid JSON";
+    TORCH_CHECK(false, printable_escape(path), ": not valid JSON",
+                msg.rfind(lead, 0) == 0 ? msg.substr(lead.size()) : ": " + msg);
+  }
+  return plain(std::move(doc));
+}
+
+namespace {
+
+// A rank without step events has nothing to summarise (the recorder writes one per step).
+void check_has_steps(const RankTrace& r) {
+  for (const auto& e : r.events)
+    if (e.cat == tf::cat::kStep) return;
+  TORCH_CHECK(false, "rank ", r.rank, " has no step events (", r.events.size(),
+              " other events): nothing to summarise; a trace fsdp/trace.h writes has one per "
+              "recorded step");
+}
+
+}  // namespace
 
 std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
   std::vector<RankTrace> out;
@@ -524,7 +727,7 @@ std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
       TORCH_CHECK(fresh, "'", p, "' is the same file as '", it->second,
                   "': each trace file may be given once (its ranks would count twice)");
     }
-    const json doc = read_trace_json(p);  // its errors name the file
+    const nlohmann::json doc = read_trace_json(p);  // its errors name the file
     try {
       for (auto& r : read_traces(doc)) {
         if (!out.empty())
@@ -534,30 +737,31 @@ std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths) {
         const auto [it, fresh] = file_of_rank.emplace(r.rank, p);
         TORCH_CHECK(fresh, "rank ", r.rank, " is in '", it->second, "' and again in '", p,
                     "': give each rank's trace once (two runs, or a file and its merge?)");
+        check_has_steps(r);
         out.push_back(std::move(r));
       }
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, p, ": ", e.what_without_backtrace());
+      TORCH_CHECK(false, printable_escape(p), ": ", e.what_without_backtrace());
     }
   }
   return out;
 }
 
-json merge_traces(const std::vector<json>& docs) {
-  json events = json::array(), metas = json::array();
+nlohmann::json merge_traces(const std::vector<nlohmann::json>& docs) {
+  nlohmann::json events = nlohmann::json::array(), metas = nlohmann::json::array();
   for (const auto& d : docs) {
-    const json* ev = member(d, k::kTraceEvents);
+    const nlohmann::json* ev = member(d, k::kTraceEvents);
     TORCH_CHECK(ev && ev->is_array(), "merge: not a Chrome trace (no '", k::kTraceEvents, "')");
     events.insert(events.end(), ev->begin(), ev->end());
-    const json* other = member(d, k::kOtherData);
+    const nlohmann::json* other = member(d, k::kOtherData);
     if (other && member(*other, tf::kMergedRanks)) {
-      const json& m = array_at(*other, tf::kMergedRanks, "merge: otherData");
+      const nlohmann::json& m = array_at(*other, tf::kMergedRanks, "merge: otherData");
       metas.insert(metas.end(), m.begin(), m.end());
     } else if (other) {
       metas.push_back(*other);
     }
   }
-  json out = json::object();
+  nlohmann::json out = nlohmann::json::object();
   out[k::kDisplayTimeUnit] = k::kDisplayTimeUnitValue;
   out[k::kOtherData][tf::kMergedRanks] = std::move(metas);
   out[k::kTraceEvents] = std::move(events);
@@ -566,6 +770,7 @@ json merge_traces(const std::vector<json>& docs) {
 
 TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions& opt) {
   TORCH_CHECK(!ranks.empty(), "summarize: no trace");
+  for (const auto& r : ranks) check_has_steps(r);
   TraceSummary s;
   s.ranks = static_cast<int>(ranks.size());
   s.device = ranks.front().device;

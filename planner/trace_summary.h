@@ -12,16 +12,39 @@
 //   reduce span is exposed, and there are no idle gaps (the host is the compute).
 // Per-unit numbers are per step, averaged over the ranks and the steps used (the first step is
 // skipped when there are more: it has no forward prefetch and pays one-time allocations).
+//
+// What a valid trace is (the file is untrusted input; each violation is a one-line c10::Error
+// naming the file and the first bad event, "trace event <index in traceEvents> '<name>': ..."):
+// - a file read through support/input_file.h: a regular file (a FIFO or device is refused, not
+//   waited on) of at most kMaxTraceFileBytes, strict JSON at most json::kMaxDepth deep;
+// - every complete ("X") event: pid an integer rank the metadata holds, tid a Track, ts a finite
+//   time in [-1e15, 1e15] us (steady_clock since boot: ~31 years; hand-made traces start below
+//   0), dur finite in [0, 1e12] us (~11.6 days), args.step an integer in [0, 2^30], args.bytes
+//   in [0, 2^62], args.host_ts finite in [-1e15, 1e15]; args.unit (when given) a unit of that
+//   rank's otherData.units, args.phase "" or "forward" or "backward";
+// - one step event (cat "step") per (rank, step), and every event's step has one;
+// - no event twice: one per (rank, track, category, unit, phase, step, begin time, host record
+//   time). The recorder's events of one unit and kind in one step differ in their begin times
+//   (a unit entered twice per pass has two pre_forward and two fwd spans): equal ones are one
+//   event written twice, which would count double;
+// - read_trace_files() and summarize(): every rank has at least one step event (a trace without
+//   them would summarise to an all-zero table).
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
 namespace flatshard {
+
+// The largest trace file read (1 GiB): a rank's trace holds at most 2^20 records (fsdp/trace.h),
+// about 300-600 MB of JSON; a merged file of more ranks than that fits is summarised from the
+// per-rank files instead.
+inline constexpr int64_t kMaxTraceFileBytes = int64_t{1} << 30;
 
 struct TraceEvent {
   int rank = 0;
@@ -31,6 +54,7 @@ struct TraceEvent {
   double ts = 0, dur = 0;  // microseconds
   int64_t bytes = 0;
   double host_ts = -1;  // GPU events: host time the event was recorded
+  size_t index = 0;     // its place in the document's traceEvents (error messages)
 };
 
 struct TraceUnitMeta {
@@ -50,14 +74,18 @@ struct RankTrace {
 
 // One rank per flatshard trace document; a merged document (flatshard-trace --merge) yields one
 // per rank it holds. Throws c10::Error on JSON that is not a flatshard trace of
-// trace_format::kVersion (the marker), whose rank is not an integer in [0, world_size), or
-// (merged) that holds a rank twice or ranks of different world sizes.
+// trace_format::kVersion (the marker), whose rank is not an integer in [0, world_size), that
+// (merged) holds a rank twice or ranks of different world sizes, or whose events are not valid
+// (above; a trace without events is valid here).
 std::vector<RankTrace> read_traces(const nlohmann::json& doc);
-// One file's JSON; throws c10::Error naming the file if it cannot be read or is not JSON.
+// One file's JSON, read through support/input_file.h (above); throws c10::Error naming the file
+// if it cannot be read, is not a regular file, is larger than kMaxTraceFileBytes or is not
+// strict JSON.
 nlohmann::json read_trace_json(const std::string& path);
 // read_traces of every file, and across them: the same file twice (by name or through another
 // name of it), a rank in two files (naming both), or files of different world sizes are errors
-// — each would be counted as more ranks than the run had.
+// — each would be counted as more ranks than the run had — and so is a rank without step
+// events. Errors start with the file's path.
 std::vector<RankTrace> read_trace_files(const std::vector<std::string>& paths);
 // Several per-rank documents as one Chrome trace (events concatenated, otherData of each rank
 // kept under "flatshard_ranks").
@@ -126,6 +154,7 @@ struct SummaryOptions {
   int top = 5;             // offenders and gaps listed
 };
 
+// Throws c10::Error for no ranks, or a rank without step events.
 TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions& options = {});
 
 }  // namespace flatshard

@@ -5,19 +5,35 @@
 //   flatshard-trace /tmp/run.rank*.json
 //   flatshard-trace --merge /tmp/all.json /tmp/run.rank*.json   # one file for ui.perfetto.dev
 //
-// Exit code 1 on any error: an input that is not a flatshard trace, a rank given twice, a
-// --merge file or standard output that cannot be written (the --merge file is then unchanged);
-// 2 for a command-line error (no file, a file that does not exist: tools/cli_exit.h).
+// Exit code 1 on any error: an input that is not a flatshard trace or not a valid one
+// (planner/trace_summary.h says what is), not a regular file or larger than 1 GiB, a rank given
+// twice, a --merge file or standard output that cannot be written (the --merge file is then
+// unchanged); 2 for a command-line error (no file, a file that does not exist, a --merge file
+// that is one of the inputs, under any name of it, or empty: tools/cli_exit.h).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+
+#include <sys/stat.h>
 
 #include <iostream>
 
 #include <nlohmann/json.hpp>
 
 #include "planner/trace_summary.h"
+#include "support/input_file.h"
 #include "support/output_file.h"
 #include "tools/cli_exit.h"
+
+namespace {
+
+// True when both paths exist and name one file (links followed, ./a and a alike).
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {}, sb {};
+  return ::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+         sa.st_ino == sb.st_ino;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"flatshard-trace: summarise flatshard trace files (one per rank, or merged)"};
@@ -35,11 +51,24 @@ int main(int argc, char** argv) {
   app.add_option("--starved-us", opts.starved_us,
                  "GPU ran an event within this many us of its host recording: it was starved")
       ->capture_default_str();
-  app.add_option("--merge", merge, "also write all files as one trace (for ui.perfetto.dev)");
+  auto* o_merge =
+      app.add_option("--merge", merge, "also write all files as one trace (for ui.perfetto.dev)");
   int parse_exit = 0;
   if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-trace", &parse_exit))
     return parse_exit;
   opts.skip_first_step = !keep_first;
+  if (o_merge->count() && merge.empty()) {
+    std::cerr << "flatshard-trace: error: --merge needs a file path, got ''" << std::endl;
+    return flatshard::tools::kExitUsage;
+  }
+  // The merge replaces its file: an input there would be overwritten by its own merge.
+  for (const auto& f : files)
+    if (!merge.empty() && same_file(merge, f)) {
+      std::cerr << "flatshard-trace: error: --merge '" << flatshard::printable_escape(merge)
+                << "' is the input '" << flatshard::printable_escape(f)
+                << "': write the merge to a new file" << std::endl;
+      return flatshard::tools::kExitUsage;
+    }
   try {
     // Every input is checked (marker, rank, duplicates) before anything is written.
     const auto ranks = flatshard::read_trace_files(files);
