@@ -6,8 +6,10 @@
 // the same seed and data; rank 0 prints the table and writes JSON/CSV/SVG.
 //
 // Exit codes: 0 all runs ok; 1 a result check failed (loss differs from the reference run);
-// 2 usage error (one line "flatshard-bench: error: ..." on stderr); 3 runtime failure (an output
-// file that could not be written included: it is left as it was, support/output_file.h).
+// 2 usage error (one line "flatshard-bench: error: ..." on stderr, on every rank whatever RANK
+// says; "flatshard-bench: rank N: error: ..." for one a launched rank N > 0 found after the
+// command line); 3 runtime failure (an output file that could not be written included: it is
+// left as it was, support/output_file.h).
 //
 // The environment is read after --help (which never reads it) and before anything runs: every
 // set launcher variable must be valid (collectives/launch_env.h), also on cpu where none is
@@ -228,7 +230,12 @@ int main(int argc, char** argv) {
     const std::optional<flatshard::LaunchEnv> env = fb::launcher_env();
     launched = env.has_value();
     rank = env ? env->rank : 0;
-    if (!parsed) throw fb::UsageError(usage_error);  // now that the rank is known: rank 0 says it
+    // A command-line error is printed whatever RANK says: every rank has the same command line,
+    // so a rank that keeps quiet may be the only one the user watches (RANK=1 in a shell).
+    if (!parsed) {
+      std::cerr << "flatshard-bench: error: " << usage_error << std::endl;
+      return kExitUsage;
+    }
     try {
       flatshard::env::check_all();
     } catch (const c10::Error& e) {
@@ -238,7 +245,10 @@ int main(int argc, char** argv) {
     return run(parsed->options, argv,
                parsed->options.device == fb::DeviceKind::kCuda ? env : std::nullopt);
   } catch (const fb::UsageError& e) {
-    if (rank == 0) std::cerr << "flatshard-bench: error: " << e.what() << std::endl;
+    // Every rank says it (a launched rank other than 0 with its number): a usage error found
+    // after the launch may be this rank's alone ("local rank 3 has no GPU").
+    const std::string who = launched && rank != 0 ? "rank " + std::to_string(rank) + ": " : "";
+    std::cerr << "flatshard-bench: " << who << "error: " << e.what() << std::endl;
     return kExitUsage;
   } catch (const c10::Error& e) {
     std::cerr << "flatshard-bench: " << (launched ? "rank " + std::to_string(rank) + ": " : "")

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <random>
 
+#include "support/format.h"
+
 namespace flatshard {
 
 namespace {
@@ -215,12 +217,56 @@ void make_dirs(const std::string& path) {
               "checkpoint: cannot create directory '", path, "': ", os_error());
 }
 
-bool remove_tree(const std::string& path) noexcept {
-  if (!path_exists(path)) return true;
-  auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) {
-    return ::remove(p) == 0 ? 0 : -1;
+namespace {
+// nftw callbacks cannot capture: the walk's state, per thread (rank threads save concurrently).
+thread_local std::string* tl_remove_error = nullptr;
+thread_local int64_t tl_tree_bytes = 0;
+}  // namespace
+
+std::string remove_tree_reason(const std::string& path) noexcept {
+  try {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) return "";
+    std::string why;
+    tl_remove_error = &why;
+    // The top directory and its marker go last, once everything else is gone: a directory
+    // that could be removed only in part stays recognisable as flatshard's (a later save
+    // removes the rest; Note [Checkpoint publication]).
+    auto remove_one = [](const char* p, const struct stat* st, int, struct FTW* f) {
+      if (f->level == 0 && S_ISDIR(st->st_mode)) return 0;
+      if (f->level == 1 && std::strcmp(p + f->base, kMarkerName) == 0) return 0;
+      if (::remove(p) == 0 || errno == ENOENT) return 0;
+      if (tl_remove_error->empty())
+        *tl_remove_error = std::string("cannot remove '") + p + "': " + std::strerror(errno);
+      return 0;  // keep going: remove what can be removed, report the first failure
+    };
+    if (::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0 && why.empty())
+      why = "cannot walk '" + path + "': " + os_error();
+    tl_remove_error = nullptr;
+    if (why.empty() && S_ISDIR(st.st_mode)) {
+      const std::string marker = join_path(path, kMarkerName);
+      if (::unlink(marker.c_str()) != 0 && errno != ENOENT)
+        why = "cannot remove '" + marker + "': " + os_error();
+      else if (::rmdir(path.c_str()) != 0 && errno != ENOENT)
+        why = "cannot remove '" + path + "': " + os_error();
+    }
+    return why;
+  } catch (...) {
+    tl_remove_error = nullptr;
+    return "cannot remove '" + path + "'";
+  }
+}
+
+bool remove_tree(const std::string& path) noexcept { return remove_tree_reason(path).empty(); }
+
+int64_t tree_bytes(const std::string& path) noexcept {
+  tl_tree_bytes = 0;
+  auto add = [](const char*, const struct stat* st, int flag, struct FTW*) {
+    if (flag == FTW_F) tl_tree_bytes += st->st_size;
+    return 0;
   };
-  return ::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0;
+  ::nftw(path.c_str(), add, 16, FTW_PHYS);
+  return tl_tree_bytes;
 }
 
 std::string read_text_file(const std::string& path, int64_t max_bytes) {
@@ -328,10 +374,49 @@ void restore_backup(const std::string& dir, const std::string& backup, bool dura
                dir.c_str(), backup.c_str());
 }
 
+// Note [Checkpoint publication], "no hidden copy": a save that replaces `dir` must be able to
+// remove the previous checkpoint's files afterwards (write and search permission on `dir`) and
+// to create its staging directory and rename beside `dir` (the same on the parent). Checked
+// with the effective ids and capabilities (faccessat AT_EACCESS), so root is not refused.
+void check_writable(const std::string& dir, const std::string& path, const std::string& why) {
+  if (::faccessat(AT_FDCWD, path.c_str(), W_OK | X_OK, AT_EACCESS) == 0) return;
+  const std::string err = os_error();
+  struct stat st {};
+  ::stat(path.c_str(), &st);
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  TORCH_CHECK(false, "checkpoint: cannot save to '", dir, "': ", why,
+              ", which needs write and search permission on '", path, "' (mode ", mode,
+              ", owner uid ", st.st_uid, "; this process runs as uid ", ::geteuid(), "): ", err,
+              "; make it writable (chmod u+wx '", path, "') or save elsewhere. Nothing was "
+              "written");
+}
+
+// Warns (stderr, like restore_backup) about a directory a save could not remove, naming it,
+// its size, the reason and how to remove it: a save never leaves a copy behind silently.
+void warn_left_behind(const std::string& what, const std::string& path,
+                      const std::string& reason) noexcept {
+  try {
+    std::fprintf(stderr,
+                 "flatshard: warning: %s; it is left at '%s' (%s): %s. Remove it yourself "
+                 "(chmod -R u+w '%s' && rm -rf '%s'), or let a later save to the same "
+                 "directory, once it has the permission, remove it\n",
+                 what.c_str(), path.c_str(), format_bytes(tree_bytes(path)).c_str(),
+                 reason.c_str(), path.c_str(), path.c_str());
+  } catch (...) {
+  }
+}
+
 }  // namespace
 
 std::string begin_save(const std::string& dir, const std::string& manifest_name, bool durable,
                        const std::function<void(const std::string&)>& check_existing) {
+  // Before anything is written (Note [Checkpoint publication]): the parent takes the staging
+  // directory and the renames. A parent that does not exist yet is made below (make_dirs).
+  const std::string parent = parent_of(dir);
+  if (is_directory(parent))
+    check_writable(dir, parent, "the save creates its staging directory and renames in '" +
+                                    parent + "'");
   if (!lstat_is(dir, any_mode)) {
     const std::string backup = find_backup(dir, manifest_name);
     if (!backup.empty()) restore_backup(dir, backup, durable);
@@ -344,14 +429,20 @@ std::string begin_save(const std::string& dir, const std::string& manifest_name,
                 "': it is neither empty nor a checkpoint (it has no ", manifest_name,
                 "); choose another directory");
     if (checkpoint && check_existing) check_existing(dir);
+    // The replaced checkpoint is removed after publication: refuse now rather than leave it
+    // behind at a hidden side name.
+    check_writable(dir, dir, "replacing the checkpoint there removes its files");
     // Adopt it (Note [Checkpoint publication]): after the exchange it sits at a side name and
     // must be recognisable as flatshard's if a crash stops its removal.
     if (!has_marker(dir)) write_marker(dir, random_token(), durable);
   }
   for (const SideDir& s : side_dirs(dir, manifest_name)) {
     if (s.marked) {
-      TORCH_CHECK(remove_tree(s.path), "checkpoint: cannot remove the stale side directory '",
-                  s.path, "' of an earlier save: ", os_error());
+      const std::string why = remove_tree_reason(s.path);
+      TORCH_CHECK(why.empty(), "checkpoint: cannot remove the stale side directory '", s.path,
+                  "' (", format_bytes(tree_bytes(s.path)), ") of an earlier save: ", why,
+                  "; remove it yourself (chmod -R u+w '", s.path, "' && rm -rf '", s.path,
+                  "'). Nothing was written");
     } else {
       ::rmdir(s.path.c_str());  // only if empty: never a user's files
     }
@@ -365,8 +456,16 @@ std::string begin_save(const std::string& dir, const std::string& manifest_name,
     TORCH_CHECK(errno == EEXIST && attempt < 3, "checkpoint: cannot create the staging directory '",
                 staging, "': ", os_error());
   }
-  write_marker(staging, token, durable);
-  if (durable) fsync_path(parent_of(staging));
+  try {
+    write_marker(staging, token, durable);
+    if (durable) fsync_path(parent_of(staging));
+  } catch (...) {
+    // Unmarked, abandon_save would not touch it: remove it here (it holds nothing of ours but
+    // the marker, if that got written).
+    ::unlink(join_path(staging, kMarkerName).c_str());
+    ::rmdir(staging.c_str());
+    throw;
+  }
   return staging;
 }
 
@@ -377,6 +476,11 @@ void publish(const std::string& dir, const std::string& staging, const IoHook& h
   const std::string backup = dir + kBackupInfix + staging.substr(at + std::strlen(kStagingInfix));
   call(hook, IoPoint::Kind::kPublish, dir);
   std::string previous;  // where the replaced checkpoint ends up (marked: begin_save adopted it)
+  // begin_save adopted (marked) an existing `dir`; one without the marker now was put there
+  // during the save (Note [Checkpoint publication]): it is not replaced, nor hidden.
+  TORCH_CHECK(!lstat_is(dir, any_mode) || has_marker(dir), "checkpoint: '", dir,
+              "' changed during the save (it is no longer the checkpoint the save checked: no ",
+              kMarkerName, " in it); not replacing it. Nothing was published");
   if (!lstat_is(dir, any_mode)) {
     rename_or_throw(staging, dir);
   } else if (use_exchange &&
@@ -393,11 +497,27 @@ void publish(const std::string& dir, const std::string& staging, const IoHook& h
   }
   if (durable) fsync_path(parent_of(dir));
   call(hook, IoPoint::Kind::kCleanup, dir);
-  if (!previous.empty() && has_marker(previous)) remove_tree(previous);
+  if (previous.empty()) return;
+  if (!has_marker(previous)) {
+    // Put at `dir` between the check above and the exchange: not flatshard's to delete.
+    warn_left_behind("checkpoint '" + dir + "' was saved; what was at that path a moment " +
+                         "before (not a flatshard checkpoint: no " + kMarkerName +
+                         ") was moved aside",
+                     previous, "flatshard deletes nothing it did not make");
+    return;
+  }
+  const std::string why = remove_tree_reason(previous);
+  if (!why.empty())
+    warn_left_behind("checkpoint '" + dir + "' was saved, but the previous checkpoint it " +
+                         "replaced could not be removed",
+                     previous, why);
 }
 
 void abandon_save(const std::string& staging) noexcept {
-  if (!staging.empty() && has_marker(staging)) remove_tree(staging);
+  if (staging.empty() || !has_marker(staging)) return;
+  const std::string why = remove_tree_reason(staging);
+  if (!why.empty())
+    warn_left_behind("a failed save could not remove its side directory", staging, why);
 }
 
 bool recover_interrupted_save(const std::string& dir_arg, const std::string& manifest_name) {

@@ -30,6 +30,20 @@
 //      swapped atomically with renameat2(RENAME_EXCHANGE) and the previous checkpoint, now at the
 //      staging name (marked), is removed; or (b) where RENAME_EXCHANGE is missing (e.g. NFS), two
 //      renames: dir -> `<dir>.flatshard-old-<token>`, staging -> dir, then the backup is removed.
+// No hidden copy: a save never leaves the checkpoint it replaced (or its own staging directory)
+// behind silently — for a 7B model that is ~80 GB nobody knows about. So begin_save() checks,
+// before anything is written, with the process's effective ids and capabilities, that it
+// can do what the save ends with: write and search permission on `<dir>`'s parent (staging
+// directory, renames) and on an existing `<dir>` (its files are removed after publication); a
+// save that lacks either fails naming the path, its mode and owner, the uid and what to do,
+// and writes nothing. publish() refuses a `<dir>` that lost flatshard's marker during the save
+// (someone put another directory there): it is neither replaced nor moved aside. What can still
+// go wrong late (permissions changed during the save, a file that cannot be unlinked) is
+// reported: the save stays published and a warning on stderr names the side directory left
+// behind, its size, the reason and the command that removes it; a failed save's staging
+// directory that cannot be removed is reported the same way. A save that cannot complete
+// (disk full, a directory removed under it) fails naming the path, and its staging directory
+// is removed (also the empty one of a failure while writing its marker).
 // So at every instant `<dir>` or flatshard's marked backup holds a complete checkpoint; kill -9
 // at any point leaves the previous checkpoint loadable. A crash between the renames of 3b
 // leaves `<dir>` missing: a load then fails and names the backup (it never substitutes it
@@ -128,6 +142,11 @@ std::vector<std::string> list_dir(const std::string& path);
 void make_dirs(const std::string& path);
 // rm -rf that never throws; false if something could not be removed.
 bool remove_tree(const std::string& path) noexcept;
+// Same; "" when everything is gone, else the first failure ("cannot remove 'p': Permission
+// denied"). It removes what it can either way.
+std::string remove_tree_reason(const std::string& path) noexcept;
+// Bytes of the regular files under `path` (0 if it cannot be read).
+int64_t tree_bytes(const std::string& path) noexcept;
 // The whole file; throws, naming it, if it is larger than `max_bytes`.
 std::string read_text_file(const std::string& path, int64_t max_bytes = int64_t{1} << 30);
 // Writes `text` to `path` via AtomicFile.

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -62,8 +63,10 @@ class SafetensorsLoader {
   void check(const std::vector<PlannedParam>& planned) {
     std::lock_guard<std::mutex> lock(mu_);
     discover();
+    std::map<std::string, std::vector<std::string>> users;  // mapped tensor -> parameters
     for (const auto& p : planned) {
       const std::string mapped = map_ ? map_(p.name) : p.name;
+      users[mapped].push_back(p.name);
       const std::string what = "safetensors_loader: parameter '" + p.name + "'" +
                                (mapped != p.name ? " (looked up as '" + mapped + "')" : "");
       const Source* src = nullptr;
@@ -85,6 +88,20 @@ class SafetensorsLoader {
                   what, " is ", safetensors_dtype_name(e->dtype), " in '", src->file->path(),
                   "'; only F32, BF16 and F16 tensors are loaded (converted to the fp32 master)");
       resolved_[p.name] = Resolved{src, *e};
+    }
+    // Several parameters from one tensor (the contract in load_into_shards.h): the shapes
+    // agree (checked above, each against the tensor), but the model does not tie them — a tied
+    // parameter is planned once — so each gets its own copy. Said once per loader, not per rank.
+    for (const auto& [tensor, names] : users) {
+      if (names.size() < 2 || warned_) continue;
+      std::string list;
+      for (const auto& n : names) list += (list.empty() ? "'" : ", '") + n + "'";
+      TORCH_WARN("safetensors_loader: the name map sends ", names.size(), " parameters (", list,
+                 ") to one tensor '", tensor, "': each is loaded with a copy of its values, but "
+                 "the model does not tie them, so training makes them differ. If they are one "
+                 "weight, tie them in the model (e.g. GPTConfig::tie_embeddings) so it is loaded "
+                 "once; if a copy is meant (initialising an untied model), ignore this");
+      warned_ = true;
     }
   }
 
@@ -188,6 +205,7 @@ class SafetensorsLoader {
   const std::shared_ptr<LoadStats> stats_;
   std::mutex mu_;  // check() may run on several rank threads sharing this loader
   bool discovered_ = false;
+  bool warned_ = false;  // the several-parameters-one-tensor warning was given
   std::string single_path_;                                  // one file, or
   std::string index_path_, index_dir_;                       // an index and its directory
   std::unordered_map<std::string, std::string> weight_map_;  // tensor name -> file name

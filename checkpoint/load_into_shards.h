@@ -16,6 +16,12 @@
 //   files, no model.safetensors) is read through its manifest: checkpoint_loader() below.
 // - `name_map`: model parameter name → tensor name in the files (e.g. "blocks.0.attn.qkv.weight"
 //   → "model.layers.0..."); empty: identity. It is called once per parameter, during check.
+//   A tied parameter is one parameter (planned once, under the name the plan lists it by), so
+//   it is looked up once and its aliases need no entry. The map may send several parameters to
+//   one tensor: each must have the tensor's shape (else the shape error below) and each is
+//   loaded with its own copy (e.g. initialising an untied model's embedding and output layer
+//   from a checkpoint that stores one tied matrix). Since the model does not tie them, check
+//   warns once (TORCH_WARN) naming the parameters and the tensor.
 // - Lazy: the factory only records its arguments. Everything that can fail happens inside
 //   fully_shard, where failures agree across ranks: check() opens the files, reads and
 //   validates every header (SafetensorsHeader::read: offsets in bounds, no overlaps), then for

@@ -19,6 +19,7 @@ std::string str(const std::optional<ShardingStrategy>& s) {
   return s ? to_string(*s) : "default";
 }
 std::string str(const std::optional<bool>& b) { return b ? (*b ? "true" : "false") : "default"; }
+std::string str(const std::optional<int>& i) { return i ? std::to_string(*i) : "default"; }
 template <class T>
 std::string str(const T& v) {
   std::ostringstream os;
@@ -118,6 +119,9 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
                                                      : "default"});
   fp.push_back({setup, "option align", str(options.align)});
   fp.push_back({setup, "option sync_module_states", options.sync_module_states ? "true" : "false"});
+  // Offload decides where the master shard and the optimizer step live and, at level 2, adds
+  // an upload before each all-gather: ranks that disagree step different states.
+  fp.push_back({setup, "option offload", str(options.offload)});
   // A rank loading while another initialises would broadcast alone (Note [Loading into shards]).
   fp.push_back({setup, "option load", options.load ? "set" : "unset"});
   fp.push_back({setup, "plan units", str(plan.units.size())});
@@ -140,6 +144,7 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
     fp.push_back({where, "strategy", str(u.options.strategy)});
     fp.push_back({where, "reshard_after_forward", str(u.options.reshard_after_forward)});
     fp.push_back({where, "recompute", str(u.options.recompute)});
+    fp.push_back({where, "offload", str(u.options.offload)});
     fp.push_back({where, "modules", str(u.module_paths.size())});
     for (size_t k = 0; k < u.module_paths.size(); ++k)
       fp.push_back({where, "module " + std::to_string(k), u.module_paths[k]});

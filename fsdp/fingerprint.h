@@ -7,13 +7,17 @@
 //
 // Contract
 // - setup_fingerprint() describes, as ordered entries {where, what, value}, everything ranks must
-//   agree on: world size, backend, the options that change collectives (strategy, reshard,
-//   mixed-precision dtypes (buffer dtype too), alignment, sync_module_states), and per unit its name, kind,
-//   strategy options, module paths, and each parameter's name, shape, dtype and device type;
+//   agree on: world size, backend, the options that change collectives or what is trained
+//   (strategy, reshard, mixed-precision dtypes (buffer dtype too), alignment,
+//   sync_module_states, offload, load set or not), and per unit its name, kind, strategy
+//   options (reshard, recompute, offload), module paths, and each parameter's name, shape, dtype
+//   and device type;
 //   every buffer's name, shape, dtype and device type, and — with sync_module_states off, when
 //   nothing will make them equal — a hash of its values (a rank whose buffer differs then fails
 //   with "setup: buffer 'rope.inv_freq' values (...) fnv1a:... vs fnv1a:...").
-//   Local-only things (device index, trace path, prefetch depths) are left out.
+//   Local-only things are left out: device index, trace options, prefetch depths (they change
+//   when a unit's all-gather is issued, not which or in what order), the debug sleeps, `init`
+//   (a function: not comparable) and strict_plan (the plan it judges is compared).
 // - check_ranks_agree() is collective (every rank must call it, before any other collective of
 //   the ShardedModel). With HSDP, ShardedModel runs it over the shard group and then over the
 //   replicate group, so every rank of every replica is compared (a replica with another plan

@@ -1,10 +1,15 @@
 #include "fsdp/resolve.h"
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
 #include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "collectives/env.h"
+#include "wrap_policies/glob.h"
 
 namespace flatshard {
 
@@ -38,19 +43,77 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
 }
 
 void check_recompute_plan(const Plan& plan) {
+  // Every unit's module paths, sorted: the paths below p are the range starting at p + ".",
+  // found by one binary search per recompute path (O(n log n); testing every pair of units was
+  // O(n^2) and made the advisor's recompute candidates quadratic in layers).
+  std::vector<std::pair<std::string, const UnitSpec*>> paths;
+  bool any = false;
+  for (const UnitSpec& u : plan.units) {
+    any = any || u.options.recompute.value_or(false);
+    for (const std::string& q : u.module_paths) paths.emplace_back(q, &u);
+  }
+  if (!any) return;
+  std::sort(paths.begin(), paths.end());
   for (const UnitSpec& u : plan.units) {
     if (!u.options.recompute.value_or(false)) continue;
-    for (const std::string& p : u.module_paths)
-      for (const UnitSpec& v : plan.units) {
-        if (&v == &u) continue;
-        for (const std::string& q : v.module_paths)
-          TORCH_CHECK(q.size() <= p.size() || q.compare(0, p.size() + 1, p + ".") != 0,
-                      "unit '", u.name, "' is recomputed but its member module '", p,
-                      "' contains module '", q, "' of unit '", v.name,
-                      "': a unit nested inside a recompute unit is not supported (its forward "
-                      "would run again inside the backward); recompute the inner unit "
-                      "instead, or drop the rule that makes it a unit");
+    for (const std::string& p : u.module_paths) {
+      const std::string below = p + ".";
+      for (auto it = std::lower_bound(paths.begin(), paths.end(),
+                                      std::make_pair(below, static_cast<const UnitSpec*>(nullptr)));
+           it != paths.end() && it->first.compare(0, below.size(), below) == 0; ++it) {
+        if (it->second == &u) continue;
+        const UnitSpec& v = *it->second;
+        const std::string& q = it->first;
+        TORCH_CHECK(false, "unit '", u.name, "' is recomputed but its member module '", p,
+                    "' contains module '", q, "' of unit '", v.name,
+                    "': a unit nested inside a recompute unit is not supported (its forward "
+                    "would run again inside the backward); recompute the inner unit "
+                    "instead, or drop the rule that makes it a unit");
       }
+    }
+  }
+}
+
+void check_recompute_policy(const Policy& policy, const torch::nn::Module& model,
+                            const Plan& plan) {
+  for (const UnitSpec& u : plan.units)
+    if (u.options.recompute.value_or(false)) return;  // the rule recomputes some unit: fine
+  int64_t numel = -1;  // the root's parameter count, read only if a size term asks
+  for (const Rule& rule : policy.rules) {
+    if (!rule.options.recompute.value_or(false)) continue;
+    bool all = true;
+    for (const Term& t : rule.terms) {
+      if (!all) break;
+      switch (t.kind) {
+        case Term::Kind::kType:
+          all = std::any_of(t.names.begin(), t.names.end(), [&](const std::string& type) {
+            return type_name_matches(model.name(), type);
+          });
+          break;
+        case Term::Kind::kSize:
+          if (numel < 0) {
+            numel = 0;
+            for (const auto& p : model.parameters(/*recurse=*/true)) numel += p.numel();
+          }
+          all = numel >= t.min_numel;
+          break;
+        case Term::Kind::kPath:
+          all = std::any_of(t.names.begin(), t.names.end(),
+                            [](const std::string& g) { return Glob(g).matches(""); });
+          break;
+        case Term::Kind::kPredicate:
+          all = t.predicate && t.predicate("", model);
+          break;
+      }
+    }
+    if (!all) continue;
+    Policy alone;
+    alone.rules.push_back(rule);
+    TORCH_CHECK(false, "unit '<root>': the rule '", alone.to_spec(), "' asks for recompute and "
+                "matches the root module (", model.name(), "), but recompute is not supported "
+                "on the root unit (its forward is the whole model's) and a rule never makes the "
+                "root a unit, so nothing would be recomputed; set it on the layers' units "
+                "instead, e.g. recompute:type=Block");
   }
 }
 

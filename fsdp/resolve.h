@@ -13,8 +13,13 @@
 //   definition, NO_SHARD never frees them).
 // - recompute: the plan's unit option, else off (Note [Recompute], fsdp/recompute.h). On the
 //   root unit it is an error (its forward is the whole model's: the outermost call, entered
-//   through enter() with a closure whose tensor inputs are unknown); check_recompute_plan()
-//   rejects a recompute unit whose member modules contain another unit's members.
+//   through enter() with a closure whose tensor inputs are unknown) — whether asked for with
+//   `root:recompute` (the root's options) or with a recompute rule that matches the root
+//   module, e.g. `recompute:type=GPT` on a GPT: a rule never matches the root (make_plan), so
+//   such a rule alone forms no unit and the model would train without recompute behind a mere
+//   "matched no module" warning; check_recompute_policy() makes that an error naming the unit.
+//   check_recompute_plan() rejects a recompute unit whose member modules contain another
+//   unit's members.
 // - FlatParamConfig: sharded unless NO_SHARD; param dtype = mixed_precision.param_dtype; reduce
 //   dtype = mixed_precision.reduce_dtype, else the param dtype; align and sync_module_states from
 //   the options; padding poisoned when FLATSHARD_DEBUG is on (collectives/env.h).
@@ -23,12 +28,20 @@
 //   Note [CPU offload], flat_param/offload.h).
 // - layout world size: the shard group's size for sharded units, 1 for NO_SHARD (replicated);
 //   FlatParam derives the same from config.sharded (Unit asserts they agree).
-// Pure: no collectives, no tensors; the model is not read.
+// Pure: no collectives, no tensors; the model is not read (check_recompute_policy reads the root
+// module's type name and parameter count only).
 #pragma once
 
 #include "flat_param/flat_param.h"
 #include "fsdp/options.h"
 #include "wrap_policies/plan.h"
+#include "wrap_policies/policy.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
 
 namespace flatshard {
 
@@ -48,5 +61,12 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
 // ancestor of) a member of another unit: the recompute would run that unit's forward again
 // inside a backward, outside its pre/post-forward (Note [Recompute]). Pure: reads paths only.
 void check_recompute_plan(const Plan& plan);
+
+// Throws c10::Error naming the unit '<root>' and the rule when a rule of `policy` that sets
+// recompute matches the root module `model` (all its terms hold there) and `plan` (made from
+// them) recomputes no unit: the recompute asked for would silently not happen. A rule that also
+// recomputes other units (e.g. `recompute:size>=1000`) is fine: the root is never a rule's unit.
+void check_recompute_policy(const Policy& policy, const torch::nn::Module& model,
+                            const Plan& plan);
 
 }  // namespace flatshard

@@ -454,7 +454,9 @@ std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> mod
                                           const Policy& policy, Communicator& comm,
                                           ShardingOptions options) {
   TORCH_CHECK(model != nullptr, "fully_shard: model is null");
-  return fully_shard(model, make_plan(*model, policy), comm, std::move(options));
+  Plan plan = make_plan(*model, policy);
+  check_recompute_policy(policy, *model, plan);  // recompute on the root's type (fsdp/resolve.h)
+  return fully_shard(model, plan, comm, std::move(options));
 }
 
 std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
@@ -467,7 +469,9 @@ std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> mod
                                           const Policy& policy, const ShardingMesh& mesh,
                                           ShardingOptions options) {
   TORCH_CHECK(model != nullptr, "fully_shard: model is null");
-  return fully_shard(model, make_plan(*model, policy), mesh, std::move(options));
+  Plan plan = make_plan(*model, policy);
+  check_recompute_policy(policy, *model, plan);  // recompute on the root's type (fsdp/resolve.h)
+  return fully_shard(model, plan, mesh, std::move(options));
 }
 
 }  // namespace flatshard
