@@ -156,6 +156,11 @@ InitScheme InitScheme::of(const TransformerConfig& cfg, uint64_t seed,
 void init_transformer_tensor(const torch::nn::Module& root, const InitScheme& scheme,
                              const std::string& name, const at::Tensor& values,
                              const InitOther& other) {
+  // A meta tensor (construction under flatshard::MetaInit) gets no values, so there is nothing
+  // to look up: find_module copies each parent's children, so a lookup per parameter made
+  // building an n-layer model on meta O(n^2) (flatshard-explain: 8192 layers took minutes).
+  // Deferred init calls this again with real tensors, which checks the name and the shape.
+  if (values.is_meta()) return;
   at::NoGradGuard no_grad;
   // A tied weight is one tensor with one init, whichever of its names the caller uses.
   const std::string& key =

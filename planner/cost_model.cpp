@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "support/format.h"
+#include "support/input_file.h"
 
 namespace flatshard {
 
@@ -201,6 +202,12 @@ class CostWalk {
   std::vector<int> anchor_;
   std::vector<bool> recomputed_;
   std::vector<int> layer_units_;
+  // Per unit position q: the layers anchored there, and over those layers saved(i) summed
+  // (phase 1's end), so the walks are linear in units + layers, not their product.
+  std::vector<std::vector<int64_t>> anchored_at_;
+  std::vector<double> saved_at_;
+  // kept_before_[q]: the gathered bytes of the kept units at positions < q.
+  std::vector<double> kept_before_;
   double layer_full_ = 0, layer_input_ = 0, head_saved_ = 0, layer_backward_work_ = 0;
   // Phase 2.
   std::vector<OffloadTerms> off_;
@@ -272,6 +279,15 @@ void CostWalk::place_units() {
   layer_input_ = per_token(shape_.recompute_keeps);
   head_saved_ = per_token(shape_.head_activations);
   layer_backward_work_ = per_token(shape_.layer_backward_work);
+  anchored_at_.assign(n_, {});
+  saved_at_.assign(n_, 0.0);
+  for (int64_t i = 0; i < L_; ++i) {
+    anchored_at_[anchor_[i]].push_back(i);
+    saved_at_[anchor_[i]] += saved(i);
+  }
+  kept_before_.assign(n_ + 1, 0.0);
+  for (int q = 0; q < n_; ++q)
+    kept_before_[q + 1] = kept_before_[q] + (kept(order_[q]) ? transient(order_[q]) : 0.0);
 }
 
 void CostWalk::persistent_state() {
@@ -306,6 +322,12 @@ void CostWalk::memory_walk() {
   walk_loss(act);
   walk_backward();
   const double peak = (persistent_ + best_) * (1 + prof_.allocator_slack);
+  // llround of a value beyond int64 is undefined: refuse (a profile within its bounds and a
+  // model explain accepts stay far below).
+  TORCH_CHECK(std::isfinite(peak) && peak >= 0 && peak < 9e18,
+              "predict_cost: the predicted peak of ", peak, " bytes is not a finite byte count "
+              "(allocator_slack ", prof_.allocator_slack, ", activation_scale ",
+              prof_.activation_scale, ")");
   p_.peak_bytes = static_cast<int64_t>(std::llround(peak));
 }
 
@@ -326,15 +348,12 @@ double CostWalk::walk_forward() {
     } else if (q + fp_ <= n_ - 1) {
       up = upload(order_[q + fp_]);
     }
-    double g = transient(k) * (1 + staging_) + up;
-    for (int j = 0; j < q; ++j)
-      if (kept(order_[j])) g += transient(order_[j]);
+    double g = transient(k) * (1 + staging_) + up + kept_before_[q];
     for (int j = q + 1; j <= std::min(n_ - 1, q + fp_); ++j)
       g += transient(order_[j]);  // prefetched (kept or not: not yet counted)
     consider(act, 0, g, "forward of " + e_.units[k].name);
     // Layers whose first unit is this one are saved from here on.
-    for (int64_t i = 0; i < L_; ++i)
-      if (anchor_[i] == q) act += saved(i);
+    act += saved_at_[q];
   }
   return act;
 }
@@ -343,9 +362,7 @@ void CostWalk::walk_loss(double act) {
   const double V = static_cast<double>(shape_.vocab);
   const double loss_forward_extra = tokens_ * V * (ec_ + (ec_ != 4 ? 4 : 0)) * scale();
   const double loss_backward_extra = tokens_ * V * 8 * scale();
-  double kept_all = 0;
-  for (int k = 0; k < n_; ++k)
-    if (kept(k)) kept_all += transient(k);
+  const double kept_all = kept_before_[n_];
   consider(act + head_saved_ + loss_forward_extra, 0, kept_all, "loss forward");
   // The root's pre-backward is the step's first (its hook sits on the loss): from the loss's
   // backward on, the root's flat gradient exists (FlatParam::prepare_grad, the general path)
@@ -376,7 +393,10 @@ void CostWalk::walk_backward() {
   // step's last, so they are held through every layer's backward.
   const double head_pending =
       head_owned_ ? 0.0 : static_cast<double>(shape_.vocab) * shape_.d_model * ec_;
-  // Backward, reverse execution order, the root last.
+  // Backward, reverse execution order, the root last. saved_before[q]: the activations of the
+  // layers anchored before position q (freed later), summed once.
+  std::vector<double> saved_before(n_ + 1, 0.0);
+  for (int q = 0; q < n_; ++q) saved_before[q + 1] = saved_before[q] + saved_at_[q];
   double grads = 0;
   int previous = -1;
   for (int q = n_ - 1; q >= 0; --q) {
@@ -391,8 +411,9 @@ void CostWalk::walk_backward() {
     // yet there (CPU ranks, two layers per unit, worlds 2-4: 3.0-6.6% over, now 0.2-1.7%).
     double stage = 0;  // this unit's own staging, for the recompute rule below
     if (e_.units[k].per_step.backward_all_gathers) stage = staging_ * transient(k);
-    for (int j = 0; j < q; ++j)
-      if (kept(order_[j]) || j >= q - bp_) g += transient(order_[j]);
+    g += kept_before_[q];  // kept units before this one, and the bp ones just before it
+    for (int j = std::max(0, q - bp_); j < q; ++j)
+      if (!kept(order_[j])) g += transient(order_[j]);
     if (q != 0) g += flat_grad(order_[0]);
     if (previous >= 0) g += flat_grad(previous);
     // The largest of f over the units whose gathers this pre-backward issues: all of the first
@@ -422,15 +443,9 @@ void CostWalk::walk_backward() {
     g += flat_grad(k);
     // Activations: layers freed later (anchor < q) saved; layers anchored here being consumed:
     // full (recomputed ones rebuilt whole).
-    double a = 0;
-    bool touches_layer = false;
-    for (int64_t i = 0; i < L_; ++i) {
-      if (anchor_[i] < q) a += saved(i);
-      if (anchor_[i] == q) {
-        a += layer_full_;
-        touches_layer = true;
-      }
-    }
+    const double here = static_cast<double>(anchored_at_[q].size()) * layer_full_;
+    double a = saved_before[q] + here;
+    const bool touches_layer = !anchored_at_[q].empty();
     // The head's log-softmax output is gone after the loss's backward; its inputs remain.
     if (place_[k].head && !e_.units[k].is_root) a += tokens_ * 2.0 * shape_.d_model * ec_ * scale();
     const double work =
@@ -456,9 +471,7 @@ void CostWalk::walk_backward() {
     // backend, where the gap to the counting allocator was exactly these two at world 2 and 4;
     // on the GPU (1B GPT, one unit, offload 1, 1 seq, world 1) the walk without them said
     // 8.8 GiB where 12.3 were measured.
-    double after = a;  // this unit's layers are done
-    for (int64_t i = 0; i < L_; ++i)
-      if (anchor_[i] == q) after -= layer_full_;
+    double after = a - here;  // this unit's layers are done
     const auto& uk = e_.units[k];
     const bool general = !(one_rank_ && level_[k] == 0);
     // (The root's own reduction: its held gradients include the head's.)
@@ -713,7 +726,23 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   TORCH_CHECK(prof.copy_rate_beside_compute > 0 && prof.copy_rate_beside_compute <= 1,
               "predict_cost: copy_rate_beside_compute must be in (0, 1], got ",
               prof.copy_rate_beside_compute);
-  return CostWalk(e, shape, w, prof, offload_level).run();
+  const CostPrediction p = CostWalk(e, shape, w, prof, offload_level).run();
+  // Every time finite and non-negative: a profile outside its bounds (machine_profile.h; code
+  // can build one) must be an error, not an "inf ms" or 60-digit prediction.
+  const std::pair<const char*, double> times[] = {
+      {"compute_ms", p.compute_ms},     {"passes_ms", p.passes_ms},
+      {"optimizer_ms", p.optimizer_ms}, {"comm_ms", p.comm_ms},
+      {"exposed_comm_ms", p.exposed_comm_ms}, {"exposed_all_gather_ms", p.exposed_all_gather_ms},
+      {"host_ms", p.host_ms},           {"offload_ms", p.offload_ms},
+      {"recompute_ms", p.recompute_ms}, {"gpu_ms", p.gpu_ms},
+      {"step_ms", p.step_ms},           {"cpu_optimizer_ms", p.cpu_optimizer_ms}};
+  constexpr double kMaxMs = 1e18;  // ~3e7 years: beyond it a number of digits, not a time
+  for (const auto& [name, v] : times)
+    TORCH_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxMs, "predict_cost: predicted ", name,
+                " = ", v, " ms is not a finite time of at most ", kMaxMs,
+                " ms; the machine profile (", printable_escape(prof.source),
+                ") holds a value outside its bounds (planner/machine_profile.h: check_profile)");
+  return p;
 }
 
 std::string CostPrediction::to_string() const {

@@ -25,15 +25,18 @@
 // the numbers instead of std::bad_alloc or minutes of allocation).
 //
 // Exit codes: 0 ok; 1 an input that is wrong (a policy that does not parse, a bad profile, a
-// model too large, standard output that cannot be written); 2 a command-line error, one line
-// "flatshard-explain: error: ..." (tools/cli_exit.h).
+// model too large, standard output that cannot be written) or --suggest with no fitting plan;
+// 2 a command-line error, one line "flatshard-explain: error: ..." (tools/cli_exit.h).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <limits>
 #include <map>
+#include <stdexcept>
+#include <vector>
 
 #include "planner/advisor.h"
 #include "planner/cost_model.h"
@@ -55,34 +58,135 @@ namespace {
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr long double kMaxParameters = 1e15L;
 
-// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "123456" (bytes); at most int64's max.
+// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "1e3MB", "123456" (bytes). Decimal
+// digits only (std::stod alone read "0x10GiB" as 16 GiB); the result must be a whole number of
+// bytes, at least 1 ("0.5" was rounded to 1 B) and at most int64's max (8 EiB - 1 B).
 int64_t parse_bytes(const std::string& text) {
+  auto bad = [&](const std::string& why) {
+    return CLI::ValidationError("--memory-limit", "'" + text + "' " + why);
+  };
+  const std::string kSuffixes =
+      "(suffixes: K/M/G/T/P/E or KiB/MiB/GiB/TiB/PiB/EiB = binary, KB/MB/GB/TB/PB/EB = decimal)";
+  // The number: digits [. digits] [e [+-] digits], at least one mantissa digit.
   size_t pos = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &pos);
-  } catch (const std::exception&) {
-    throw CLI::ValidationError("--memory-limit", "'" + text + "' is not a size such as 40GiB");
+  std::string digits;  // the mantissa's digits, the point left out
+  int64_t exp10 = 0;   // the mantissa is digits x 10^exp10
+  auto is_digit = [&](size_t i) { return i < text.size() && text[i] >= '0' && text[i] <= '9'; };
+  while (is_digit(pos)) digits += text[pos++];
+  if (pos < text.size() && text[pos] == '.') {
+    ++pos;
+    while (is_digit(pos)) {
+      digits += text[pos++];
+      --exp10;
+    }
+  }
+  if (digits.empty()) throw bad("is not a size such as 40GiB (decimal digits, then a suffix)");
+  if (pos < text.size() && (text[pos] == 'x' || text[pos] == 'X'))
+    throw bad("is not a size such as 40GiB (decimal digits only: hexadecimal is not read)");
+  if (pos < text.size() && (text[pos] == 'e' || text[pos] == 'E') &&
+      (is_digit(pos + 1) || ((text[pos + 1] == '+' || text[pos + 1] == '-') && is_digit(pos + 2)))) {
+    ++pos;
+    const bool negative = text[pos] == '-';
+    if (text[pos] == '+' || text[pos] == '-') ++pos;
+    int64_t e = 0;
+    while (is_digit(pos)) e = std::min<int64_t>(e * 10 + (text[pos++] - '0'), 100000);
+    exp10 += negative ? -e : e;
   }
   std::string suffix = text.substr(pos);
   for (auto& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  static const std::map<std::string, double> scale = {
-      {"", 1},         {"B", 1},        {"K", 0x1p10},   {"KIB", 0x1p10}, {"KB", 1e3},
-      {"M", 0x1p20},   {"MIB", 0x1p20}, {"MB", 1e6},     {"G", 0x1p30},   {"GIB", 0x1p30},
-      {"GB", 1e9},     {"T", 0x1p40},   {"TIB", 0x1p40}, {"TB", 1e12}};
+  struct Scale {
+    int pow2, pow10;
+  };
+  static const std::map<std::string, Scale> scale = {
+      {"", {0, 0}},    {"B", {0, 0}},    {"K", {10, 0}},  {"KIB", {10, 0}}, {"KB", {0, 3}},
+      {"M", {20, 0}},  {"MIB", {20, 0}}, {"MB", {0, 6}},  {"G", {30, 0}},   {"GIB", {30, 0}},
+      {"GB", {0, 9}},  {"T", {40, 0}},   {"TIB", {40, 0}}, {"TB", {0, 12}}, {"P", {50, 0}},
+      {"PIB", {50, 0}}, {"PB", {0, 15}}, {"E", {60, 0}},  {"EIB", {60, 0}}, {"EB", {0, 18}}};
   auto it = scale.find(suffix);
-  if (it == scale.end() || !(v >= 0) || !std::isfinite(v))
-    throw CLI::ValidationError("--memory-limit", "'" + text +
-                                                     "' is not a size (suffixes: K/M/G/T or "
-                                                     "KiB/MiB/GiB/TiB = binary, KB/MB/GB/TB = decimal)");
-  // 2^63 is the first double past int64; llround of anything at or above it is undefined.
-  const double bytes = v * it->second;
-  if (!(bytes < 0x1p63))
-    throw CLI::ValidationError(
-        "--memory-limit", "'" + text + "' is too large: at most " +
-                              std::to_string(std::numeric_limits<int64_t>::max()) +
-                              " bytes (8 EiB)");
-  return static_cast<int64_t>(std::llround(bytes));
+  if (it == scale.end()) throw bad("is not a size " + kSuffixes);
+  exp10 += it->second.pow10;
+  const int pow2 = it->second.pow2;
+  // digits x 10^exp10 x 2^pow2, exactly: leading zeros and trailing zeros of the digits go.
+  digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size()));
+  while (!digits.empty() && digits.back() == '0') {
+    digits.pop_back();
+    ++exp10;
+  }
+  const std::string at_most = "at most " + std::to_string(std::numeric_limits<int64_t>::max()) +
+                              " bytes (8 EiB - 1 B, int64's max)";
+  if (digits.empty()) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
+  // Magnitude first (log10 of the value), then the exact value where it can be an int64.
+  const double log10_value = static_cast<double>(digits.size() - 1) + static_cast<double>(exp10) +
+                             pow2 * std::log10(2.0) + std::log10(std::stod("0." + digits) * 10);
+  if (log10_value >= 19) throw bad("is too large: " + at_most);
+  if (log10_value < -1e-9) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
+  // Now digits has at most ~20 + |exp10| significant digits, exp10 > -40: exact in 128 bits.
+  if (digits.size() > 36) throw bad("has more digits than a byte count can use");
+  using u128 = unsigned __int128;
+  u128 m = 0;
+  for (char c : digits) m = m * 10 + static_cast<unsigned>(c - '0');
+  for (; exp10 > 0; --exp10) m *= 10;
+  int twos = pow2;  // m x 2^twos / 10^(-exp10)
+  for (; exp10 < 0; ++exp10) {
+    if (m % 5 != 0) throw bad("is not a whole number of bytes");
+    m /= 5;
+    if (twos > 0) {
+      --twos;
+    } else if (m % 2 == 0) {
+      m /= 2;
+    } else {
+      throw bad("is not a whole number of bytes");
+    }
+  }
+  for (; twos > 0; --twos) {
+    m *= 2;
+    if (m > static_cast<u128>(std::numeric_limits<int64_t>::max())) throw bad("is too large: " + at_most);
+  }
+  if (m > static_cast<u128>(std::numeric_limits<int64_t>::max())) throw bad("is too large: " + at_most);
+  if (m < 1) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
+  return static_cast<int64_t>(m);
+}
+
+// "--prefetch-depths 1,2": each item an integer in [lo, hi], no empty item ("1,,2"), no
+// repeat ("1,1": a repeated depth only repeated rows of the advisor's table). Throws the
+// message as std::invalid_argument.
+std::vector<int> parse_int_list(const std::string& text, int lo, int hi) {
+  std::vector<int> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, comma - begin);
+    if (item.empty())
+      throw std::invalid_argument("empty item in '" + text + "' (a comma-separated list, e.g. 1,2)");
+    size_t used = 0;
+    long v = 0;
+    try {
+      v = std::stol(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || item[0] == '+' || v < lo || v > hi)
+      throw std::invalid_argument("'" + item + "' is not an integer in [" + std::to_string(lo) +
+                                  ", " + std::to_string(hi) + "]");
+    if (std::find(out.begin(), out.end(), static_cast<int>(v)) != out.end())
+      throw std::invalid_argument(item + " is given twice in '" + text + "'");
+    out.push_back(static_cast<int>(v));
+    if (comma == text.size()) return out;
+    begin = comma + 1;
+  }
+}
+
+CLI::Validator int_list(int lo, int hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        try {
+          parse_int_list(text, lo, hi);
+          return "";
+        } catch (const std::invalid_argument& e) {
+          return e.what();
+        }
+      },
+      "INT[,INT...]");
 }
 
 // Integer options: "--world: must be >= 1, got 0" instead of CLI11's range with 300 digits.
@@ -300,8 +404,15 @@ int run(const Described& m, const Request& r) {
     a.prefetch_depths = r.prefetch_depths;
     if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
     if (!m.model_line.empty()) std::cout << m.model_line << "\n";
-    std::cout << flatshard::suggest(*m.tree, r.world, r.replicate, opts, a).to_string();
+    const auto advice = flatshard::suggest(*m.tree, r.world, r.replicate, opts, a);
+    std::cout << advice.to_string();
     flatshard::flush_stdout();
+    // Nothing fits: the table says why; the exit status says the advisor found no plan.
+    if (!advice.fits()) {
+      std::cerr << "flatshard-explain: --suggest: no candidate plan fits the memory limit of "
+                << *limit << " bytes per rank" << std::endl;
+      return 1;
+    }
     return 0;
   }
   const auto plan = flatshard::make_plan(*m.tree, flatshard::parse_policy(policy));
@@ -340,7 +451,6 @@ int main(int argc, char** argv) {
   bool keep = false, tied = false, show_plan = false, suggest = false;
   std::string profile_path;
   int64_t batch = 0, seq = 0;
-  std::vector<int> offload_levels = {0}, prefetch_depths = {1, 2};
   std::map<std::string, int64_t> overrides;
   app.add_option("--model", family,
                  "model family (models/family.h): " + flatshard::models::families_help())
@@ -413,14 +523,13 @@ int main(int argc, char** argv) {
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
                "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
                "candidates)");
-  app.add_option("--offload-levels", offload_levels,
-                 "--suggest: offload levels to try, e.g. 0,1,2 (default 0)")
-      ->check(CLI::Range(0, 2))
-      ->delimiter(',');
-  app.add_option("--prefetch-depths", prefetch_depths,
-                 "--suggest: prefetch depths to try (default 1,2)")
-      ->check(CLI::Range(0, 64))
-      ->delimiter(',');
+  std::string offload_levels_text = "0", prefetch_depths_text = "1,2";
+  app.add_option("--offload-levels", offload_levels_text,
+                 "--suggest: offload levels to try, e.g. 0,1,2 (default 0; no repeats)")
+      ->check(int_list(0, 2));
+  app.add_option("--prefetch-depths", prefetch_depths_text,
+                 "--suggest: prefetch depths to try, each in [0, 64] (default 1,2; no repeats)")
+      ->check(int_list(0, 64));
   std::string weights;
   {
     CLI::Option* w = app.add_option(
@@ -456,8 +565,8 @@ int main(int argc, char** argv) {
   r.keep = keep;
   r.show_plan = show_plan;
   r.suggest = suggest;
-  r.offload_levels = offload_levels;
-  r.prefetch_depths = prefetch_depths;
+  r.offload_levels = parse_int_list(offload_levels_text, 0, 2);  // checked by int_list
+  r.prefetch_depths = parse_int_list(prefetch_depths_text, 0, 64);
   r.cost = cost;
   try {
     Described m;
