@@ -281,3 +281,18 @@ TEST_CASE("flatshard-explain --prefetch-depths / --offload-levels: no empty item
   CAPTURE(ok.out, ok.err);
   CHECK(ok.exit_code == 0);
 }
+
+TEST_CASE("flatshard-explain: the cost constants have physical bounds", "[cli][issue36]") {
+  // --collective-latency-us 1e308 printed a 300-digit latency share; now a usage error.
+  const Outcome huge = explain_cli(tiny({"--collective-latency-us", "1e308"}));
+  CAPTURE(huge.out, huge.err);
+  CHECK(huge.exit_code == 2);
+  CHECK(huge.err.find("--collective-latency-us") != std::string::npos);
+  CHECK(huge.err.find("<= 1e+06") != std::string::npos);
+  const Outcome step = explain_cli(tiny({"--reference-step-ms", "1e300"}));
+  CAPTURE(step.out, step.err);
+  CHECK(step.exit_code == 2);
+  const Outcome ok = explain_cli(tiny({"--collective-latency-us", "80"}));
+  CAPTURE(ok.out, ok.err);
+  CHECK(ok.exit_code == 0);
+}

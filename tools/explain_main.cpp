@@ -205,15 +205,18 @@ CLI::Validator at_least(int64_t lo) {
       "INT>=" + std::to_string(lo));
 }
 
-// Real-valued options, same style: "--reference-step-ms: must be > 0, got 0".
-CLI::Validator number_above(double lo, bool or_equal) {
-  const std::string bound = std::string(or_equal ? ">= " : "> ") + CLI::detail::to_string(lo);
+// Real-valued options, same style: "--reference-step-ms: must be > 0, got 0"; at most `hi`
+// (a physical bound: 1e308 us of latency printed 300-digit warnings).
+CLI::Validator number_above(double lo, bool or_equal, double hi) {
+  const std::string bound = std::string(or_equal ? ">= " : "> ") + CLI::detail::to_string(lo) +
+                            " and <= " + CLI::detail::to_string(hi);
   return CLI::Validator(
-      [lo, or_equal, bound](std::string& text) -> std::string {
+      [lo, or_equal, hi, bound](std::string& text) -> std::string {
         try {
           size_t used = 0;
           const double v = std::stod(text, &used);
-          if (used == text.size() && std::isfinite(v) && (or_equal ? v >= lo : v > lo)) return "";
+          if (used == text.size() && std::isfinite(v) && (or_equal ? v >= lo : v > lo) && v <= hi)
+            return "";
           if (used == text.size()) return "must be " + bound + ", got " + text;
         } catch (const std::exception&) {
         }
@@ -502,12 +505,12 @@ int main(int argc, char** argv) {
                  "model-state memory per rank to check the prefetch depth against, e.g. 40GiB");
   app.add_option("--collective-latency-us", cost.collective_latency_us,
                  "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
-      ->check(number_above(0, /*or_equal=*/true))
+      ->check(number_above(0, /*or_equal=*/true, flatshard::kMaxLatencyUs))
       ->capture_default_str();
   app.add_option("--reference-step-ms", cost.reference_step_ms,
                  "step time the collectives' latency is compared with (explain has no compute "
                  "model; default: the 1B GPT at 4 seq/GPU on H200)")
-      ->check(number_above(0, /*or_equal=*/false))
+      ->check(number_above(0, /*or_equal=*/false, /*hi=*/1e9))
       ->capture_default_str();
   app.add_flag("--plan", show_plan, "also print the plan (Plan::to_string)");
   app.add_option("--batch", batch,
