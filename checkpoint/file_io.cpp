@@ -514,7 +514,21 @@ void publish(const std::string& dir, const std::string& staging, const IoHook& h
 }
 
 void abandon_save(const std::string& staging) noexcept {
-  if (staging.empty() || !has_marker(staging)) return;
+  if (staging.empty()) return;
+  if (!has_marker(staging)) {
+    // Its marker is gone: someone removed (part of) the staging directory during the save, and
+    // a rank's file may have landed in it after. Nothing unmarked is ever removed, so it stays
+    // — said, not silent (Note [Checkpoint publication]).
+    bool exists = false;
+    try {
+      exists = path_exists(staging);
+    } catch (...) {
+    }
+    if (exists)
+      warn_left_behind("a failed save's side directory lost its marker during the save",
+                       staging, "it is no longer marked as flatshard's, so it is not removed");
+    return;
+  }
   const std::string why = remove_tree_reason(staging);
   if (!why.empty())
     warn_left_behind("a failed save could not remove its side directory", staging, why);
