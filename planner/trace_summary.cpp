@@ -816,7 +816,11 @@ std::string TraceSummary::to_string() const {
                                         : ")")
      << "; timing from "
      << (gpu ? "GPU stream events" : "host events (CPU: collectives are synchronous)") << "\n";
-  os << "per step (mean over ranks): " << ms(step_us) << " ms; compute " << ms(compute_us)
+  // The "step" spans are host time: the step on CPU ranks, only its issue on the GPU (the
+  // host runs ahead), so it is shown only where it is the step.
+  os << "per step (mean over ranks): ";
+  if (!gpu) os << ms(step_us) << " ms; ";
+  os << "compute " << ms(compute_us)
      << " ms, exposed all-gather " << ms(all_gather_us) << " ms, exposed reduce " << ms(reduce_us)
      << " ms";
   if (gpu) os << ", GPU idle waiting for the host " << ms(host_gap_us) << " ms";

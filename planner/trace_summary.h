@@ -135,7 +135,7 @@ struct TraceSummary {
   std::string device;
   std::vector<int> steps_used;
   int steps_total = 0;
-  double step_us = 0;  // mean step duration (host "step" spans)
+  double step_us = 0;  // mean step duration (host "step" spans; on the GPU only its issue)
   double compute_us = 0, all_gather_us = 0, reduce_us = 0, host_gap_us = 0;  // per step
   // GPU only, per step: how long the host took to issue the step's unit work (first to last host
   // record call) and how long the GPU streams took to run it (first to last GPU event). Issue
