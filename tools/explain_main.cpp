@@ -446,14 +446,11 @@ int main(int argc, char** argv) {
   CLI::App app{"flatshard-explain: what a wrap policy does to a reference model at a world size "
                "(units, bytes, collectives per step, predicted peak memory, warnings). Builds "
                "nothing but shapes."};
-  std::string family = "gpt", preset = "small", policy, strategy = "full";
-  std::string param_dtype = "fp32", reduce_dtype, memory_limit;
-  int world = 0, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1;
-  int64_t align = 8;
-  flatshard::ExplainOptions cost;
-  bool keep = false, tied = false, show_plan = false, suggest = false;
-  std::string profile_path;
-  int64_t batch = 0, seq = 0;
+  std::string family = "gpt", preset = "small";
+  bool tied = false;
+  Request r;  // what the options below ask of the plan
+  r.strategy = "full";
+  r.param_dtype = "fp32";
   std::map<std::string, int64_t> overrides;
   app.add_option("--model", family,
                  "model family (models/family.h): " + flatshard::models::families_help())
@@ -466,63 +463,62 @@ int main(int argc, char** argv) {
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
         ->check(at_least(1));
   app.add_flag("--tied", tied, "tie lm_head.weight to the token embedding");
-  app.add_option("--policy", policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
+  app.add_option("--policy", r.policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
                                      "\"every=2,type=Block\"; \"none\": root only (default: "
                                      "one unit per layer: type=Block, llama type=DecoderLayer)");
-  app.add_option("--world", world, "number of ranks (with --replicate: ranks per shard group)")
+  app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
       ->required()
       ->check(at_least(1));
-  app.add_option("--replicate", replicate,
+  app.add_option("--replicate", r.replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
       ->check(at_least(1));
-  app.add_option("--strategy", strategy, "default strategy: full, grad_op, noshard")
+  app.add_option("--strategy", r.strategy, "default strategy: full, grad_op, noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->capture_default_str();
-  app.add_flag("--keep", keep, "FULL_SHARD units keep parameters from forward to backward");
-  int offload = 0;
-  app.add_option("--offload", offload,
+  app.add_flag("--keep", r.keep, "FULL_SHARD units keep parameters from forward to backward");
+  app.add_option("--offload", r.offload,
                  "CPU offload level for units the policy sets none for: 0 off, 1 master, grads "
                  "and AdamW state on the host, 2 the compute-dtype shard too")
       ->check(CLI::Range(0, 2))
       ->capture_default_str();
-  app.add_option("--prefetch", prefetch, "forward and backward prefetch depth")
+  app.add_option("--prefetch", r.prefetch, "forward and backward prefetch depth")
       ->check(at_least(0));
-  app.add_option("--forward-prefetch", fwd_prefetch, "units all-gathered ahead in forward")
+  app.add_option("--forward-prefetch", r.fwd_prefetch, "units all-gathered ahead in forward")
       ->check(at_least(0))
       ->capture_default_str();
-  app.add_option("--backward-prefetch", bwd_prefetch, "units all-gathered ahead in backward")
+  app.add_option("--backward-prefetch", r.bwd_prefetch, "units all-gathered ahead in backward")
       ->check(at_least(0))
       ->capture_default_str();
-  app.add_option("--param-dtype", param_dtype, "all-gather / compute dtype: fp32, bf16")
+  app.add_option("--param-dtype", r.param_dtype, "all-gather / compute dtype: fp32, bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  app.add_option("--reduce-dtype", reduce_dtype, "gradient reduction dtype (default: param dtype)")
+  app.add_option("--reduce-dtype", r.reduce_dtype, "gradient reduction dtype (default: param dtype)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--align", align, "alignment of parameters in a flat buffer, in elements")
+  app.add_option("--align", r.align, "alignment of parameters in a flat buffer, in elements")
       ->check(at_least(1))
       ->capture_default_str();
-  app.add_option("--memory-limit", memory_limit,
+  app.add_option("--memory-limit", r.memory_limit,
                  "model-state memory per rank to check the prefetch depth against, e.g. 40GiB");
-  app.add_option("--collective-latency-us", cost.collective_latency_us,
+  app.add_option("--collective-latency-us", r.cost.collective_latency_us,
                  "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
       ->check(number_above(0, /*or_equal=*/true, flatshard::kMaxLatencyUs))
       ->capture_default_str();
-  app.add_option("--reference-step-ms", cost.reference_step_ms,
+  app.add_option("--reference-step-ms", r.cost.reference_step_ms,
                  "step time the collectives' latency is compared with (explain has no compute "
                  "model; default: the 1B GPT at 4 seq/GPU on H200)")
       ->check(number_above(0, /*or_equal=*/false, /*hi=*/1e9))
       ->capture_default_str();
-  app.add_flag("--plan", show_plan, "also print the plan (Plan::to_string)");
-  app.add_option("--batch", batch,
+  app.add_flag("--plan", r.show_plan, "also print the plan (Plan::to_string)");
+  app.add_option("--batch", r.batch,
                  "sequences per rank per step: adds the predicted peak with activations and the "
                  "step time (planner/cost_model.h)")
       ->check(at_least(1));
-  app.add_option("--seq", seq, "tokens per sequence for --batch (default: the model's seq_len)")
+  app.add_option("--seq", r.seq, "tokens per sequence for --batch (default: the model's seq_len)")
       ->check(at_least(1));
-  app.add_option("--profile", profile_path,
+  app.add_option("--profile", r.profile_path,
                  "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
                  "default: the stated defaults (1x/2x H200 measurements)");
-  app.add_flag("--suggest", suggest,
+  app.add_flag("--suggest", r.suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
                "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
                "candidates)");
@@ -549,28 +545,8 @@ int main(int argc, char** argv) {
   if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-explain", &parse_exit))
     return parse_exit;
 
-  Request r;
-  r.policy = policy;
-  r.strategy = strategy;
-  r.param_dtype = param_dtype;
-  r.reduce_dtype = reduce_dtype;
-  r.memory_limit = memory_limit;
-  r.profile_path = profile_path;
-  r.world = world;
-  r.replicate = replicate;
-  r.prefetch = prefetch;
-  r.fwd_prefetch = fwd_prefetch;
-  r.bwd_prefetch = bwd_prefetch;
-  r.offload = offload;
-  r.align = align;
-  r.batch = batch;
-  r.seq = seq;
-  r.keep = keep;
-  r.show_plan = show_plan;
-  r.suggest = suggest;
   r.offload_levels = parse_int_list(offload_levels_text, 0, 2);  // checked by int_list
   r.prefetch_depths = parse_int_list(prefetch_depths_text, 0, 64);
-  r.cost = cost;
   try {
     Described m;
     if (!weights.empty()) {  // a checkpoint's headers instead of a reference model
