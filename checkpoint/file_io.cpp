@@ -304,6 +304,51 @@ std::string resolve_save_dir(const std::string& dir_arg) {
   return out;
 }
 
+namespace {
+// realpath(3) as a string; "" when it cannot be resolved (errno says why).
+std::string real_path(const std::string& path) {
+  char* r = ::realpath(path.c_str(), nullptr);
+  if (r == nullptr) return "";
+  std::string out = r;
+  std::free(r);
+  return out;
+}
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
+}  // namespace
+
+std::string resolve_weights_file(const std::string& path) {
+  if (!lstat_is(path, [](mode_t m) { return S_ISLNK(m); })) return path;
+  std::string target(4096, '\0');
+  const ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+  target.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  const std::string what = "'" + printable(path) + "' is a symbolic link (to '" +
+                           printable(target) + "')";
+  const std::string rule =
+      "; flatshard follows links only inside a Hugging Face hub snapshot "
+      "(models--ORG--NAME/snapshots/REVISION/ into models--ORG--NAME/blobs/; Note [Hub "
+      "snapshots], checkpoint/file_io.h): copy the files, or download with --local-dir";
+  // The snapshot directory and its repository root, resolved (the user's path may itself go
+  // through links: that part is the user's choice, as for a checkpoint directory).
+  const std::string snapshot = real_path(parent_of(path));
+  TORCH_CHECK(!snapshot.empty(), what, ": its directory cannot be resolved (", os_error(), ")",
+              rule);
+  const std::string snapshots = parent_of(snapshot);
+  const std::string root = parent_of(snapshots);
+  TORCH_CHECK(base_of(snapshots) == "snapshots" && starts_with(base_of(root), "models--"), what,
+              " in '", printable(snapshot), "', which is not a hub snapshot directory", rule);
+  const std::string resolved = real_path(path);
+  TORCH_CHECK(!resolved.empty(), what, " that cannot be resolved (", os_error(),
+              "; an incomplete download?)", rule);
+  const std::string blobs = join_path(root, "blobs") + "/";
+  TORCH_CHECK(starts_with(resolved, blobs), what, " that resolves to '", printable(resolved),
+              "', outside the repository's blobs directory '", printable(blobs), "'", rule);
+  TORCH_CHECK(lstat_is(resolved, is_reg_mode), what, " that resolves to '", printable(resolved),
+              "', which is not a regular file", rule);
+  return resolved;
+}
+
 void check_plain_name(const std::string& name, const std::string& what) {
   TORCH_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
                   name.find('\0') == std::string::npos,

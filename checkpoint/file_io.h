@@ -163,6 +163,21 @@ std::string resolve_save_dir(const std::string& dir);
 // checkpoint directory; `what` says which manifest entry holds it.
 void check_plain_name(const std::string& name, const std::string& what);
 
+// Note [Hub snapshots]
+// The Hugging Face hub cache keeps a model as `models--ORG--NAME/` holding `blobs/<hash>` (the
+// files' bytes) and `snapshots/<revision>/<file>`, each a relative symlink into `../../blobs/`
+// (huggingface_hub's cache layout). Weights are read from such a snapshot as they are, without
+// copying: a symbolic link among the weights' files (config.json and the index included) is
+// followed only when the directory holding it is `<root>/snapshots/<revision>` with a root
+// named `models--*`, and the link resolves to a regular file inside `<root>/blobs/`. Any other
+// link — in any other directory, into another repository's blobs, outside the root, dangling —
+// is refused, naming the link, its target and the reason (Note [Checkpoint confinement] holds
+// everywhere else). flatshard's own checkpoints never contain links.
+// resolve_weights_file(path): the path to open for the file `path` of a weights directory:
+// `path` itself when it is not a symbolic link, the blob it names under that rule; throws
+// otherwise. Opened with InputFile afterwards (O_NOFOLLOW: the blob path has no links left).
+std::string resolve_weights_file(const std::string& path);
+
 inline constexpr const char* kMarkerName = ".flatshard-checkpoint";
 inline constexpr const char* kStagingInfix = ".flatshard-saving-";
 inline constexpr const char* kBackupInfix = ".flatshard-old-";

@@ -167,7 +167,7 @@ class SafetensorsLoader {
   }
 
   void read_index(const std::string& index) {
-    const std::string text = read_text_file(index, kMaxIndexBytes);
+    const std::string text = read_text_file(resolve_weights_file(index), kMaxIndexBytes);
     const json::Json doc = json::parse(text, index);
     const json::Node root(doc, index);
     const json::Node map = root.at("weight_map");
@@ -191,8 +191,9 @@ class SafetensorsLoader {
     if (it != sources_.end()) return it->second.get();
     auto s = std::make_unique<Source>();
     try {
-      s->file = std::make_unique<InputFile>(index_path_.empty() ? file
-                                                                : join_path(index_dir_, file));
+      // Note [Hub snapshots]: a link is followed only from a snapshot into its blobs.
+      s->file = std::make_unique<InputFile>(resolve_weights_file(
+          index_path_.empty() ? file : join_path(index_dir_, file)));
       s->header = SafetensorsHeader::read(*s->file);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, what, ": ", e.msg());

@@ -32,9 +32,9 @@
 // - read(): pread (not mmap) of exactly the bytes of the requested element range, in chunks of
 //   at most 64 MiB into a CPU buffer (pinned when the master is on CUDA), converted to fp32 by
 //   copy_ into the master's slice on its device. pread because the files are opened once,
-//   confined (Note [Checkpoint confinement]: no symlink followed, regular files only — which
-//   also means a Hugging Face cache snapshot, whose files are symlinks, must be copied or
-//   downloaded with --local-dir first), a file truncated after the check fails with an error
+//   confined (Note [Checkpoint confinement]: regular files only; a symlink is followed only
+//   from a Hugging Face hub-cache snapshot into its repository's blobs/, Note [Hub snapshots]
+//   in checkpoint/file_io.h, any other is refused naming it), a file truncated after the check fails with an error
 //   naming it instead of a SIGBUS, and the bytes read are exactly the shard's.
 // - `stats` (optional): bytes and reads of tensor data this loader did (headers not counted).
 //   Thread-safe: one loader may serve several rank threads.

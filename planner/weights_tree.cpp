@@ -52,11 +52,12 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// A read-only regular file, symbolic links followed (Note in the header: hub snapshots).
+// A read-only regular file; a symbolic link is followed only into a hub snapshot's blobs (Note
+// [Hub snapshots], checkpoint/file_io.h), any other is refused naming it.
 class LinkedFile {
  public:
   explicit LinkedFile(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    fd_ = ::open(resolve_weights_file(path_).c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
     if (fd_ < 0) {
       const int err = errno;
       struct stat st;

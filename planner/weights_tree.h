@@ -35,9 +35,10 @@
 //     known dtypes, shapes that do not overflow, data_offsets back to back and consistent with
 //     shape x dtype, file size = 8 + N + data). Index and manifest JSON are read whole, at most
 //     kMaxIndexBytes. Files are opened read-only with O_NONBLOCK (a FIFO cannot block the open)
-//     and refused unless fstat calls them regular files. Symbolic links are followed (a Hugging
-//     Face hub snapshot links each file to ../../blobs/<hash>); the target must be a regular
-//     file. Shard files an index names must be plain names (no '/', not "." or "..") and are
+//     and refused unless fstat calls them regular files. A symbolic link is followed only as
+//     Note [Hub snapshots] (checkpoint/file_io.h) allows: from a hub-cache snapshot
+//     (models--ORG--NAME/snapshots/REV/) to a regular file in that repository's blobs/; any
+//     other link is refused, naming it and why. Shard files an index names must be plain names (no '/', not "." or "..") and are
 //     resolved in the index's own directory; each distinct file's header is read once, and
 //     every tensor of weight_map must be in its file's header (tensors a header holds that
 //     weight_map does not list are left out and counted in `unlisted`).
@@ -153,8 +154,8 @@ WeightsInfo read_weights(const std::string& path, const WeightsNaming& naming = 
 // missing or alias already names a tensor.
 void add_alias(WeightsInfo& w, const std::string& alias, const std::string& target);
 
-// A whole small file of a weights directory (config.json, an index), following symbolic links
-// like read_weights (the target must be a regular file; a FIFO cannot block). Throws one line
+// A whole small file of a weights directory (config.json, an index), symbolic links followed
+// only as read_weights follows them (Note [Hub snapshots]; a FIFO cannot block). Throws one line
 // naming the file if it is missing, not a regular file, unreadable or larger than max_bytes.
 std::string read_weights_text_file(const std::string& path, int64_t max_bytes);
 

@@ -537,13 +537,14 @@ TEST_CASE("weights: a directory holding the index, and a hub snapshot of symlink
     make_dirs(staging);
     write_index(staging, tensors, 3);
     write_text(staging + "/config.json", llama_config(kSmall, 256));
-    make_dirs(tmp / "blobs");
-    const std::string snap = tmp / "snapshots/0123abcd";
+    const std::string root = tmp / "models--org--small";  // Note [Hub snapshots]
+    make_dirs(root + "/blobs");
+    const std::string snap = root + "/snapshots/0123abcd";
     make_dirs(snap);
     int i = 0;
     for (const auto& name : list_dir(staging)) {
       const std::string blob = "b" + std::to_string(i++);
-      REQUIRE(::rename((staging + "/" + name).c_str(), (tmp / "blobs/" + blob).c_str()) == 0);
+      REQUIRE(::rename((staging + "/" + name).c_str(), (root + "/blobs/" + blob).c_str()) == 0);
       REQUIRE(::symlink(("../../blobs/" + blob).c_str(), (snap + "/" + name).c_str()) == 0);
     }
     const WeightsInfo w = read_weights(snap);
