@@ -165,17 +165,6 @@ FileRecord write_shard(const SaveSource& s, const Manifest& m, const std::string
   return writer.finish();
 }
 
-// The whole flat buffer of `local` (a unit's master or one of its optimizer fields), on
-// comm's device. Collective for sharded units.
-at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local) {
-  at::Tensor src = local.defined() ? local.detach() : at::zeros_like(f.master().detach());
-  src = src.to(comm.device());  // an offloaded unit's state is on the host (Note [CPU offload])
-  if (!f.config().sharded) return src;
-  at::Tensor full = at::empty({f.layout().padded_numel}, src.options());
-  comm.all_gather(src, full, comm.current_stream());
-  return full;
-}
-
 // kFull: every rank gathers unit by unit; rank 0 writes model.safetensors and optim.safetensors
 // in model order. Rank 0's write errors are recorded in `err` and stop its writing, never the
 // gathers the other ranks are in.
@@ -284,6 +273,15 @@ void check_only_checkpoint_files(const std::string& dir) {
 }
 
 }  // namespace
+
+at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local) {
+  at::Tensor src = local.defined() ? local.detach() : at::zeros_like(f.master().detach());
+  src = src.to(comm.device());  // an offloaded unit's state is on the host (Note [CPU offload])
+  if (!f.config().sharded) return src;
+  at::Tensor full = at::empty({f.layout().padded_numel}, src.options());
+  comm.all_gather(src, full, comm.current_stream());
+  return full;
+}
 
 // The save of one shard group: its ranks hold the whole model between them.
 static void save_in_group(const ShardedModel& model, const torch::optim::Optimizer* optimizer,

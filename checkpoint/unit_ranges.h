@@ -1,10 +1,12 @@
 // flatshard/checkpoint/unit_ranges.h — which part of a unit's flat buffer a rank holds and
-// writes (internal). Element ranges [begin, end) of the padded flat buffer (flat_param/layout.h).
+// writes, and its gather (internal). Element ranges [begin, end) of the padded flat buffer
+// (flat_param/layout.h).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
+#include "collectives/communicator.h"
 #include "flat_param/flat_param.h"
 
 namespace flatshard {
@@ -34,5 +36,9 @@ inline FlatRange write_range(const FlatParam& f, int rank, int world) {
   const int64_t part = (n + world - 1) / world;
   return {std::min(n, rank * part), std::min(n, (rank + 1) * part)};
 }
+
+// The whole flat buffer of `local` (a unit's master or one of its optimizer fields; undefined:
+// zeros), on comm's device. Collective for sharded units (one all-gather); save.cpp.
+at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local);
 
 }  // namespace flatshard

@@ -5,7 +5,10 @@
 
 #include <map>
 
+#include "checkpoint/export.h"
+#include "collectives/agree.h"
 #include "checkpoint/load_into_shards.h"
+#include "fsdp/sharded_model.h"
 #include "models/hf_config.h"
 #include "models/llama.h"
 
@@ -58,6 +61,31 @@ ParamLoader hf_loader(const std::string& dir, const ModelConfig& cfg) {
               ": the config is of the '", cfg.family().name(),
               "' family; Hugging Face directories load into the llama family (hf_config)");
   return safetensors_loader(dir, hf_parameter_name);
+}
+
+void save_hf(const ShardedModel& model, const std::string& dir, const HfSaveOptions& options) {
+  const auto* llama = dynamic_cast<const llama::LlamaImpl*>(&model.module());
+  TORCH_CHECK(llama != nullptr, "save_hf('", dir, "'): the sharded model is a '",
+              model.module().name(),
+              "', not flatshard's LLaMA (models/llama.h); for another model write safetensors "
+              "with export_safetensors (checkpoint/export.h) and a name map");
+  ExportOptions o;
+  o.name_map = hf_parameter_name;
+  o.dtype = options.dtype;
+  o.max_file_bytes = options.max_file_bytes;
+  o.durable = options.durable;
+  // The config (a base file read on each rank) may fail on some ranks only: agree before the
+  // export's collectives.
+  std::exception_ptr err;
+  try {
+    o.text_files = {{"config.json",
+                     hf_config_json(llama->config(), options.dtype, options.base_config)}};
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree(model.comm(), model.mesh().replicate, err,
+        "save_hf('" + dir + "')");
+  export_safetensors(model, dir, o);
 }
 
 }  // namespace models

@@ -140,8 +140,12 @@ HfConfig parse_hf_config(const std::string& text, const std::string& path) {
     return c;
   }
   c.type_prefix = known->prefix;
+  using Arch = llama::LlamaConfig::Architecture;
 
   llama::LlamaConfig l;
+  l.architecture = known == &kKnown[0] ? Arch::kLlama
+                   : known == &kKnown[1] ? Arch::kMistral
+                                         : Arch::kQwen2;
   l.vocab = size_key(root, "vocab_size", int64_t{1} << 31);
   l.d_model = size_key(root, "hidden_size", int64_t{1} << 20);
   l.n_heads = size_key(root, "num_attention_heads", int64_t{1} << 16);
@@ -353,6 +357,82 @@ TransformerShape hf_transformer_shape(const HfConfig& c) {
   s.leaf_types = "Linear|" + c.type_prefix + "RMSNorm|Embedding";
   s.validate();
   return s;
+}
+
+std::string hf_config_json(const llama::LlamaConfig& l, at::ScalarType dtype,
+                           const std::string& base) {
+  using Arch = llama::LlamaConfig::Architecture;
+  l.validate();
+  const Known& k = kKnown[l.architecture == Arch::kLlama     ? 0
+                          : l.architecture == Arch::kMistral ? 1
+                                                             : 2];
+  const std::string who = std::string("hf_config_json: ") + k.architecture;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, who, ": dtype ", dtype,
+              " is not written (float32 or bfloat16)");
+  TORCH_CHECK(l.sliding_window == 0 || l.architecture == Arch::kMistral, who,
+              " has no sliding window (sliding_window = ", l.sliding_window,
+              "); only MistralForCausalLM does");
+  TORCH_CHECK(!l.attention_bias || l.architecture != Arch::kMistral, who,
+              " has no q/k/v biases (attention_bias is set)");
+  TORCH_CHECK(l.attention_bias || l.architecture != Arch::kQwen2, who,
+              " always has q/k/v biases (attention_bias is false)");
+  json::Json j = json::Json::object();
+  if (!base.empty()) {
+    const std::string text = read_weights_text_file(base, kMaxConfigBytes);
+    const HfConfig b = parse_hf_config(text, base);
+    TORCH_CHECK(b.known() && b.llama->architecture == l.architecture, who, ": the base config '",
+                base, "' is ", b.describe(), ", not ", k.architecture);
+    j = json::parse(text, base);
+    for (const char* key : {"rope_scaling", "rope_theta", "torch_dtype", "layer_types"})
+      j.erase(key);
+  }
+  j["architectures"] = json::Json::array({k.architecture});
+  j["model_type"] = k.model_type;
+  j["vocab_size"] = l.vocab;
+  j["hidden_size"] = l.d_model;
+  j["intermediate_size"] = l.hidden_size();
+  j["num_hidden_layers"] = l.n_layers;
+  j["num_attention_heads"] = l.n_heads;
+  j["num_key_value_heads"] = l.kv_heads();
+  j["head_dim"] = l.head_dim();
+  j["max_position_embeddings"] = l.seq_len;
+  j["rms_norm_eps"] = l.norm_eps;
+  j["hidden_act"] = "silu";
+  j["tie_word_embeddings"] = l.tie_embeddings;
+  json::Json rope = json::Json::object();
+  rope["rope_theta"] = l.rope_theta;
+  switch (l.rope_scaling.type) {
+    case llama::RopeScaling::Type::kNone:
+      rope["rope_type"] = "default";
+      break;
+    case llama::RopeScaling::Type::kLinear:
+      rope["rope_type"] = "linear";
+      rope["factor"] = l.rope_scaling.factor;
+      break;
+    case llama::RopeScaling::Type::kLlama3:
+      rope["rope_type"] = "llama3";
+      rope["factor"] = l.rope_scaling.factor;
+      rope["low_freq_factor"] = l.rope_scaling.low_freq_factor;
+      rope["high_freq_factor"] = l.rope_scaling.high_freq_factor;
+      rope["original_max_position_embeddings"] = l.rope_scaling.original_max_position_embeddings;
+      break;
+  }
+  j["rope_parameters"] = rope;
+  switch (l.architecture) {
+    case Arch::kLlama:
+      j["attention_bias"] = l.attention_bias;
+      j["mlp_bias"] = false;
+      break;
+    case Arch::kMistral:
+      j["sliding_window"] =
+          l.sliding_window > 0 ? json::Json(l.sliding_window) : json::Json(nullptr);
+      break;
+    case Arch::kQwen2:
+      j["use_sliding_window"] = false;
+      break;
+  }
+  j["dtype"] = dtype == at::kFloat ? "float32" : "bfloat16";
+  return j.dump(2) + "\n";
 }
 
 }  // namespace models

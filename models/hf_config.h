@@ -10,8 +10,9 @@
 //
 // Contract
 //   * parse_hf_config / read_hf_config: strict JSON (support/json.h: duplicate keys, depth,
-//     exact integers), at most kMaxConfigBytes, symbolic links followed (hub snapshots). Keys
-//     flatshard does not use are ignored (configs carry dozens). `architectures` (its first
+//     exact integers), at most kMaxConfigBytes, a symbolic link followed only within a hub
+//     snapshot (Note [Hub snapshots], checkpoint/file_io.h). Keys flatshard does not use are
+//     ignored (configs carry dozens). `architectures` (its first
 //     entry) and `model_type` say which architecture it is; `tie_word_embeddings` is read for
 //     any architecture (default false, as transformers).
 //   * Known architectures — LLaMA-style decoders (pre-RMSNorm, RoPE, SwiGLU, grouped-query
@@ -64,7 +65,21 @@
 //     model.norm, lm_head; inside a layer input_norm -> input_layernorm, post_attn_norm ->
 //     post_attention_layernorm, attn -> self_attn, ...) and the type names above. Throws for an
 //     unknown architecture (unknown_reason) or a family path it cannot rename.
+//   * hf_config_json(l, dtype, base): the config.json transformers reads back as `l` (the
+//     inverse of parse_hf_config: parse_hf_config(hf_config_json(l)) gives `l` again, hidden
+//     and head size written out): architectures and model_type from l.architecture, the sizes,
+//     head_dim, rms_norm_eps, tie_word_embeddings, hidden_act silu, rope_parameters
+//     (transformers 5's form: rope_type default / linear / llama3 with its factors,
+//     rope_theta), dtype ("float32" or "bfloat16"); Llama: attention_bias and mlp_bias false;
+//     Mistral: sliding_window (null for none); Qwen2: use_sliding_window false. What the
+//     architecture cannot express is an error naming it: a sliding window outside Mistral,
+//     q/k/v biases on Mistral, none on Qwen2. `base` (a path, or ""): the config.json the
+//     model came from, whose other keys (token ids, generation settings, ...) are kept; it must
+//     be of the same architecture, and its rope_scaling, rope_theta, torch_dtype and
+//     layer_types are dropped (written anew, or derived by transformers).
 #pragma once
+
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <optional>
@@ -105,6 +120,8 @@ ModuleTypeFn hf_module_namer(const HfConfig& c);
 void check_hf_weights(const HfConfig& c, const WeightsInfo& w);
 std::optional<std::string> tie_hf_embeddings(const HfConfig& c, WeightsInfo& w);
 TransformerShape hf_transformer_shape(const HfConfig& c);
+std::string hf_config_json(const llama::LlamaConfig& l, at::ScalarType dtype,
+                           const std::string& base = "");
 
 }  // namespace models
 }  // namespace flatshard

@@ -95,6 +95,12 @@ struct RopeScaling {
 };
 
 struct LlamaConfig : models::TransformerConfig {
+  // The Hugging Face architecture this config is (models/hf.h: hf_config records it, save_hf
+  // writes it back): LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM. The model is
+  // the same for all three; what each can express differs (models/hf_config.h,
+  // hf_config_json: Qwen2 always has q/k/v biases, only Mistral has a sliding window).
+  enum class Architecture { kLlama, kMistral, kQwen2 };
+  Architecture architecture = Architecture::kLlama;
   int64_t n_kv_heads = 0;  // key/value heads; 0: n_heads (no grouping). Must divide n_heads.
   // The size of one head; 0: d_model / n_heads (then n_heads must divide d_model).
   int64_t head_size = 0;

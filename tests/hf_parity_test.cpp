@@ -4,12 +4,21 @@
 // (a sliding window shorter than the sequence) models with transformers from PyPI, and their
 // fp32 logits. Each directory is read with models::hf_config + models::hf_loader into a
 // meta-built model, sharded per layer at world 1 and 2 on CPU ranks, and its logits must agree
-// with transformers' to 1e-4. Bad configs are one clear error each.
+// with transformers' to 1e-4; three AdamW steps' losses agree with torch.optim.AdamW's to 1e-5
+// relative, and the trained model written by models::save_hf opens in transformers'
+// from_pretrained with the same logits (fp32; bf16 split over several files with an index too).
+// A hub-cache snapshot (files linked into ../../blobs/) loads in place; links leaving it are
+// refused. Bad configs, unsupported saves and foreign directories are one clear error each,
+// with nothing written.
 #include <catch2/catch.hpp>
 
 #include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
 
+#include <array>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <mutex>
@@ -17,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/export.h"
+#include "checkpoint/file_io.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/meta_init.h"
@@ -111,7 +122,326 @@ void check_case(const std::string& name, int world) {
   }
 }
 
+// from_pretrained(dir)'s fp32 logits on `idx_path` for each (dir, idx_path, out) in one
+// python process; returns its output.
+std::string python_logits(const std::vector<std::array<std::string, 3>>& jobs,
+                          const std::string& log) {
+  std::string cmd = std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " + FLATSHARD_SOURCE_DIR +
+                    "/tests/hf_reference.py --logits";
+  for (const auto& j : jobs) cmd += " " + j[0] + " " + j[1] + " " + j[2];
+  cmd += " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  INFO("hf_reference.py --logits:\n" << read_file(log));
+  REQUIRE(rc == 0);
+  return read_file(log);
+}
+
+double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>();
+}
+
+constexpr int kSteps = 3;        // hf_reference.py's STEPS and LR
+constexpr double kLr = 1e-2;
+
+struct Trained {
+  std::vector<double> losses;  // rank 0's, before each step
+  at::Tensor logits;           // after the steps
+};
+
+// `name` loaded at `world`, trained kSteps with AdamW as hf_reference.py trains it (every rank
+// the same batch, so the averaged gradient is the batch's), then saved with save_hf to `out`
+// (if not empty) with `save`.
+Trained train_case(const std::string& name, int world, const std::string& out,
+                   const fm::HfSaveOptions& save = {}) {
+  const std::string dir = reference_dir() + "/" + name;
+  std::istringstream dims(read_file(dir + "/seq.txt"));
+  int64_t seq = 0, vocab = 0;
+  dims >> seq >> vocab;
+  const at::Tensor idx = read_tensor(dir + "/idx.bin", {2, seq}, at::kLong);
+  const at::Tensor targets = read_tensor(dir + "/targets.bin", {2, seq}, at::kLong);
+  const fm::ModelConfig cfg = fm::hf_config(dir);
+  Trained t;
+  std::mutex mu;
+  flatshard::run_ranks(world, [&](Communicator& comm) {
+    std::shared_ptr<torch::nn::Module> model;
+    {
+      flatshard::MetaInit meta;
+      model = cfg.build(/*seed=*/0);
+    }
+    flatshard::ShardingOptions options;
+    options.load = fm::hf_loader(dir, cfg);
+    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm,
+                                       options);
+    auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
+    REQUIRE(llama != nullptr);
+    // torch.optim.AdamW's defaults beside lr: betas (0.9, 0.999), eps 1e-8, weight_decay 0.01.
+    torch::optim::AdamW opt(fsdp->parameters(),
+                            torch::optim::AdamWOptions(kLr).weight_decay(0.01).eps(1e-8));
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      at::Tensor loss = flatshard::enter(model, [&] { return llama->loss(idx, targets); });
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    at::Tensor logits;
+    {
+      at::NoGradGuard no_grad;
+      logits = flatshard::enter(model, [&] { return llama->forward(idx); }).clone();
+    }
+    if (!out.empty()) fm::save_hf(*fsdp, out, save);
+    if (comm.rank() == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      t.losses = losses;
+      t.logits = logits;
+    }
+  });
+  return t;
+}
+
+std::vector<std::string> side_entries(const std::string& dir) {
+  std::vector<std::string> out;
+  const std::string parent = dir.substr(0, dir.find_last_of('/'));
+  const std::string base = dir.substr(dir.find_last_of('/') + 1);
+  for (const auto& n : flatshard::list_dir(parent))
+    if (n != base && n.compare(0, base.size(), base) == 0) out.push_back(n);
+  return out;
+}
+
 }  // namespace
+
+TEST_CASE("hf: AdamW steps match transformers, and save_hf opens in from_pretrained",
+          "[hf][python]") {
+  flatshard_test::TempDir out;
+  std::vector<std::array<std::string, 3>> jobs;
+  std::vector<std::pair<std::string, at::Tensor>> ours;
+  for (const char* name : {"llama2", "llama31", "qwen2", "mistral"}) {
+    const std::string dir = reference_dir() + "/" + name;
+    const at::Tensor want = read_tensor(dir + "/losses.bin", {kSteps}, at::kDouble);
+    for (int world : {1, 2}) {
+      CAPTURE(name, world);
+      const std::string saved = world == 2 ? out / name : "";
+      const Trained t = train_case(name, world, saved);
+      for (int s = 0; s < kSteps; ++s) {
+        const double w = want[s].item<double>();
+        CAPTURE(s, t.losses[s], w);
+        CHECK(std::abs(t.losses[s] - w) <= 1e-5 * std::abs(w));
+      }
+      CHECK(t.losses.back() < t.losses.front());  // the steps did something
+      if (world == 2) {
+        jobs.push_back({saved, dir + "/idx.bin", out / (std::string(name) + ".logits")});
+        ours.emplace_back(name, t.logits);
+      }
+    }
+  }
+  // bf16, split into several files with an index: transformers reads it as bf16.
+  const std::string bf16 = out / "llama2-bf16";
+  fm::HfSaveOptions b;
+  b.dtype = at::kBFloat16;
+  b.max_file_bytes = 20000;
+  const Trained t = train_case("llama2", 2, bf16, b);
+  CHECK(flatshard::path_exists(bf16 + "/model.safetensors.index.json"));
+  CHECK(flatshard::list_dir(bf16).size() > 4);  // config, index, marker, two or more files
+  CHECK_FALSE(flatshard::path_exists(bf16 + "/model.safetensors"));
+  jobs.push_back({bf16, reference_dir() + "/llama2/idx.bin", out / "bf16.logits"});
+  const std::string log = python_logits(jobs, out / "python.log");
+  CHECK(log.find(bf16 + " torch.bfloat16") != std::string::npos);
+  for (const auto& [name, logits] : ours) {
+    CAPTURE(name);
+    const at::Tensor theirs =
+        read_tensor(out / (name + ".logits"), logits.sizes().vec(), at::kFloat);
+    CHECK(max_diff(theirs, logits) < 1e-4);
+  }
+  // bf16 rounding of the weights moves the logits a little, not more.
+  const at::Tensor theirs = read_tensor(out / "bf16.logits", t.logits.sizes().vec(), at::kFloat);
+  const double d = max_diff(theirs, t.logits);
+  CAPTURE(d);
+  CHECK(d > 0);
+  CHECK(d < 0.05 * t.logits.abs().max().item<double>());
+  // And flatshard reads its own bf16 export back: the same model transformers sees.
+  const fm::ModelConfig cfg = fm::hf_config(bf16);
+  at::Tensor back;
+  flatshard::run_ranks(1, [&](Communicator& comm) {
+    std::shared_ptr<torch::nn::Module> model;
+    {
+      flatshard::MetaInit meta;
+      model = cfg.build(0);
+    }
+    flatshard::ShardingOptions o;
+    o.load = fm::hf_loader(bf16, cfg);
+    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm, o);
+    auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
+    at::NoGradGuard no_grad;
+    const at::Tensor idx = read_tensor(reference_dir() + "/llama2/idx.bin", {2, 24}, at::kLong);
+    back = flatshard::enter(model, [&] { return llama->forward(idx); }).clone();
+  });
+  CHECK(max_diff(back, theirs) < 1e-4);
+  CHECK(side_entries(bf16).empty());
+}
+
+TEST_CASE("hf: a hub-cache snapshot loads in place; links leaving it are refused",
+          "[hf][python]") {
+  flatshard_test::TempDir tmp;
+  const std::string src = reference_dir() + "/llama2";
+  const std::string root = tmp / "models--org--tiny";
+  const std::string snap = root + "/snapshots/0123abcd";
+  flatshard::make_dirs(root + "/blobs");
+  flatshard::make_dirs(snap);
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    const std::string blob = std::string("sha-") + f;
+    flatshard_test::write_bytes(root + "/blobs/" + blob, read_file(src + "/" + f));
+    REQUIRE(::symlink(("../../blobs/" + blob).c_str(), (snap + "/" + f).c_str()) == 0);
+  }
+  std::istringstream dims(read_file(src + "/seq.txt"));
+  int64_t seq = 0, vocab = 0;
+  dims >> seq >> vocab;
+  const at::Tensor idx = read_tensor(src + "/idx.bin", {2, seq}, at::kLong);
+  const at::Tensor want = read_tensor(src + "/logits.bin", {2, seq, vocab}, at::kFloat);
+  auto logits_of = [&](const std::string& dir) {
+    const fm::ModelConfig cfg = fm::hf_config(dir);
+    at::Tensor got;
+    flatshard::run_ranks(2, [&](Communicator& comm) {
+      std::shared_ptr<torch::nn::Module> model;
+      {
+        flatshard::MetaInit meta;
+        model = cfg.build(0);
+      }
+      flatshard::ShardingOptions o;
+      o.load = fm::hf_loader(dir, cfg);
+      auto fsdp =
+          flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm, o);
+      auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
+      at::NoGradGuard no_grad;
+      const at::Tensor l = flatshard::enter(model, [&] { return llama->forward(idx); });
+      if (comm.rank() == 0) got = l.clone();
+    });
+    return got;
+  };
+  CHECK(max_diff(logits_of(snap), want) < 1e-4);
+
+  // A link out of the repository (here to the reference file itself): refused, naming it.
+  const std::string out_snap = root + "/snapshots/outside";
+  flatshard::make_dirs(out_snap);
+  REQUIRE(::symlink("../0123abcd/config.json", (out_snap + "/config.json").c_str()) == 0);
+  REQUIRE(::symlink((src + "/model.safetensors").c_str(),
+                    (out_snap + "/model.safetensors").c_str()) == 0);
+  CHECK_THROWS_WITH(logits_of(out_snap),
+                    Catch::Contains("model.safetensors' is a symbolic link") &&
+                        Catch::Contains("outside the repository's blobs directory"));
+  // The same layout under a root that is not models--*: no link is followed at all.
+  const std::string plain = tmp / "plain";
+  flatshard::make_dirs(plain);
+  REQUIRE(::symlink((root + "/blobs/sha-config.json").c_str(), (plain + "/config.json").c_str()) ==
+          0);
+  CHECK_THROWS_WITH(fm::hf_config(plain), Catch::Contains("not a hub snapshot directory"));
+  // A dangling link in a snapshot (an incomplete download).
+  const std::string partial = root + "/snapshots/partial";
+  flatshard::make_dirs(partial);
+  REQUIRE(::symlink("../../blobs/missing", (partial + "/config.json").c_str()) == 0);
+  CHECK_THROWS_WITH(fm::hf_config(partial), Catch::Contains("cannot be resolved"));
+}
+
+TEST_CASE("hf: save_hf refuses what it cannot write and replaces only its own exports", "[hf]") {
+  flatshard_test::TempDir tmp;
+  auto cfg = flatshard::llama::LlamaConfig::preset("tiny");
+  auto save = [&](const flatshard::llama::LlamaConfig& c, const std::string& dir,
+                  const flatshard::ExportOptions* direct = nullptr) {
+    flatshard::run_ranks(2, [&](Communicator& comm) {
+      auto model = fm::ModelConfig::of(c).build(0);
+      auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm);
+      if (direct)
+        flatshard::export_safetensors(*fsdp, dir, *direct);
+      else
+        fm::save_hf(*fsdp, dir);
+    });
+  };
+  // A sliding window on LlamaForCausalLM: transformers' Llama has none, so refused, nothing made.
+  auto windowed = cfg;
+  windowed.sliding_window = 8;
+  CHECK_THROWS_WITH(save(windowed, tmp / "w"), Catch::Contains("has no sliding window"));
+  CHECK_FALSE(flatshard::path_exists(tmp / "w"));
+  auto qwen = cfg;
+  qwen.architecture = flatshard::llama::LlamaConfig::Architecture::kQwen2;
+  CHECK_THROWS_WITH(save(qwen, tmp / "q"), Catch::Contains("always has q/k/v biases"));
+  CHECK_FALSE(flatshard::path_exists(tmp / "q"));
+
+  // A directory flatshard did not write (a downloaded model): refused, left as it was.
+  const std::string foreign = tmp / "downloaded";
+  flatshard::make_dirs(foreign);
+  flatshard_test::write_bytes(foreign + "/config.json", "{}");
+  CHECK_THROWS_WITH(save(cfg, foreign), Catch::Contains("flatshard did not write it"));
+  CHECK(flatshard::list_dir(foreign) == std::vector<std::string>{"config.json"});
+
+  // An earlier export is replaced; a failed export leaves it whole and nothing beside it.
+  const std::string dir = tmp / "export";
+  save(cfg, dir);
+  const std::string config = read_file(dir + "/config.json");
+  const std::string weights = read_file(dir + "/model.safetensors");
+  CHECK(fm::hf_config(dir).as<flatshard::llama::LlamaConfig>().to_string() == cfg.to_string());
+  save(cfg, dir);
+  CHECK(read_file(dir + "/model.safetensors") == weights);
+  flatshard::ExportOptions failing;
+  failing.name_map = fm::hf_parameter_name;
+  failing.text_files = {{"config.json", "{\"changed\": true}"}};
+  failing.fault_hook = [](const flatshard::IoPoint& p) {
+    if (p.kind == flatshard::IoPoint::Kind::kWrite && p.bytes > 1000)
+      throw std::runtime_error("disk full (injected)");
+  };
+  CHECK_THROWS_WITH(save(cfg, dir, &failing), Catch::Contains("disk full (injected)"));
+  CHECK(read_file(dir + "/config.json") == config);
+  CHECK(read_file(dir + "/model.safetensors") == weights);
+  CHECK(side_entries(dir).empty());
+  // A file of the user's inside an export: no longer only ours, so refused.
+  flatshard_test::write_bytes(dir + "/notes.txt", "mine");
+  CHECK_THROWS_WITH(save(cfg, dir), Catch::Contains("notes.txt"));
+  CHECK(read_file(dir + "/notes.txt") == "mine");
+  // Two parameters mapped to one name: refused before anything is written.
+  flatshard::ExportOptions clash;
+  clash.name_map = [](const std::string&) { return std::string("same"); };
+  CHECK_THROWS_WITH(save(cfg, tmp / "clash", &clash), Catch::Contains("the same name 'same'"));
+  CHECK_FALSE(flatshard::path_exists(tmp / "clash"));
+}
+
+TEST_CASE("hf: config.json written by hf_config_json reads back as the same config", "[hf]") {
+  using flatshard::llama::LlamaConfig;
+  using flatshard::llama::RopeScaling;
+  LlamaConfig l = LlamaConfig::preset("tiny");
+  l.head_size = 24;
+  l.rope_scaling.type = RopeScaling::Type::kLlama3;
+  l.rope_scaling.factor = 8;
+  l.rope_scaling.original_max_position_embeddings = 16;
+  l.rope_theta = 500000.0;
+  l.norm_eps = 1e-5;
+  LlamaConfig m = LlamaConfig::preset("tiny");
+  m.architecture = LlamaConfig::Architecture::kMistral;
+  m.sliding_window = 8;
+  LlamaConfig q = LlamaConfig::preset("tiny");
+  q.architecture = LlamaConfig::Architecture::kQwen2;
+  q.attention_bias = true;
+  q.tie_embeddings = true;
+  q.rope_scaling.type = RopeScaling::Type::kLinear;
+  q.rope_scaling.factor = 2;
+  for (const LlamaConfig& c : {l, m, q}) {
+    const std::string text = fm::hf_config_json(c, at::kFloat);
+    CAPTURE(text);
+    const fm::HfConfig back = fm::parse_hf_config(text, "config.json");
+    REQUIRE(back.known());
+    const LlamaConfig& r = *back.llama;
+    CHECK(r.architecture == c.architecture);
+    CHECK(r.to_string() == c.to_string());
+    CHECK(r.head_dim() == c.head_dim());
+    CHECK(r.hidden_size() == c.hidden_size());
+    CHECK(r.attention_bias == c.attention_bias);
+    CHECK(r.sliding_window == c.sliding_window);
+    CHECK(r.rope_scaling.type == c.rope_scaling.type);
+    CHECK(r.rope_scaling.factor == c.rope_scaling.factor);
+    CHECK(r.rope_scaling.original_max_position_embeddings ==
+          c.rope_scaling.original_max_position_embeddings);
+    CHECK(r.rope_theta == c.rope_theta);
+    CHECK(r.norm_eps == c.norm_eps);
+  }
+}
 
 TEST_CASE("hf: four architectures load and match transformers' logits at world 1 and 2",
           "[hf][python]") {

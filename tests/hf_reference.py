@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
 """Writes small random Hugging Face models with transformers (the PyPI package setup installs
 into the venv) for tests/hf_parity_test.cpp: per architecture a directory with config.json,
-model.safetensors, and the reference: idx.bin (int64 [2, T]) and logits.bin (fp32 [2, T, V]),
-transformers' own forward in fp32.
+model.safetensors, and the reference: idx.bin and targets.bin (int64 [2, T]), logits.bin (fp32
+[2, T, V], transformers' own forward in fp32) and losses.bin (fp64 [STEPS]: the cross-entropy
+of the model against targets before each of STEPS torch.optim.AdamW steps, lr LR, on that one
+batch).
 
-    hf_reference.py OUT_DIR     -> OUT_DIR/{llama2,llama31,qwen2,mistral}/
+    hf_reference.py OUT_DIR              -> OUT_DIR/{llama2,llama31,qwen2,mistral}/
+    hf_reference.py --logits DIR IDX OUT [DIR IDX OUT ...]
+                                         -> from_pretrained(DIR)'s fp32 logits on IDX (an int64
+                                            [2, T] file) into OUT; prints each loaded dtype
 """
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
@@ -35,6 +42,14 @@ CASES = {
                                                   max_position_embeddings=64), 24),
 }
 
+STEPS = 3
+LR = 1e-2  # large enough that the losses move by more than the tolerance
+
+
+def loss_of(model, idx, targets):
+    logits = model(input_ids=idx).logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
 
 def main(out):
     for name, (cls, config, seq) in CASES.items():
@@ -53,12 +68,39 @@ def main(out):
         idx = torch.randint(0, config.vocab_size, (2, seq), generator=g, dtype=torch.int64)
         with torch.no_grad():
             logits = model(input_ids=idx).logits.float()
+        targets = torch.randint(0, config.vocab_size, (2, seq), generator=g, dtype=torch.int64)
         idx.numpy().tofile(os.path.join(d, "idx.bin"))
+        targets.numpy().tofile(os.path.join(d, "targets.bin"))
         logits.contiguous().numpy().tofile(os.path.join(d, "logits.bin"))
+        # AdamW steps on the model as saved (its defaults: betas, eps, weight_decay 0.01).
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = loss_of(model, idx, targets)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        torch.tensor(losses, dtype=torch.float64).numpy().tofile(os.path.join(d, "losses.bin"))
         with open(os.path.join(d, "seq.txt"), "w") as f:
             f.write(f"{seq} {config.vocab_size}\n")
     return 0
 
 
+def logits_of_saved(args):
+    for d, idx_path, out_path in zip(args[0::3], args[1::3], args[2::3]):
+        model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+        print(d, next(model.parameters()).dtype)
+        seq = os.path.getsize(idx_path) // (2 * 8)
+        idx = torch.from_file(idx_path, size=2 * seq, dtype=torch.int64).reshape(2, seq)
+        with torch.no_grad():
+            logits = model.float()(input_ids=idx).logits.float()
+        logits.contiguous().numpy().tofile(out_path)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--logits":
+        sys.exit(logits_of_saved(sys.argv[2:]))
     sys.exit(main(sys.argv[1]))
