@@ -403,6 +403,52 @@ TEST_CASE("hf: save_hf refuses what it cannot write and replaces only its own ex
   CHECK_FALSE(flatshard::path_exists(tmp / "clash"));
 }
 
+TEST_CASE("hf: a missing tensor or a shape the config does not describe is one error naming it",
+          "[hf][python]") {
+  flatshard_test::TempDir tmp;
+  const std::string src = reference_dir() + "/llama2";
+  const fm::ModelConfig cfg = fm::hf_config(src);
+  auto load = [&](const std::string& dir) {
+    const fm::ModelConfig c = fm::hf_config(dir);
+    flatshard::run_ranks(2, [&](Communicator& comm) {
+      std::shared_ptr<torch::nn::Module> model;
+      {
+        flatshard::MetaInit meta;
+        model = c.build(0);
+      }
+      flatshard::ShardingOptions o;
+      o.load = fm::hf_loader(dir, c);
+      flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm, o);
+    });
+  };
+  // The weights without one tensor (written under another name).
+  const std::string missing = tmp / "missing";
+  flatshard::run_ranks(1, [&](Communicator& comm) {
+    auto model = cfg.build(0);
+    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm);
+    flatshard::ExportOptions o;
+    o.name_map = [](const std::string& n) {
+      const std::string h = fm::hf_parameter_name(n);
+      return h == "model.layers.1.mlp.up_proj.weight" ? std::string("renamed") : h;
+    };
+    o.text_files = {{"config.json", read_file(src + "/config.json")}};
+    flatshard::export_safetensors(*fsdp, missing, o);
+  });
+  CHECK_THROWS_WITH(load(missing), Catch::Contains("'layers.1.mlp.up.weight'") &&
+                                       Catch::Contains("model.layers.1.mlp.up_proj.weight"));
+  // A config whose MLP is wider than the tensors.
+  const std::string wide = tmp / "wide";
+  flatshard::make_dirs(wide);
+  std::string config = read_file(src + "/config.json");
+  const std::string key = "\"intermediate_size\": 96";
+  REQUIRE(config.find(key) != std::string::npos);
+  config.replace(config.find(key), key.size(), "\"intermediate_size\": 97");
+  write_file(wide + "/config.json", config);
+  flatshard_test::write_bytes(wide + "/model.safetensors", read_file(src + "/model.safetensors"));
+  CHECK_THROWS_WITH(load(wide), Catch::Contains("has shape [96, 64]") &&
+                                    Catch::Contains("[97, 64] in the model"));
+}
+
 TEST_CASE("hf: config.json written by hf_config_json reads back as the same config", "[hf]") {
   using flatshard::llama::LlamaConfig;
   using flatshard::llama::RopeScaling;
