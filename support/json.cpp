@@ -203,14 +203,6 @@ Json parse(std::string_view text, const std::string& what) {
               "): ", builder.error());
 }
 
-Json parse_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  TORCH_CHECK(f.good(), "cannot open '", path, "'");
-  std::ostringstream buf;
-  buf << f.rdbuf();
-  return parse(buf.str(), path);
-}
-
 Node::Node(const Json& doc, std::string what)
     : Node(&doc, std::make_shared<const std::string>(std::move(what)), std::string()) {}
 

@@ -55,8 +55,8 @@ inline constexpr int kMaxDepth = 64;  // containers inside containers, the outer
 
 // `what` names the text in error messages (e.g. the file it came from); may be empty.
 Json parse(std::string_view text, const std::string& what = {});
-// Reads and parses a file; errors name the path.
-Json parse_file(const std::string& path);
+// Files: support/input_file.h's read_json_file (bounded, never blocking; the one way a file is
+// read, so this layer has no unbounded file reader of its own).
 
 class Node {
  public:

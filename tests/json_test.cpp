@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 
+#include "support/input_file.h"
 #include "support/json.h"
 #include "temp_dir.h"
 
@@ -181,15 +182,18 @@ TEST_CASE("json: duplicate keys are an error naming the key", "[support][json]")
   CHECK_NOTHROW(json::parse(R"({"a": {"k": 1}, "b": [{"k": 2}, {"k": 3}], "k": 4, "K": 5})"));
 }
 
-TEST_CASE("json: files; errors name the path", "[support][json]") {
+TEST_CASE("json: files (read_json_file); errors name the path", "[support][json]") {
   flatshard_test::TempDir tmp;
+  auto read = [&](const std::string& name) {
+    return flatshard::read_json_file(tmp / name, 1 << 20, "test file");
+  };
   flatshard_test::write_bytes(tmp / "bad.json", "{\"a\": tru}");
-  CHECK_THROWS_WITH(json::parse_file(tmp / "bad.json"),
-                    Contains("bad.json: invalid JSON at byte 9") && Contains("invalid literal"));
-  CHECK_THROWS_WITH(json::parse_file(tmp / "none.json"),
-                    Contains("cannot open") && Contains("none.json"));
+  CHECK_THROWS_WITH(read("bad.json"),
+                    Contains("bad.json") && Contains("invalid JSON at byte 9") &&
+                        Contains("invalid literal"));
+  CHECK_THROWS_WITH(read("none.json"), Contains("cannot open") && Contains("none.json"));
   flatshard_test::write_bytes(tmp / "ok.json", "{\"n\": [1, 2]}\n");
-  CHECK(json::parse_file(tmp / "ok.json").at("n").size() == 2);
+  CHECK(read("ok.json").at("n").size() == 2);
 }
 
 TEST_CASE("json writers: quote() and number() read back the same", "[support][json]") {
