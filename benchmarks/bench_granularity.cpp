@@ -8,6 +8,7 @@
 
 #include "benchmarks/bench_options.h"
 #include "fsdp/resolve.h"
+#include "tools/named_plans.h"
 #include "wrap_policies/spec.h"
 
 namespace flatshard {
@@ -22,24 +23,6 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b);
 }
 
-// "every-K" -> K (0 when `s` is not of that form; K must be a positive decimal).
-int64_t every_k(const std::string& s) {
-  const std::string prefix = "every-";
-  if (s.rfind(prefix, 0) != 0 || s.size() == prefix.size() || s.size() > prefix.size() + 9)
-    return 0;
-  int64_t k = 0;
-  for (size_t i = prefix.size(); i < s.size(); ++i) {
-    if (!std::isdigit(static_cast<unsigned char>(s[i]))) return 0;
-    k = k * 10 + (s[i] - '0');
-  }
-  return k;
-}
-
-bool is_known_name(const std::string& s) {
-  return s == "local" || s == "leaf" || s == "layer" || s == "model" || s == "noshard" ||
-         s.rfind("every-", 0) == 0;
-}
-
 Policy parse_spec(const std::string& label, const std::string& spec) {
   try {
     return parse_policy(spec);
@@ -49,10 +32,10 @@ Policy parse_spec(const std::string& label, const std::string& spec) {
     const std::string msg = e.what_without_backtrace();
     const std::string line = msg.substr(0, msg.find('\n'));
     if (spec.find_first_of("=:>") == std::string::npos)  // a word: likely a mistyped name
-      throw UsageError("unknown granularity '" + label +
-                       "' (names: local, leaf, layer, every-K, model, noshard) and not a policy "
-                       "spec either: " + line);
-    throw UsageError("granularity '" + label + "': " + line);
+      throw UsageError("--policy: unknown plan '" + label +
+                       "' (names: local, leaf, layer, every-K, model, noshard)" +
+                       tools::named_plan_hint(label) + " and not a policy spec either: " + line);
+    throw UsageError("--policy '" + label + "': " + line);
   }
 }
 
@@ -68,9 +51,9 @@ std::vector<std::string> split_granularities(const std::vector<std::string>& fla
       if (comma == std::string::npos) comma = flag.size();
       const std::string piece = trim(flag.substr(start, comma - start));
       if (piece.empty())
-        throw UsageError("--granularity '" + flag + "': empty entry at character " +
+        throw UsageError("--policy '" + flag + "': empty entry at character " +
                          std::to_string(start + 1));
-      if (is_known_name(piece)) {
+      if (tools::is_named_plan(piece)) {
         out.push_back(piece);
         spec_open = false;
       } else if (spec_open) {
@@ -97,31 +80,26 @@ Granularity resolve_granularity(const std::string& label, const torch::nn::Modul
     g.plan = make_plan(model, g.policy);  // no rules: the root owns everything
     return g;
   }
-  if (label == "leaf") {
-    g.policy = parse_spec(label, "type=" + modules.leaf_types);
-  } else if (label == "layer") {
-    g.policy = parse_spec(label, "type=" + modules.layer_type);
-  } else if (label == "noshard") {
-    g.policy = parse_spec(label, "noshard:type=" + modules.layer_type + ";root:noshard");
-  } else if (label.rfind("every-", 0) == 0) {
-    const int64_t k = every_k(label);
-    if (k < 1)
-      throw UsageError("granularity '" + label +
-                       "': expected every-K with K a positive integer, e.g. every-2");
-    g.policy = parse_spec(label, "every=" + std::to_string(k) + ",type=" + modules.layer_type);
-  } else {
-    g.policy = parse_spec(label, label);
+  std::optional<std::string> named;
+  try {
+    named = tools::named_plan_spec(label, "type=" + modules.layer_type,
+                                   "type=" + modules.leaf_types);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--policy ") + e.what());
   }
+  g.policy = parse_spec(label, named ? *named : label);
   try {
     g.plan = make_plan(model, g.policy);
+    // A recompute rule that matches only the root is an error, as in fully_shard(policy).
+    check_recompute_policy(g.policy, model, g.plan);
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
-    throw UsageError("granularity '" + label + "': " + msg.substr(0, msg.find('\n')));
+    throw UsageError("--policy '" + label + "': " + msg.substr(0, msg.find('\n')));
   }
   // A rule that matches nothing is a typo; a spec without rules ('none', what the advisor
   // prints for the one-unit plan, or root options alone) asks for the root alone, as 'model'.
   if (g.plan.matched_modules == 0 && !g.policy.rules.empty())
-    throw UsageError("granularity '" + label + "' (policy '" + g.policy.to_spec() +
+    throw UsageError("--policy '" + label + "' (spec '" + g.policy.to_spec() +
                      "') matches no module of the model; its types are " + modules.type_names);
   return g;
 }
@@ -134,7 +112,7 @@ Granularity with_recompute(Granularity g) {
     check_recompute_plan(g.plan);  // fully_shard's check, as a usage error before any run
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
-    throw UsageError("--recompute with granularity '" + g.label + "': " +
+    throw UsageError("--recompute with --policy '" + g.label + "': " +
                      msg.substr(0, msg.find('\n')));
   }
   g.label += "+recompute";

@@ -18,6 +18,8 @@
 // FLATSHARD_TIMEOUT_MS when set, else 60 s.
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <iostream>
 #include <optional>
@@ -36,6 +38,8 @@
 #include "benchmarks/bench_run.h"
 #include "collectives/env.h"
 #include "fsdp/meta_init.h"
+#include "fsdp/trace.h"
+#include "support/input_file.h"
 #include "support/output_file.h"
 
 namespace fb = flatshard::bench;
@@ -85,6 +89,59 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   return c;
 }
 
+// FLATSHARD_TRACE=run.json over several runs: each sharded run traces to its own file, the run's
+// label made a file name before the extension ("run.layer.json", "run.every-2+recompute.json";
+// then ".rank<R>" per rank, fsdp/trace.h), so a run does not overwrite the one before it. A
+// label that another run's name already took gets "-<index>". "" for local runs (no
+// ShardedModel) and when tracing is off; "nvtx" stays as it is.
+std::vector<std::string> run_trace_paths(const std::vector<fb::Granularity>& grans) {
+  namespace env = flatshard::env;
+  const std::string base = env::trace_path();
+  std::vector<std::string> paths(grans.size());
+  if (base.empty()) return paths;
+  const std::string ext = ".json";
+  const bool has_ext =
+      base.size() > ext.size() && base.compare(base.size() - ext.size(), ext.size(), ext) == 0;
+  const std::string stem = has_ext ? base.substr(0, base.size() - ext.size()) : base;
+  std::vector<std::string> used;
+  for (size_t i = 0; i < grans.size(); ++i) {
+    if (grans[i].local) continue;
+    if (base == "nvtx") {
+      paths[i] = base;
+      continue;
+    }
+    std::string name;
+    for (char c : grans[i].label)
+      name += std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '+' || c == '_'
+                  ? c
+                  : '_';
+    if (std::find(used.begin(), used.end(), name) != used.end()) name += "-" + std::to_string(i);
+    used.push_back(name);
+    paths[i] = stem + "." + name + (has_ext ? ext : "");
+  }
+  return paths;
+}
+
+// The run's config with its own trace file (run_trace_paths), FLATSHARD_TRACE_STEPS kept.
+fb::RunConfig with_trace(fb::RunConfig c, const std::string& path) {
+  namespace env = flatshard::env;
+  if (path.empty()) return c;
+  c.sharding.trace.path = path;
+  if (!env::get(env::kTraceSteps).empty()) c.sharding.trace.max_steps = env::trace_steps();
+  return c;
+}
+
+// "flatshard-bench: trace of run 'layer': run.layer.rank0.json, run.layer.rank1.json", once,
+// after the run wrote them (its ShardedModel is gone).
+void say_trace(const std::string& label, const std::string& path, int world) {
+  if (path.empty() || path == "nvtx") return;
+  std::cerr << "flatshard-bench: trace of run '" << flatshard::printable_escape(label) << "':";
+  for (int r = 0; r < world; ++r)
+    std::cerr << (r ? ", " : " ")
+              << flatshard::printable_escape(flatshard::trace_file_for_rank(path, r, world));
+  std::cerr << std::endl;
+}
+
 int report(const fb::BenchOptions& o, int world, const std::string& device_description,
            std::vector<std::string> notes, const std::vector<fb::Granularity>& grans,
            std::vector<fb::RunResult> results, const fb::RunResult* host_probe = nullptr) {
@@ -124,11 +181,14 @@ int run_cpu(const fb::BenchOptions& o) {
   const std::chrono::milliseconds timeout = cpu_timeout();
   fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());
   std::vector<fb::RunResult> results;
+  const std::vector<std::string> traces = run_trace_paths(grans);
   for (size_t i = 0; i < grans.size(); ++i) {
     auto fn = progress.start(grans[i].label, static_cast<int>(i), static_cast<int>(grans.size()),
                              o.warmup);
-    results.push_back(fb::run_on_cpu_threads(config, grans[i], o.nproc, fn, timeout));
+    results.push_back(
+        fb::run_on_cpu_threads(with_trace(config, traces[i]), grans[i], o.nproc, fn, timeout));
     progress.finish(results.back());
+    say_trace(grans[i].label, traces[i], o.nproc);
   }
   return report(o, o.nproc,
                 "cpu, " + std::to_string(o.nproc) + " ranks as threads (1 compute thread each)",
@@ -154,13 +214,16 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
   const fb::RunConfig config = run_config(o);
   fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());
   std::vector<fb::RunResult> results;
+  const std::vector<std::string> traces = run_trace_paths(grans);
   for (size_t i = 0; i < grans.size(); ++i) {
     fb::ProgressFn fn;
     if (env.rank == 0)
       fn = progress.start(grans[i].label, static_cast<int>(i), static_cast<int>(grans.size()),
                           o.warmup);
-    results.push_back(fb::run_on_cuda(config, grans[i], *rank.comm, rank.hooks, fn));
+    results.push_back(
+        fb::run_on_cuda(with_trace(config, traces[i]), grans[i], *rank.comm, rank.hooks, fn));
     if (env.rank == 0) progress.finish(results.back());
+    if (env.rank == 0) say_trace(grans[i].label, traces[i], rank.comm->world_size());
   }
   // --write-profile: the calibration plan once more on short sequences, for the host's own cost
   // per step (bench_profile.h); every rank runs it (collectives), rank 0 measures.
@@ -203,7 +266,7 @@ int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::L
   const int n = o.nproc_given ? o.nproc : gpus;
   if (n < 1) throw fb::UsageError("--device cuda: no CUDA device is visible");
   if (n > gpus)
-    throw fb::UsageError("--nproc " + std::to_string(n) + " exceeds the " +
+    throw fb::UsageError("--world " + std::to_string(n) + " exceeds the " +
                          std::to_string(gpus) + " visible GPUs (one rank per GPU)");
   fb::check_memory(o, n, fb::cuda_device_memory(0));  // before n processes allocate anything
   return fb::launch_local_ranks(n, argv);
@@ -236,6 +299,10 @@ int main(int argc, char** argv) {
       std::cerr << "flatshard-bench: error: " << usage_error << std::endl;
       return kExitUsage;
     }
+    // Once per run: a rank this process launches gets the renamed argv; under torchrun rank 0.
+    if (rank == 0)
+      for (const auto& note : parsed->notes)
+        std::cerr << "flatshard-bench: note: " << note << std::endl;
     try {
       flatshard::env::check_all();
     } catch (const c10::Error& e) {

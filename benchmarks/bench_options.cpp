@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "support/input_file.h"
+#include "tools/cli_exit.h"
 
 namespace flatshard {
 namespace bench {
@@ -17,7 +18,7 @@ namespace {
 
 constexpr const char* kDefaultGranularities = "local,leaf,layer,every-2,model,noshard";
 
-const char* kFooter = R"(Granularities (comma list; default local,leaf,layer,every-2,model,noshard):
+const char* kFooter = R"(Policies: named plans and specs (comma list; default local,leaf,layer,every-2,model,noshard):
   local     unsharded, no communication: the floor (plain model + AdamW). On cpu every rank
             thread trains its own replica at once, so the floor shares the cores too
   leaf      every Linear/LayerNorm/Embedding is a unit (the ZeRO-3-like extreme; llama:
@@ -30,13 +31,20 @@ const char* kFooter = R"(Granularities (comma list; default local,leaf,layer,eve
             A piece that is not one of the names above continues the spec before it, so
             'every=2,type=Block' stays one spec; give two specs with commas in two flags.
             'recompute:type=Block' recomputes the layers (activation checkpointing), so
-            '--granularity layer,recompute:type=Block' measures with and without it.
+            '--policy layer,recompute:type=Block' measures with and without it.
 
 Defaults:  cpu: preset small with --seq 128, batch 2, 5 steps, fp32, 2 ranks as threads
            cuda: preset 1b, batch 4, 20 steps, bf16 params, one process per visible GPU
 Every run uses the same seed and data; the step-0 loss of rank 0 must match `local` (or the
 first run) within 1e-4 relative (fp32) / 2e-2 (bf16), else check=FAIL and exit code 1.
+Old flag names, still accepted with a note (docs/vocabulary.md): --granularity = --policy,
+--nproc = --world.
+FLATSHARD_TRACE=run.json: one trace per sharded run, run.<run>.rank<R>.json, each named on stderr.
 Exit codes: 0 ok, 1 a check failed, 2 usage error (one line on stderr), 3 runtime error.)";
+
+// Old flag names (docs/vocabulary.md): flatshard-explain's names are the ones both tools use.
+const std::vector<tools::FlagRename> kRenames = {
+    {"--granularity", "--policy", /*repeatable=*/true}, {"--nproc", "--world"}};
 
 c10::ScalarType parse_dtype(const std::string& s) {
   return s == "bf16" ? c10::kBFloat16 : c10::kFloat;
@@ -101,8 +109,9 @@ ParseResult parse_command_line(int argc, char** argv) {
                       ->group(g_model);
 
   auto* g_shard = "Sharding (applies to every run)";
-  app.add_option("--granularity", o.granularity_flags,
-                 "granularities / policy specs, comma list (below); repeatable")
+  app.add_option("--policy", o.granularity_flags,
+                 "named plans / policy specs, comma list (below); repeatable (old name "
+                 "--granularity)")
       ->type_name("LIST")
       ->allow_extra_args(false)
       ->group(g_shard);
@@ -135,10 +144,10 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--device", device, "cpu (ranks as threads) | cuda (one process per GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->group(g_run);
-  auto* o_nproc = app.add_option("--nproc", nproc,
-                                 "ranks. cpu: threads (default 2). cuda: processes to launch on "
-                                 "this host (default: one per visible GPU; under "
-                                 "torchrun/srun/mpirun the launcher decides)")
+  auto* o_nproc = app.add_option("--world", nproc,
+                                 "ranks (old name --nproc). cpu: threads (default 2). cuda: "
+                                 "processes to launch on this host (default: one per visible "
+                                 "GPU; under torchrun/srun/mpirun the launcher decides)")
                       ->group(g_run);
   app.add_option("--warmup", warmup, "untimed steps per run (default 2)")->group(g_run);
   auto* o_steps = app.add_option("--steps", steps, "timed steps per run (cpu 5, cuda 20)")
@@ -207,6 +216,12 @@ ParseResult parse_command_line(int argc, char** argv) {
       ->type_name("PATH")
       ->group(g_out);
 
+  std::vector<std::string> notes;
+  try {
+    notes = tools::rename_old_flags(argc, argv, kRenames);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -215,7 +230,7 @@ ParseResult parse_command_line(int argc, char** argv) {
     r.exit_now = true;
     return r;
   } catch (const CLI::ParseError& e) {
-    std::string msg = e.what();
+    std::string msg = tools::usage_message(app, e);  // "did you mean --policy?"
     std::replace(msg.begin(), msg.end(), '\n', ' ');
     throw UsageError(printable_escape(msg));  // CLI11 quotes the user's value: no raw ESC
   }
@@ -223,10 +238,15 @@ ParseResult parse_command_line(int argc, char** argv) {
   // echoed raw to the terminal by every later error that names it.
   for (const auto& flag : o.granularity_flags)
     if (printable_escape(flag) != flag)
-      throw UsageError("--granularity '" + printable_escape(flag) +
+      throw UsageError("--policy '" + printable_escape(flag) +
                        "': control characters are not part of any granularity or policy spec");
   if (o_profile->count() && o.profile_path.empty())
     throw UsageError("--write-profile needs a file path, got ''");
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string*>{"--json", &o.json_path},
+                                   {"--csv", &o.csv_path},
+                                   {"--plot", &o.plot_path}})
+    if (app.count(flag) && path->empty())
+      throw UsageError(std::string(flag) + " needs a file path, got ''");
 
   o.device = device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
   const bool cuda = o.device == DeviceKind::kCuda;
@@ -276,7 +296,7 @@ ParseResult parse_command_line(int argc, char** argv) {
 
   o.nproc_given = o_nproc->count() > 0;
   o.nproc = o.nproc_given ? nproc : (cuda ? 0 : 2);  // cuda 0: resolved to the GPU count later
-  if (o.nproc_given) require(nproc >= 1, "--nproc", ">= 1", nproc);
+  if (o.nproc_given) require(nproc >= 1, "--world", ">= 1", nproc);
   require(warmup >= 0, "--warmup", ">= 0", warmup);
   o.warmup = warmup;
   o.steps = o_steps->count() ? steps : (cuda ? 20 : 5);
@@ -301,6 +321,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   }
   ParseResult r;
   r.options = std::move(o);
+  r.notes = std::move(notes);
   return r;
 }
 

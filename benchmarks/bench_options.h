@@ -4,6 +4,8 @@
 // - parse_command_line() reads argv with CLI11, applies the device-dependent defaults below and
 //   validates every plain value (sizes > 0, heads divide d_model, steps >= 1, ...). It does not
 //   look at the model tree: granularities are resolved into plans by bench_granularity.h.
+// - Old flag names (--granularity, --nproc) are renamed in argv first (tools/cli_exit.h), each
+//   giving one ParseResult::notes line; an unknown flag's error names the closest one.
 // - Every user error throws UsageError with a one-line message carrying the offending value;
 //   the caller prints "flatshard-bench: error: <message>" and exits with code 2.
 // - --help prints the help text on stdout and returns ParseResult::exit_now.
@@ -42,7 +44,7 @@ struct BenchOptions {
   std::string preset;          // the preset the model starts from
   models::ModelConfig model;   // --model family, preset + overrides, validated
   int64_t batch = 0;      // sequences per rank per step
-  // --granularity values as given, one entry per flag (split by bench_granularity.h).
+  // --policy values as given, one entry per flag (split by bench_granularity.h).
   std::vector<std::string> granularity_flags;
   // --recompute: every non-root unit of every granularity but `local` recomputes its forward in
   // backward (UnitOptions::recompute; Note [Recompute] in fsdp/recompute.h).
@@ -52,8 +54,8 @@ struct BenchOptions {
   // labelled GRANULARITY+offloadN; level 0 is the plain run). Default {0}.
   std::vector<int> offload_levels{0};
   DeviceKind device = DeviceKind::kCpu;
-  int nproc = 0;              // ranks: threads on cpu; processes on cuda
-  bool nproc_given = false;   // cuda: --nproc asks to launch that many processes
+  int nproc = 0;              // --world: ranks, threads on cpu; processes on cuda
+  bool nproc_given = false;   // cuda: --world asks to launch that many processes
   ShardingOptions sharding;   // strategy, prefetch depth, mixed precision
   int warmup = 2;             // untimed steps before the measured ones
   int steps = 0;              // measured steps
@@ -76,6 +78,9 @@ struct BenchOptions {
 struct ParseResult {
   bool exit_now = false;  // --help was printed
   BenchOptions options;
+  // "--granularity is deprecated, use --policy": one per old flag name used (docs/vocabulary.md).
+  // argv then holds the new names, so ranks launched with it say nothing more.
+  std::vector<std::string> notes;
 };
 
 ParseResult parse_command_line(int argc, char** argv);

@@ -31,8 +31,10 @@ struct ModelIndex {
 // Parameters already given to a unit, by identity (tied parameters have several names).
 using Claimed = std::unordered_set<const c10::TensorImpl*>;
 
+// `first_rank`: global rank 0 (shard rank 0 of replica 0), the one rank that warns: every rank
+// has the same plan, and ranks as threads or processes would print the warning once each.
 void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& plan,
-                  const ShardingOptions& options, int rank) {
+                  const ShardingOptions& options, int rank, bool first_rank) {
   TORCH_CHECK(model != nullptr, "fully_shard: model is null");
   TORCH_CHECK(!plan.units.empty() && plan.units.front().is_root,
               "fully_shard: the plan must start with the root unit (use make_plan)");
@@ -41,7 +43,7 @@ void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& p
   if (!unmatched.empty()) {
     TORCH_CHECK(!options.strict_plan, "fully_shard (strict_plan): ", unmatched, " (rank ", rank,
                 ")");
-    TORCH_WARN("fully_shard: ", unmatched);
+    if (first_rank) TORCH_WARN("fully_shard: ", unmatched);
   }
 }
 
@@ -256,7 +258,8 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
 ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
                            const ShardingMesh& mesh, ShardingOptions options)
     : model_(std::move(model)), plan_(std::move(plan)), comm_(checked_shard(mesh)), mesh_(mesh) {
-  check_inputs(model_, plan_, options, comm_.rank());
+  check_inputs(model_, plan_, options, comm_.rank(),
+               comm_.rank() == 0 && (!mesh_.hybrid() || mesh_.replicate->rank() == 0));
   check_not_sharded(*model_, comm_.rank());
   runtime_ = std::make_unique<Runtime>(comm_, std::move(options),
                                        mesh_.hybrid() ? mesh_.replicate : nullptr);

@@ -95,8 +95,8 @@ struct TraceUnit {
   int64_t padded_numel = 0;      // flat buffer elements (0: the unit issues no collective)
   int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends
   int64_t reduce_bytes = 0;      // one reduction: bytes this rank sends
-  // The unit's kind for per-kind summaries: its first member module's type ("<root>" for the
-  // root), e.g. "flatshard::gpt::BlockImpl", "torch::nn::LinearImpl".
+  // The unit's kind for per-kind summaries: its first member module's type as a policy writes
+  // it ("<root>" for the root), e.g. "Block", "Linear" (policy_type_name(), policy.h).
   std::string kind;
 };
 

@@ -7,6 +7,8 @@
 
 #include <unordered_set>
 
+#include "wrap_policies/policy.h"
+
 namespace flatshard {
 
 UnitCounters& UnitCounters::operator+=(const UnitCounters& o) {
@@ -109,7 +111,10 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
                           flat_->layout().padded_numel,
                           flat_->all_gather_bytes(),
                           flat_->reduce_bytes()};
-  trace_info_.kind = spec_.is_root || members_.empty() ? "<root>" : members_.front()->name();
+  // As a policy writes the type ("Linear", not "torch::nn::LinearImpl"): one name everywhere.
+  trace_info_.kind = spec_.is_root || members_.empty()
+                         ? "<root>"
+                         : policy_type_name(members_.front()->name());
   state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
   // After set_data (dtype may have changed), so these are the accumulators autograd will use.
   // Note [Frozen parameters]: a frozen parameter has no AccumulateGrad node; the unit's

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <sstream>
 
 #include "support/format.h"
@@ -48,7 +49,7 @@ std::vector<Shape> granularities(const AdvisorOptions& a) {
 }
 
 // The decisive reason `c` loses against `best` (both fit), with its numbers.
-void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
+void assign_reason(Candidate& c, const Candidate& best, double tie_share, double noise_share) {
   const CostPrediction &x = c.cost, &b = best.cost;
   const double slower = x.step_ms - b.step_ms;
   std::ostringstream why;
@@ -88,9 +89,18 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share) {
   why << ": +" << format_fixed(top->excess, 2) << " ms " << top->what;
   if (c.reason == LossReason::kReplication)
     why << " (NO_SHARD units replicate " << format_bytes(x.replicated_bytes) << " per rank)";
+  // Host-bound only when its host time is above its GPU time; below, the same excess is the
+  // overlap's imperfection, and the verdict must not contradict the numbers beside it.
+  if (c.reason == LossReason::kHostBound && !x.host_bound) c.reason = LossReason::kHostOverhead;
   if (c.reason == LossReason::kHostBound)
-    why << " (host " << format_fixed(x.host_ms, 2) << " ms " << (x.host_bound ? ">" : "beside")
-        << " GPU " << format_fixed(x.gpu_ms, 2) << " ms)";
+    why << " (host " << format_fixed(x.host_ms, 2) << " ms > GPU " << format_fixed(x.gpu_ms, 2)
+        << " ms)";
+  if (c.reason == LossReason::kHostOverhead)
+    why << " (host " << format_fixed(x.host_ms, 2) << " ms < GPU " << format_fixed(x.gpu_ms, 2)
+        << " ms: not host-bound; its host work is hidden less well than the best's)";
+  if (slower < noise_share * b.step_ms)
+    why << "; a " << format_fixed(100 * slower / b.step_ms, 1)
+        << "% margin, within the prediction's error: measure both";
   c.why = why.str();
 }
 
@@ -106,6 +116,8 @@ const char* to_string(LossReason r) {
       return "exposed all-gather";
     case LossReason::kHostBound:
       return "host-bound";
+    case LossReason::kHostOverhead:
+      return "host overhead";
     case LossReason::kReplication:
       return "replication";
     case LossReason::kRecompute:
@@ -121,7 +133,7 @@ const char* to_string(LossReason r) {
 }
 
 std::string Candidate::command_line() const {
-  std::string s = "--granularity '" + spec + "' --prefetch " + std::to_string(prefetch);
+  std::string s = "--policy '" + spec + "' --prefetch " + std::to_string(prefetch);
   if (offload) s += " --offload " + std::to_string(offload);
   return s;
 }
@@ -169,14 +181,23 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
     const bool extra =
         std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
     if (g.label != "model" && !extra && plan.matched_modules == 0) continue;
+    std::map<int, Explanation> explained;  // per offload level
     for (int depth : a.prefetch_depths) {
       for (int level : a.offload_levels) {
         // The level as ShardingOptions::offload: explain resolves it per unit as fully_shard
-        // would (NO_SHARD units at most 1: fsdp/resolve.h).
-        ShardingOptions o = options;
-        o.forward_prefetch = o.backward_prefetch = depth;
-        o.offload = level;
-        const Explanation e = explain(model, plan, world_size, o, std::nullopt, replicate_size);
+        // would (NO_SHARD units at most 1: fsdp/resolve.h). The depth changes only the memory
+        // estimate (explain: per-unit rows and warnings do not depend on it), so one explain
+        // per level serves every depth — at 8192 layers explain is most of --suggest's time.
+        Explanation& base = explained[level];
+        if (base.units.empty()) {
+          ShardingOptions o = options;
+          o.forward_prefetch = o.backward_prefetch = depth;
+          o.offload = level;
+          base = explain(model, plan, world_size, o, std::nullopt, replicate_size);
+        }
+        Explanation e = base;
+        e.options.forward_prefetch = e.options.backward_prefetch = depth;
+        e.memory = estimate_memory(e.units, depth, depth);
         Candidate c;
         c.label = g.label;
         c.spec = g.spec;
@@ -207,7 +228,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
     cs.front().why = "fits and is predicted fastest";
     for (size_t i = 1; i < cs.size(); ++i) {
       if (!cs[i].fits) continue;
-      assign_reason(cs[i], cs.front(), a.tie_share);
+      assign_reason(cs[i], cs.front(), a.tie_share, a.noise_share);
     }
   }
   for (auto& c : cs)
@@ -228,7 +249,7 @@ std::string Advice::to_string() const {
   if (replicate_size > 1) os << " x " << replicate_size << " replicas";
   os << ", batch " << workload.batch << " x seq " << workload.seq << ", memory limit "
      << format_bytes(memory_limit_bytes) << " per rank (" << std::lround(100 * memory_margin)
-     << "% kept free)\nprofile: " << profile.source << "\n";
+     << "% kept free), held against the predicted peak with activations\nprofile: " << profile.source << "\n";
   if (fits()) {
     const Candidate& b = candidates.front();
     os << "suggested: " << b.label << " " << b.command_line() << "\n"
@@ -247,12 +268,36 @@ std::string Advice::to_string() const {
               {TextTable::Align::kLeft, TextTable::Align::kRight, TextTable::Align::kRight,
                TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kRight,
                TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kLeft});
-  for (const auto& c : candidates)
-    t.add_row({c.label, std::to_string(c.prefetch), std::to_string(c.offload),
-               std::to_string(c.units), format_bytes(c.cost.peak_bytes),
-               format_fixed(c.cost.step_ms, 2), format_fixed(c.cost.exposed_comm_ms, 2),
-               format_fixed(c.cost.host_ms, 2),
-               std::string(flatshard::to_string(c.reason)) + (c.why.empty() ? "" : ": " + c.why)});
+  // One row per distinct prediction: candidates that differ only in the prefetch depth and
+  // predict the same peak and times share the first one's row and verdict, their depths
+  // joined ("1,2"): the depth made no difference there (the best's twin is the best too).
+  struct Row {
+    std::vector<std::string> cells;  // plan, offload, units, peak, step, exposed, host, verdict
+    int64_t peak_bytes = 0;
+    std::string prefetch;
+  };
+  std::vector<Row> rows;
+  for (const auto& c : candidates) {
+    Row row{{c.label, std::to_string(c.offload), std::to_string(c.units),
+             format_bytes(c.cost.peak_bytes), format_fixed(c.cost.step_ms, 2),
+             format_fixed(c.cost.exposed_comm_ms, 2), format_fixed(c.cost.host_ms, 2),
+             std::string(flatshard::to_string(c.reason)) + (c.why.empty() ? "" : ": " + c.why)},
+            c.cost.peak_bytes,
+            std::to_string(c.prefetch)};
+    // Times as printed (10 us), the peak to the byte.
+    auto same = std::find_if(rows.begin(), rows.end(), [&](const Row& r) {
+      return r.peak_bytes == row.peak_bytes &&
+             std::equal(r.cells.begin(), r.cells.begin() + 7, row.cells.begin());
+    });
+    if (same != rows.end()) {
+      same->prefetch += "," + row.prefetch;
+    } else {
+      rows.push_back(std::move(row));
+    }
+  }
+  for (const auto& r : rows)
+    t.add_row({r.cells[0], r.prefetch, r.cells[1], r.cells[2], r.cells[3], r.cells[4], r.cells[5],
+               r.cells[6], r.cells[7]});
   os << t;
   return os.str();
 }

@@ -27,8 +27,10 @@
 // - Every other candidate gets one LossReason, the decisive one:
 //     kDoesNotFit        predicted peak above the budget
 //     kExposedAllGather  more exposed communication than the best (the largest extra term)
-//     kHostBound         host time adds more to its step than to the best's (step - GPU time:
-//                        all of host - GPU when host-bound, else the imperfect overlap)
+//     kHostBound         host time adds more to its step than to the best's and its host time
+//                        exceeds its GPU time (host-bound: the step is host - GPU longer)
+//     kHostOverhead      the same excess with host time below GPU time: not host-bound, the
+//                        host's work is hidden imperfectly (cost_model.h: the overlap norm)
 //     kReplication       NO_SHARD units: the extra time comes from their all-reduces and
 //                        replicated optimizer/parameter passes
 //     kRecompute         the second forward of its recompute units is the largest extra term
@@ -38,7 +40,8 @@
 //     kNotFaster         a tie: within tie_share of the best, which has the smaller peak
 //   The reason is the term (exposed communication, host, recompute, offload, parameter passes)
 //   with the largest excess over the best; NO_SHARD candidates whose largest excess is
-//   communication or parameter passes report kReplication.
+//   communication or parameter passes report kReplication. A loser slower by less than
+//   noise_share of the best's step says that its margin is within the prediction's error.
 // - Throws c10::Error for a budget <= 0, world or replicate < 1, an empty prefetch_depths, a
 //   prefetch depth or offload level out of range, or an extra spec parse_policy() rejects
 //   (naming it). No fitting candidate is not an error: Advice::fits() is false and to_string()
@@ -68,6 +71,7 @@ enum class LossReason {
   kDoesNotFit,
   kExposedAllGather,
   kHostBound,
+  kHostOverhead,
   kReplication,
   kRecompute,
   kOffloadTraffic,
@@ -87,6 +91,10 @@ struct AdvisorOptions {
   bool include_leaf = true, include_grad_op = true, include_noshard = true, include_model = true;
   std::vector<std::string> extra_specs;
   double tie_share = 0.005;  // steps within 0.5% are a tie; the smaller peak wins
+  // Margins below this share of the best's step are within the cost model's error: its steps
+  // are held within 10% of measured runs (tools/advisor_check.py, benchmarks/RESULTS.md), so
+  // a 5% difference between two plans may be the model's, not the plans'. The verdict says so.
+  double noise_share = 0.05;
   // Share of the budget kept free: a candidate fits when its predicted peak is at most
   // memory_limit_bytes x (1 - memory_margin). 0.05: the cost model's largest under-prediction
   // against the counting allocator on CPU ranks is 3.0% (tests/advisor_test.cpp), against the
@@ -96,7 +104,7 @@ struct AdvisorOptions {
 
 struct Candidate {
   std::string label;  // "layer+recompute", "every-2", "leaf", ...
-  std::string spec;   // for --granularity / parse_policy
+  std::string spec;   // for --policy / parse_policy
   int prefetch = 1;
   int offload = 0;
   bool recompute = false;
@@ -105,7 +113,7 @@ struct Candidate {
   bool fits = false;
   LossReason reason = LossReason::kNone;
   std::string why;  // the reason with its numbers
-  // "--granularity '<spec>' --prefetch N [--offload L]"
+  // "--policy '<spec>' --prefetch N [--offload L]" (flatshard-bench and flatshard-explain)
   std::string command_line() const;
 };
 
@@ -120,6 +128,8 @@ struct Advice {
   std::vector<Candidate> candidates;
   bool fits() const { return !candidates.empty() && candidates.front().fits; }
   const Candidate& best() const;  // throws c10::Error when nothing fits
+  // The table lists candidates whose predictions are identical but for the prefetch depth once,
+  // with the depths joined ("1,2"): the depth made no difference there.
   std::string to_string() const;
 };
 

@@ -195,8 +195,8 @@ void warn_fragmentation(Explanation& e) {
     // every=k that brings the median tiny unit to 1 MiB (per-layer plans are the usual fix).
     const int64_t median = tiny[tiny.size() / 2].first;
     const int64_t k = (kTinyUnitBytes + median - 1) / std::max<int64_t>(median, 1);
-    msg += "; use fewer, larger units: group leaves into layers (--policy type=Block; "
-           "flatshard-bench --granularity layer), or group matches with every=k (k=" +
+    msg += "; use fewer, larger units: group leaves into layers (--policy type=Block, or "
+           "--policy layer), or group matches with every=k (k=" +
            std::to_string(std::clamp<int64_t>(k, 2, 64)) + " reaches 1 MiB)";
   } else {
     msg += "; use fewer units: group matches with every=k (every=2 halves the collectives), or "
@@ -623,7 +623,11 @@ std::string Explanation::to_string() const {
   if (memory.host_bytes > 0)
     os << "; offloaded to host " << format_bytes(memory.host_bytes)
        << " (fp32 master shards + grads + AdamW state)";
-  if (memory_limit_bytes) os << "; limit " << format_bytes(*memory_limit_bytes);
+  // Which peak the limit was held against: this total, without activations (the cost model's
+  // full peak is what the advisor holds the same limit against).
+  if (memory_limit_bytes)
+    os << "; limit " << format_bytes(*memory_limit_bytes)
+       << " checked against this total (no activations; the full peak needs the batch)";
   os << "\n";
   for (const auto& w : warnings) os << "warning: " << w << "\n";
   return os.str();

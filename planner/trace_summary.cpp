@@ -20,6 +20,7 @@
 #include "fsdp/trace_format.h"
 #include "support/format.h"
 #include "support/input_file.h"
+#include "wrap_policies/policy.h"
 
 namespace flatshard {
 
@@ -120,7 +121,8 @@ TraceUnitMeta unit_meta(const json& u) {
   m.padded_numel = integer_or(u, k::kPaddedNumel, 0, 0, kMaxBytes, where);
   m.all_gather_bytes = integer_or(u, k::kAllGatherBytes, 0, 0, kMaxBytes, where);
   m.reduce_bytes = integer_or(u, k::kReduceBytes, 0, 0, kMaxBytes, where);
-  m.kind = string_or(u, k::kKind, "");
+  // Traces written before kinds were policy names carry "torch::nn::LinearImpl".
+  m.kind = policy_type_name(string_or(u, k::kKind, ""));
   return m;
 }
 
@@ -807,6 +809,25 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
   return s;
 }
 
+namespace {
+
+// The verdict beside "host issue time per step vs GPU time per step". Within
+// kNearlyEqualShare of each other neither side leads: a step's issue and GPU span both vary by
+// more than that between steps, and a host only just ahead still starves the GPU at its slower
+// units (the per-unit host gaps then say host-bound), so "runs ahead" would contradict them.
+constexpr double kNearlyEqualShare = 0.10;
+std::string host_vs_gpu(double host_us, double gpu_us) {
+  const double hi = std::max(host_us, gpu_us);
+  if (hi > 0 && std::abs(host_us - gpu_us) <= kNearlyEqualShare * hi)
+    return "nearly equal, within " + std::to_string(static_cast<int>(100 * kNearlyEqualShare)) +
+           "%: the host barely keeps up, and the GPU waits for it wherever a unit's host gap "
+           "shows";
+  return host_us < gpu_us ? "the host runs ahead of the GPU"
+                          : "host-bound: the host issues slower than the GPU runs";
+}
+
+}  // namespace
+
 std::string TraceSummary::to_string() const {
   std::ostringstream os;
   os << "flatshard-trace: " << ranks << " rank(s), device " << device << ", steps used:";
@@ -827,10 +848,7 @@ std::string TraceSummary::to_string() const {
   os << "\n";
   if (gpu)
     os << "host issue time per step " << ms(host_issue_us) << " ms vs GPU time per step "
-       << ms(gpu_span_us) << " ms"
-       << (host_issue_us < gpu_span_us ? " (the host runs ahead of the GPU)"
-                                       : " (host-bound: the host issues slower than the GPU runs)")
-       << "\n";
+       << ms(gpu_span_us) << " ms (" << host_vs_gpu(host_issue_us, gpu_span_us) << ")\n";
   const std::vector<std::string> header = {"unit",   "fwd ms", "bwd ms",  "AG fwd ms", "AG bwd ms",
                                            "RS ms",  "host gap ms", "exposed ms", "AG/step", "AG size"};
   TextTable table(header);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "profiling/kernel_profile.h"
+#include "support/input_file.h"
 #include "support/json.h"
 
 #ifndef FLATSHARD_BENCH_EXE
@@ -97,7 +98,7 @@ Outcome run_bench(const std::vector<std::string>& args, const std::vector<std::s
 // A JSON report read back: the document and its root (errors name the file and the key).
 struct JsonFile {
   explicit JsonFile(const std::string& path)
-      : doc(flatshard::json::parse_file(path)), root(doc, path) {}
+      : doc(flatshard::read_json_file(path, int64_t{1} << 30, "bench output")), root(doc, path) {}
   JsonFile(const JsonFile&) = delete;
   JsonFile& operator=(const JsonFile&) = delete;
   const flatshard::json::Json doc;
@@ -280,7 +281,7 @@ TEST_CASE("bf16, custom policy specs, CSV and SVG outputs", "[bench]") {
 }
 
 TEST_CASE("a spec without rules is the one-unit plan, as 'model'", "[bench]") {
-  // flatshard-explain --suggest prints "--granularity 'none'" for the one-unit plan: pasted into
+  // flatshard-explain --suggest prints "--policy 'none'" for the one-unit plan: pasted into
   // the bench it must run that plan, not be refused as a policy matching nothing.
   const std::string json = scratch("none.json");
   const Outcome o = run_bench({"--preset", "tiny", "--steps", "1", "--warmup", "0",
@@ -393,11 +394,18 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   const std::vector<Case> cases = {
       {{"--bogus"}, "--bogus"},
       {{"--heads", "5"}, "does not divide"},
-      {{"--granularity", "type=Blok"}, "matches no module"},
-      {{"--granularity", "type=Block;sise>=1e7"}, "column 12"},
-      {{"--granularity", "foo"}, "unknown granularity 'foo'"},
-      {{"--granularity", "every-0"}, "every-K"},
-      {{"--nproc", "0"}, "--nproc must be >= 1, got 0"},
+      {{"--policy", "type=Blok"}, "matches no module"},
+      {{"--policy", "type=Block;sise>=1e7"}, "column 12"},
+      {{"--policy", "foo"}, "unknown plan 'foo'"},
+      {{"--policy", "leef"}, "unknown plan 'leef' (names: local, leaf, layer, every-K, model, "
+                             "noshard) (did you mean 'leaf'?)"},
+      {{"--policy", "every-0"}, "every-K"},
+      {{"--world", "0"}, "--world must be >= 1, got 0"},
+      {{"--polcy", "layer"}, "unknown option --polcy (did you mean --policy?)"},
+      {{"--granularity", "layer", "--granularity=leaf", "--polcy", "x"},
+       "did you mean --policy?"},  // old names renamed first, then the typo
+      {{"--world", "2", "--nproc", "2"}, "--world is given twice: once as --world and once as "
+                                         "--nproc, its old name"},
       {{"--preset", "huge"}, "huge"},
       {{"--steps", "0"}, "--steps must be >= 1, got 0"},
       {{"--optimizer", "sgd"}, "sgd"},
@@ -406,7 +414,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--kernel-profile", "1"}, "needs --device cuda"},
       {{"--sync-debug"}, "--sync-debug watches CUDA synchronisation: it needs --device cuda"},
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
-      {{"--device", "cuda", "--nproc", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
+      {{"--device", "cuda", "--world", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
       // Launcher variables, parsed by the library (collectives/launch_env.h), name the variable.
       {{}, "RANK='abc' is not an integer", {"RANK=abc", "WORLD_SIZE=2", "LOCAL_RANK=0"}},

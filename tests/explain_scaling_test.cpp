@@ -234,7 +234,10 @@ TEST_CASE("flatshard-explain --memory-limit: decimal digits, whole bytes, at mos
            {"9223372036854775808", "is too large: at most 9223372036854775807 bytes"},
            {"inf", "is not a size such as 40GiB"},
            {"-1GiB", "is not a size such as 40GiB"},
-           {"40XB", "'40XB' is not a size"}}) {
+           {"40XB", "'40XB' is not a size"},
+           // A bare number: a unit is required (40 meant 40 GiB, it was read as 40 bytes).
+           {"40", "'40' has no unit: write 40GiB (binary), 40GB (decimal), or 40B"},
+           {"1e3", "'1e3' has no unit"}}) {
     const Outcome o = explain_cli(tiny({"--memory-limit", c.text}));
     CAPTURE(c.text, o.out, o.err);
     CHECK(o.exit_code == 2);
@@ -244,9 +247,9 @@ TEST_CASE("flatshard-explain --memory-limit: decimal digits, whole bytes, at mos
     std::string text, shown;
   };
   for (const Good& g : std::vector<Good>{{"1.5KiB", "limit 1.5 KiB"},
-                                         {"9223372036854775807", "limit "},
+                                         {"9223372036854775807B", "limit "},
                                          {"0.5KiB", "limit 512 B"},
-                                         {"1e3", "limit 1000 B"},
+                                         {"1e3B", "limit 1000 B"},
                                          {"2GB", "limit "}}) {
     const Outcome o = explain_cli(tiny({"--memory-limit", g.text}));
     CAPTURE(g.text, o.out, o.err);

@@ -400,7 +400,7 @@ TEST_CASE("control bytes of a profile's source and of --granularity reach no ter
   CAPTURE(b.err);
   CHECK(b.exit_code == 2);
   CHECK_FALSE(has_control_bytes(b.err));
-  CHECK(b.err.find("--granularity 'layer\\x1b[31m\\x07'") != std::string::npos);
+  CHECK(b.err.find("--policy 'layer\\x1b[31m\\x07'") != std::string::npos);
   CHECK(b.lines() == 1);
 }
 
@@ -414,6 +414,31 @@ TEST_CASE("bench --write-profile '' is a usage error", "[tools][inputs]") {
   CHECK(o.exit_code == 2);
   CHECK(o.err.find("--write-profile needs a file path") != std::string::npos);
   CHECK(o.lines() == 1);
+}
+
+TEST_CASE("bench --json '' / --csv '' / --plot '' are usage errors", "[tools][inputs]") {
+  // Before: the bench ran, wrote nothing and exited 0.
+  for (const char* flag : {"--json", "--csv", "--plot"}) {
+    const Outcome o = run(FLATSHARD_BENCH_EXE, {"--preset", "tiny", "--policy", "layer",
+                                                "--steps", "1", "--warmup", "0", flag, ""},
+                          120);
+    CAPTURE(flag, o.err);
+    CHECK(o.exit_code == 2);
+    CHECK(o.err.find(std::string(flag) + " needs a file path, got ''") != std::string::npos);
+  }
+}
+
+TEST_CASE("bench: a recompute rule matching only the root is a usage error", "[tools][inputs]") {
+  // Before: fully_shard(policy) refused it, but the bench's own plan only warned and trained
+  // without recompute. The tiny GPT's root is "GPT".
+  const Outcome o = run(FLATSHARD_BENCH_EXE, {"--preset", "tiny", "--policy",
+                                              "type=Block;recompute:type=GPT", "--steps", "1",
+                                              "--warmup", "0"},
+                        120);
+  CAPTURE(o.err);
+  CHECK(o.exit_code == 2);
+  CHECK(o.err.find("recompute") != std::string::npos);
+  CHECK(o.err.find("root") != std::string::npos);
 }
 
 TEST_CASE("FLATSHARD_TRACE=<a directory> is refused at setup", "[tools][inputs][trace]") {

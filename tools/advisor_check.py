@@ -135,9 +135,9 @@ def main():
                     grans = [g for g in a.granularities if not (recompute and g == "model")]
                     if not grans:
                         continue
-                    cmd = [bench, "--device", a.device, "--nproc", str(a.nproc), "--model", model,
+                    cmd = [bench, "--device", a.device, "--world", str(a.nproc), "--model", model,
                            "--preset", a.preset, "--batch", str(batch), "--warmup", str(a.warmup),
-                           "--steps", str(a.steps), "--granularity", ",".join(grans),
+                           "--steps", str(a.steps), "--policy", ",".join(grans),
                            "--optimizer", a.optimizer, "--json", out]
                     if a.seq:
                         cmd += ["--seq", str(a.seq)]
@@ -175,7 +175,7 @@ def main():
                                 "--param-dtype", dtype, "--batch", str(batch), "--profile", profile,
                                 "--policy", spec]
                         if a.seq:
-                            ecmd += ["--seq-len", str(a.seq)]
+                            ecmd += ["--seq", str(a.seq)]
                         if run_off:
                             ecmd += ["--offload", str(run_off)]
                         erc, text = run(ecmd, os.path.join(a.logdir, f"explain_{tag}_{r['granularity']}.txt"))
@@ -203,7 +203,7 @@ def main():
                     "--param-dtype", dtype, "--batch", str(a.batches[0]), "--profile", profile,
                     "--suggest", "--memory-limit", a.budget, "--prefetch-depths", "1"]
             if a.seq:
-                acmd += ["--seq-len", str(a.seq)]
+                acmd += ["--seq", str(a.seq)]
             _, text = run(acmd, os.path.join(a.logdir, f"suggest_{model}.txt"))
             m = re.search(r"^  spec: (.*)$", text, re.M)
             advice.append((model, m.group(1).strip() if m else None, text))
@@ -240,7 +240,7 @@ def main():
             continue
         # The suggestion against every fitting plan of the sweep, in one process per repeat:
         # separate processes on a shared machine differ by more than the 5% criterion, runs
-        # in one process much less. Each plan is its own --granularity flag (specs hold commas).
+        # in one process much less. Each plan is its own --policy flag (specs hold commas).
         # (A sweep plan that is the suggestion itself, e.g. 'leaf' = its spec, runs once: last.)
         cands = [r["config"] if "recompute" not in r["config"] else r["spec"]
                  for r in fitting if r["spec"] != spec]
@@ -249,13 +249,13 @@ def main():
         over_any = {c: False for c in cands}
         for rep in range(a.repeat):
             out = os.path.join(a.logdir, f"choice_{model}_r{rep}.json")
-            cmd = [bench, "--device", a.device, "--nproc", str(a.nproc), "--model", model,
+            cmd = [bench, "--device", a.device, "--world", str(a.nproc), "--model", model,
                    "--preset", a.preset, "--batch", str(a.batches[0]), "--warmup", str(a.warmup),
                    "--steps", str(a.steps), "--optimizer", a.optimizer, "--json", out]
             if a.seq:
                 cmd += ["--seq", str(a.seq)]
             for c in cands:
-                cmd += ["--granularity", c]
+                cmd += ["--policy", c]
             cmd += a.bench_args.split()
             rc, _ = run(cmd, os.path.join(a.logdir, f"choice_{model}_r{rep}.txt"))
             if rc != 0 or not os.path.exists(out):

@@ -1,9 +1,9 @@
 // flatshard-explain — print what a wrap policy will do to a model at a world size, before any
 // GPU is involved: units, bytes, collectives per step, predicted peak memory, warnings.
 //
-//   flatshard-explain --preset 1b --policy type=Block --world 8
+//   flatshard-explain --preset 1b --policy layer --world 8      (named plans: docs/vocabulary.md)
 //   flatshard-explain --model llama --preset 7b --world 8        (default policy: type=DecoderLayer)
-//   flatshard-explain --preset small --n-layers 12 --policy "every=2,type=Block" --world 4
+//   flatshard-explain --preset small --layers 12 --policy "every=2,type=Block" --world 4
 //                     --param-dtype bf16 --prefetch 2 --memory-limit 2GiB    (one line)
 //   flatshard-explain --preset 1b --policy type=Block --world 8 --replicate 16   (HSDP)
 //   flatshard-explain --preset 1b --policy "type=Linear|LayerNorm|Embedding" --world 8
@@ -49,6 +49,8 @@
 #include "planner/weights_tree.h"
 #include "wrap_policies/spec.h"
 #include "tools/cli_exit.h"
+#include "tools/named_plans.h"
+#include "support/format.h"
 
 namespace {
 
@@ -58,7 +60,8 @@ namespace {
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr long double kMaxParameters = 1e15L;
 
-// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "1e3MB", "123456" (bytes). Decimal
+// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "1e3MB", "123456B" (bytes): a unit is
+// required ("40" alone is an error showing how to write it). Decimal
 // digits only (std::stod alone read "0x10GiB" as 16 GiB); the result must be a whole number of
 // bytes, at least 1 ("0.5" was rounded to 1 B) and at most int64's max (8 EiB - 1 B).
 int64_t parse_bytes(const std::string& text) {
@@ -144,6 +147,11 @@ int64_t parse_bytes(const std::string& text) {
   }
   if (m > static_cast<u128>(std::numeric_limits<int64_t>::max())) throw bad("is too large: " + at_most);
   if (m < 1) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
+  // A bare number was read as bytes: "--memory-limit 40" meant 40 GiB, not 40 B. The unit is
+  // asked for last, so a value wrong for another reason says that first.
+  if (suffix.empty())
+    throw bad("has no unit: write " + text + "GiB (binary), " + text + "GB (decimal), or " +
+              text + "B if you mean bytes");
   return static_cast<int64_t>(m);
 }
 
@@ -250,6 +258,9 @@ struct Described {
   std::vector<std::string> notes;  // printed before the plan, one line each
   std::string model_line;          // "model: GPT vocab=... (N params)"; empty: none
   std::string default_policy, policy_note;
+  // The one-rule specs the named plans build on (tools/named_plans.h): one unit per layer, one
+  // per leaf module; empty where the model's types are not known.
+  std::string layer_rule, leaf_rule;
   std::optional<flatshard::TransformerShape> shape;
   std::string no_shape;      // why `shape` is unset
   int64_t seq_len = 0;       // the model's longest sequence (0: unknown)
@@ -263,18 +274,18 @@ Described describe_reference(const std::string& family, const std::string& prese
   auto cfg = fm::ModelConfig::preset(family, preset);
   if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
   if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
-  if (overrides["n-heads"]) cfg.n_heads() = overrides["n-heads"];
-  if (overrides["n-layers"]) cfg.n_layers() = overrides["n-layers"];
-  if (overrides["seq-len"]) cfg.seq_len() = overrides["seq-len"];
+  if (overrides["heads"]) cfg.n_heads() = overrides["heads"];
+  if (overrides["layers"]) cfg.n_layers() = overrides["layers"];
+  if (overrides["seq"]) cfg.seq_len() = overrides["seq"];
   cfg.tie_embeddings() = tied;
-  TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--n-layers ", cfg.n_layers(),
+  TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--layers ", cfg.n_layers(),
               " is more than explain builds (at most ", kMaxLayers,
               " layers: each is a set of host objects, even on the meta device)");
   const long double params = cfg.num_parameters_bound();
   TORCH_CHECK(params <= kMaxParameters, "the model would have ", static_cast<double>(params),
               " parameters (", cfg.to_string(), "), more than the sanity bound of ",
               static_cast<double>(kMaxParameters),
-              "; check --vocab, --d-model, --n-layers and --seq-len");
+              "; check --vocab, --d-model, --layers and --seq");
   Described d;
   {
     flatshard::MetaInit meta;  // shapes only: nothing is allocated or initialised
@@ -284,9 +295,11 @@ Described describe_reference(const std::string& family, const std::string& prese
   d.model_line = "model: " + std::string(cfg.family().display_name()) + " " + cfg.to_string() +
                  " (" + std::to_string(cfg.num_parameters()) + " params)";
   d.default_policy = "type=" + cfg.family().modules().layer_type;
+  d.layer_rule = d.default_policy;
+  d.leaf_rule = "type=" + cfg.family().modules().leaf_types;
   d.shape = cfg.transformer_shape();
   d.seq_len = cfg.seq_len();
-  d.seq_len_what = "the model's seq_len " + std::to_string(cfg.seq_len()) + " (use --seq-len)";
+  d.seq_len_what = "the model's seq_len " + std::to_string(cfg.seq_len()) + " (set by --seq)";
   return d;
 }
 
@@ -343,7 +356,10 @@ Described describe_weights(const std::string& path) {
       m.info, m.config ? fm::hf_naming(*m.config) : fm::hf_naming());
   if (known) {
     d.shape = fm::hf_transformer_shape(*m.config);
+    d.layer_rule = "type=" + d.shape->layer_type;
+    if (!d.shape->leaf_types.empty()) d.leaf_rule = "type=" + d.shape->leaf_types;
   } else {
+    d.leaf_rule = "type=Linear|Norm|Embedding";  // the guessed types (notes above)
     d.no_shape = m.config ? "config.json: " + m.config->describe() +
                                 ": activations and step time need the model's shape"
                           : "no config.json: activations and step time need the model's shape; "
@@ -356,18 +372,46 @@ Described describe_weights(const std::string& path) {
   const auto layers = flatshard::find_layer_list(m.info);
   const auto spec = layers ? flatshard::layer_list_policy(*layers) : std::nullopt;
   d.default_policy = spec ? *spec : "none";
+  if (!known && spec) d.layer_rule = *spec;
   d.policy_note = spec ? " (default: one unit per layer of " + layers->prefix + ", " +
                              std::to_string(layers->count) + " layers)"
                        : " (default: no layer list recognised, the root only; pass --policy)";
   return d;
 }
 
+// --policy as given: a named plan (tools/named_plans.h: leaf, layer, every-K, model, noshard)
+// becomes its spec for this model; anything else is a spec. A word that is neither (a mistyped
+// name) and local (no plan at all) are command-line errors.
+std::string policy_spec(const Described& m, const std::string& policy) {
+  namespace ft = flatshard::tools;
+  std::optional<std::string> spec;
+  try {
+    spec = ft::named_plan_spec(policy, m.layer_rule, m.leaf_rule);
+  } catch (const std::invalid_argument& e) {
+    throw CLI::ValidationError("--policy", e.what());
+  }
+  if (spec && spec->empty())
+    throw CLI::ValidationError(
+        "--policy", "'local' is flatshard-bench's unsharded floor: there is no plan to explain "
+                    "(the whole model as one unit is 'model')");
+  if (spec) return *spec;
+  if (policy != "none" && policy.find_first_of("=:>") == std::string::npos) {
+    const std::string hint = ft::named_plan_hint(policy);
+    if (!hint.empty())
+      throw CLI::ValidationError("--policy", "'" + policy + "' is neither a named plan (local, "
+                                             "leaf, layer, every-K, model, noshard) nor a spec" +
+                                                 hint);
+  }
+  return policy;
+}
+
 // The plan, its explanation and (with --batch) the prediction, or (--suggest) the advisor's
 // choice, for any described model.
 int run(const Described& m, const Request& r) {
   const bool policy_given = !r.policy.empty();
-  const std::string policy = policy_given ? r.policy : m.default_policy;
-  const std::string policy_note = policy_given ? "" : m.policy_note;
+  const std::string policy = policy_given ? policy_spec(m, r.policy) : m.default_policy;
+  const std::string policy_note = policy_given ? (policy != r.policy ? " (" + r.policy + ")" : "")
+                                               : m.policy_note;
 
   flatshard::ShardingOptions opts;
   opts.strategy = r.strategy == "full"      ? flatshard::ShardingStrategy::kFullShard
@@ -384,7 +428,9 @@ int run(const Described& m, const Request& r) {
   std::optional<int64_t> limit;
   if (!r.memory_limit.empty()) limit = parse_bytes(r.memory_limit);
   flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
-  if (!r.profile_path.empty()) profile = flatshard::load_profile(r.profile_path);
+  // Read only where it is used (--batch, --suggest); elsewhere main() said it is ignored.
+  if (!r.profile_path.empty() && (r.batch > 0 || r.suggest))
+    profile = flatshard::load_profile(r.profile_path);
   const flatshard::Workload workload{r.batch > 0 ? r.batch : 1, r.seq > 0 ? r.seq : m.seq_len};
   if (m.shape)
     TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
@@ -435,6 +481,13 @@ int run(const Described& m, const Request& r) {
               << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
               << " host_bytes=" << p.host_bytes
               << " optimizer_ms=" << p.optimizer_ms + p.cpu_optimizer_ms << "\n";
+    // The limit above was checked against the model state; with --batch the full peak is
+    // known, the number --suggest checks the same flag against.
+    if (limit)
+      std::cout << (p.peak_bytes > *limit ? "warning: " : "") << "memory limit "
+                << flatshard::format_bytes(*limit) << " against the predicted peak with "
+                << "activations " << flatshard::format_bytes(p.peak_bytes) << ": "
+                << (p.peak_bytes > *limit ? "exceeds it" : "fits") << "\n";
   }
   flatshard::flush_stdout();
   return 0;
@@ -459,13 +512,14 @@ int main(int argc, char** argv) {
   app.add_option("--preset", preset, "the family's preset")
       ->check(CLI::IsMember(flatshard::models::all_preset_names()))
       ->capture_default_str();
-  for (const char* key : {"vocab", "d-model", "n-heads", "n-layers", "seq-len"})
+  for (const char* key : {"vocab", "d-model", "heads", "layers"})
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
         ->check(at_least(1));
   app.add_flag("--tied", tied, "tie lm_head.weight to the token embedding");
-  app.add_option("--policy", r.policy, "wrap policy spec (wrap_policies/spec.h), e.g. "
-                                     "\"every=2,type=Block\"; \"none\": root only (default: "
-                                     "one unit per layer: type=Block, llama type=DecoderLayer)");
+  app.add_option("--policy", r.policy,
+                 "a named plan (leaf, layer, every-K, model, noshard: docs/vocabulary.md) or a "
+                 "wrap policy spec (wrap_policies/spec.h), e.g. \"every=2,type=Block\"; "
+                 "\"none\" = model: root only (default: layer, one unit per layer)");
   app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
       ->required()
       ->check(at_least(1));
@@ -498,7 +552,9 @@ int main(int argc, char** argv) {
       ->check(at_least(1))
       ->capture_default_str();
   app.add_option("--memory-limit", r.memory_limit,
-                 "model-state memory per rank to check the prefetch depth against, e.g. 40GiB");
+                 "memory per rank, with a unit (40GiB, 40GB, 512MiB; bytes as 123B). Checked "
+                 "against the model state (prefetch depth); with --batch also against the full "
+                 "predicted peak, which is what --suggest checks");
   app.add_option("--collective-latency-us", r.cost.collective_latency_us,
                  "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
       ->check(number_above(0, /*or_equal=*/true, flatshard::kMaxLatencyUs))
@@ -513,7 +569,10 @@ int main(int argc, char** argv) {
                  "sequences per rank per step: adds the predicted peak with activations and the "
                  "step time (planner/cost_model.h)")
       ->check(at_least(1));
-  app.add_option("--seq", r.seq, "tokens per sequence for --batch (default: the model's seq_len)")
+  app.add_option("--seq", r.seq,
+                 "tokens per sequence (old name --seq-len); a reference model's seq_len too, as "
+                 "in flatshard-bench. With --weights: the sequences of --batch / --suggest, at "
+                 "most the checkpoint's max_position_embeddings")
       ->check(at_least(1));
   app.add_option("--profile", r.profile_path,
                  "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
@@ -537,13 +596,42 @@ int main(int argc, char** argv) {
         "a Hugging Face *.safetensors.index.json, a flatshard checkpoint's manifest.json, or a "
         "directory holding one (with config.json: type names and the shape for --batch and "
         "--suggest; planner/weights_tree.h, models/hf_config.h)");
-    for (const char* other : {"--model", "--preset", "--vocab", "--d-model", "--n-heads",
-                              "--n-layers", "--seq-len", "--tied"})
+    for (const char* other : {"--model", "--preset", "--vocab", "--d-model", "--heads",
+                              "--layers", "--tied"})
       w->excludes(app.get_option(other));
   }
+  // Old names (docs/vocabulary.md): one vocabulary with flatshard-bench.
+  const std::vector<flatshard::tools::FlagRename> renames = {
+      {"--n-layers", "--layers"}, {"--n-heads", "--heads"}, {"--seq-len", "--seq"}};
   int parse_exit = 0;
-  if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-explain", &parse_exit))
+  if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-explain", renames,
+                                            &parse_exit))
     return parse_exit;
+  if (weights.empty() && r.seq > 0) overrides["seq"] = r.seq;  // the model bench would build
+  // An option this combination does not read is said, never dropped silently.
+  auto ignored = [&](const char* flag, bool unused, const std::string& why) {
+    if (unused && app.get_option(flag)->count() > 0)
+      std::cerr << "flatshard-explain: warning: " << flag << " " << why << std::endl;
+  };
+  const bool predicts = r.batch > 0 || r.suggest;
+  ignored("--seq", !weights.empty() && !predicts,
+          "with --weights sets the sequences of --batch or --suggest: ignored without them");
+  ignored("--profile", !predicts, "is read only with --batch or --suggest: ignored");
+  ignored("--prefetch-depths", !r.suggest, "is read only with --suggest: ignored");
+  ignored("--offload-levels", !r.suggest, "is read only with --suggest: ignored");
+  ignored("--prefetch", r.suggest, "is ignored by --suggest, which tries --prefetch-depths");
+  ignored("--forward-prefetch", r.suggest || r.prefetch >= 0,
+          r.suggest ? "is ignored by --suggest, which tries --prefetch-depths"
+                    : "is overridden by --prefetch, which sets both depths");
+  ignored("--backward-prefetch", r.suggest || r.prefetch >= 0,
+          r.suggest ? "is ignored by --suggest, which tries --prefetch-depths"
+                    : "is overridden by --prefetch, which sets both depths");
+  ignored("--offload", r.suggest, "is ignored by --suggest, which tries --offload-levels");
+  ignored("--plan", r.suggest, "is not printed by --suggest: ignored");
+  ignored("--collective-latency-us", r.suggest,
+          "is not read by --suggest (the profile's collective costs are): ignored");
+  ignored("--reference-step-ms", r.suggest,
+          "is not read by --suggest (it predicts the step): ignored");
 
   r.offload_levels = parse_int_list(offload_levels_text, 0, 2);  // checked by int_list
   r.prefetch_depths = parse_int_list(prefetch_depths_text, 0, 64);

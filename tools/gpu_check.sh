@@ -185,16 +185,16 @@ step_train() {
   local b
   for b in 4 1; do
     # shellcheck disable=SC2086
-    "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch "$b" \
-      --warmup 3 --steps 10 --granularity local,layer,leaf,every-2,model,noshard \
+    "$BUILD/benchmarks/flatshard-bench" --device cuda --world "$NPROC" --preset 1b --batch "$b" \
+      --warmup 3 --steps 10 --policy local,layer,leaf,every-2,model,noshard \
       --kernel-profile 2 --json "$LOGDIR/train_b$b.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_b$b.txt" || return 1
   done
 }
 
 step_train_fused() {
   # shellcheck disable=SC2086
-  "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch 4 \
-    --warmup 3 --steps 10 --granularity local,layer,leaf --optimizer fused \
+  "$BUILD/benchmarks/flatshard-bench" --device cuda --world "$NPROC" --preset 1b --batch 4 \
+    --warmup 3 --steps 10 --policy local,layer,leaf --optimizer fused \
     --json "$LOGDIR/train_fused_b4.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_fused_b4.txt"
 }
 
@@ -211,8 +211,8 @@ step_setup() {
       timer=()
       [ -x /usr/bin/time ] && timer=(/usr/bin/time -f "setup $name $init: %e s wall, %M KiB max RSS")
       # shellcheck disable=SC2086
-      "${timer[@]}" "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" ${entry#*:} \
-        --warmup 1 --steps 2 --granularity layer --init "$init" \
+      "${timer[@]}" "$BUILD/benchmarks/flatshard-bench" --device cuda --world "$NPROC" ${entry#*:} \
+        --warmup 1 --steps 2 --policy layer --init "$init" \
         --json "$LOGDIR/setup_${name}_$init.json" | tee "$LOGDIR/setup_${name}_$init.txt" || return 1
     done
   done
@@ -222,8 +222,8 @@ step_trace() {
   rm -f "$LOGDIR"/trace*.json "$LOGDIR/merged_trace.json"
   # shellcheck disable=SC2086
   FLATSHARD_TRACE="$LOGDIR/trace.json" FLATSHARD_TRACE_STEPS=4 \
-    "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc "$NPROC" --preset 1b --batch 4 \
-      --warmup 2 --steps 3 --granularity layer ${GPU_CHECK_TRAIN_ARGS:-} || return 1
+    "$BUILD/benchmarks/flatshard-bench" --device cuda --world "$NPROC" --preset 1b --batch 4 \
+      --warmup 2 --steps 3 --policy layer ${GPU_CHECK_TRAIN_ARGS:-} || return 1
   local files=("$LOGDIR"/trace*.json)
   [ -e "${files[0]}" ] || { log "trace: no trace files in $LOGDIR"; return 1; }
   "$BUILD/tools/flatshard-trace" --merge "$LOGDIR/merged_trace.json" "${files[@]}" \
@@ -238,9 +238,9 @@ step_vs_torch() {
       --modes "${GPU_CHECK_VS_TORCH_MODES:-plain,fsdp2-block}" \
       --json "$LOGDIR/torch_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/torch_b$b.txt" || rc=1
     # shellcheck disable=SC2086
-    "$BUILD/benchmarks/flatshard-bench" --device cuda --nproc 1 --preset 1b --batch "$b" \
+    "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \
       --warmup 3 --steps 10 --optimizer fused \
-      --granularity "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" \
+      --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" \
       --offload "${GPU_CHECK_VS_OFFLOAD:-0}" \
       --json "$LOGDIR/flatshard_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/flatshard_b$b.txt" || rc=1
   done

@@ -273,6 +273,7 @@ Plan make_plan(const torch::nn::Module& model, const Policy& policy) {
   }
   plan.matched_modules =
       std::count_if(matched.begin(), matched.end(), [](int r) { return r >= 0; });
+  plan.policy_rules = static_cast<int64_t>(policy.rules.size());
   return plan;
 }
 

@@ -21,7 +21,7 @@ const char* to_string(ShardingStrategy s) {
 }
 
 std::string Plan::unmatched_warning() const {
-  if (matched_modules != 0 || units.size() != 1) return "";
+  if (matched_modules != 0 || units.size() != 1 || policy_rules == 0) return "";
   return "the policy matched no module: the root unit holds the whole model, which is gathered "
          "at once (no overlap, peak = the full model); check the type names and paths (the plan "
          "lists none)";

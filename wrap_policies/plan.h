@@ -67,6 +67,9 @@ struct Plan {
   // dropping empty units. 0 means the policy matches nothing in this model: the plan is still
   // valid (the root unit owns everything) but a CLI may want to reject the policy.
   int64_t matched_modules = 0;
+  // How many rules the policy had (make_plan sets it). 0: the root alone was asked for ('none',
+  // flatshard-bench's 'model', root options only), so matching nothing is no typo.
+  int64_t policy_rules = 0;
   // Display names of units the policy formed that own no parameter (a matched module without
   // parameters, or one whose parameters all belong to units nested inside it). They are left out
   // of `units`: a unit without a flat parameter would have nothing to gather.
@@ -77,9 +80,10 @@ struct Plan {
   std::string to_string() const;
   int64_t total_numel() const;
   int64_t match_count() const { return matched_modules; }
-  // The warning for a plan whose policy matched no module, so the root unit holds the whole
-  // model; "" otherwise. One text, used by explain() and by fully_shard (which warns, or fails
-  // with ShardingOptions::strict_plan).
+  // The warning for a plan whose policy had rules and matched no module, so the root unit holds
+  // the whole model; "" otherwise (a policy without rules asks for the root alone). One text,
+  // used by explain() and by fully_shard (which warns, or fails with
+  // ShardingOptions::strict_plan).
   std::string unmatched_warning() const;
   // The unit named `name`, or nullptr.
   const UnitSpec* find(const std::string& name) const;

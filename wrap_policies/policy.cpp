@@ -110,6 +110,13 @@ bool type_name_matches(const std::string& module_name, const std::string& type_n
   return false;
 }
 
+std::string policy_type_name(const std::string& module_name) {
+  const size_t colon = module_name.rfind("::");
+  std::string last = colon == std::string::npos ? module_name : module_name.substr(colon + 2);
+  if (last.size() > 4 && ends_with(last, "Impl")) last.resize(last.size() - 4);
+  return last.empty() ? module_name : last;
+}
+
 Rule by_type(std::vector<std::string> type_names) {
   Term t;
   t.kind = Term::Kind::kType;

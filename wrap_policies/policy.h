@@ -121,6 +121,12 @@ UnitOptions offload(UnitOptions base = {}, int level = 1);
 // True when module.name() denotes `type_name` (see by_type).
 bool type_name_matches(const std::string& module_name, const std::string& type_name);
 
+// module.name() as a policy writes the type, and as every tool prints a unit's kind:
+// "torch::nn::LinearImpl" -> "Linear", "flatshard::gpt::BlockImpl" -> "Block" (the last
+// component without LibTorch's "Impl"; type_name_matches() accepts it back). Names without
+// "::" or "Impl" ("<root>", "Norm") are returned unchanged.
+std::string policy_type_name(const std::string& module_name);
+
 // Throws c10::Error for a malformed policy (empty rule, every < 1, size < 0, bad glob, ...).
 void validate(const Policy& policy);
 
