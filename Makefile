@@ -40,7 +40,7 @@ bench: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target flatshard-bench
 	$(BUILD_DIR)/benchmarks/flatshard-bench $(BENCH_ARGS)
 
-# Sanitizer runs of the CPU suite (README "Sanitizers"): separate build folders, LibTorch itself
+# Sanitizer runs of the CPU suite (docs/reliability.md "Sanitizers"): separate build folders, LibTorch itself
 # uninstrumented; tools/sanitizers/ holds the options and suppressions, each with its reason.
 # Narrow with SAN_TARGETS (default: every target) and SAN_CTEST_ARGS (e.g. -L reliability).
 SAN_TARGETS ?= all

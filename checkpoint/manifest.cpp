@@ -119,8 +119,8 @@ std::string dims(const std::vector<int64_t>& v) {
 // every piece's tensor (and optimizer field) present in its file's record with the value's
 // dtype and the piece's element count; step counts >= 0, 0 without an optimizer and equal
 // within a unit (a load gives a unit one step count); names unique. What it cannot check is
-// whether the values are the ones that were saved: that needs a signature (README, "Trust
-// model").
+// whether the values are the ones that were saved: that needs a signature (docs/checkpoints.md,
+// "Trust model").
 void validate(const Manifest& m, const std::string& path) {
   std::unordered_map<std::string, const FileRecord*> files;
   for (const FileRecord& f : m.files) {

@@ -45,7 +45,8 @@ class RngFork {
       write_state(at::detail::getDefaultCPUGenerator(), cpu_);
       if (device_.defined())
         write_state(at::globalContext().defaultGenerator(forward_.device_id), device_);
-    } catch (...) {  // no throw from destructors (STYLE.md 5); set_state of a valid state
+    } catch (...) {  // no throw from destructors (CONTRIBUTING.md 5): set_state of a valid
+                     // state
     }
   }
   RngFork(const RngFork&) = delete;

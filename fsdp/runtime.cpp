@@ -101,7 +101,7 @@ struct StepLease {
   ~StepLease() {
     try {
       if (auto rt = runtime.lock()) (*rt)->on_step_graph_released(step);
-    } catch (...) {  // no throw from destructors (STYLE.md 5); resharding does not throw
+    } catch (...) {  // no throw from destructors (CONTRIBUTING.md 5); resharding does not throw
     }
   }
   std::weak_ptr<Runtime*> runtime;

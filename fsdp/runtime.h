@@ -1,12 +1,13 @@
 // flatshard/fsdp/runtime.h — drives the units of one ShardedModel (internal header).
 //
 // Execution order, prefetch, the backward-pass lifecycle, the streams and the reduce-buffer
-// holder. Owned by ShardedModel. Control goes one way (STYLE.md 13, FSDP2's state -> param
-// group): flatshard::call (fsdp/call.cpp) and the autograd hooks enter the runtime, the runtime
-// calls the units, and a unit gets only its UnitContext (fsdp/unit_context.h) — never the
-// runtime. The one exception is unit-local work: a unit's GradReadyHook reduces that unit when
-// its last gradient is in. Single-threaded per rank (the forward thread and the autograd thread
-// never run flatshard code concurrently for one model).
+// holder. Owned by ShardedModel. Control goes one way (CONTRIBUTING.md 4, FSDP2's state ->
+// param group): flatshard::call (fsdp/call.cpp), the PreBackward nodes and the end-of-backward
+// callback enter the runtime, the runtime calls the units, and a unit gets only its UnitContext
+// (fsdp/unit_context.h) — never the runtime. The one exception is unit-local work: a unit's
+// GradReadyHook reduces that unit when its last gradient is in, and a FrozenInput node tells its
+// unit when its inputs' gradients are out. Single-threaded per rank (the forward thread and the
+// autograd thread never run flatshard code concurrently for one model).
 #pragma once
 
 #include <ATen/ATen.h>

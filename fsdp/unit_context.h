@@ -4,8 +4,8 @@
 // unit it drives holds a const reference to it. A unit reads its communicators, streams, tracer
 // and the debug knobs of ShardingOptions it honours from here, and parks its reduction's buffers
 // in the ReduceBuffers holder. Nothing here leads back to the runtime: control goes runtime ->
-// unit, never up (STYLE.md, "Control goes one way"). Gradient sync is not here: it changes
-// between steps, so the runtime sets it on each unit (Unit::set_requires_grad_sync).
+// unit, never up (CONTRIBUTING.md 4, "Control goes one way"). Gradient sync is not here: it
+// changes between steps, so the runtime sets it on each unit (Unit::set_requires_grad_sync).
 #pragma once
 
 #include <c10/core/Stream.h>

@@ -1,7 +1,8 @@
 // The README's quick start, compiled and run as printed (so the documentation cannot rot):
 // tests/CMakeLists.txt copies the block out of README.md into readme_quickstart.inc, which is
 // compiled here at file scope; 2 ranks as threads train the tiny GPT with a per-layer plan and
-// the loss it prints must fall. The fine-tuning example below is kept in sync by hand.
+// the loss it prints must fall. The fine-tuning example below (docs/fine-tuning.md) is kept in
+// sync by hand.
 #include <catch2/catch.hpp>
 
 #include "readme_quickstart.inc"  // void train(flatshard::Communicator&)
@@ -30,7 +31,7 @@ constexpr int kSteps = 40;
 std::vector<double> g_finetune_losses;
 std::map<std::string, at::Tensor> g_frozen_after;
 
-// --- README fine-tuning (keep in sync) ---------------------------------------------------------
+// --- docs/fine-tuning.md (keep in sync) --------------------------------------------------------
 void finetune(flatshard::Communicator& comm) {
   auto model = flatshard::gpt::GPT(flatshard::gpt::GPTConfig::preset("tiny"), /*seed=*/0);
   for (auto& p : model->named_parameters())            // frozen: positions, q/k/v

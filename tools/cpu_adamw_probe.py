@@ -5,7 +5,7 @@ ATen's fused CPU AdamW (torch._fused_adamw_, the kernel flatshard::FusedAdamW ca
 fp32 tensors of 38 M elements (~0.95 G parameters: the 1B GPT / LLaMA masters), 1 warm-up and 6
 timed steps; prints the median and every step. One line per process: run it several times,
 interleaved with its variants, to see how much the host's speed changes between processes
-(benchmarks/RESULTS.md, "Issue 20, fourth pass").
+(benchmarks/history.md, "Issue 20, fourth pass").
 
 Environment:
   ALLOC = pin_memory (default: torch's pinned allocator) | register (mmap + cudaHostRegister,

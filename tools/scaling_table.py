@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Communication per training step: FULL_SHARD over all N GPUs vs HSDP (shard group = node).
 
-Prints the table of README.md "Scaling: FULL_SHARD vs HSDP". Model (bandwidth only; see README):
+Prints the table of docs/hsdp.md "Scaling: FULL_SHARD vs HSDP". Model (bandwidth only; see there):
   ring collectives; a ring over N ranks moves (N-1)/N of the buffer through every GPU's link for
   all-gather and reduce-scatter, 2(N-1)/N for all-reduce (nccl-tests' busbw definitions), so
   time = bytes x factor / busbw. A ring that leaves the node runs at the inter-node bandwidth per
