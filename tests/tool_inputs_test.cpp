@@ -30,6 +30,7 @@
 #include "planner/machine_profile.h"
 #include "support/input_file.h"
 #include "temp_dir.h"
+#include "tool_run.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/spec.h"
 
@@ -41,9 +42,7 @@ using namespace flatshard;
 
 namespace {
 
-struct Outcome {
-  int exit_code = -1;  // 124: killed by the timeout; 128: killed by a signal
-  std::string out, err;
+struct Outcome : flatshard_test::ToolRun {
   int lines() const { return static_cast<int>(std::count(err.begin(), err.end(), '\n')); }
   // Lines of stderr from the first that starts with `prefix` (the tool's own error) to the end.
   int lines_from(const std::string& prefix) const {
@@ -55,22 +54,12 @@ struct Outcome {
   }
 };
 
-std::string slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using flatshard_test::slurp;
+std::string quote(const std::string& s) { return flatshard_test::shell_quote(s); }
 
 void write(const std::string& p, const std::string& text) {
   std::ofstream f(p, std::ios::binary);
   f << text;
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
 }
 
 const std::string& dir() {
@@ -83,17 +72,9 @@ std::string path(const std::string& name) { return dir() + "/" + name; }
 // (0: no limit), with `env` (NAME=value) added.
 Outcome run(const char* exe, const std::vector<std::string>& args, int seconds = 60,
             long vm_kib = 0, const std::vector<std::string>& env = {}) {
-  std::string cmd = vm_kib > 0 ? "ulimit -v " + std::to_string(vm_kib) + "; " : "";
-  cmd += "timeout -k 5 " + std::to_string(seconds) + " env";
-  for (const auto& kv : env) cmd += " " + quote(kv);
-  cmd += " " + quote(exe);
-  for (const auto& a : args) cmd += " " + quote(a);
-  cmd += " >" + quote(path("stdout.txt")) + " 2>" + quote(path("stderr.txt")) + " </dev/null";
-  const int status = std::system(("sh -c " + quote(cmd)).c_str());
   Outcome o;
-  o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-  o.out = slurp(path("stdout.txt"));
-  o.err = slurp(path("stderr.txt"));
+  static_cast<flatshard_test::ToolRun&>(o) =
+      flatshard_test::run_tool(dir(), exe, args, {seconds, vm_kib, env, ""});
   return o;
 }
 

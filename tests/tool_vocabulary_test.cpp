@@ -16,15 +16,14 @@
 
 #include "planner/trace_summary.h"
 #include "temp_dir.h"
+#include "tool_run.h"
 #include "tools/cli_exit.h"
 #include "tools/named_plans.h"
 #include "wrap_policies/policy.h"
 
 namespace {
 
-struct Run {
-  int exit_code = -1;
-  std::string out, err;
+struct Run : flatshard_test::ToolRun {
   int count(const std::string& needle, const std::string& in) const {
     int n = 0;
     for (size_t at = in.find(needle); at != std::string::npos; at = in.find(needle, at + 1)) ++n;
@@ -37,32 +36,14 @@ const std::string& dir() {
   return d.path();
 }
 
-std::string slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-std::string quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
+using flatshard_test::slurp;
 
 // `exe args` in dir() (so relative trace paths land there), with `env` added.
 Run run(const char* exe, const std::vector<std::string>& args,
         const std::vector<std::string>& env = {}) {
-  std::string cmd = "cd " + quote(dir()) + " && timeout -k 5 120 env";
-  for (const auto& kv : env) cmd += " " + quote(kv);
-  cmd += " " + quote(exe);
-  for (const auto& a : args) cmd += " " + quote(a);
-  cmd += " >" + quote(dir() + "/out.txt") + " 2>" + quote(dir() + "/err.txt") + " </dev/null";
-  const int status = std::system(("sh -c " + quote(cmd)).c_str());
   Run r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-  r.out = slurp(dir() + "/out.txt");
-  r.err = slurp(dir() + "/err.txt");
+  static_cast<flatshard_test::ToolRun&>(r) =
+      flatshard_test::run_tool(dir(), exe, args, {120, 0, env, dir()});
   return r;
 }
 
