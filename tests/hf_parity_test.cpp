@@ -85,6 +85,27 @@ at::Tensor read_tensor(const std::string& path, std::vector<int64_t> shape, at::
   return t;
 }
 
+// `dir` built on meta and loaded with hf_config's config and hf_loader, one unit per layer.
+struct LoadedHf {
+  std::shared_ptr<torch::nn::Module> model;
+  std::unique_ptr<flatshard::ShardedModel> fsdp;
+  flatshard::llama::LlamaImpl* llama = nullptr;
+};
+LoadedHf load_hf(const std::string& dir, const fm::ModelConfig& cfg, Communicator& comm) {
+  LoadedHf l;
+  {
+    flatshard::MetaInit meta;
+    l.model = cfg.build(/*seed=*/0);
+  }
+  flatshard::ShardingOptions options;
+  options.load = fm::hf_loader(dir, cfg);
+  l.fsdp = flatshard::fully_shard(l.model, flatshard::parse_policy("type=DecoderLayer"), comm,
+                                  options);
+  l.llama = dynamic_cast<flatshard::llama::LlamaImpl*>(l.model.get());
+  REQUIRE(l.llama != nullptr);
+  return l;
+}
+
 // transformers' logits and ours for `name`, sharded per layer over `world` CPU ranks.
 void check_case(const std::string& name, int world) {
   const std::string dir = reference_dir() + "/" + name;
@@ -98,19 +119,9 @@ void check_case(const std::string& name, int world) {
   std::vector<at::Tensor> got(static_cast<size_t>(world));
   std::mutex mu;
   flatshard::run_ranks(world, [&](Communicator& comm) {
-    std::shared_ptr<torch::nn::Module> model;
-    {
-      flatshard::MetaInit meta;
-      model = cfg.build(/*seed=*/0);
-    }
-    flatshard::ShardingOptions options;
-    options.load = fm::hf_loader(dir, cfg);
-    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm,
-                                       options);
-    auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
-    REQUIRE(llama != nullptr);
+    const LoadedHf l = load_hf(dir, cfg, comm);
     at::NoGradGuard no_grad;
-    const at::Tensor logits = flatshard::enter(model, [&] { return llama->forward(idx); });
+    const at::Tensor logits = flatshard::enter(l.model, [&] { return l.llama->forward(idx); });
     std::lock_guard<std::mutex> lock(mu);
     got[static_cast<size_t>(comm.rank())] = logits.clone();
   });
@@ -163,17 +174,10 @@ Trained train_case(const std::string& name, int world, const std::string& out,
   Trained t;
   std::mutex mu;
   flatshard::run_ranks(world, [&](Communicator& comm) {
-    std::shared_ptr<torch::nn::Module> model;
-    {
-      flatshard::MetaInit meta;
-      model = cfg.build(/*seed=*/0);
-    }
-    flatshard::ShardingOptions options;
-    options.load = fm::hf_loader(dir, cfg);
-    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm,
-                                       options);
-    auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
-    REQUIRE(llama != nullptr);
+    const LoadedHf l = load_hf(dir, cfg, comm);
+    const auto& model = l.model;
+    auto* llama = l.llama;
+    auto& fsdp = l.fsdp;
     // torch.optim.AdamW's defaults beside lr: betas (0.9, 0.999), eps 1e-8, weight_decay 0.01.
     torch::optim::AdamW opt(fsdp->parameters(),
                             torch::optim::AdamWOptions(kLr).weight_decay(0.01).eps(1e-8));
@@ -263,18 +267,10 @@ TEST_CASE("hf: AdamW steps match transformers, and save_hf opens in from_pretrai
   const fm::ModelConfig cfg = fm::hf_config(bf16);
   at::Tensor back;
   flatshard::run_ranks(1, [&](Communicator& comm) {
-    std::shared_ptr<torch::nn::Module> model;
-    {
-      flatshard::MetaInit meta;
-      model = cfg.build(0);
-    }
-    flatshard::ShardingOptions o;
-    o.load = fm::hf_loader(bf16, cfg);
-    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm, o);
-    auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
+    const LoadedHf l = load_hf(bf16, cfg, comm);
     at::NoGradGuard no_grad;
     const at::Tensor idx = read_tensor(reference_dir() + "/llama2/idx.bin", {2, 24}, at::kLong);
-    back = flatshard::enter(model, [&] { return llama->forward(idx); }).clone();
+    back = flatshard::enter(l.model, [&] { return l.llama->forward(idx); }).clone();
   });
   CHECK(max_diff(back, theirs) < 1e-4);
   CHECK(side_entries(bf16).empty());
@@ -302,19 +298,10 @@ TEST_CASE("hf: a hub-cache snapshot loads in place; links leaving it are refused
     const fm::ModelConfig cfg = fm::hf_config(dir);
     at::Tensor got;
     flatshard::run_ranks(2, [&](Communicator& comm) {
-      std::shared_ptr<torch::nn::Module> model;
-      {
-        flatshard::MetaInit meta;
-        model = cfg.build(0);
-      }
-      flatshard::ShardingOptions o;
-      o.load = fm::hf_loader(dir, cfg);
-      auto fsdp =
-          flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm, o);
-      auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
+      const LoadedHf l = load_hf(dir, cfg, comm);
       at::NoGradGuard no_grad;
-      const at::Tensor l = flatshard::enter(model, [&] { return llama->forward(idx); });
-      if (comm.rank() == 0) got = l.clone();
+      const at::Tensor out = flatshard::enter(l.model, [&] { return l.llama->forward(idx); });
+      if (comm.rank() == 0) got = out.clone();
     });
     return got;
   };
@@ -410,16 +397,7 @@ TEST_CASE("hf: a missing tensor or a shape the config does not describe is one e
   const fm::ModelConfig cfg = fm::hf_config(src);
   auto load = [&](const std::string& dir) {
     const fm::ModelConfig c = fm::hf_config(dir);
-    flatshard::run_ranks(2, [&](Communicator& comm) {
-      std::shared_ptr<torch::nn::Module> model;
-      {
-        flatshard::MetaInit meta;
-        model = c.build(0);
-      }
-      flatshard::ShardingOptions o;
-      o.load = fm::hf_loader(dir, c);
-      flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm, o);
-    });
+    flatshard::run_ranks(2, [&](Communicator& comm) { load_hf(dir, c, comm); });
   };
   // The weights without one tensor (written under another name).
   const std::string missing = tmp / "missing";
