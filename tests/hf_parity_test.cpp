@@ -427,6 +427,42 @@ TEST_CASE("hf: a missing tensor or a shape the config does not describe is one e
                                     Catch::Contains("[97, 64] in the model"));
 }
 
+TEST_CASE("export: bad options and a model that is not the LLaMA are errors, nothing written",
+          "[hf]") {
+  flatshard_test::TempDir tmp;
+  auto fails = [&](const fm::ModelConfig& cfg, const flatshard::ExportOptions* o,
+                   const std::string& what) {
+    const std::string dir = tmp / "out";
+    CAPTURE(what);
+    CHECK_THROWS_WITH(flatshard::run_ranks(2,
+                                           [&](Communicator& comm) {
+                                             auto model = cfg.build(0);
+                                             auto fsdp = flatshard::fully_shard(
+                                                 model, flatshard::parse_policy("none"), comm);
+                                             if (o)
+                                               flatshard::export_safetensors(*fsdp, dir, *o);
+                                             else
+                                               fm::save_hf(*fsdp, dir);
+                                           }),
+                      Catch::Contains(what));
+    CHECK_FALSE(flatshard::path_exists(dir));
+  };
+  const auto llama = fm::ModelConfig::of(flatshard::llama::LlamaConfig::preset("tiny"));
+  flatshard::ExportOptions half;
+  half.dtype = at::kHalf;
+  fails(llama, &half, "is not exported (kFloat or kBFloat16)");
+  flatshard::ExportOptions zero;
+  zero.max_file_bytes = 0;
+  fails(llama, &zero, "max_file_bytes must be positive");
+  flatshard::ExportOptions escape;
+  escape.text_files = {{"../config.json", "{}"}};
+  fails(llama, &escape, "../config.json");
+  flatshard::ExportOptions clash;
+  clash.text_files = {{"model.safetensors", "{}"}};
+  fails(llama, &clash, "clashes with the export's own files");
+  fails(fm::ModelConfig::preset("gpt", "tiny"), nullptr, "not flatshard's LLaMA");
+}
+
 TEST_CASE("hf: config.json written by hf_config_json reads back as the same config", "[hf]") {
   using flatshard::llama::LlamaConfig;
   using flatshard::llama::RopeScaling;
