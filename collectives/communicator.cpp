@@ -30,9 +30,10 @@ namespace detail {
 void check_tensor(const char* call, int rank, const char* what, const at::Tensor& t,
                   c10::Device device) {
   TORCH_CHECK(t.defined(), call, " (rank ", rank, "): ", what, " is an undefined tensor");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, call, " (rank ",
-              rank, "): ", what, " has dtype ", t.scalar_type(),
-              "; supported dtypes are float32 and bfloat16");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kHalf,
+              call, " (rank ", rank, "): ", what, " has dtype ", t.scalar_type(),
+              "; supported dtypes are float32, bfloat16 and float16");
   TORCH_CHECK(t.is_contiguous(), call, " (rank ", rank, "): ", what,
               " must be contiguous (sizes ", t.sizes(), ", strides ", t.strides(), ")");
   TORCH_CHECK(t.device() == device, call, " (rank ", rank, "): ", what, " is on ", t.device(),

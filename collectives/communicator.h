@@ -4,8 +4,9 @@
 // - One Communicator per rank per process group. Every rank must issue the same collectives in
 //   the same order (host order). Collectives of one Communicator may run concurrently with those
 //   of another (the NCCL backend uses separate NCCL communicators per Lane for that).
-// - Buffers: contiguous, same dtype (float32 or bfloat16) and device on every rank, equal sizes
-//   across ranks. Violations throw c10::Error naming the call, the rank and the values.
+// - Buffers: contiguous, same dtype (float32, bfloat16 or float16) and device on every rank,
+//   equal sizes across ranks. Violations throw c10::Error naming the call, the rank and the
+//   values.
 // - Streams: each call takes the stream it is enqueued on (`c10::Stream`). CUDA backends launch
 //   asynchronously on that stream and return immediately; the caller orders consumers with
 //   events. The CPU backend ignores the stream and completes before returning.

@@ -30,6 +30,8 @@ ncclDataType_t nccl_dtype(at::ScalarType t) {
       return ncclFloat32;
     case at::kBFloat16:
       return ncclBfloat16;
+    case at::kHalf:
+      return ncclFloat16;
     default:
       TORCH_INTERNAL_ASSERT(false, "nccl_dtype: unsupported dtype ", t,
                             " passed the argument checks");

@@ -1,5 +1,5 @@
 // Closed-form checks of every collective of the CPU (threads) backend: world sizes 1..4, counts
-// 0, 1, odd and large, float32 and bfloat16, in-place variants, and argument errors.
+// 0, 1, odd and large, float32, bfloat16 and float16, in-place variants, and argument errors.
 #include <catch2/catch.hpp>
 
 #include <ATen/ATen.h>
@@ -23,7 +23,7 @@ at::Tensor rank_tensor(int r, int64_t n, at::ScalarType dt, int64_t offset = 0) 
 }
 
 const std::vector<int64_t> kCounts = {0, 1, 7, 1000, 65537};
-const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16};
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
 }  // namespace
 
@@ -130,7 +130,8 @@ TEST_CASE("bad arguments give clear errors naming call and rank", "[collectives]
     REQUIRE_THROWS_WITH(c.all_gather(at::ones({3}), at::empty({3}, at::kBFloat16), s),
                         Catch::Contains("input dtype Float differs from output dtype BFloat16"));
     REQUIRE_THROWS_WITH(c.all_reduce(at::ones({3}, at::kDouble), ReduceOp::kSum, s),
-                        Catch::Contains("dtype Double") && Catch::Contains("float32 and bfloat16"));
+                        Catch::Contains("dtype Double") &&
+                            Catch::Contains("float32, bfloat16 and float16"));
     auto nc = at::ones({4, 4}).t();
     REQUIRE_THROWS_WITH(c.all_reduce(nc, ReduceOp::kSum, s), Catch::Contains("must be contiguous"));
     REQUIRE_THROWS_WITH(c.reduce_scatter(at::ones({5}), at::empty({2}), ReduceOp::kSum, s),

@@ -1,8 +1,8 @@
 // Closed-form checks of the NCCL backend on the launched world (one process per GPU), the same
-// expectations as tests/collectives_test.cpp: counts 0, 1, odd and large, float32 and bfloat16,
-// in-place variants, sum and avg, every broadcast root; plus argument errors, grouped launches,
-// lane concurrency, stream ordering, shutdown, and a timeout that must end in an error (not a
-// hang) when one rank skips a collective.
+// expectations as tests/collectives_test.cpp: counts 0, 1, odd and large, float32, bfloat16 and
+// float16, in-place variants, sum and avg, every broadcast root; plus argument errors, grouped
+// launches, lane concurrency, stream ordering, shutdown, and a timeout that must end in an error
+// (not a hang) when one rank skips a collective.
 //
 // Multi-process: launch with
 //   python3 -m torch.distributed.run --standalone --nproc-per-node 2 --no-python
@@ -63,12 +63,12 @@ bool matches(const at::Tensor& got, const at::Tensor& expect_double, ReduceOp op
   auto g = got.cpu();
   const bool pow2 = (world & (world - 1)) == 0;
   if (op == ReduceOp::kSum || pow2) return at::equal(g, expect_double.to(dt));
-  const double rtol = dt == at::kBFloat16 ? 1e-2 : 1e-6;
+  const double rtol = dt == at::kBFloat16 ? 1e-2 : dt == at::kHalf ? 1e-3 : 1e-6;
   return at::allclose(g.to(at::kDouble), expect_double, rtol, 1e-6);
 }
 
 const std::vector<int64_t> kCounts = {0, 1, 7, 1000, 65537, (int64_t{1} << 22) + 3};
-const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16};
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf};
 
 }  // namespace
 
@@ -291,7 +291,8 @@ TEST_CASE("bad arguments give clear errors naming call and rank", "[nccl][errors
   REQUIRE_THROWS_WITH(c.all_gather(at::ones({3}, gpu(at::kFloat)), at::empty({3 * world}, gpu(at::kBFloat16)), s),
                       Catch::Contains("input dtype Float differs from output dtype BFloat16"));
   REQUIRE_THROWS_WITH(c.all_reduce(at::ones({3}, gpu(at::kDouble)), ReduceOp::kSum, s),
-                      Catch::Contains("dtype Double") && Catch::Contains("float32 and bfloat16"));
+                      Catch::Contains("dtype Double") &&
+                          Catch::Contains("float32, bfloat16 and float16"));
   REQUIRE_THROWS_WITH(c.all_reduce(at::ones({4, 4}, gpu(at::kFloat)).t(), ReduceOp::kSum, s),
                       Catch::Contains("must be contiguous"));
   REQUIRE_THROWS_WITH(c.all_reduce(at::ones({3}), ReduceOp::kSum, s),
