@@ -60,7 +60,7 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit 1
 PYTHON=${PYTHON:-python3}
 BUILD=${GPU_CHECK_BUILD:-/tmp/flatshard-gpu-build}
 LOGDIR=${GPU_CHECK_LOGDIR:-$BUILD/gpu_check}
@@ -235,7 +235,7 @@ step_vs_torch() {
   for b in ${GPU_CHECK_VS_BATCHES:-4 1}; do
     # shellcheck disable=SC2086
     "$PYTHON" tools/torch_reference.py --preset 1b --batch "$b" \
-      --modes "${GPU_CHECK_VS_TORCH_MODES:-plain,fsdp2-block}" \
+      --modes "${GPU_CHECK_VS_TORCH_MODES:-plain,amp,fsdp2-block}" \
       --json "$LOGDIR/torch_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/torch_b$b.txt" || rc=1
     # shellcheck disable=SC2086
     "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \

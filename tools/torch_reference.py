@@ -14,8 +14,13 @@ Loss: cross-entropy in fp32 (as GPTImpl::loss). Optimizer: AdamW(lr 1e-3, weight
 fused (default, as flatshard-bench --optimizer fused) or foreach.
 
 Modes (comma list, --modes):
-  plain        single GPU, parameters in --param-dtype (bf16), no wrapper: the floor. Run as
-               rank 0 only when launched with several processes.
+  plain        single GPU, parameters in --param-dtype (bf16), no wrapper: the floor (pure bf16:
+               bf16 parameters and bf16 AdamW state). Run as rank 0 only when launched with
+               several processes.
+  amp          single GPU, the usual PyTorch mixed precision: fp32 parameters, forward and loss
+               under torch.autocast(dtype --param-dtype, bf16), backward outside it, AdamW
+               (fused) over the fp32 parameters and fp32 state: the single-GPU floor with an
+               fp32 master. Rank 0 only, as plain.
   ddp          DistributedDataParallel over all ranks, bf16 parameters.
   fsdp2-block  fully_shard per Block, then the root; fp32 master, MixedPrecisionPolicy(bf16,
                reduce --reduce-dtype), reshard_after_forward=True (FSDP2's default).
@@ -25,15 +30,20 @@ Modes (comma list, --modes):
                gradients and optimizer state on the host, the optimizer stepping on the CPU
                (flatshard-bench --offload 1 is the counterpart).
 
+--device cpu runs plain and amp on the host (timed with the host clock, no peak memory): a check
+of the script itself, e.g. --device cpu --preset tiny --warmup 1 --steps 2, not a floor.
+
 World 1 needs no launcher (the script makes a one-rank process group); for more ranks use
   python3 -m torch.distributed.run --standalone --nproc-per-node N tools/torch_reference.py ...
 
 Each mode: --warmup untimed steps, then --steps timed steps (CUDA events around each whole step,
-synchronised per step, like flatshard-bench); the median step ms, host issue ms, peak memory
-(torch.cuda.max_memory_allocated after reset), tokens/s per GPU and MFU are printed as a table
-and, with --json, written for tools/gpu_check.sh to join with flatshard-bench's table.
+synchronised per step, like flatshard-bench; the host clock on --device cpu); the median step
+ms, host issue ms, peak memory (torch.cuda.max_memory_allocated after reset), tokens/s per GPU
+and MFU are printed as a table and, with --json, written for tools/gpu_check.sh to join with
+flatshard-bench's table.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -276,12 +286,55 @@ def dtype_of(name):
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
+# Modes on one device without a wrapper: rank 0 runs them alone while the other ranks wait.
+SINGLE_DEVICE_MODES = ("plain", "amp")
+
+
+def autocast_for(mode, args, device):
+    """amp's forward context (fp32 parameters, compute in --param-dtype); nothing for the others."""
+    compute = dtype_of(args.param_dtype)
+    if mode != "amp" or compute == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute)
+
+
+class StepTimer:
+    """One step's device time: CUDA events around it on a GPU, the host clock on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def begin(self):
+        if self.cuda:
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def elapsed_ms(self):  # after sync()
+        return self.start.elapsed_time(self.end) if self.cuda else (self.t1 - self.t0) * 1e3
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def build(mode, args, cfg, device, world):
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = Llama(**cfg) if args.model == "llama" else GPT(*cfg)
     if mode == "plain":
         return model.to(dtype_of(args.param_dtype))
+    if mode == "amp":
+        return model  # fp32 parameters; autocast_for() casts in the forward
     if mode == "ddp":
         model = model.to(dtype_of(args.param_dtype))
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
@@ -298,7 +351,7 @@ def build(mode, args, cfg, device, world):
     elif mode == "fsdp2-leaf":
         units = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding))]
     else:
-        raise SystemExit(f"torch_reference: unknown mode '{mode}' (plain, ddp, fsdp2-block, fsdp2-leaf, "
+        raise SystemExit(f"torch_reference: unknown mode '{mode}' (plain, amp, ddp, fsdp2-block, fsdp2-leaf, "
                          "each fsdp2 mode also with -offload)")
     for m in units:
         fully_shard(m, mp_policy=mp, offload_policy=offload)
@@ -318,40 +371,45 @@ def sizes(args, cfg):
 
 def run(mode, args, cfg, device, rank, world):
     vocab, seq, _, fpt, _ = sizes(args, cfg)
-    torch.cuda.empty_cache()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
     model = build(mode, args, cfg, device, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
                             fused=args.optimizer == "fused", foreach=args.optimizer != "fused" or None)
     gen = torch.Generator().manual_seed(args.seed * 1000003 + rank)
     total = args.warmup + args.steps
     batches = [synthetic_batch(vocab, seq, args.batch, gen, device) for _ in range(total)]
-    torch.cuda.synchronize()
-    if world > 1 and mode != "plain":
+    sync(device)
+    if world > 1 and mode not in SINGLE_DEVICE_MODES:
         dist.barrier()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    timer = StepTimer(device)
     step_ms, issue_ms, loss0 = [], [], None
     for s in range(total):
         t0 = time.perf_counter()
-        start.record()
+        timer.begin()
         opt.zero_grad(set_to_none=True)
-        loss = model(*batches[s])
+        with autocast_for(mode, args, device):
+            loss = model(*batches[s])
         loss.backward()
         opt.step()
-        end.record()
+        timer.stop()
         t_issue = (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
+        sync(device)
         if s == 0:
             loss0 = loss.item()
         if s >= args.warmup:
-            step_ms.append(start.elapsed_time(end))
+            step_ms.append(timer.elapsed_ms())
             issue_ms.append(t_issue)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     ms = statistics.median(step_ms)
     tok = args.batch * seq / (ms * 1e-3)
     row = {
-        "mode": mode, "world_size": 1 if mode == "plain" else world, "batch": args.batch,
-        "step_ms": ms, "host_ms": statistics.median(issue_ms), "peak_mib": peak / 2**20,
+        "mode": mode, "world_size": 1 if mode in SINGLE_DEVICE_MODES else world, "batch": args.batch,
+        "step_ms": ms, "host_ms": statistics.median(issue_ms),
+        "peak_mib": None if peak is None else peak / 2**20,
         "tokens_per_s_per_gpu": tok,
         "mfu": tok * fpt / (args.peak_tflops * 1e12),
         "loss_step0": loss0, "optimizer": args.optimizer,
@@ -367,11 +425,17 @@ def main():
     ap.add_argument("--preset", default="1b", choices=sorted(set(PRESETS) | set(LLAMA_PRESETS)))
     ap.add_argument("--layers", type=int)
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
-    ap.add_argument("--modes", default="plain,fsdp2-block,fsdp2-leaf")
+    ap.add_argument("--modes", default="plain,fsdp2-block,fsdp2-leaf",
+                    help="comma list of plain (pure bf16 floor), amp (fp32 parameters + bf16 autocast, "
+                         "fused AdamW over fp32), ddp, fsdp2-block, fsdp2-leaf, fsdp2-{block,leaf}-offload")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: plain and amp only, host-clock timing; checks the script, not a floor")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="parameter dtype of plain and ddp, compute dtype of fsdp2 and of amp's autocast "
+                         "(fp32: amp runs without autocast)")
     ap.add_argument("--reduce-dtype", choices=["bf16", "fp32"], help="default: the param dtype")
     ap.add_argument("--optimizer", default="fused", choices=["fused", "adamw"])
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for MFU (H100/H200 bf16 dense)")
@@ -393,39 +457,51 @@ def main():
         if args.layers is not None:
             cfg[3] = args.layers
         cfg = tuple(cfg)
-    if not torch.cuda.is_available():
-        sys.exit("torch_reference: needs a CUDA GPU (it is the GPU floor flatshard-bench is compared with)")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.device == "cpu":
+        other = [m for m in modes if m not in SINGLE_DEVICE_MODES]
+        if other:
+            ap.error(f"--device cpu runs {', '.join(SINGLE_DEVICE_MODES)} only, got {', '.join(other)}")
+    elif not torch.cuda.is_available():
+        sys.exit("torch_reference: needs a CUDA GPU (it is the GPU floor flatshard-bench is compared with; "
+                 "--device cpu checks the script on the host)")
 
     if "RANK" not in os.environ:  # world 1 without a launcher
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.device == "cpu":
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        torch.backends.cuda.matmul.allow_tf32 = True
 
     rows = []
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        if mode == "plain" and rank != 0:
+    for mode in modes:
+        if mode in SINGLE_DEVICE_MODES and rank != 0:
             dist.barrier()
             continue
         row = run(mode, args, cfg, device, rank, world)
-        if mode == "plain" and world > 1:
+        if mode in SINGLE_DEVICE_MODES and world > 1:
             dist.barrier()
         rows.append(row)
         if rank == 0:
             print(f"[torch_reference] {mode}: {row['step_ms']:.1f} ms/step", file=sys.stderr, flush=True)
     if rank == 0:
         _, _, params, _, desc = sizes(args, cfg)
-        print(f"# PyTorch {torch.__version__}, {torch.cuda.get_device_name(device)}, world {world}, "
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (host clock)"
+        print(f"# PyTorch {torch.__version__}, {name}, world {world}, "
               f"{desc} ({params / 1e9:.2f} B params), batch {args.batch}/GPU, "
               f"optimizer {args.optimizer}")
         base = next((r["step_ms"] for r in rows if r["mode"] == "plain"), None)
         print(f"{'mode':<20} {'step ms':>8} {'x plain':>8} {'host ms':>8} {'peak MiB':>9} {'tok/s/GPU':>10} {'MFU':>6} {'loss0':>7}")
         for r in rows:
             ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
-            print(f"{r['mode']:<20} {r['step_ms']:8.1f} {ratio:>8} {r['host_ms']:8.1f} {r['peak_mib']:9.0f} "
+            peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+            print(f"{r['mode']:<20} {r['step_ms']:8.1f} {ratio:>8} {r['host_ms']:8.1f} {peak:>9} "
                   f"{r['tokens_per_s_per_gpu']:10.0f} {100 * r['mfu']:5.1f}% {r['loss_step0']:7.3f}")
         if args.json:
             tmp = args.json + ".tmp"
