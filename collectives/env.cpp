@@ -31,6 +31,9 @@ const std::vector<Knob>& knobs() {
       {kUpcastKernel, "1",
        "1: flatshard's vectorized bf16 -> fp32 kernel for reduced gradient shards (when built "
        "with nvcc); 0: ATen's conversion"},
+      {kGroupedGradCopy, "1",
+       "1: one grouped launch per unit copies its parameters' gradients into the flat (or, at "
+       "one rank, master) gradient; 0: one launch per parameter"},
       {kTrace, "",
        "path of each rank's Chrome/Perfetto trace (\"{rank}\" or .rank<R> per rank; \"nvtx\": "
        "NVTX ranges only); unset: no trace unless TraceOptions::path is set"},
@@ -83,6 +86,7 @@ bool nccl_terminate_on_error() { return get_bool(kNcclTerminateOnError, false); 
 bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
 bool debug() { return get_bool(kDebug, false); }
 bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
+bool grouped_grad_copy() { return get_bool(kGroupedGradCopy, true); }
 std::string trace_path() { return get(kTrace); }
 int trace_steps() { return static_cast<int>(get_int(kTraceSteps, 64, 0, 1000000)); }
 
@@ -95,6 +99,7 @@ void check_all() {
   nccl_eager_connect();
   debug();
   upcast_kernel();
+  grouped_grad_copy();
   trace_steps();
 }
 

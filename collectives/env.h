@@ -60,6 +60,11 @@ inline constexpr const char* kDebug = "FLATSHARD_DEBUG";
 // FLATSHARD_UPCAST_KERNEL (default 1): 0 = convert reduced bf16 gradient shards to fp32 with
 // ATen instead of flatshard's vectorized kernel (flat_param/upcast.h), for A/B measurements.
 inline constexpr const char* kUpcastKernel = "FLATSHARD_UPCAST_KERNEL";
+// FLATSHARD_GROUPED_GRAD_COPY (default 1): 0 = copy a unit's parameter gradients into its flat
+// gradient (or, at one rank, its master gradient) one launch per parameter instead of one
+// grouped launch per unit (Note [Grouped gradient copies], flat_param/flat_param.cpp), for A/B
+// measurements.
+inline constexpr const char* kGroupedGradCopy = "FLATSHARD_GROUPED_GRAD_COPY";
 
 // FLATSHARD_TRACE (default unset = off): where each rank writes its Chrome/Perfetto trace when
 // ShardingOptions::trace.path is empty (fsdp/trace.h; same syntax: "{rank}", ".rank<R>", "nvtx").
@@ -92,6 +97,7 @@ bool nccl_terminate_on_error();
 bool nccl_eager_connect();
 bool debug();
 bool upcast_kernel();
+bool grouped_grad_copy();
 std::string trace_path();  // "" when unset
 int trace_steps();
 

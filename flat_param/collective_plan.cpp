@@ -295,6 +295,9 @@ class OneRankReduce final : public ReducePlan {
     const bool fresh = !mg.defined();
     if (fresh) mg = at::empty({s.master.numel()}, s.master.options().requires_grad(false));
     const FlatLayout& l = s.layout;
+    // A fresh gradient: Note [Grouped gradient copies] (upcast.cpp), one launch for the copies
+    // (upcasts), one for the zeros; accumulating into an existing one adds per parameter.
+    std::vector<at::Tensor> regions, srcs, zeros;
     for (size_t i = 0; i < s.pending.size(); ++i) {
       at::Tensor region = mg.narrow(0, l.offsets[i], l.numels[i]);
       at::Tensor src;
@@ -304,16 +307,21 @@ class OneRankReduce final : public ReducePlan {
         src = s.flat_grad.narrow(0, l.offsets[i], l.numels[i]);
       }
       if (!src.defined()) {
-        if (fresh) region.zero_();  // no gradient reached it: zero, as the general path
+        // No gradient reached it: zero, as the general path.
+        if (fresh) zeros.push_back(std::move(region));
       } else if (fresh) {
-        copy_to_float(region, src);  // Note [Vectorized upcast]: ATen's casting copy is ~3x slower
+        regions.push_back(std::move(region));
+        srcs.push_back(std::move(src));
       } else {
         region.add_(src);
       }
       if (s.pending[i].defined()) s.in_use.push_back(std::move(s.pending[i]));
     }
-    if (fresh)
-      for (const auto& [b, e] : s.padding) mg.narrow(0, b, e - b).zero_();
+    if (fresh) {
+      copy_all(regions, srcs);
+      for (const auto& [b, e] : s.padding) zeros.push_back(mg.narrow(0, b, e - b));
+      zero_all(zeros);
+    }
   }
 
  private:

@@ -14,6 +14,7 @@
 #include "collectives/agree.h"
 #include "flat_param/collective_plan.h"
 #include "flat_param/offload.h"
+#include "flat_param/upcast.h"
 
 namespace flatshard {
 
@@ -478,17 +479,21 @@ void FlatParam::complete_flat_grad(std::vector<at::Tensor>& in_use) {
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
   // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
   // wrote. The pending gradients go to `in_use`: the compute stream allocated them.
+  // Note [Grouped gradient copies] (upcast.cpp): one launch for the copies, one for the zeros.
+  std::vector<at::Tensor> regions, grads, zeros;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!pending_[i].defined()) continue;
-    at::Tensor region =
-        full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]);
-    region.copy_(pending_[i]);  // the whole gradient: Note [Replaced gradient]
+    regions.push_back(full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]));
+    grads.push_back(pending_[i]);  // the whole gradient: Note [Replaced gradient]
     grad_written_[i] = true;
     in_use.push_back(std::move(pending_[i]));  // leaves pending_[i] undefined
   }
-  for (const auto& [b, e] : padding_) full_grad_.narrow(0, b, e - b).zero_();
+  copy_all(regions, grads);
+  for (const auto& [b, e] : padding_) zeros.push_back(full_grad_.narrow(0, b, e - b));
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!grad_written_[i]) full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]).zero_();
+    if (!grad_written_[i])
+      zeros.push_back(full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]));
+  zero_all(zeros);
 }
 
 std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {

@@ -62,3 +62,60 @@ void copy_to_float(const at::Tensor& dst, const at::Tensor& src) {
 }
 
 }  // namespace flatshard
+
+namespace flatshard {
+
+// Note [Grouped gradient copies]
+// A unit's reduction starts by moving each parameter's gradient into one buffer: the flat
+// gradient (the collective's input; Note [Flat gradient without zero-fill]) or, at one rank,
+// straight into the fp32 master gradient (Note [One-rank reduction]), then zeroes what no
+// gradient reached. Per parameter that was a launch each — a Block of 12 parameters paid ~12
+// launches of host time in its post-backward hook, the hook the seed's ZeRO-3 user saw the GPU
+// wait for. ATen's multi-tensor _foreach_copy_ (the fast path behind PyTorch's foreach
+// optimizers; it converts dtypes) does all of a unit's copies in one launch, _foreach_zero_ all
+// its zero-fills in another. Same values: a copy is a copy (bf16 -> fp32 is exact). Where the
+// fast path does not apply (CPU, mixed dtypes in a list) ATen runs the per-tensor loop itself.
+// Only for lists of kMinGrouped tensors or more: a grouped launch costs more host time than
+// one or two plain ones (1× H200, 1B GPT, 1 seq, one process each: per-Block units 37.8 ms per
+// step grouped vs 41.3 per tensor, but per-leaf units — 2 tensors each — 51.9 vs 48.5 ms, with
+// 44.6 vs 37.8 ms of host time; benchmarks/history.md "Issues 34, 35 on the GPU").
+// FLATSHARD_GROUPED_GRAD_COPY=0 restores the per-parameter launches for A/B runs.
+
+namespace {
+constexpr size_t kMinGrouped = 4;
+bool grouped(size_t n) {
+  static const bool on = env::grouped_grad_copy();  // read once: it is on the per-unit path
+  return on && n >= kMinGrouped;
+}
+}  // namespace
+
+void copy_all(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs) {
+  TORCH_INTERNAL_ASSERT(dsts.size() == srcs.size(), "copy_all: ", dsts.size(), " destinations for ",
+                        srcs.size(), " sources");
+  if (dsts.empty()) return;
+  if (grouped(dsts.size())) {
+    std::vector<at::Tensor> flat;
+    flat.reserve(srcs.size());
+    for (const auto& s : srcs) flat.push_back(s.reshape({-1}));
+    at::_foreach_copy_(dsts, flat);
+    return;
+  }
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    if (dsts[i].scalar_type() == at::kFloat) {
+      copy_to_float(dsts[i], srcs[i]);
+    } else {
+      dsts[i].copy_(srcs[i].reshape({-1}));
+    }
+  }
+}
+
+void zero_all(const std::vector<at::Tensor>& ts) {
+  if (ts.empty()) return;
+  if (grouped(ts.size())) {
+    at::_foreach_zero_(ts);
+    return;
+  }
+  for (const auto& t : ts) t.zero_();
+}
+
+}  // namespace flatshard

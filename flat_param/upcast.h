@@ -10,6 +10,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace flatshard {
 
 at::Tensor to_float(const at::Tensor& t);
@@ -21,5 +23,18 @@ bool uses_upcast_kernel(const at::Tensor& t);
 // current stream: the vectorized kernel when uses_upcast_kernel(src) and `dst` is contiguous
 // and 16-byte aligned, else dst.copy_(src) (flattened). Bitwise equal either way.
 void copy_to_float(const at::Tensor& dst, const at::Tensor& src);
+
+}  // namespace flatshard
+
+namespace flatshard {
+
+// Note [Grouped gradient copies] (upcast.cpp): dsts[i] = srcs[i] for every i (same element
+// counts; each dst 1-D and contiguous, a src of any shape, read flattened), converting dtypes,
+// on the current stream. One grouped ATen launch (_foreach_copy_) per call of 4 pairs or more
+// when FLATSHARD_GROUPED_GRAD_COPY is on (default), else copy_to_float / copy_ per pair.
+// Bitwise equal either way.
+void copy_all(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs);
+// Zeroes every tensor of `ts`, grouped the same way (_foreach_zero_).
+void zero_all(const std::vector<at::Tensor>& ts);
 
 }  // namespace flatshard
