@@ -44,9 +44,10 @@ struct Granularity {
 std::vector<std::string> split_granularities(const std::vector<std::string>& flags);
 
 Granularity with_recompute(Granularity g);
-// Every unit (the root too) at CPU offload `level` (Note [CPU offload]), "+offloadN" appended;
-// `local` and level 0 are returned unchanged.
-Granularity with_offload(Granularity g, int level);
+// Every unit (the root too) at CPU offload `level` (Note [CPU offload]), "+offloadN" appended
+// (and "+bwdstep" with `step_in_backward`: Note [Offload step in backward]); `local` and level
+// 0 are returned unchanged.
+Granularity with_offload(Granularity g, int level, bool step_in_backward = false);
 // The offload level with_offload() gave `g`'s plan (0: none, or local).
 int offload_of(const Granularity& g);
 

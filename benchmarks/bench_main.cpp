@@ -67,7 +67,9 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
       out.push_back(std::move(g));
       continue;
     }
-    for (int level : o.offload_levels) out.push_back(fb::with_offload(g, level));
+    for (int level : o.offload_levels)
+      out.push_back(fb::with_offload(g, level,
+                                     o.sharding.offload_step == flatshard::OffloadStep::kBackward));
   }
   return out;
 }

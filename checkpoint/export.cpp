@@ -238,6 +238,7 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
 
 void export_safetensors(const ShardedModel& model, const std::string& dir,
                         const ExportOptions& o) {
+  model.wait_offload_steps();  // Note [Offload step in backward]: masters still being stepped
   const ShardingMesh& mesh = model.mesh();
   if (!mesh.hybrid()) return export_in_group(model, dir, o);
   std::exception_ptr err;

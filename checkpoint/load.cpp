@@ -211,6 +211,7 @@ ParamLoader checkpoint_loader(const std::string& dir, NameMap name_map,
 void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
                      const std::string& dir_arg, const LoadOptions& o) {
   at::NoGradGuard no_grad;
+  model.wait_offload_steps();  // Note [Offload step in backward]: no step may write after us
   Communicator& comm = model.comm();
   const int rank = comm.rank();
   const std::string dir = normalize_dir(dir_arg);

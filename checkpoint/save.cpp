@@ -355,6 +355,7 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
 // each shard group reads the ranges its own shards need.
 void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
                      const std::string& dir, const CheckpointOptions& o) {
+  model.wait_offload_steps();  // Note [Offload step in backward]: masters still being stepped
   const ShardingMesh& mesh = model.mesh();
   if (!mesh.hybrid()) return save_in_group(model, optimizer, dir, o);
   std::exception_ptr err;

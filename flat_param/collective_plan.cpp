@@ -1,5 +1,9 @@
 #include "flat_param/collective_plan.h"
 
+#include <c10/core/Event.h>
+
+#include <optional>
+
 #include "flat_param/offload.h"
 #include "flat_param/upcast.h"
 
@@ -63,6 +67,10 @@ class ResidentAllGather final : public ShardedGather {
   }
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (padded_numel_ == 0) return;
+    if (refreshed_) {  // refresh() uploaded on its own stream: order the all-gather after it
+      refreshed_->block(stream);
+      refreshed_.reset();
+    }
     const int64_t version = a.master_version();
     if (version != uploaded_version_) {
       upload_to_device(resident_, a.master);
@@ -70,10 +78,27 @@ class ResidentAllGather final : public ShardedGather {
     }
     comm_.all_gather(resident_, a.full, stream);
   }
+  // The upload the next gather would do, done now on `stream` (`stream` is current: FlatParam).
+  // Writing resident_ here is safe: this unit's last gather read it before the unit's backward,
+  // which came before the reduction the caller waited for.
+  void refresh(const GatherArgs& a, c10::Stream stream) override {
+    if (padded_numel_ == 0) return;
+    const int64_t version = a.master_version();
+    if (version == uploaded_version_) return;
+    // Beside backward, whose peak this must not raise: 64 MiB of fp32 staging at a time.
+    constexpr int64_t kChunk = int64_t{16} << 20;
+    upload_to_device_chunked(resident_, a.master, kChunk);
+    uploaded_version_ = version;
+    if (stream.device_type() != c10::DeviceType::CPU) {
+      refreshed_.emplace(stream.device_type());
+      refreshed_->record(stream);
+    }
+  }
 
  private:
   at::Tensor resident_;            // compute-dtype shard on the device
   int64_t uploaded_version_ = -1;  // master_version() resident_ last took
+  std::optional<c10::Event> refreshed_;  // recorded by refresh(); the next gather waits for it
 };
 
 // Note [CPU offload], level 2: nothing stays on the device; every gather uploads the master

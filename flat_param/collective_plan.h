@@ -16,7 +16,8 @@
 //                       ReplicatedUpload (offload 1 or 2: upload when master_version changed);
 //             sharded:  AllGather (offload 0: cast master into this rank's slot, all-gather),
 //                       ResidentAllGather (offload 1: the device's compute-dtype shard, uploaded
-//                       when master_version changed, is the all-gather's input),
+//                       when master_version changed, or by refresh() right after a step, is
+//                       the all-gather's input),
 //                       UploadAllGather (offload 2: upload into the slot at every gather).
 //     reduce  OneRankReduce when one rank, no replicas, no offload and a reduce dtype that
 //             rounds nothing (Note [One-rank reduction], collective_plan.cpp); else
@@ -94,6 +95,11 @@ class GatherPlan {
   virtual void prepare(const GatherArgs&) {}
   // full() from the masters, on `stream`.
   virtual void gather(const GatherArgs& args, c10::Stream stream) = 0;
+  // Right after an optimizer step wrote the master (Note [Offload step in backward],
+  // fsdp/offload_step.h: on the stepper's thread, once the unit's backward is done): brings the
+  // device copy the plan keeps up to date now, on `stream`, so the next gather() finds it current
+  // and only waits for `stream`'s work instead of uploading. A no-op where the plan keeps none.
+  virtual void refresh(const GatherArgs& /*args*/, c10::Stream /*stream*/) {}
 
  private:
   std::string name_;

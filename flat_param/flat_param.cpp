@@ -390,6 +390,12 @@ void FlatParam::unshard(c10::Stream stream, bool attach) {
 
 void FlatParam::finish_host_grad() { reduce_->finish_host_grad(master_); }
 
+void FlatParam::refresh_compute_copy(c10::Stream stream) {
+  at::NoGradGuard no_grad;
+  c10::StreamGuard guard(stream);
+  gather_->refresh(GatherArgs{master_.detach(), full_, views_}, stream);
+}
+
 int64_t FlatParam::resident_bytes() const { return gather_->resident_bytes(); }
 
 void FlatParam::reshard() {

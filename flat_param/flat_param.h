@@ -223,6 +223,11 @@ class FlatParam {
   // Offloaded units, after the host has waited for the stream of the last reduce_grad(): adds
   // a reduction staged beside an existing host gradient. No-op otherwise.
   void finish_host_grad();
+  // Offloaded units, right after an optimizer step wrote master() (Note [Offload step in
+  // backward], fsdp/offload_step.h): level 1 uploads the compute-dtype shard now, on `stream`,
+  // and its next unshard() waits for `stream` instead of uploading. No-op otherwise. May run on
+  // another thread than the rest of this unit's calls, when none of them runs.
+  void refresh_compute_copy(c10::Stream stream);
   // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
   int64_t resident_bytes() const;
 

@@ -1,5 +1,6 @@
 #include "flat_param/offload.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #if FLATSHARD_WITH_CUDA
@@ -72,6 +73,18 @@ void upload_to_device(const at::Tensor& dst, const at::Tensor& src) {
   at::Tensor staged = at::empty(src.sizes(), src.options().device(dst.device()));
   staged.copy_(src, /*non_blocking=*/true);
   dst.copy_(staged);
+}
+
+void upload_to_device_chunked(const at::Tensor& dst, const at::Tensor& src, int64_t chunk_numel) {
+  TORCH_INTERNAL_ASSERT(chunk_numel > 0 && dst.dim() == 1 && src.dim() == 1,
+                        "upload_to_device_chunked: 1-D tensors and a positive chunk");
+  const int64_t n = src.numel();
+  if (dst.device() == src.device() || dst.scalar_type() == src.scalar_type() || n <= chunk_numel)
+    return upload_to_device(dst, src);
+  for (int64_t b = 0; b < n; b += chunk_numel) {
+    const int64_t len = std::min(chunk_numel, n - b);
+    upload_to_device(dst.narrow(0, b, len), src.narrow(0, b, len));
+  }
 }
 
 void download_to_host(const at::Tensor& dst, const at::Tensor& src) {

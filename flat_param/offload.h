@@ -50,6 +50,10 @@ at::Tensor host_empty(int64_t numel, at::ScalarType dtype, c10::Device device);
 // without blocking the host: an asynchronous H2D copy into a transient fp32 device buffer, then
 // the cast on the device. A plain copy_ when both are on one device.
 void upload_to_device(const at::Tensor& dst, const at::Tensor& src);
+// The same, staged through transient device buffers of at most `chunk_numel` fp32 elements
+// (the stream-ordered allocator reuses one block for all), so the upload adds at most that to
+// the device's peak: for uploads that run beside backward (Note [Offload step in backward]).
+void upload_to_device_chunked(const at::Tensor& dst, const at::Tensor& src, int64_t chunk_numel);
 
 // `src` (on the device) into `dst` (host, pinned) on the current stream, asynchronously.
 void download_to_host(const at::Tensor& dst, const at::Tensor& src);

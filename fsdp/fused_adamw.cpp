@@ -6,20 +6,70 @@
 
 #include <map>
 #include <tuple>
+#include <unordered_set>
 
 namespace flatshard {
 
+namespace {
+
+// Where the fused kernel cannot step: AdamW::step() does.
+bool needs_fallback(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  for (const auto& group : groups) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    if (o.amsgrad()) return true;
+    for (const auto& p : group.params())
+      if (p.grad().defined() && p.grad().is_sparse()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  if (closure) return torch::optim::AdamW::step(std::move(closure));
+  if (before_step_) before_step_();
+  if (stepped_early_.empty()) {
+    if (closure) return torch::optim::AdamW::step(std::move(closure));
+    if (needs_fallback(param_groups())) return torch::optim::AdamW::step(nullptr);
+    fused_step(nullptr);
+    return {};
+  }
+  auto early = std::move(stepped_early_);
+  stepped_early_.clear();
+  TORCH_CHECK(!closure, "FusedAdamW: step(closure) after step_params(): the closure would "
+              "re-evaluate the loss for parameters already stepped");
+  for (const auto& group : param_groups())
+    for (const auto& p : group.params()) {
+      auto it = early.find(p.unsafeGetTensorImpl());
+      if (it == early.end() || !p.grad().defined()) continue;
+      TORCH_CHECK(p.grad()._version() == it->second,
+                  "FusedAdamW: the gradient of a parameter of ", p.numel(),
+                  " elements was modified (gradient clipping? unscaling?) after that parameter "
+                  "was already stepped during backward (offload_step = backward, Note [Offload "
+                  "step in backward]); the change cannot count. Clip with the default "
+                  "offload_step (after backward), or do not modify gradients in this mode");
+    }
+  fused_step([&](const at::Tensor& p) { return early.count(p.unsafeGetTensorImpl()) == 0; });
+  return {};
+}
+
+void FusedAdamW::step_params(const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(!needs_fallback(param_groups()),
+              "FusedAdamW::step_params: amsgrad and sparse gradients have no fused step");
+  std::unordered_set<const c10::TensorImpl*> wanted;
+  for (const auto& p : params) wanted.insert(p.unsafeGetTensorImpl());
+  size_t found = 0;
   for (const auto& group : param_groups())
     for (const auto& p : group.params())
-      if (p.grad().defined() && p.grad().is_sparse())
-        return torch::optim::AdamW::step(nullptr);
+      if (wanted.count(p.unsafeGetTensorImpl())) ++found;
+  TORCH_CHECK(found == wanted.size(), "FusedAdamW::step_params: ", wanted.size() - found, " of ",
+              wanted.size(), " tensors are not parameters of this optimizer");
+  fused_step([&](const at::Tensor& p) { return wanted.count(p.unsafeGetTensorImpl()) > 0; });
+  for (const auto& p : params)
+    if (p.grad().defined()) stepped_early_[p.unsafeGetTensorImpl()] = p.grad()._version();
+}
+
+void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) {
   at::NoGradGuard no_grad;
-  for (auto& group : param_groups()) {
-    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    if (o.amsgrad()) return torch::optim::AdamW::step(nullptr);
-  }
   for (auto& group : param_groups()) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
     struct Lists {
@@ -32,7 +82,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
     // made tensor is a host-side allocation and a fill launch.
     std::map<std::tuple<int, int, int64_t>, at::Tensor> step_tensors;
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || (take && !take(p))) continue;
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
         auto s = std::make_unique<torch::optim::AdamWParamState>();
@@ -68,7 +118,6 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         for (auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
     }
   }
-  return {};
 }
 
 }  // namespace flatshard

@@ -3,7 +3,7 @@
 // Why: torch::optim::AdamW (the C++ API) updates one parameter at a time with about ten
 // element-wise kernels each (decay, two moment updates, sqrt, divide, add, addcdiv), reading and
 // writing every element several times: on the 1B GPT's fp32 master shards that is ~10 ms of a
-// ~117 ms step on an H200 (benchmarks/RESULTS.md). ATen's `_fused_adamw_` (the kernel behind
+// ~117 ms step on an H200 (benchmarks/history.md). ATen's `_fused_adamw_` (the kernel behind
 // PyTorch's `AdamW(fused=True)`) reads parameter, gradient and both moments once and writes
 // three of them once. flatshard's flat master shards make the lists short: one tensor per unit.
 //
@@ -17,10 +17,22 @@
 // - Falls back to AdamW::step() for what the fused kernel does not do: amsgrad, sparse
 //   gradients, closures.
 // - Works on CPU and CUDA (ATen has both kernels).
+// - Stepping part of the parameters early (Note [Offload step in backward],
+//   fsdp/offload_step.h): step_params(ps) steps exactly `ps` (each must be one of the
+//   optimizer's parameters) with their groups' options, as step() would, and marks them; the
+//   next step() first runs the wait set by set_before_step() (the early steps still running on
+//   another thread finish), then steps only the unmarked parameters and clears the marks. The
+//   result is the same, bit for bit, as one step() over all: the kernel is element-wise, so
+//   which list a tensor is in changes nothing. A marked parameter whose gradient was written
+//   after its early step (clipping, unscaling: its version moved) makes step() throw, naming
+//   it: that write came too late to count. step_params() and step() must not run concurrently.
 #pragma once
 
 #include <torch/optim/adamw.h>
 
+#include <cstdint>
+#include <functional>
+#include <unordered_map>
 #include <vector>
 
 namespace flatshard {
@@ -29,6 +41,22 @@ class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // Steps exactly `params` now (see the contract). Throws c10::Error for a tensor that is not
+  // one of this optimizer's parameters, and where step() would fall back (amsgrad, sparse).
+  void step_params(const std::vector<at::Tensor>& params);
+  // Called at the start of every step() (empty: nothing), e.g. to wait for early steps.
+  void set_before_step(std::function<void()> wait) { before_step_ = std::move(wait); }
+
+ private:
+  // One fused pass over the parameters of each group that have a gradient and for which
+  // `take` (nullptr: all) returns true.
+  void fused_step(const std::function<bool(const at::Tensor&)>& take);
+
+  // Parameters stepped by step_params() since the last step(), with their gradient's version
+  // at that moment.
+  std::unordered_map<const c10::TensorImpl*, int64_t> stepped_early_;
+  std::function<void()> before_step_;
 };
 
 }  // namespace flatshard

@@ -87,6 +87,13 @@ struct TraceOptions {
   int max_steps = 64;
 };
 
+// When offloaded units' CPU optimizer step runs (Note [Offload step in backward],
+// fsdp/offload_step.h).
+enum class OffloadStep {
+  kAfterBackward,  // in optimizer.step(), after backward (default; any torch optimizer)
+  kBackward,       // per unit during backward, as its gradient reaches the host (FusedAdamW)
+};
+
 struct ShardingOptions {
   // Strategy for units whose plan entry sets none.
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
@@ -112,6 +119,11 @@ struct ShardingOptions {
   // before each all-gather. NO_SHARD units keep their compute copy on the device (level 2 acts
   // as 1 for them).
   int offload = 0;
+  // Offloaded units' CPU optimizer step: after backward (default), or per unit during backward,
+  // overlapping the device's backward (needs ShardedModel::attach_optimizer with a FusedAdamW;
+  // every synced backward is then an optimizer step; clip_grad_norm_ is refused). Exact either
+  // way (Note [Offload step in backward]).
+  OffloadStep offload_step = OffloadStep::kAfterBackward;
 
   // Race exposure for tests (GPU only; 0 = off): a device sleep of this many cycles is queued
   // on the all-gather / reduce-scatter stream before every all-gather / reduction, so a

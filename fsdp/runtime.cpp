@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "collectives/env.h"
+#include "fsdp/offload_step.h"
 #include "fsdp/order_check.h"
 
 namespace flatshard {
@@ -141,10 +142,12 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* repl
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
+  if (options_.offload_step == OffloadStep::kBackward)
+    offload_stepper_ = std::make_shared<OffloadStepper>(comm_.rank(), side_stream(comm.device()));
   ctx_.emplace(UnitContext{comm_, replicate_, all_gather_stream_, reduce_scatter_stream_,
                            tracer_.get(), reduce_buffers_,
                            options_.debug_sleep_before_all_gather_cycles,
-                           options_.debug_sleep_before_reduce_cycles});
+                           options_.debug_sleep_before_reduce_cycles, offload_stepper_.get()});
   debug_order_ = env::debug();
   anchor_ = std::make_shared<Runtime*>(this);
 }
@@ -269,6 +272,9 @@ void Runtime::on_first_forward_entry(Unit& unit) {
 }
 
 void Runtime::on_root_enter() {
+  // Note [Offload step in backward]: the last backward's CPU steps end before any upload reads
+  // a master (a no-op when none is queued).
+  if (offload_stepper_ && !backward_active_) offload_stepper_->wait();
   if (!backward_active_ && !pending_backward_ && forward_order_.empty()) {
     step_guard_.on_step_start(units_, comm_.rank());
     for (const auto& u : units_) {
@@ -285,6 +291,7 @@ void Runtime::on_root_enter() {
 
 void Runtime::on_first_pre_backward(Unit& unit) {
   if (!backward_active_) {
+    check_offload_step();
     backward_active_ = true;
     backward_order_.clear();
     for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
@@ -299,6 +306,26 @@ void Runtime::on_first_pre_backward(Unit& unit) {
     from = static_cast<size_t>(it - backward_order_.begin()) + 1;
   }
   prefetch(backward_order_, from, options_.backward_prefetch, /*for_backward=*/true);
+}
+
+bool Runtime::any_offloaded() const {
+  return std::any_of(units_.begin(), units_.end(),
+                     [](const auto& u) { return u->flat().offload() > 0; });
+}
+
+void Runtime::check_offload_step() const {
+  if (!offload_stepper_ || !requires_grad_sync_ || offload_stepper_->attached() ||
+      !any_offloaded())
+    return;
+  TORCH_CHECK(false, "flatshard (rank ", comm_.rank(), "): offload_step = backward steps the "
+              "offloaded units' optimizer during backward, but no optimizer is attached: call "
+              "fsdp->attach_optimizer(opt) with the flatshard::FusedAdamW built on "
+              "parameters() or named_parameters() before the first backward (Note [Offload "
+              "step in backward], fsdp/offload_step.h)");
+}
+
+void Runtime::wait_offload_steps() {
+  if (offload_stepper_) offload_stepper_->wait();
 }
 
 std::vector<std::string> Runtime::unit_names() const {
@@ -320,9 +347,9 @@ void Runtime::finalize_backward() {
   // Note [CPU offload] (flat_param/offload.h): the step's one host sync. The CPU optimizer reads
   // the host gradients and writes the host masters next; the compute stream now waits for the
   // last reduction (whose stream carried the copies to the host) and came after every gather.
-  const bool offloaded = std::any_of(units_.begin(), units_.end(),
-                                     [](const auto& u) { return u->flat().offload() > 0; });
-  if (requires_grad_sync_ && offloaded) {
+  // With offload_step = backward the stepper waits for each unit's copy and adds its staged
+  // gradient instead (Note [Offload step in backward]).
+  if (requires_grad_sync_ && any_offloaded() && !offload_stepper_) {
     const c10::Stream compute = compute_stream();
     if (compute.device_type() != c10::DeviceType::CPU) compute.synchronize();
     for (auto& u : units_) u->flat().finish_host_grad();
@@ -338,7 +365,8 @@ void Runtime::finalize_backward() {
   release_deferred_ = false;
   lease_.reset();
   step_.fetch_add(1);  // this step's lease, when its graph is freed, finds its step ended
-  step_guard_.on_backward_end(units_, requires_grad_sync_, comm_.rank());
+  step_guard_.on_backward_end(units_, requires_grad_sync_,
+                              offload_stepper_ && offload_stepper_->take_stepped(), comm_.rank());
   trace_step_end(tracer());
 }
 

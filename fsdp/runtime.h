@@ -35,6 +35,7 @@ class Module;
 
 namespace flatshard {
 
+class OffloadStepper;
 class Runtime;
 struct StepLease;
 
@@ -90,6 +91,12 @@ class Runtime {
   void pre_backward(Unit& unit);
   // Runs when the autograd engine finishes a backward pass that touched our units.
   void finalize_backward();
+  // Note [Offload step in backward] (fsdp/offload_step.h): the stepper (nullptr unless
+  // offload_step is kBackward), and a wait for its queued steps (a no-op without one).
+  const std::shared_ptr<OffloadStepper>& offload_stepper() const { return offload_stepper_; }
+  bool any_offloaded() const;  // some unit's offload level is above 0
+  void wait_offload_steps();
+
   // Note [Forward without backward]: every autograd node this step's forward hooked is gone
   // and no backward began (an eval forward that forgot NoGradGuard, its outputs dropped).
   // Called from StepLease's destructor; `step` is the step the lease was made in.
@@ -103,6 +110,9 @@ class Runtime {
   // Ends a step whose forward can have no backward: reshards every unit, resets step state.
   void close_forward_step();
   std::vector<std::string> unit_names() const;
+  // Throws when a synced backward would need the offload stepper's optimizer and none is
+  // attached (Note [Offload step in backward]).
+  void check_offload_step() const;
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
   Communicator& comm_;
@@ -116,6 +126,9 @@ class Runtime {
   // Built once the tracer exists; declared before units_, which refer to it, so it outlives them.
   std::optional<UnitContext> ctx_;
   std::vector<std::unique_ptr<Unit>> units_;
+  // Note [Offload step in backward]: its worker steps units' masters, so it is destroyed (and
+  // waits) before units_; UnitContext holds its raw pointer.
+  std::shared_ptr<OffloadStepper> offload_stepper_;
   std::vector<Unit*> forward_order_;       // units in first-entry order, this step
   std::vector<Unit*> last_forward_order_;  // the previous step's, drives forward prefetch
   std::vector<Unit*> backward_order_;      // reverse forward order without the root, this step

@@ -11,6 +11,8 @@
 #include "fsdp/call.h"
 #include "fsdp/deferred_init.h"
 #include "fsdp/fingerprint.h"
+#include "fsdp/fused_adamw.h"
+#include "fsdp/offload_step.h"
 #include "fsdp/resolve.h"
 #include "fsdp/runtime.h"
 
@@ -360,9 +362,36 @@ void ShardedModel::set_requires_gradient_sync(bool sync) {
   runtime_->set_requires_grad_sync(sync);
 }
 
+void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
+  TORCH_CHECK(opt != nullptr, "attach_optimizer: the optimizer is null (rank ", comm_.rank(), ")");
+  const auto& stepper = runtime_->offload_stepper();
+  TORCH_CHECK(stepper != nullptr, "attach_optimizer (rank ", comm_.rank(),
+              "): the optimizer is attached only with ShardingOptions::offload_step = "
+              "OffloadStep::kBackward, which steps offloaded units during backward; with the "
+              "default (after backward) call opt.step() as usual");
+  check_optimizer(*opt);
+  std::vector<FlatParam*> flats;
+  for (auto& u : runtime_->units()) flats.push_back(&u->flat());
+  stepper->attach(opt, flats);
+  std::weak_ptr<OffloadStepper> weak = stepper;
+  opt->set_before_step([weak] {
+    if (auto s = weak.lock()) s->wait();
+  });
+}
+
+void ShardedModel::wait_offload_steps() const { runtime_->wait_offload_steps(); }
+
 double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(max_norm > 0, "clip_grad_norm_: max_norm must be positive, got ", max_norm);
+  wait_offload_steps();
+  const bool stepped_in_backward =
+      runtime_->offload_stepper() != nullptr && runtime_->any_offloaded();
+  TORCH_CHECK(!stepped_in_backward, "clip_grad_norm_ (rank ", comm_.rank(),
+              "): with offload_step = backward the offloaded units were already stepped during "
+              "backward, before the global norm was known, so clipping cannot apply to them. "
+              "Use the default offload_step (after backward) to clip (Note [Offload step in "
+              "backward], fsdp/offload_step.h)");
   // One squared norm per unit, summed across ranks in one all-reduce: the total is their sum,
   // and a non-finite total can name the first unit it comes from (any rank's shard).
   const auto& units = runtime_->units();
@@ -419,6 +448,7 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full_grads(
 
 std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool grads) const {
   at::NoGradGuard no_grad;
+  wait_offload_steps();
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& u : runtime_->units()) {
     FlatParam& f = u->flat();

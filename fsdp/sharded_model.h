@@ -58,6 +58,7 @@ class Optimizer;
 
 namespace flatshard {
 
+class FusedAdamW;
 class Runtime;
 
 struct StepCounters {
@@ -105,6 +106,16 @@ class ShardedModel {
   // master it lacks. Local, no collectives (fsdp/optimizer_check.cpp). Without this call, a
   // StepGuard warns after many reduced steps that changed no master (fsdp/step_guard.h).
   void check_optimizer(const torch::optim::Optimizer& opt) const;
+  // Note [Offload step in backward] (fsdp/offload_step.h), for ShardingOptions::offload_step =
+  // kBackward: the optimizer flatshard steps offloaded units with during backward (check_optimizer
+  // runs on it first). Its step() then steps only the rest, after waiting for those steps.
+  // Throws for any other offload_step. Keep using `opt` as usual (step, zero_grad, schedulers).
+  void attach_optimizer(std::shared_ptr<FusedAdamW> opt);
+  // Waits for the CPU optimizer steps flatshard runs during backward (offload_step = kBackward;
+  // a no-op otherwise). Everything in this class that reads masters or gradients, and the
+  // checkpoint functions, call it; code reading master() directly between backward and
+  // optimizer.step() must too.
+  void wait_offload_steps() const;
   const Plan& plan() const { return plan_; }
   const ShardingOptions& options() const;
   std::vector<UnitInfo> units() const;

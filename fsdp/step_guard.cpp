@@ -7,7 +7,8 @@
 namespace flatshard {
 
 void StepGuard::on_backward_end(const std::vector<std::unique_ptr<Unit>>& units, bool reduced,
-                                int rank) {
+                                bool stepped, int rank) {
+  stepped_ = stepped;
   versions_.resize(units.size());
   for (size_t i = 0; i < units.size(); ++i)
     versions_[i] = units[i]->flat().master_version();
@@ -35,7 +36,7 @@ void StepGuard::on_step_start(const std::vector<std::unique_ptr<Unit>>& units, i
                 "micro-batch's backward and step the optimizer after it");
     return;
   }
-  if (changed != nullptr || !any_grad) {
+  if (changed != nullptr || !any_grad || stepped_) {
     stale_steps_ = 0;
     return;
   }

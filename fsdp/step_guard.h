@@ -13,7 +13,8 @@
 //    ShardedModel::check_optimizer() gives a certain answer on demand.
 //
 // How: every in-place write to a master (optimizer steps, copy_, checkpoint loads) bumps its
-// version counter (`_version()`); flatshard itself never writes a master during a step.
+// version counter (`_version()`); flatshard itself never writes a master during a step, but
+// with offload_step = backward, when it says so (on_backward_end's `stepped`).
 // Contract: on_backward_end() at the end of each backward pass, on_step_start() when a new
 // forward begins (before any unit gathers). Per rank, single-threaded, no collectives.
 #pragma once
@@ -31,7 +32,10 @@ class StepGuard {
   static constexpr int kStaleStepsBeforeWarning = 10;
 
   // `reduced`: gradients were reduced into the masters' .grad (gradient sync was on).
-  void on_backward_end(const std::vector<std::unique_ptr<Unit>>& units, bool reduced, int rank);
+  // `stepped`: flatshard stepped some masters during this backward (Note [Offload step in
+  // backward]), so a step certainly happened.
+  void on_backward_end(const std::vector<std::unique_ptr<Unit>>& units, bool reduced,
+                       bool stepped, int rank);
   // Throws for mistake 1; warns once for mistake 2.
   void on_step_start(const std::vector<std::unique_ptr<Unit>>& units, int rank);
 
@@ -40,6 +44,7 @@ class StepGuard {
   Last last_ = Last::kNone;
   std::vector<int64_t> versions_;  // masters' versions at the end of the last backward
   int stale_steps_ = 0;            // consecutive reduced backwards with no master changed
+  bool stepped_ = false;           // the last backward stepped masters itself
   bool warned_ = false;
 };
 

@@ -7,6 +7,7 @@
 
 #include <unordered_set>
 
+#include "fsdp/offload_step.h"
 #include "wrap_policies/policy.h"
 
 namespace flatshard {
@@ -278,6 +279,8 @@ void Unit::post_backward() {
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
       ctx_.reduce_buffers.hold(std::move(in_use), &reduce_done_);
+      // Note [Offload step in backward]: the host master steps as soon as its gradient lands.
+      if (ctx_.offload_stepper && flat_->offload() > 0) ctx_.offload_stepper->enqueue(*flat_, rs);
       if (strategy_ == ShardingStrategy::kNoShard) {
         counters_.all_reduces += 1;  // one all-ranks all-reduce, in two hops with HSDP
       } else {

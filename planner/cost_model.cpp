@@ -497,6 +497,26 @@ void CostWalk::time_walk() {
   double tail = 0;
   pipeline(false, &p_.exposed_all_gather_ms, &tail);
   p_.exposed_comm_ms = p_.exposed_all_gather_ms + tail;
+  // Note [Offload step in backward] (fsdp/offload_step.h): each offloaded unit's CPU step runs
+  // beside the backward of the units after it, once its gradient is on the host; at level 1
+  // its upload follows its step there instead of riding the next forward's gathers. The CPU
+  // steps (one after another on one worker) and the last unit's upload show where they outlast
+  // the backward left after the first reduction.
+  const bool step_in_backward =
+      e_.options.offload_step == OffloadStep::kBackward && cpu_opt_ms_ > 0;
+  double cpu_exposed = cpu_opt_ms_;
+  if (step_in_backward) {
+    double window = 0, last_upload = 0;
+    for (int q = 0; q < n_; ++q) {
+      const int k = order_[q];
+      if (q + 1 < n_) window += bwd_ms_[k];  // all but the first unit to reduce
+      if (level_[k] == 1) {
+        if (last_upload == 0) last_upload = up_fwd_[k];  // the first in forward steps last
+        up_fwd_[k] = 0;
+      }
+    }
+    cpu_exposed = std::max(0.0, cpu_opt_ms_ + last_upload - window);
+  }
   double copy_exposed = 0;
   if (prof_.comm_overlap == 0) {  // synchronous collectives: nothing hides
     double gathers = 0;
@@ -512,7 +532,7 @@ void CostWalk::time_walk() {
     copy_exposed = std::max(0.0, g + t - p_.exposed_comm_ms);
   }
   p_.cpu_optimizer_ms = cpu_opt_ms_;
-  p_.offload_ms = cpu_opt_ms_ + copy_exposed;
+  p_.offload_ms = cpu_exposed + copy_exposed;
   host_time();
   p_.gpu_ms = p_.compute_ms + p_.passes_ms + p_.optimizer_ms + p_.exposed_comm_ms + p_.offload_ms;
   p_.host_bound = p_.host_ms > p_.gpu_ms;

@@ -664,6 +664,54 @@ TEST_CASE("cost model: offload copies ride the gather and reduction pipeline",
   }
 }
 
+TEST_CASE("cost model: the CPU step during backward hides behind the backward that is left",
+          "[advisor][offload]") {
+  // Note [Offload step in backward]: per layer at level 1 the CPU steps overlap the backward
+  // after the first reduction and the uploads leave the forward. Closed forms at both ends:
+  // compute far longer than the CPU step hides it whole; compute far shorter hides none of it.
+  const ModelConfig cfg = preset(kGpt, "small", 128);
+  const Workload w{2, 128};
+  const auto s = cfg.transformer_shape();
+  auto model = build_meta(cfg, 0);
+  const Plan plan = make_plan(*model, parse_policy("type=Block"));
+  ShardingOptions after;
+  after.mixed_precision.param_dtype = at::kBFloat16;
+  after.offload = 1;
+  ShardingOptions during = after;
+  during.offload_step = OffloadStep::kBackward;
+  MachineProfile p = quiet_profile();
+  p.cpu_optimizer_params_per_s = 1e8;
+  auto both = [&](const MachineProfile& prof) {
+    return std::make_pair(predict_cost(explain(*model, plan, 1, after), s, w, prof),
+                          predict_cost(explain(*model, plan, 1, during), s, w, prof));
+  };
+  SECTION("slow compute: the CPU step is hidden, only the copies' exposure is left") {
+    MachineProfile slow = p;
+    slow.compute_tflops = 1e-4;
+    const auto [a, b] = both(slow);
+    REQUIRE(a.cpu_optimizer_ms > 0);
+    CHECK(b.cpu_optimizer_ms == Approx(a.cpu_optimizer_ms));  // the same work, another time
+    CHECK(b.offload_ms <= a.offload_ms - a.cpu_optimizer_ms + 1e-9);
+    CHECK(b.step_ms < a.step_ms);
+  }
+  SECTION("fast compute: nothing to hide behind, the CPU step stays exposed") {
+    MachineProfile fast = p;
+    fast.compute_tflops = 1e6;
+    const auto [a, b] = both(fast);
+    CHECK(b.offload_ms >= b.cpu_optimizer_ms);
+    CHECK(b.offload_ms <= a.offload_ms + 1e-9);
+  }
+  SECTION("without offload the mode changes nothing") {
+    ShardingOptions plain = during;
+    plain.offload = 0;
+    const Explanation e = explain(*model, plan, 1, plain);
+    ShardingOptions plain_after = after;
+    plain_after.offload = 0;
+    CHECK(predict_cost(e, s, w, p).step_ms ==
+          predict_cost(explain(*model, plan, 1, plain_after), s, w, p).step_ms);
+  }
+}
+
 TEST_CASE("cost model: recompute costs host time too", "[advisor][time]") {
   const ModelConfig cfg = preset(kGpt, "small", 128);
   const Workload w{2, 128};

@@ -25,10 +25,12 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "fsdp/call.h"
+#include "fsdp/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 #include "models/gpt.h"
 
@@ -103,8 +105,20 @@ inline GpuRun gpu_parity_reference(int world, const c10::Device& dev) {
 inline GpuRun train_sharded(flatshard::gpt::GPT& model, flatshard::ShardedModel& fsdp, int rank,
                             const c10::Device& dev,
                             const std::function<void(at::Tensor&)>& mean_over_ranks,
-                            int64_t sleep_before_step) {
-  torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(kGpuParityLr));
+                            int64_t sleep_before_step, bool fused = false) {
+  // Note [Offload step in backward]: that mode steps through an attached FusedAdamW.
+  const bool step_in_backward = fsdp.options().offload_step == flatshard::OffloadStep::kBackward;
+  std::shared_ptr<torch::optim::AdamW> owned;
+  if (fused || step_in_backward) {
+    auto f = std::make_shared<flatshard::FusedAdamW>(fsdp.parameters(),
+                                                     torch::optim::AdamWOptions(kGpuParityLr));
+    if (step_in_backward) fsdp.attach_optimizer(f);
+    owned = f;
+  } else {
+    owned = std::make_shared<torch::optim::AdamW>(fsdp.parameters(),
+                                                  torch::optim::AdamWOptions(kGpuParityLr));
+  }
+  torch::optim::AdamW& opt = *owned;
   GpuRun r;
   for (int step = 0; step < kGpuParitySteps; ++step) {
     opt.zero_grad();

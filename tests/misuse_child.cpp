@@ -17,6 +17,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
+#include "fsdp/fused_adamw.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "parity_util.h"
@@ -189,6 +190,48 @@ std::map<std::string, Scenario> scenarios() {
     train_step(net, comm.rank());
     train_step(net, comm.rank());
     for (auto& [name, t] : fsdp->gather_full_params()) (void)t.sum().item<double>();
+  };
+  // Note [Offload step in backward] (fsdp/offload_step.h): what the backward-time CPU step
+  // refuses, and its control (a correct loop: exit 0).
+  auto offload_run = [](Communicator& comm, bool attach,
+                        const std::function<void(ShardedModel&, FusedAdamW&)>& after_backward) {
+    auto net = Forgetful();
+    ShardingOptions o;
+    o.offload = 1;
+    o.offload_step = OffloadStep::kBackward;
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+    if (attach) fsdp->attach_optimizer(opt);
+    for (int step = 0; step < 2; ++step) {
+      opt->zero_grad();
+      train_step(net, comm.rank());
+      after_backward(*fsdp, *opt);
+      opt->step();
+    }
+  };
+  s["offload_step_correct"] = [offload_run](Communicator& comm) {
+    offload_run(comm, true, [](ShardedModel&, FusedAdamW&) {});
+  };
+  s["offload_step_no_optimizer"] = [offload_run](Communicator& comm) {
+    offload_run(comm, false, [](ShardedModel&, FusedAdamW&) {});
+  };
+  s["offload_step_clip"] = [offload_run](Communicator& comm) {
+    offload_run(comm, true, [](ShardedModel& fsdp, FusedAdamW&) { fsdp.clip_grad_norm_(1.0); });
+  };
+  s["offload_step_grad_write"] = [offload_run](Communicator& comm) {
+    offload_run(comm, true, [](ShardedModel&, FusedAdamW& opt) {
+      at::NoGradGuard no_grad;
+      for (auto& p : opt.param_groups()[0].params())
+        if (p.grad().defined()) p.mutable_grad().mul_(0.5);  // hand-written clipping
+    });
+  };
+  s["offload_step_attach_default"] = [](Communicator& comm) {
+    auto net = Forgetful();
+    ShardingOptions o;
+    o.offload = 1;
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    fsdp->attach_optimizer(
+        std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2)));
   };
   // Control: the correct program runs (exit 0), so the scenarios above fail for their misuse.
   s["correct"] = [](Communicator& comm) {

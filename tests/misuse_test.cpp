@@ -79,6 +79,25 @@ TEST_CASE("misuse child: the correct program exits 0 (control)", "[misuse]") {
   }
 }
 
+TEST_CASE("offload_step backward: misuse is an error saying what to do, never a crash",
+          "[misuse][offload_step]") {
+  // Note [Offload step in backward]: the control trains; each refusal names its cause.
+  for (int world : {1, 2}) {
+    const ChildResult r = run_child("offload_step_correct", world);
+    CAPTURE(world, r.out);
+    REQUIRE(r.exited);
+    CHECK(r.code == 0);
+    require_error("offload_step_no_optimizer", world,
+                  {"no optimizer is attached", "attach_optimizer", "rank "});
+    require_error("offload_step_clip", world,
+                  {"clip_grad_norm_", "already stepped during backward", "rank "});
+    require_error("offload_step_grad_write", world,
+                  {"was modified", "already stepped during backward"});
+    require_error("offload_step_attach_default", world,
+                  {"attach_optimizer", "OffloadStep::kBackward", "rank "});
+  }
+}
+
 TEST_CASE("a forgotten flatshard::call is an error naming the unit and the parameter",
           "[misuse]") {
   // The first use differs per unit: addmm on a transposed weight (Linear), x * weight

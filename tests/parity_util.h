@@ -177,18 +177,21 @@ struct RankRun {
 inline RankRun train_sharded_rank(const ParitySpec& s,
                                   const std::shared_ptr<torch::nn::Module>& model,
                                   flatshard::ShardedModel& fsdp, int rank) {
-  std::unique_ptr<torch::optim::AdamW> owned;
+  std::shared_ptr<torch::optim::AdamW> owned;
   const auto options = torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay);
   if (s.no_decay) {
     auto groups = param_groups(s, fsdp.named_parameters());
-    owned = s.fused_adamw ? std::make_unique<flatshard::FusedAdamW>(std::move(groups), options)
-                          : std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+    owned = s.fused_adamw ? std::make_shared<flatshard::FusedAdamW>(std::move(groups), options)
+                          : std::make_shared<torch::optim::AdamW>(std::move(groups), options);
   } else {
-    owned = s.fused_adamw ? std::make_unique<flatshard::FusedAdamW>(fsdp.parameters(), options)
-                          : std::make_unique<torch::optim::AdamW>(fsdp.parameters(), options);
+    owned = s.fused_adamw ? std::make_shared<flatshard::FusedAdamW>(fsdp.parameters(), options)
+                          : std::make_shared<torch::optim::AdamW>(fsdp.parameters(), options);
   }
   torch::optim::AdamW& opt = *owned;
   fsdp.check_optimizer(opt);
+  // Note [Offload step in backward]: flatshard steps offloaded units during backward.
+  if (s.options.offload_step == flatshard::OffloadStep::kBackward)
+    fsdp.attach_optimizer(std::dynamic_pointer_cast<flatshard::FusedAdamW>(owned));
   RankRun r;
   for (int step = 0; step < s.steps; ++step) {
     opt.zero_grad();
