@@ -43,7 +43,8 @@ long double activations(const BenchOptions& o) {
   const long double layers = recomputed ? c.n_layers() * tokens * c.d_model() + per_layer
                                         : c.n_layers() * per_layer;
   const long double values = layers + 2 * tokens * c.vocab();
-  return values * (o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4);
+  return values *
+         static_cast<long double>(c10::elementSize(o.sharding.mixed_precision.param_dtype));
 }
 
 }  // namespace
@@ -92,7 +93,7 @@ void check_memory(const BenchOptions& o, int world, std::optional<int64_t> devic
   // compute-dtype shard there, level 2 nothing between gathers.
   const int level = local ? 0 : *std::min_element(o.offload_levels.begin(), o.offload_levels.end());
   const long double param_bytes =
-      o.sharding.mixed_precision.param_dtype == c10::kBFloat16 ? 2 : 4;
+      static_cast<long double>(c10::elementSize(o.sharding.mixed_precision.param_dtype));
   const long double device_state =
       local ? state : level == 0 ? state / ranks : level == 1 ? param_bytes * p / ranks : 0;
   const long double per_gpu = act + device_state;

@@ -36,7 +36,9 @@ const char* kFooter = R"(Policies: named plans and specs (comma list; default lo
 Defaults:  cpu: preset small with --seq 128, batch 2, 5 steps, fp32, 2 ranks as threads
            cuda: preset 1b, batch 4, 20 steps, bf16 params, one process per visible GPU
 Every run uses the same seed and data; the step-0 loss of rank 0 must match `local` (or the
-first run) within 1e-4 relative (fp32) / 2e-2 (bf16), else check=FAIL and exit code 1.
+first run) within 1e-4 relative (fp32) / 2e-2 (bf16, fp16), else check=FAIL and exit code 1.
+fp16 (GPUs without bf16: V100, T4): sharded runs train with flatshard::ShardedGradScaler
+(fsdp/grad_scaler.h; a step with inf/NaN gradients on any rank is skipped on every rank).
 Old flag names, still accepted with a note (docs/vocabulary.md): --granularity = --policy,
 --nproc = --world.
 FLATSHARD_TRACE=run.json: one trace per sharded run, run.<run>.rank<R>.json, each named on stderr.
@@ -47,6 +49,7 @@ const std::vector<tools::FlagRename> kRenames = {
     {"--granularity", "--policy", /*repeatable=*/true}, {"--nproc", "--world"}};
 
 c10::ScalarType parse_dtype(const std::string& s) {
+  if (s == "fp16") return c10::kHalf;
   return s == "bf16" ? c10::kBFloat16 : c10::kFloat;
 }
 
@@ -71,7 +74,10 @@ void require(bool ok, const std::string& flag, const char* what, T value) {
 
 const char* to_string(DeviceKind d) { return d == DeviceKind::kCuda ? "cuda" : "cpu"; }
 
-const char* dtype_name(c10::ScalarType t) { return t == c10::kBFloat16 ? "bf16" : "fp32"; }
+const char* dtype_name(c10::ScalarType t) {
+  if (t == c10::kHalf) return "fp16";
+  return t == c10::kBFloat16 ? "bf16" : "fp32";
+}
 
 ParseResult parse_command_line(int argc, char** argv) {
   CLI::App app{
@@ -82,7 +88,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.footer(kFooter);
 
   std::string family = "gpt", preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
-      optimizer = "adamw", init = "deferred";
+      optimizer = "adamw", init = "deferred", offload_step = "after";
   int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
   int nproc = 0, prefetch = 1, warmup = 2, steps = 0, kernel_profile = 0;
   uint64_t seed = 0;
@@ -126,18 +132,25 @@ ParseResult parse_command_line(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::Range(0, 2))
       ->group(g_shard);
+  app.add_option("--offload-step", offload_step,
+                 "when offloaded units' CPU optimizer steps: after (in optimizer.step(), "
+                 "default) | backward (per unit during backward, overlapping the GPU; exact; "
+                 "needs --optimizer fused; runs are labelled GRANULARITY+offloadN+bwdstep)")
+      ->check(CLI::IsMember({"after", "backward"}))
+      ->group(g_shard);
   app.add_option("--strategy", strategy, "default sharding strategy: full | grad_op | noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->group(g_shard);
   app.add_option("--prefetch", prefetch, "forward and backward prefetch depth (default 1)")
       ->group(g_shard);
   auto* o_pdt = app.add_option("--param-dtype", param_dtype,
-                               "fp32 | bf16: gathered params and compute (cpu fp32, cuda bf16)")
-                    ->check(CLI::IsMember({"fp32", "bf16"}))
+                               "fp32 | bf16 | fp16: gathered params and compute (cpu fp32, "
+                               "cuda bf16); fp16 trains with a gradient scaler")
+                    ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
                     ->group(g_shard);
   auto* o_rdt = app.add_option("--reduce-dtype", reduce_dtype,
-                               "fp32 | bf16: gradient reduction (default: the param dtype)")
-                    ->check(CLI::IsMember({"fp32", "bf16"}))
+                               "fp32 | bf16 | fp16: gradient reduction (default: the param dtype)")
+                    ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
                     ->group(g_shard);
 
   auto* g_run = "Run";
@@ -286,6 +299,12 @@ ParseResult parse_command_line(int argc, char** argv) {
   o.sharding.strategy = parse_strategy(strategy);
   require(prefetch >= 0, "--prefetch", ">= 0", prefetch);
   o.fused_optimizer = optimizer == "fused";
+  if (offload_step == "backward") {
+    if (!o.fused_optimizer)
+      throw UsageError("--offload-step backward steps units through flatshard::FusedAdamW: "
+                       "add --optimizer fused");
+    o.sharding.offload_step = OffloadStep::kBackward;
+  }
   o.deferred_init = init == "deferred";
   o.sharding.forward_prefetch = prefetch;
   o.sharding.backward_prefetch = prefetch;
@@ -293,6 +312,9 @@ ParseResult parse_command_line(int argc, char** argv) {
       o_pdt->count() ? parse_dtype(param_dtype) : (cuda ? c10::kBFloat16 : c10::kFloat);
   o.sharding.mixed_precision.param_dtype = pdt;
   o.sharding.mixed_precision.reduce_dtype = o_rdt->count() ? parse_dtype(reduce_dtype) : pdt;
+  if (pdt == c10::kHalf && o.sharding.offload_step == OffloadStep::kBackward)
+    throw UsageError("--param-dtype fp16 trains with a gradient scaler, which must see the "
+                     "gradients before any step: it cannot run with --offload-step backward");
 
   o.nproc_given = o_nproc->count() > 0;
   o.nproc = o.nproc_given ? nproc : (cuda ? 0 : 2);  // cuda 0: resolved to the GPU count later

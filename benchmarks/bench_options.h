@@ -85,7 +85,7 @@ struct ParseResult {
 
 ParseResult parse_command_line(int argc, char** argv);
 
-// "fp32" / "bf16".
+// "fp32" / "bf16" / "fp16".
 const char* dtype_name(c10::ScalarType t);
 
 }  // namespace bench

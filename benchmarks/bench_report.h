@@ -5,8 +5,8 @@
 // - make_report() derives per run: step-time median/min/max, ratio to `local` (when a local run
 //   exists), tokens/s per rank (= batch * seq / median step time), MFU (when a peak is known),
 //   and the check: the step-0 loss must equal the reference run's — `local` if present, else
-//   the first run — within 1e-4 relative for fp32 params, 2e-2 for bf16. Every run starts from
-//   the same weights and data, so any larger difference is a sharding bug, not noise.
+//   the first run — within 1e-4 relative for fp32 params, 2e-2 for bf16 and fp16. Every run
+//   starts from the same weights and data, so any larger difference is a sharding bug, not noise.
 // - JSON and CSV hold the same numbers as the table, unrounded; unknown values are null / empty.
 //   The JSON schema is written out in write_json's comment in bench_report.cpp.
 // - write_json/write_csv write through support/output_file.h: a temporary renamed over the path

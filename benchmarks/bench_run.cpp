@@ -14,6 +14,7 @@
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/fused_adamw.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "models/model_init.h"
@@ -112,19 +113,27 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     params = fsdp->parameters();
     if (config.param_groups) named = fsdp->named_parameters();
   }
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::shared_ptr<torch::optim::AdamW> optimizer;
   if (config.param_groups) {
     optimizer = config.fused_optimizer
-                    ? std::make_unique<FusedAdamW>(name_groups(named), adamw_options())
-                    : std::make_unique<torch::optim::AdamW>(name_groups(named), adamw_options());
+                    ? std::make_shared<FusedAdamW>(name_groups(named), adamw_options())
+                    : std::make_shared<torch::optim::AdamW>(name_groups(named), adamw_options());
   } else {
     optimizer = config.fused_optimizer
-                    ? std::make_unique<FusedAdamW>(params, adamw_options())
-                    : std::make_unique<torch::optim::AdamW>(params, adamw_options());
+                    ? std::make_shared<FusedAdamW>(params, adamw_options())
+                    : std::make_shared<torch::optim::AdamW>(params, adamw_options());
   }
+  // Note [Offload step in backward]: flatshard steps the offloaded units during backward
+  // (bench_options.cpp makes this mode imply --optimizer fused).
+  if (fsdp && config.sharding.offload_step == OffloadStep::kBackward)
+    fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(optimizer));
   hooks.synchronize();
   const double setup_s = ms_since(setup_start) * 1e-3;
   torch::optim::AdamW& opt = *optimizer;
+  // fp16 compute: the loss is scaled and steps with inf/NaN gradients are skipped on every rank
+  // (fsdp/grad_scaler.h). `local` has no fp32 master to unscale into: it trains as it is.
+  std::unique_ptr<ShardedGradScaler> scaler;
+  if (fsdp && param_dtype == c10::kHalf) scaler = std::make_unique<ShardedGradScaler>(*fsdp);
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
   for (int s = 0; s < total; ++s) {
@@ -172,9 +181,14 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     const auto& batch = batches[static_cast<size_t>(b)];
     at::Tensor loss =
         enter(model, [&] { return config.model.loss(*model, batch.first, batch.second); });
-    loss.backward();
+    (scaler ? scaler->scale(loss) : loss).backward();
     after_backward();
-    opt.step();
+    if (scaler) {
+      if (!scaler->step(opt)) ++r.skipped_steps;
+      scaler->update();
+    } else {
+      opt.step();
+    }
     return loss;
   };
 

@@ -6,6 +6,8 @@
 //   the same config and granularity). Every rank builds model.build(seed) (bit-identical), moves
 //   it to hooks.device, shards it over `group` with the granularity's plan and trains it with
 //   AdamW on synthetic_batch(model, batch, seed, rank, step). Batches are made before timing.
+//   With fp16 params a sharded run scales the loss and steps through a ShardedGradScaler
+//   (fsdp/grad_scaler.h; one host sync per step for its inf/NaN answer).
 //   A local run never shards or communicates: the model is cast to the param dtype and trained
 //   as is; `group` (which may then be null: one rank alone) only aligns the memory
 //   measurement.
@@ -109,6 +111,9 @@ struct RunResult {
   // summed over the units): forward and backward, per measured step (empty for local).
   std::vector<double> hook_forward_ms, hook_backward_ms;
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
+  // fp16 sharded runs (ShardedGradScaler): steps whose optimizer step the scaler skipped
+  // (inf/NaN gradients on some rank), warmup and measured; 0 otherwise.
+  int skipped_steps = 0;
   std::optional<double> exposed_comm_share;  // host time inside collectives / step time
   int64_t peak_memory_bytes = 0;
   // Setup: building the model (and moving it to the device) plus fully_shard, rank 0's wall

@@ -35,6 +35,13 @@
 //   parameters come with different step counts is an error. Hyperparameters (lr, betas, ...)
 //   are recorded in the manifest but not restored: they belong to the code that builds the
 //   optimizer (and its schedule). Pass nullptr to save or load the model alone.
+// - Grad scaler (fp16 loss scaling, fsdp/grad_scaler.h): with CheckpointOptions::grad_scaler
+//   set to an enabled scaler, the manifest carries its state (scale, growth tracker, constants);
+//   LoadOptions::grad_scaler restores it on every rank, so a resumed run continues with the same
+//   scale. The values are untrusted like the rest of the manifest (a non-finite or non-positive
+//   scale is an error naming it). Loading into an enabled scaler from a checkpoint without that
+//   state is an error; a disabled scaler neither saves nor loads. Save between steps (after
+//   update()).
 // - Buffers (module.named_buffers()) are saved from rank 0 and loaded on every rank.
 // - HSDP (fully_shard with a ShardingMesh): collective over all R * S ranks. The shard group
 //   of replicate rank 0 writes a checkpoint of S shards; the other groups only join the final
@@ -60,6 +67,7 @@ class Optimizer;
 namespace flatshard {
 
 class ShardedModel;
+class ShardedGradScaler;
 
 enum class CheckpointKind { kSharded, kFull };
 
@@ -88,11 +96,16 @@ struct CheckpointOptions {
   IoHook fault_hook;
   // false: publish with two renames even where RENAME_EXCHANGE works (tests that path).
   bool use_rename_exchange = true;
+  // fp16 training: the scaler whose state the checkpoint carries (nullptr: none). Not owned.
+  const ShardedGradScaler* grad_scaler = nullptr;
 };
 
 struct LoadOptions {
   ProgressFn progress;
   double log_after_seconds = 10;
+  // fp16 training: the scaler the checkpoint's scaler state is restored into (nullptr: none,
+  // and any saved state is ignored). Not owned.
+  ShardedGradScaler* grad_scaler = nullptr;
 };
 
 void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,

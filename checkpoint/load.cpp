@@ -19,6 +19,7 @@
 #include "checkpoint/rank_sync.h"
 #include "checkpoint/tensor_file.h"
 #include "checkpoint/unit_ranges.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/sharded_model.h"
 
 namespace flatshard {
@@ -221,8 +222,17 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   std::vector<StagedUnit> staged(model.num_units());
   std::vector<StagedValue> buffers;
   std::optional<OptimizerRecord> want;
+  std::optional<GradScalerState> scaler_state;
   try {
     const Manifest m = read_manifest_at(dir);
+    if (o.grad_scaler && o.grad_scaler->enabled()) {
+      TORCH_CHECK(m.grad_scaler.has_value(),
+                  "the checkpoint was saved without grad scaler state (no "
+                  "CheckpointOptions::grad_scaler, or a disabled scaler); load without "
+                  "LoadOptions::grad_scaler to keep the scaler's current scale (",
+                  o.grad_scaler->get_scale(), ")");
+      scaler_state = m.grad_scaler;  // checked by the manifest's parse
+    }
     if (optimizer) {
       want = describe_optimizer(*optimizer);
       TORCH_CHECK(m.optimizer.has_value(),
@@ -299,6 +309,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
     set_unit_optimizer_state(*optimizer, *want, f, staged[u].step, fields);
   }
   for (auto& b : buffers) b.target.copy_(b.value);
+  if (scaler_state) o.grad_scaler->load_state_dict(*scaler_state);
 }
 
 void load_full_into_module(torch::nn::Module& module, const std::string& dir_arg,

@@ -118,10 +118,12 @@ std::string dims(const std::vector<int64_t>& v) {
 // fit int64; each value's pieces sorted, non-overlapping and covering its elements exactly;
 // every piece's tensor (and optimizer field) present in its file's record with the value's
 // dtype and the piece's element count; step counts >= 0, 0 without an optimizer and equal
-// within a unit (a load gives a unit one step count); names unique. What it cannot check is
+// within a unit (a load gives a unit one step count); names unique; a grad scaler's state
+// usable (GradScalerState::check: a finite positive scale, ...). What it cannot check is
 // whether the values are the ones that were saved: that needs a signature (docs/checkpoints.md,
 // "Trust model").
 void validate(const Manifest& m, const std::string& path) {
+  if (m.grad_scaler) m.grad_scaler->check(path + ": grad_scaler");
   std::unordered_map<std::string, const FileRecord*> files;
   for (const FileRecord& f : m.files) {
     const std::string where = path + ": file '" + f.name.substr(0, 200) + "'";
@@ -301,6 +303,14 @@ std::string Manifest::to_json() const {
   } else {
     os << "null";
   }
+  if (grad_scaler) {  // only when saved with a scaler, so other manifests stay as they were
+    const auto& g = *grad_scaler;
+    os << ",\n\"grad_scaler\": {\"scale\": " << json::number(g.scale)
+       << ", \"growth_factor\": " << json::number(g.growth_factor)
+       << ", \"backoff_factor\": " << json::number(g.backoff_factor)
+       << ", \"growth_interval\": " << g.growth_interval
+       << ", \"growth_tracker\": " << g.growth_tracker << "}";
+  }
   os << ",\n\"units\": [";
   for (size_t i = 0; i < units.size(); ++i)
     os << (i ? "," : "") << "\n {\"name\": " << json::quote(units[i].name)
@@ -340,8 +350,8 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   const uint32_t got = parse_crc(doc.at("manifest_crc32"));
   TORCH_CHECK(got == want, path, ": manifest checksum mismatch (stored ", crc32_hex(got),
               ", computed ", crc32_hex(want), "): the manifest is corrupt");
-  only(doc, {"format", "version", "kind", "world_size", "crc_chunk_bytes", "optimizer", "units",
-             "params", "buffers", "files", "manifest_crc32"});
+  only(doc, {"format", "version", "kind", "world_size", "crc_chunk_bytes", "optimizer",
+             "grad_scaler", "units", "params", "buffers", "files", "manifest_crc32"});
   Manifest m;
   const json::Node format = doc.at("format");
   if (format.as_string() != kFormatName)
@@ -376,6 +386,16 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     r.weight_decay = o.at("weight_decay").as_number();
     r.amsgrad = o.at("amsgrad").as_bool();
     m.optimizer = r;
+  }
+  if (const auto g = doc.find("grad_scaler")) {
+    only(*g, {"scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker"});
+    GradScalerState r;
+    r.scale = g->at("scale").as_number();
+    r.growth_factor = g->at("growth_factor").as_number();
+    r.backoff_factor = g->at("backoff_factor").as_number();
+    r.growth_interval = g->at("growth_interval").as_int();
+    r.growth_tracker = g->at("growth_tracker").as_int();
+    m.grad_scaler = r;
   }
   for (const auto& u : doc.at("units").items()) {
     only(u, {"name", "strategy", "numel", "padded_numel"});

@@ -12,7 +12,10 @@
 //   byte offsets and the CRC-32 of each `crc_chunk_bytes` chunk of its data (so a load that reads
 //   part of a tensor verifies only what it reads);
 // - the unit plan and world size it was written with (informational) and the optimizer's type,
-//   hyperparameters (informational) and state fields.
+//   hyperparameters (informational) and state fields;
+// - optionally (only when a save was given an enabled ShardedGradScaler) the scaler's state:
+//   `grad_scaler` {scale, growth_factor, backoff_factor, growth_interval, growth_tracker}, checked
+//   by GradScalerState::check (fsdp/grad_scaler.h). Manifests without it are unchanged.
 // The manifest carries its own CRC-32 (`manifest_crc32`, over the text before it); parse()
 // checks it and every field, throwing with the path and the field at fault (a JSON Pointer,
 // e.g. "manifest.json: /params/3/step: expected an integer, got 1.5 (entry 'wte.weight')").
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "fsdp/grad_scaler.h"
 
 namespace flatshard {
 
@@ -96,6 +100,7 @@ struct Manifest {
   std::vector<ValueRecord> params;
   std::vector<ValueRecord> buffers;
   std::optional<OptimizerRecord> optimizer;
+  std::optional<GradScalerState> grad_scaler;  // fp16 loss scaling (fsdp/grad_scaler.h)
   std::vector<FileRecord> files;
 
   std::string to_json() const;

@@ -14,6 +14,7 @@
 #include "checkpoint/rank_sync.h"
 #include "checkpoint/tensor_file.h"
 #include "checkpoint/unit_ranges.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/sharded_model.h"
 #include "support/json.h"
 
@@ -300,6 +301,8 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   try {
     source.emplace(read_source(model, optimizer));
     manifest = describe(*source, o.kind, world, o.crc_chunk_bytes);
+    if (o.grad_scaler && o.grad_scaler->enabled())
+      manifest.grad_scaler = o.grad_scaler->state_dict();
     if (rank == 0) {
       dir = resolve_save_dir(dir);  // a symlink is followed (Note [Checkpoint publication])
       staging = begin_save(dir, kManifestName, o.durable, check_only_checkpoint_files);

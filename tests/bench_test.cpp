@@ -311,6 +311,37 @@ TEST_CASE("--optimizer fused: every run uses FusedAdamW; losses still agree", "[
   for (const auto& r : doc.at("runs").items()) CHECK(r.at("optimizer_ms_median").as_number() > 0);
 }
 
+TEST_CASE("--param-dtype fp16 trains with the scaler; --offload-step backward keeps the losses",
+          "[bench]") {
+  // fp16 (GPUs without bf16): sharded runs use ShardedGradScaler; step-0 losses still agree
+  // with the local fp16 floor within the 16-bit tolerance.
+  const std::string fp16 = scratch("fp16.json");
+  const Outcome a = run_bench({"--preset", "tiny", "--steps", "2", "--warmup", "0",
+                               "--param-dtype", "fp16", "--policy", "local,layer", "--json", fp16});
+  INFO("stdout:\n" << a.out << "\nstderr:\n" << a.err);
+  REQUIRE(a.exit_code == 0);
+  const JsonFile r16(fp16);
+  CHECK(r16.root.at("param_dtype").as_string() == "fp16");
+  CHECK(r16.root.at("all_ok").as_bool());
+  // Note [Offload step in backward]: the bench attaches the optimizer, labels the run and
+  // checks it like any other (its exactness is tests/offload_test.cpp's).
+  const std::string after = scratch("ostep_after.json"), during = scratch("ostep_during.json");
+  for (const auto& [mode, path] : {std::pair<std::string, std::string>{"after", after},
+                                   std::pair<std::string, std::string>{"backward", during}}) {
+    const Outcome o = run_bench({"--preset", "tiny", "--steps", "2", "--warmup", "1",
+                                 "--policy", "layer", "--offload", "1", "--optimizer", "fused",
+                                 "--offload-step", mode, "--json", path});
+    INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+    REQUIRE(o.exit_code == 0);
+  }
+  const JsonFile ra(after), rb(during);
+  const auto run_a = run_named(ra.root, "layer+offload1");
+  const auto run_b = run_named(rb.root, "layer+offload1+bwdstep");
+  CHECK(run_a.at("loss_step0").as_number() == run_b.at("loss_step0").as_number());
+  CHECK(run_b.at("check").as_string() == "ok");
+  CHECK(run_b.at("optimizer_ms_median").as_number() >= 0);
+}
+
 TEST_CASE("--recompute and recompute specs: same collectives and loss, less activation memory",
           "[bench][recompute]") {
   // The tiny preset with 8 sequences of 128 tokens and a small vocabulary: the layers'
@@ -410,6 +441,9 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--steps", "0"}, "--steps must be >= 1, got 0"},
       {{"--optimizer", "sgd"}, "sgd"},
       {{"--init", "lazy"}, "lazy"},
+      {{"--offload-step", "backward", "--offload", "1"}, "add --optimizer fused"},
+      {{"--offload-step", "backward", "--optimizer", "fused", "--param-dtype", "fp16"},
+       "cannot run with --offload-step backward"},
       {{"--kernel-profile", "0", "--device", "cuda"}, "--kernel-profile must be >= 1, got 0"},
       {{"--kernel-profile", "1"}, "needs --device cuda"},
       {{"--sync-debug"}, "--sync-debug watches CUDA synchronisation: it needs --device cuda"},

@@ -235,7 +235,8 @@ CLI::Validator number_above(double lo, bool or_equal, double hi) {
 
 // What the command line asks of the plan, whatever the model (--model/--preset or --weights).
 struct Request {
-  std::string policy, strategy, param_dtype, reduce_dtype, memory_limit, profile_path;
+  std::string policy, strategy, param_dtype, reduce_dtype, memory_limit, profile_path,
+      offload_step = "after";
   int world = 1, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
   int64_t align = 8, batch = 0, seq = 0;
   bool keep = false, show_plan = false, suggest = false;
@@ -419,9 +420,12 @@ int run(const Described& m, const Request& r) {
                                             : flatshard::ShardingStrategy::kNoShard;
   opts.reshard_after_forward = !r.keep;
   opts.offload = r.offload;
+  if (r.offload_step == "backward") opts.offload_step = flatshard::OffloadStep::kBackward;
   opts.forward_prefetch = r.prefetch >= 0 ? r.prefetch : r.fwd_prefetch;
   opts.backward_prefetch = r.prefetch >= 0 ? r.prefetch : r.bwd_prefetch;
-  auto dtype = [](const std::string& s) { return s == "bf16" ? c10::kBFloat16 : c10::kFloat; };
+  auto dtype = [](const std::string& s) {
+    return s == "bf16" ? c10::kBFloat16 : s == "fp16" ? c10::kHalf : c10::kFloat;
+  };
   opts.mixed_precision.param_dtype = dtype(r.param_dtype);
   if (!r.reduce_dtype.empty()) opts.mixed_precision.reduce_dtype = dtype(r.reduce_dtype);
   opts.align = r.align;
@@ -535,6 +539,11 @@ int main(int argc, char** argv) {
                  "and AdamW state on the host, 2 the compute-dtype shard too")
       ->check(CLI::Range(0, 2))
       ->capture_default_str();
+  app.add_option("--offload-step", r.offload_step,
+                 "when offloaded units' CPU optimizer steps: after (backward; default) | "
+                 "backward (per unit during backward, as flatshard-bench --offload-step)")
+      ->check(CLI::IsMember({"after", "backward"}))
+      ->capture_default_str();
   app.add_option("--prefetch", r.prefetch, "forward and backward prefetch depth")
       ->check(at_least(0));
   app.add_option("--forward-prefetch", r.fwd_prefetch, "units all-gathered ahead in forward")
@@ -543,11 +552,11 @@ int main(int argc, char** argv) {
   app.add_option("--backward-prefetch", r.bwd_prefetch, "units all-gathered ahead in backward")
       ->check(at_least(0))
       ->capture_default_str();
-  app.add_option("--param-dtype", r.param_dtype, "all-gather / compute dtype: fp32, bf16")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  app.add_option("--param-dtype", r.param_dtype, "all-gather / compute dtype: fp32, bf16, fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--reduce-dtype", r.reduce_dtype, "gradient reduction dtype (default: param dtype)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_option("--align", r.align, "alignment of parameters in a flat buffer, in elements")
       ->check(at_least(1))
       ->capture_default_str();

@@ -30,13 +30,17 @@
 #               GPU time per step
 #   vs_torch    one table against PyTorch running the same model (issue 19): per batch (4 and 1
 #               sequences per GPU, GPU_CHECK_VS_BATCHES), tools/torch_reference.py (plain single
-#               GPU, FSDP2 per block) and flatshard-bench (local, layer, leaf; FusedAdamW like the
-#               reference's fused AdamW) on the 1B GPT; step ms, x PyTorch plain, host ms and
-#               peak MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
+#               GPU, pure bf16; amp single GPU, fp32 parameters + bf16 autocast; FSDP2 per block)
+#               and flatshard-bench (local, layer, leaf; FusedAdamW like the reference's fused
+#               AdamW) on the 1B GPT; step ms, x PyTorch plain, x PyTorch amp, host ms and peak
+#               MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
+#               GPU_CHECK_VS_TORCH_MODES replaces plain,amp,fsdp2-block;
 #               GPU_CHECK_VS_GRANULARITY replaces local,layer,leaf)
 #   offload     the vs_torch table for CPU offload (issue 17): PyTorch plain, FSDP2 per block
 #               with and without CPUOffloadPolicy(pin_memory=True), flatshard per-layer at
-#               --offload 0,1,2 (GPU_CHECK_OFFLOAD_TORCH_MODES, _GRANULARITY, _LEVELS)
+#               --offload 0,1,2 (GPU_CHECK_OFFLOAD_TORCH_MODES, _GRANULARITY, _LEVELS), then
+#               levels 1,2 with --offload-step backward (GPU_CHECK_OFFLOAD_SECOND replaces those
+#               bench arguments; empty: none), and the host's CPU AdamW floor (cpu_adamw_probe)
 #   advisor     tools/advisor_check.py: flatshard-bench on 1 GPU (world 1) for the 1B GPT and the
 #               1B LLaMA at 4 and 1 sequences (GPU_CHECK_ADVISOR_BATCHES), every granularity x
 #               recompute x offload level the bench supports, a machine profile written by the
@@ -243,40 +247,62 @@ step_vs_torch() {
       --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" \
       --offload "${GPU_CHECK_VS_OFFLOAD:-0}" \
       --json "$LOGDIR/flatshard_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/flatshard_b$b.txt" || rc=1
+    if [ -n "${GPU_CHECK_VS_SECOND:-}" ]; then  # a second bench whose runs join the table
+      # shellcheck disable=SC2086
+      "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \
+        --warmup 3 --steps 10 --optimizer fused \
+        --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" $GPU_CHECK_VS_SECOND \
+        --json "$LOGDIR/flatshard_b$b.second.json" ${GPU_CHECK_VS_ARGS:-} \
+        >"$LOGDIR/flatshard_b$b.second.txt" || rc=1
+    fi
   done
   # shellcheck disable=SC2086
   "$PYTHON" - "$LOGDIR" ${GPU_CHECK_VS_BATCHES:-4 1} <<'EOF' | tee "$LOGDIR/${VS_TABLE:-vs_torch}.txt"
 import json, os, sys
 logdir, batches = sys.argv[1], sys.argv[2:]
-print("# 1 GPU, world 1, same model, bf16 compute, fp32 master, fused AdamW; x PyTorch = step ms / "
-      "PyTorch plain step ms at the same batch (tools/gpu_check.sh vs_torch, one call)")
-print(f"{'batch':>5} {'program':<10} {'mode':<20} {'step ms':>8} {'x PyTorch':>9} {'host ms':>8} {'peak MiB':>9}")
+print("# 1 GPU, world 1, same model, bf16 compute, fused AdamW; two PyTorch floors at the same batch: "
+      "x PyTorch = step ms / PyTorch plain (pure bf16: bf16 parameters and AdamW state), "
+      "x AMP = step ms / PyTorch amp (fp32 parameters and AdamW state, bf16 autocast) "
+      "(tools/gpu_check.sh vs_torch, one call)")
+print(f"{'batch':>5} {'program':<10} {'mode':<26} {'step ms':>8} {'x PyTorch':>9} {'x AMP':>6} "
+      f"{'host ms':>8} {'fwd+bwd':>8} {'optim':>7} {'peak MiB':>9}")
 for b in batches:
     try:
         t = json.load(open(os.path.join(logdir, f"torch_b{b}.json")))
         f = json.load(open(os.path.join(logdir, f"flatshard_b{b}.json")))
+        second = os.path.join(logdir, f"flatshard_b{b}.second.json")
+        if os.path.exists(second):
+            f["runs"] += json.load(open(second))["runs"]
     except (OSError, ValueError) as e:
         print(f"{b:>5} missing results: {e}")
         continue
-    plain = next((r["step_ms"] for r in t["rows"] if r["mode"] == "plain"), None)
-    ratio = lambda ms: f"{ms / plain:9.3f}" if plain else f"{'-':>9}"
+    floor = {m: next((r["step_ms"] for r in t["rows"] if r["mode"] == m), None) for m in ("plain", "amp")}
+    ratio = lambda ms: " ".join(f"{ms / floor[m]:{w}.3f}" if floor[m] else f"{'-':>{w}}"
+                                for m, w in (("plain", 9), ("amp", 6)))
     for r in t["rows"]:
-        print(f"{b:>5} {'PyTorch':<10} {r['mode']:<20} {r['step_ms']:8.1f} {ratio(r['step_ms'])} "
-              f"{r['host_ms']:8.1f} {r['peak_mib']:9.0f}")
+        print(f"{b:>5} {'PyTorch':<10} {r['mode']:<26} {r['step_ms']:8.1f} {ratio(r['step_ms'])} "
+              f"{r['host_ms']:8.1f} {'-':>8} {'-':>7} {r['peak_mib']:9.0f}")
     for r in f["runs"]:
         ms = r["step_ms"]["median"]
-        print(f"{b:>5} {'flatshard':<10} {r['granularity']:<20} {ms:8.1f} {ratio(ms)} "
-              f"{r['host_issue_ms_median']:8.1f} {r['peak_memory_bytes'] / 2**20:9.0f}")
+        print(f"{b:>5} {'flatshard':<10} {r['granularity']:<26} {ms:8.1f} {ratio(ms)} "
+              f"{r['host_issue_ms_median']:8.1f} {r['fwd_bwd_ms_median']:8.1f} "
+              f"{r['optimizer_ms_median']:7.1f} {r['peak_memory_bytes'] / 2**20:9.0f}")
 EOF
   return $rc
 }
 
 # Issue 17's offload table: the vs_torch table with FSDP2's CPUOffloadPolicy beside flatshard's
 # offload levels, per-layer units, 4 and 1 sequences per GPU.
+# With the CPU step during backward (Note [Offload step in backward]) as a second bench, and
+# the host's CPU AdamW floor (tools/cpu_adamw_probe.py) measured in the same call: issue 35's
+# target is a ratio to max(fwd+bwd, that floor).
 step_offload() {
+  "$PYTHON" tools/cpu_adamw_probe.py floor | tee "$LOGDIR/cpu_adamw_floor.txt"
   GPU_CHECK_VS_TORCH_MODES=${GPU_CHECK_OFFLOAD_TORCH_MODES:-plain,fsdp2-block,fsdp2-block-offload} \
     GPU_CHECK_VS_GRANULARITY=${GPU_CHECK_OFFLOAD_GRANULARITY:-layer} \
-    GPU_CHECK_VS_OFFLOAD=${GPU_CHECK_OFFLOAD_LEVELS:-0,1,2} VS_TABLE=offload step_vs_torch
+    GPU_CHECK_VS_OFFLOAD=${GPU_CHECK_OFFLOAD_LEVELS:-0,1,2} \
+    GPU_CHECK_VS_SECOND=${GPU_CHECK_OFFLOAD_SECOND---offload 1,2 --offload-step backward} \
+    VS_TABLE=offload step_vs_torch
 }
 
 step_advisor() {
