@@ -70,6 +70,10 @@ class OffloadStepper {
   // Main thread, after `flat`'s reduction was enqueued on `stream`: queue its step (a no-op for
   // a unit the optimizer holds no tensor of).
   void enqueue(FlatParam& flat, const c10::Stream& stream);
+  // Main thread, before `flat`'s reduction: waits if its last step is still queued or running
+  // (a second backward over one graph before any forward), whose host gradient and staging the
+  // new reduction's copy would overwrite under it. A lock and a test otherwise.
+  void before_reduce(const FlatParam& flat);
   // Blocks until every queued step ran; rethrows the first error a step raised.
   void wait();
   // Whether enqueue() queued a step since the last call (StepGuard: a step happened).
@@ -79,6 +83,7 @@ class OffloadStepper {
   struct Entry {
     std::vector<at::Tensor> params;  // the optimizer's tensors in this unit's master
     std::optional<c10::Event> done;  // recorded on the reduce stream by enqueue()
+    bool queued = false;             // a job of this entry is queued or running (under mu_)
   };
   struct Job {
     FlatParam* flat;
