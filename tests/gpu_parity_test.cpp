@@ -52,6 +52,20 @@ const std::vector<std::pair<const char*, const char*>> kPlans = {
     {"whole-model", ""},
 };
 
+// The offload cases: per block and per leaf, with race-exposing sleeps or without.
+constexpr int64_t kSleepCycles = 20'000'000;
+const char* const kOffloadPlans[] = {"type=Block", "type=Linear|LayerNorm|Embedding"};
+
+ShardingOptions offload_options(int level, bool sleeps) {
+  ShardingOptions opts;
+  opts.offload = level;
+  if (sleeps) {
+    opts.debug_sleep_before_all_gather_cycles = kSleepCycles;
+    opts.debug_sleep_before_reduce_cycles = kSleepCycles;
+  }
+  return opts;
+}
+
 }  // namespace
 
 TEST_CASE("GPU fp32 parity: plans x strategies", "[gpu][parity]") {
@@ -120,15 +134,10 @@ TEST_CASE("GPU CPU offload levels 1 and 2: pinned host masters, parity, under de
   // or a missing end-of-backward sync show as wrong numbers.
   const Run ref = reference(g_comm->world_size());
   for (int level : {1, 2})
-    for (const char* spec : {"type=Block", "type=Linear|LayerNorm|Embedding"})
+    for (const char* spec : kOffloadPlans)
       for (bool sleeps : {false, true}) {
         CAPTURE(level, spec, sleeps);
-        ShardingOptions opts;
-        opts.offload = level;
-        if (sleeps) {
-          opts.debug_sleep_before_all_gather_cycles = 20'000'000;
-          opts.debug_sleep_before_reduce_cycles = 20'000'000;
-        }
+        ShardingOptions opts = offload_options(level, sleeps);
         {
           auto model = flatshard_test::gpu_parity_model(g_comm->device());
           auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), *g_comm, opts);
@@ -137,7 +146,7 @@ TEST_CASE("GPU CPU offload levels 1 and 2: pinned host masters, parity, under de
             REQUIRE(p.is_pinned());
           }
         }
-        require_fp32_parity(ref, sharded(spec, opts, sleeps ? 20'000'000 : 0));
+        require_fp32_parity(ref, sharded(spec, opts, sleeps ? kSleepCycles : 0));
       }
 }
 
@@ -158,16 +167,11 @@ TEST_CASE("GPU offload_step backward: the CPU step during backward equals the st
   // sleeps before every collective and before optimizer.step() make a missing wait show as
   // different numbers. Same host kernel over the same values: equal, not close.
   for (int level : {1, 2})
-    for (const char* spec : {"type=Block", "type=Linear|LayerNorm|Embedding"})
+    for (const char* spec : kOffloadPlans)
       for (bool sleeps : {false, true}) {
         CAPTURE(level, spec, sleeps);
-        ShardingOptions opts;
-        opts.offload = level;
-        if (sleeps) {
-          opts.debug_sleep_before_all_gather_cycles = 20'000'000;
-          opts.debug_sleep_before_reduce_cycles = 20'000'000;
-        }
-        const int64_t sleep = sleeps ? 20'000'000 : 0;
+        ShardingOptions opts = offload_options(level, sleeps);
+        const int64_t sleep = sleeps ? kSleepCycles : 0;
         const Run after = sharded(spec, opts, sleep, /*fused=*/true);
         opts.offload_step = OffloadStep::kBackward;
         const Run during = sharded(spec, opts, sleep, /*fused=*/true);
