@@ -49,23 +49,11 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     jobs_.push_back(Job{&flat, &e, device});
-    e.queued = true;
     ++pending_;
     if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
   }
   stepped_ = true;
   cv_.notify_one();
-}
-
-void OffloadStepper::before_reduce(const FlatParam& flat) {
-  auto it = entries_.find(&flat);
-  if (it == entries_.end()) return;
-  bool queued;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    queued = it->second.queued;
-  }
-  if (queued) wait();
 }
 
 void OffloadStepper::wait() {
@@ -114,7 +102,6 @@ void OffloadStepper::run() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (failed && !error_) error_ = failed;
-      job.entry->queued = false;
       if (--pending_ == 0) idle_cv_.notify_all();
     }
   }

@@ -19,8 +19,10 @@
 //   only waits for that stream. (Level 2 uploads at every gather, as without this mode.)
 // - The rest: optimizer.step() waits for the worker (FusedAdamW::set_before_step), then steps
 //   what was not stepped early (units not offloaded, tensors outside the model). A new forward
-//   also waits before its first gather, so the next upload reads the stepped master; so do
-//   gather_full_params/grads, check_optimizer, checkpoints and the ShardedModel's destructor.
+//   also waits before its first gather, so the next upload reads the stepped master, and so
+//   does a backward's first pre-backward (a second backward over a retained graph gathers and
+//   reduces again); so do gather_full_params/grads, checkpoints and the ShardedModel's
+//   destructor.
 // - Exact: the same kernel over the same tensors, in another list: bit for bit the result of
 //   stepping after backward (tests/offload_test.cpp). Every synced backward is an optimizer
 //   step: accumulate micro-batches with set_requires_gradient_sync(false), which reduces (and
@@ -70,10 +72,6 @@ class OffloadStepper {
   // Main thread, after `flat`'s reduction was enqueued on `stream`: queue its step (a no-op for
   // a unit the optimizer holds no tensor of).
   void enqueue(FlatParam& flat, const c10::Stream& stream);
-  // Main thread, before `flat`'s reduction: waits if its last step is still queued or running
-  // (a second backward over one graph before any forward), whose host gradient and staging the
-  // new reduction's copy would overwrite under it. A lock and a test otherwise.
-  void before_reduce(const FlatParam& flat);
   // Blocks until every queued step ran; rethrows the first error a step raised.
   void wait();
   // Whether enqueue() queued a step since the last call (StepGuard: a step happened).
@@ -83,7 +81,6 @@ class OffloadStepper {
   struct Entry {
     std::vector<at::Tensor> params;  // the optimizer's tensors in this unit's master
     std::optional<c10::Event> done;  // recorded on the reduce stream by enqueue()
-    bool queued = false;             // a job of this entry is queued or running (under mu_)
   };
   struct Job {
     FlatParam* flat;

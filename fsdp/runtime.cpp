@@ -292,6 +292,9 @@ void Runtime::on_root_enter() {
 void Runtime::on_first_pre_backward(Unit& unit) {
   if (!backward_active_) {
     check_offload_step();
+    // Note [Offload step in backward]: a second backward over a retained graph (no forward
+    // between) must not gather or reduce a unit the worker is still stepping.
+    if (offload_stepper_) offload_stepper_->wait();
     backward_active_ = true;
     backward_order_.clear();
     for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)

@@ -10,6 +10,9 @@
 
 #include <torch/optim/adamw.h>
 
+#include <map>
+#include <mutex>
+
 #include "checkpoint/checkpoint.h"
 #include "fsdp/fused_adamw.h"
 #include "planner/explain.h"
@@ -179,6 +182,44 @@ TEST_CASE("offload_step backward: offloaded masters change in backward, the rest
       }
     }
   });
+}
+
+TEST_CASE("offload_step backward: two backward passes over a retained graph step twice, exactly",
+          "[offload][offload_step]") {
+  // Every synced backward is a step: two passes over one graph (no forward between, no
+  // zero_grad) equal, bit for bit, the default mode stepping after each pass. The second pass
+  // gathers and reduces units the worker may still be stepping: it must wait for them.
+  ParitySpec s = gpt_parity_spec(2, "type=Block");
+  s.options.offload = 1;
+  auto run = [&](bool during) {
+    std::map<std::string, at::Tensor> out;
+    std::mutex mu;
+    ShardingOptions o = s.options;
+    if (during) o.offload_step = OffloadStep::kBackward;
+    run_ranks(2, [&](Communicator& comm) {
+      auto model = s.make_model();
+      auto fsdp = fully_shard(model, s.plan(*model), comm, o);
+      auto opt =
+          std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+      if (during) fsdp->attach_optimizer(opt);
+      at::Tensor loss = s.loss(model, comm.rank(), 0, 0);
+      loss.backward({}, /*retain_graph=*/true);
+      if (!during) opt->step();
+      loss.backward();
+      opt->step();
+      auto full = fsdp->gather_full_params();
+      std::lock_guard<std::mutex> lock(mu);
+      if (comm.rank() == 0)
+        for (auto& [n, t] : full) out[n] = t;
+    });
+    return out;
+  };
+  const auto after = run(false), during = run(true);
+  REQUIRE(after.size() == during.size());
+  for (auto& [n, t] : after) {
+    CAPTURE(n);
+    REQUIRE(at::equal(t, during.at(n)));
+  }
 }
 
 TEST_CASE("offload: a unit's spec level overrides the default; explain counts host and device bytes",
