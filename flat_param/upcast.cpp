@@ -93,18 +93,20 @@ void copy_all(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>
   TORCH_INTERNAL_ASSERT(dsts.size() == srcs.size(), "copy_all: ", dsts.size(), " destinations for ",
                         srcs.size(), " sources");
   if (dsts.empty()) return;
+  // 1-D sources (the one-rank path's) are used as they are: a view per tensor is host time.
+  auto flat = [](const at::Tensor& t) { return t.dim() == 1 ? t : t.reshape({-1}); };
   if (grouped(dsts.size())) {
-    std::vector<at::Tensor> flat;
-    flat.reserve(srcs.size());
-    for (const auto& s : srcs) flat.push_back(s.reshape({-1}));
-    at::_foreach_copy_(dsts, flat);
+    std::vector<at::Tensor> flats;
+    flats.reserve(srcs.size());
+    for (const auto& s : srcs) flats.push_back(flat(s));
+    at::_foreach_copy_(dsts, flats);
     return;
   }
   for (size_t i = 0; i < dsts.size(); ++i) {
     if (dsts[i].scalar_type() == at::kFloat) {
       copy_to_float(dsts[i], srcs[i]);
     } else {
-      dsts[i].copy_(srcs[i].reshape({-1}));
+      dsts[i].copy_(flat(srcs[i]));
     }
   }
 }
