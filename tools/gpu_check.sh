@@ -234,6 +234,18 @@ step_trace() {
     | tee "$LOGDIR/trace_summary.txt"
 }
 
+# One flatshard-bench run of the vs_torch table: batch $1, results as $2.json / $2.txt, the rest
+# of the arguments added.
+vs_bench() {
+  local b=$1 out=$2
+  shift 2
+  # shellcheck disable=SC2086
+  "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \
+    --warmup 3 --steps 10 --optimizer fused \
+    --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" "$@" \
+    --json "$LOGDIR/$out.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/$out.txt"
+}
+
 step_vs_torch() {
   local b rc=0
   for b in ${GPU_CHECK_VS_BATCHES:-4 1}; do
@@ -241,19 +253,10 @@ step_vs_torch() {
     "$PYTHON" tools/torch_reference.py --preset 1b --batch "$b" \
       --modes "${GPU_CHECK_VS_TORCH_MODES:-plain,amp,fsdp2-block}" \
       --json "$LOGDIR/torch_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/torch_b$b.txt" || rc=1
-    # shellcheck disable=SC2086
-    "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \
-      --warmup 3 --steps 10 --optimizer fused \
-      --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" \
-      --offload "${GPU_CHECK_VS_OFFLOAD:-0}" \
-      --json "$LOGDIR/flatshard_b$b.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/flatshard_b$b.txt" || rc=1
+    vs_bench "$b" "flatshard_b$b" --offload "${GPU_CHECK_VS_OFFLOAD:-0}" || rc=1
     if [ -n "${GPU_CHECK_VS_SECOND:-}" ]; then  # a second bench whose runs join the table
       # shellcheck disable=SC2086
-      "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \
-        --warmup 3 --steps 10 --optimizer fused \
-        --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" $GPU_CHECK_VS_SECOND \
-        --json "$LOGDIR/flatshard_b$b.second.json" ${GPU_CHECK_VS_ARGS:-} \
-        >"$LOGDIR/flatshard_b$b.second.txt" || rc=1
+      vs_bench "$b" "flatshard_b$b.second" $GPU_CHECK_VS_SECOND || rc=1
     fi
   done
   # shellcheck disable=SC2086
