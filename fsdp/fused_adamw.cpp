@@ -53,36 +53,70 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 }
 
 void FusedAdamW::step_params(const std::vector<at::Tensor>& params) {
+  run_step(capture_step(params));
+  for (const auto& p : params)
+    if (p.grad().defined()) stepped_early_[p.unsafeGetTensorImpl()] = p.grad()._version();
+}
+
+FusedAdamW::CapturedStep FusedAdamW::capture_step(const std::vector<at::Tensor>& params) const {
   TORCH_CHECK(!needs_fallback(param_groups()),
               "FusedAdamW::step_params: amsgrad and sparse gradients have no fused step");
   std::unordered_set<const c10::TensorImpl*> wanted;
   for (const auto& p : params) wanted.insert(p.unsafeGetTensorImpl());
   size_t found = 0;
-  for (const auto& group : param_groups())
-    for (const auto& p : group.params())
-      if (wanted.count(p.unsafeGetTensorImpl())) ++found;
+  CapturedStep out;
+  for (const auto& group : param_groups()) {
+    CapturedStep::Group g;
+    g.options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    for (const auto& p : group.params()) {
+      if (!wanted.count(p.unsafeGetTensorImpl())) continue;
+      ++found;
+      if (!p.grad().defined()) continue;
+      g.params.push_back(p);
+      g.grads.push_back(p.grad());
+    }
+    if (!g.params.empty()) out.groups.push_back(std::move(g));
+  }
   TORCH_CHECK(found == wanted.size(), "FusedAdamW::step_params: ", wanted.size() - found, " of ",
               wanted.size(), " tensors are not parameters of this optimizer");
-  fused_step([&](const at::Tensor& p) { return wanted.count(p.unsafeGetTensorImpl()) > 0; });
-  for (const auto& p : params)
-    if (p.grad().defined()) stepped_early_[p.unsafeGetTensorImpl()] = p.grad()._version();
+  return out;
+}
+
+void FusedAdamW::run_step(const CapturedStep& step) {
+  at::NoGradGuard no_grad;
+  for (const auto& g : step.groups) step_lists(g.options, g.params, g.grads);
 }
 
 void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) {
   at::NoGradGuard no_grad;
   for (auto& group : param_groups()) {
-    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    struct Lists {
-      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
-    };
-    // (device, dtype) -> lists: one fused launch each.
-    std::map<std::tuple<int, int, int>, Lists> by_kind;
+    std::vector<at::Tensor> params, grads;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined() || (take && !take(p))) continue;
+      params.push_back(p);
+      grads.push_back(p.grad());
+    }
+    if (!params.empty())
+      step_lists(static_cast<const torch::optim::AdamWOptions&>(group.options()), params, grads);
+  }
+}
+
+void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
+                            const std::vector<at::Tensor>& params,
+                            const std::vector<at::Tensor>& grads) {
+  struct Lists {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  };
+  // (device, dtype) -> lists: one fused launch each.
+  std::map<std::tuple<int, int, int>, Lists> by_kind;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
     // One step tensor per (device, step count), shared by the list entries that have it: with
     // per-parameter groups (shard views) a group holds many tensors at the same step, and each
     // made tensor is a host-side allocation and a fill launch.
     std::map<std::tuple<int, int, int64_t>, at::Tensor> step_tensors;
-    for (auto& p : group.params()) {
-      if (!p.grad().defined() || (take && !take(p))) continue;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
       auto& slot = state_[p.unsafeGetTensorImpl()];
       if (!slot) {
         auto s = std::make_unique<torch::optim::AdamWParamState>();
@@ -96,7 +130,7 @@ void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) 
       Lists& l = by_kind[{static_cast<int>(p.device().type()), p.device().index(),
                           static_cast<int>(p.scalar_type())}];
       l.params.push_back(p);
-      l.grads.push_back(p.grad());
+      l.grads.push_back(grads[i]);
       l.exp_avgs.push_back(s.exp_avg());
       l.exp_avg_sqs.push_back(s.exp_avg_sq());
       // The kernel takes the step count as a float32 tensor on the parameter's device.
@@ -107,16 +141,16 @@ void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) 
                       at::TensorOptions().dtype(at::kFloat).device(p.device()));
       l.steps.push_back(st);
     }
-    for (auto& [kind, l] : by_kind) {
-      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{},
-                        l.steps, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
-                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
-      // The kernel writes in place but bumps no version counter (measured on torch 2.11, CPU);
-      // code that detects a step by versions (flatshard's StepGuard, autograd's saved-tensor
-      // checks) must see the write, as for any in-place op.
-      for (auto* list : {&l.params, &l.exp_avgs, &l.exp_avg_sqs})
-        for (auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
-    }
+  }
+  for (auto& [kind, l] : by_kind) {
+    at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{},
+                      l.steps, o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()),
+                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    // The kernel writes in place but bumps no version counter (measured on torch 2.11, CPU);
+    // code that detects a step by versions (flatshard's StepGuard, autograd's saved-tensor
+    // checks) must see the write, as for any in-place op.
+    for (auto* list : {&l.params, &l.exp_avgs, &l.exp_avg_sqs})
+      for (auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
 }
 

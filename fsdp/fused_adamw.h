@@ -26,12 +26,19 @@
 //   which list a tensor is in changes nothing. A marked parameter whose gradient was written
 //   after its early step (clipping, unscaling: its version moved) makes step() throw, naming
 //   it: that write came too late to count. step_params() and step() must not run concurrently.
+// - A step captured now and run later (Note [Delayed offload step], fsdp/offload_step.h):
+//   capture_step(ps) takes what a step of `ps` reads from state the caller may change next —
+//   each tensor's gradient and its group's options (zero_grad, a scheduler's learning rate) —
+//   and run_step() steps them with those, on any thread: the state map is locked while a step
+//   finds or makes its entries, so run_step() may run beside step() and other run_step() calls
+//   over other tensors. The result is step_params()'s.
 #pragma once
 
 #include <torch/optim/adamw.h>
 
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -48,15 +55,30 @@ class FusedAdamW : public torch::optim::AdamW {
   // Called at the start of every step() (empty: nothing), e.g. to wait for early steps.
   void set_before_step(std::function<void()> wait) { before_step_ = std::move(wait); }
 
+  struct CapturedStep {
+    struct Group {
+      torch::optim::AdamWOptions options;
+      std::vector<at::Tensor> params, grads;  // params with a gradient, in group order
+    };
+    std::vector<Group> groups;
+  };
+  // Same checks as step_params().
+  CapturedStep capture_step(const std::vector<at::Tensor>& params) const;
+  void run_step(const CapturedStep& step);
+
  private:
   // One fused pass over the parameters of each group that have a gradient and for which
   // `take` (nullptr: all) returns true.
   void fused_step(const std::function<bool(const at::Tensor&)>& take);
+  // One fused pass per (device, dtype) over `params` (each with its gradient in `grads`).
+  void step_lists(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                  const std::vector<at::Tensor>& grads);
 
   // Parameters stepped by step_params() since the last step(), with their gradient's version
   // at that moment.
   std::unordered_map<const c10::TensorImpl*, int64_t> stepped_early_;
   std::function<void()> before_step_;
+  std::mutex state_mu_;  // state_'s lookups and insertions (run_step() beside step())
 };
 
 }  // namespace flatshard
