@@ -212,7 +212,9 @@ ParamLoader checkpoint_loader(const std::string& dir, NameMap name_map,
 void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
                      const std::string& dir_arg, const LoadOptions& o) {
   at::NoGradGuard no_grad;
-  model.wait_offload_steps();  // Note [Offload step in backward]: no step may write after us
+  // Note [Offload step in backward]: no step may write after us; Note [Delayed offload step]:
+  // the next forward reads the loaded masters, not the copies held from before.
+  model.sync_offload_params();
   Communicator& comm = model.comm();
   const int rank = comm.rank();
   const std::string dir = normalize_dir(dir_arg);

@@ -34,6 +34,9 @@ const std::vector<Knob>& knobs() {
       {kGroupedGradCopy, "1",
        "1: one grouped launch per unit copies its parameters' gradients into the flat (or, at "
        "one rank, master) gradient; 0: one launch per parameter"},
+      {kOffloadStepThreads, "0",
+       "intra-op threads of flatshard's CPU optimizer-step thread (offload_step backward or "
+       "delayed); 0: ATen's default (one per core)"},
       {kTrace, "",
        "path of each rank's Chrome/Perfetto trace (\"{rank}\" or .rank<R> per rank; \"nvtx\": "
        "NVTX ranges only); unset: no trace unless TraceOptions::path is set"},
@@ -87,6 +90,7 @@ bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
 bool debug() { return get_bool(kDebug, false); }
 bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
 bool grouped_grad_copy() { return get_bool(kGroupedGradCopy, true); }
+int offload_step_threads() { return static_cast<int>(get_int(kOffloadStepThreads, 0, 0, 4096)); }
 std::string trace_path() { return get(kTrace); }
 int trace_steps() { return static_cast<int>(get_int(kTraceSteps, 64, 0, 1000000)); }
 
@@ -100,6 +104,7 @@ void check_all() {
   debug();
   upcast_kernel();
   grouped_grad_copy();
+  offload_step_threads();
   trace_steps();
 }
 

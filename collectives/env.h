@@ -66,6 +66,12 @@ inline constexpr const char* kUpcastKernel = "FLATSHARD_UPCAST_KERNEL";
 // measurements.
 inline constexpr const char* kGroupedGradCopy = "FLATSHARD_GROUPED_GRAD_COPY";
 
+// FLATSHARD_OFFLOAD_STEP_THREADS (default 0): intra-op threads of the CPU optimizer steps
+// flatshard runs on its own thread (offload_step = backward or delayed, fsdp/offload_step.h);
+// 0 = ATen's default (one per core), N = N, leaving the other cores to the thread that issues
+// the device's work.
+inline constexpr const char* kOffloadStepThreads = "FLATSHARD_OFFLOAD_STEP_THREADS";
+
 // FLATSHARD_TRACE (default unset = off): where each rank writes its Chrome/Perfetto trace when
 // ShardingOptions::trace.path is empty (fsdp/trace.h; same syntax: "{rank}", ".rank<R>", "nvtx").
 inline constexpr const char* kTrace = "FLATSHARD_TRACE";
@@ -98,6 +104,7 @@ bool nccl_eager_connect();
 bool debug();
 bool upcast_kernel();
 bool grouped_grad_copy();
+int offload_step_threads();  // 0: ATen's default
 std::string trace_path();  // "" when unset
 int trace_steps();
 

@@ -53,6 +53,40 @@ class AllGather final : public ShardedGather {
   }
 };
 
+// The copy of the master an offloaded plan keeps on the device (level 1's shard, an offloaded
+// NO_SHARD unit's full()): which master version it holds, the refresh() a gather must wait for,
+// and Note [Delayed offload step]'s hold (the copy then changes only by refresh()).
+class KeptCopy {
+ public:
+  // Before a gather on `stream`: orders it after the last refresh's upload; true when the copy
+  // must be uploaded from the master now.
+  bool stale(const GatherArgs& a, c10::Stream stream) {
+    if (refreshed_) {  // refresh() uploaded on its own stream: the gather reads after it
+      refreshed_->block(stream);
+      refreshed_.reset();
+    }
+    return !held_ && changed(a);
+  }
+  bool changed(const GatherArgs& a) const { return a.master_version() != version_; }
+  void taken(const GatherArgs& a) { version_ = a.master_version(); }
+  // taken() by an upload on `stream`, which the next gather waits for.
+  void refreshed(const GatherArgs& a, c10::Stream stream) {
+    taken(a);
+    if (stream.device_type() == c10::DeviceType::CPU) return;
+    refreshed_.emplace(stream.device_type());
+    refreshed_->record(stream);
+  }
+  void hold(bool h) { held_ = h; }
+
+ private:
+  int64_t version_ = -1;                 // master_version() the copy last took
+  std::optional<c10::Event> refreshed_;  // recorded by refreshed(); the next gather waits
+  bool held_ = false;
+};
+
+// Beside backward, whose peak a refresh must not raise: 64 MiB of fp32 staging at a time.
+constexpr int64_t kRefreshChunk = int64_t{16} << 20;
+
 // Note [CPU offload], level 1: the device keeps the shard in the compute dtype, refreshed from
 // the host master when its version changed; the all-gather reads it (no cast per gather).
 class ResidentAllGather final : public ShardedGather {
@@ -67,38 +101,27 @@ class ResidentAllGather final : public ShardedGather {
   }
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (padded_numel_ == 0) return;
-    if (refreshed_) {  // refresh() uploaded on its own stream: order the all-gather after it
-      refreshed_->block(stream);
-      refreshed_.reset();
-    }
-    const int64_t version = a.master_version();
-    if (version != uploaded_version_) {
+    if (copy_.stale(a, stream)) {
       upload_to_device(resident_, a.master);
-      uploaded_version_ = version;
+      copy_.taken(a);
     }
     comm_.all_gather(resident_, a.full, stream);
   }
   // The upload the next gather would do, done now on `stream` (`stream` is current: FlatParam).
   // Writing resident_ here is safe: this unit's last gather read it before the unit's backward,
   // which came before the reduction the caller waited for.
-  void refresh(const GatherArgs& a, c10::Stream stream) override {
+  void refresh(const GatherArgs& a, c10::Stream stream, bool hold) override {
     if (padded_numel_ == 0) return;
-    const int64_t version = a.master_version();
-    if (version == uploaded_version_) return;
-    // Beside backward, whose peak this must not raise: 64 MiB of fp32 staging at a time.
-    constexpr int64_t kChunk = int64_t{16} << 20;
-    upload_to_device_chunked(resident_, a.master, kChunk);
-    uploaded_version_ = version;
-    if (stream.device_type() != c10::DeviceType::CPU) {
-      refreshed_.emplace(stream.device_type());
-      refreshed_->record(stream);
-    }
+    copy_.hold(hold);
+    if (!copy_.changed(a)) return;
+    upload_to_device_chunked(resident_, a.master, kRefreshChunk);
+    copy_.refreshed(a, stream);
   }
+  void release_hold() override { copy_.hold(false); }
 
  private:
-  at::Tensor resident_;            // compute-dtype shard on the device
-  int64_t uploaded_version_ = -1;  // master_version() resident_ last took
-  std::optional<c10::Event> refreshed_;  // recorded by refresh(); the next gather waits for it
+  at::Tensor resident_;  // compute-dtype shard on the device
+  KeptCopy copy_;
 };
 
 // Note [CPU offload], level 2: nothing stays on the device; every gather uploads the master
@@ -131,25 +154,32 @@ class ReplicatedRecast final : public GatherPlan {
 };
 
 // NO_SHARD, offloaded (level 2 acts as level 1, fsdp/resolve.h): full() stays on the device,
-// uploaded from the host master when its version changed.
+// uploaded from the host master when its version changed (or by refresh(), as level 1).
 class ReplicatedUpload final : public GatherPlan {
  public:
   ReplicatedUpload() : GatherPlan("ReplicatedUpload") {}
   int64_t bytes() const override { return 0; }
   void prepare(const GatherArgs& a) override {
     upload_to_device(a.full, a.master);
-    uploaded_version_ = a.master_version();
+    copy_.taken(a);
   }
-  void gather(const GatherArgs& a, c10::Stream) override {
-    const int64_t version = a.master_version();
-    if (version != uploaded_version_) {  // Note [CPU offload]
+  void gather(const GatherArgs& a, c10::Stream stream) override {
+    if (copy_.stale(a, stream)) {  // Note [CPU offload]
       upload_to_device(a.full, a.master);
-      uploaded_version_ = version;
+      copy_.taken(a);
     }
   }
+  // As ResidentAllGather::refresh: full() was last read by the unit's backward.
+  void refresh(const GatherArgs& a, c10::Stream stream, bool hold) override {
+    copy_.hold(hold);
+    if (!copy_.changed(a)) return;
+    upload_to_device_chunked(a.full, a.master, kRefreshChunk);
+    copy_.refreshed(a, stream);
+  }
+  void release_hold() override { copy_.hold(false); }
 
  private:
-  int64_t uploaded_version_ = -1;  // master_version() full() last took
+  KeptCopy copy_;
 };
 
 // --- reductions ------------------------------------------------------------------------------
@@ -285,6 +315,7 @@ class HostGradDelivery final : public ReducePlan {
     master.mutable_grad().add_(host_grad_stage_);
     host_grad_staged_ = false;
   }
+  bool has_staged_host_grad() const override { return host_grad_staged_; }
 
  private:
   std::unique_ptr<FlatGradReduce> inner_;

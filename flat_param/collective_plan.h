@@ -99,7 +99,12 @@ class GatherPlan {
   // fsdp/offload_step.h: on the stepper's thread, once the unit's backward is done): brings the
   // device copy the plan keeps up to date now, on `stream`, so the next gather() finds it current
   // and only waits for `stream`'s work instead of uploading. A no-op where the plan keeps none.
-  virtual void refresh(const GatherArgs& /*args*/, c10::Stream /*stream*/) {}
+  // `hold` (Note [Delayed offload step]: on the main thread, before the step): from now on the
+  // copy changes only by refresh(), not when the master's version moves (the step writing the
+  // master next must not reach the device before the unit's next refresh), until release_hold().
+  virtual void refresh(const GatherArgs& /*args*/, c10::Stream /*stream*/, bool /*hold*/) {}
+  // Ends a hold: the next gather() uploads the master if it changed since the copy was taken.
+  virtual void release_hold() {}
 
  private:
   std::string name_;
@@ -145,6 +150,7 @@ class ReducePlan {
   virtual void land(const ReduceResult& r, GradState& s) = 0;
   // Offload: after the host waited for the last reduction's stream, adds a staged gradient.
   virtual void finish_host_grad(const at::Tensor& /*master*/) {}
+  virtual bool has_staged_host_grad() const { return false; }
 
  private:
   std::string name_;

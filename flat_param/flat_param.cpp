@@ -390,10 +390,20 @@ void FlatParam::unshard(c10::Stream stream, bool attach) {
 
 void FlatParam::finish_host_grad() { reduce_->finish_host_grad(master_); }
 
-void FlatParam::refresh_compute_copy(c10::Stream stream) {
+bool FlatParam::has_staged_host_grad() const { return reduce_->has_staged_host_grad(); }
+
+void FlatParam::refresh_compute_copy(c10::Stream stream, bool hold) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
-  gather_->refresh(GatherArgs{master_.detach(), full_, views_}, stream);
+  gather_->refresh(GatherArgs{master_.detach(), full_, views_}, stream, hold);
+}
+
+void FlatParam::release_held_copy() { gather_->release_hold(); }
+
+void FlatParam::drop_master_grad() {
+  master_.mutable_grad() = at::Tensor();
+  for (size_t i = 0; i < views_.size(); ++i)
+    if (trainable_[i]) views_[i].tensor.mutable_grad() = at::Tensor();
 }
 
 int64_t FlatParam::resident_bytes() const { return gather_->resident_bytes(); }

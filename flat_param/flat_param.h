@@ -223,11 +223,19 @@ class FlatParam {
   // Offloaded units, after the host has waited for the stream of the last reduce_grad(): adds
   // a reduction staged beside an existing host gradient. No-op otherwise.
   void finish_host_grad();
+  // Whether a reduction was staged beside an existing host gradient (finish_host_grad() adds it).
+  bool has_staged_host_grad() const;
   // Offloaded units, right after an optimizer step wrote master() (Note [Offload step in
-  // backward], fsdp/offload_step.h): level 1 uploads the compute-dtype shard now, on `stream`,
-  // and its next unshard() waits for `stream` instead of uploading. No-op otherwise. May run on
-  // another thread than the rest of this unit's calls, when none of them runs.
-  void refresh_compute_copy(c10::Stream stream);
+  // backward], fsdp/offload_step.h): level 1 (and an offloaded NO_SHARD unit) uploads the
+  // compute-dtype copy now, on `stream`, and its next unshard() waits for `stream` instead of
+  // uploading. No-op otherwise. May run on another thread than the rest of this unit's calls,
+  // when none of them runs. `hold` (Note [Delayed offload step]): the device copy keeps what
+  // this took until the next refresh, whatever writes the master after (release_held_copy()).
+  void refresh_compute_copy(c10::Stream stream, bool hold = false);
+  // Ends refresh_compute_copy's hold: the next unshard() uploads the master if it changed.
+  void release_held_copy();
+  // Sets master().grad and the shard views' .grad to undefined (the caller holds them).
+  void drop_master_grad();
   // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
   int64_t resident_bytes() const;
 

@@ -58,10 +58,12 @@ ShardedGradScaler::ShardedGradScaler(ShardedModel& model, GradScalerOptions opti
   s.check(what);
   // Note [Offload step in backward]: that mode steps offloaded units on still-scaled gradients
   // before any rank knows whether one overflowed.
-  TORCH_CHECK(!enabled_ || model.options().offload_step != OffloadStep::kBackward, what,
-              ": an enabled scaler cannot run with ShardingOptions::offload_step = "
-              "OffloadStep::kBackward (offloaded units step during backward, before the scaler "
-              "unscales and checks their gradients); use the default offload_step");
+  TORCH_CHECK(!enabled_ || model.options().offload_step == OffloadStep::kAfterBackward, what,
+              ": an enabled scaler cannot run with ShardingOptions::offload_step = ",
+              model.options().offload_step == OffloadStep::kDelayed ? "OffloadStep::kDelayed"
+                                                                     : "OffloadStep::kBackward",
+              " (offloaded units step during backward, before the scaler unscales and checks "
+              "their gradients); use the default offload_step");
 }
 
 std::string ShardedGradScaler::where(const char* call) const {

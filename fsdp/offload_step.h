@@ -34,6 +34,35 @@
 //   (FusedAdamW names it: unscaling, hand-written clipping).
 // - Errors on the worker (a kernel that throws) are kept and rethrown, naming the unit and the
 //   rank, by the next wait.
+//
+// Note [Delayed offload step]
+// OffloadStep::kDelayed is ZeRO-Offload's one-step-delayed update, opt-in: the device computes
+// step N+1's forward and backward with the parameters of before step N's update, so that
+// update runs on the host beside them instead of beside step N's remaining backward only.
+// - Semantics: with M_k the masters after k steps and g_k step k's gradient, step k's forward
+//   and backward read M_{k-2} (M_0 for the first two steps) and M_k = AdamW(M_{k-1}, g_k).
+//   Only offloaded units are delayed; units on the device step in optimizer.step() as always.
+//   tests/offload_test.cpp checks this against an unsharded model trained with that delay.
+// - Per unit, on the main thread, in its post-backward: wait for the unit's previous step (the
+//   backpressure when the host is the slower side); reduce (the gradient goes to the host);
+//   then, on the upload stream after the reduction, refresh the device copy from the master
+//   (M_{k-1}, complete: its step was waited for) with a hold (FlatParam::refresh_compute_copy:
+//   until the next refresh the copy ignores writes to the master); capture the step
+//   (FusedAdamW::capture_step: the gradient and the group options as they are now) and drop
+//   the unit's gradients (master and shard views: they belong to that step now, so zero_grad,
+//   clipping or inspection cannot race with it); queue it. The worker waits for the upload
+//   (it reads the master) and steps. The next forward and backward gather the held copy
+//   without waiting for the worker.
+// - Level 1 only: level 2 uploads from the master at every gather, which the worker writes
+//   meanwhile; sharded level-2 units are refused at setup. Offloaded NO_SHARD units (level 1
+//   either way) are delayed like level 1.
+// - Waits: gather_full_params/grads, checkpoints and the destructor wait for the worker and
+//   read the newest masters. sync_offload_params() also ends the holds, so the next forward
+//   reads the newest masters (before evaluation; checkpoint loads do it). After backward the
+//   offloaded units' gradients are undefined (gather_full_grads shows zeros for them).
+// - Refused, with a message: clip_grad_norm_ and the gradient scaler (the step takes the
+//   gradient at the reduction), a second synced backward without a forward between (a
+//   retained graph: its gathers would read a copy refreshed since the forward), level 2.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -51,16 +80,22 @@
 #include <unordered_map>
 #include <vector>
 
+#include "collectives/env.h"
+#include "fsdp/fused_adamw.h"
+
 namespace flatshard {
 
 class FlatParam;
-class FusedAdamW;
 
 class OffloadStepper {
  public:
   // `upload_stream`: where the stepped masters' compute-dtype copies are uploaded (level 1).
-  OffloadStepper(int rank, c10::Stream upload_stream)
-      : rank_(rank), upload_stream_(upload_stream) {}
+  // `delayed`: Note [Delayed offload step]; else Note [Offload step in backward].
+  OffloadStepper(int rank, c10::Stream upload_stream, bool delayed)
+      : rank_(rank),
+        upload_stream_(upload_stream),
+        delayed_(delayed),
+        threads_(env::offload_step_threads()) {}
   ~OffloadStepper();  // waits for queued steps (errors dropped), joins the worker
   OffloadStepper(const OffloadStepper&) = delete;
   OffloadStepper& operator=(const OffloadStepper&) = delete;
@@ -70,10 +105,14 @@ class OffloadStepper {
   void attach(std::shared_ptr<FusedAdamW> opt, const std::vector<FlatParam*>& flats);
   bool attached() const { return opt_ != nullptr; }
   // Main thread, after `flat`'s reduction was enqueued on `stream`: queue its step (a no-op for
-  // a unit the optimizer holds no tensor of).
+  // a unit the optimizer holds no tensor of). Delayed: refreshes the device copy first.
   void enqueue(FlatParam& flat, const c10::Stream& stream);
   // Blocks until every queued step ran; rethrows the first error a step raised.
   void wait();
+  // Blocks until `flat`'s queued step (if any) ran; rethrows as wait(). Main thread, before the
+  // unit's reduction: the worker no longer reads its host gradient.
+  void wait_for(const FlatParam& flat);
+  bool delayed() const { return delayed_; }
   // Whether enqueue() queued a step since the last call (StepGuard: a step happened).
   bool take_stepped();
 
@@ -81,23 +120,30 @@ class OffloadStepper {
   struct Entry {
     std::vector<at::Tensor> params;  // the optimizer's tensors in this unit's master
     std::optional<c10::Event> done;  // recorded on the reduce stream by enqueue()
+    std::optional<c10::Event> uploaded;  // delayed: after the refresh, on the upload stream
+    bool queued = false;                 // a step of this unit is queued or running (mu_)
   };
   struct Job {
-    FlatParam* flat;
-    Entry* entry;
-    bool wait_event;
+    FlatParam* flat = nullptr;
+    Entry* entry = nullptr;
+    bool wait_event = false;
+    std::optional<FusedAdamW::CapturedStep> captured;  // delayed: the step to run
   };
   void run();
+  void run_job(Job& job);
+  void enqueue_delayed(FlatParam& flat, Entry& e, const c10::Stream& stream, Job& job);
 
   int rank_;
   c10::Stream upload_stream_;
+  bool delayed_;
+  int threads_;  // the worker's intra-op threads (env FLATSHARD_OFFLOAD_STEP_THREADS; 0: default)
   std::shared_ptr<FusedAdamW> opt_;
   std::unordered_map<const FlatParam*, Entry> entries_;
   bool stepped_ = false;
 
   std::mutex mu_;
   std::condition_variable cv_;  // jobs queued, or stop
-  std::condition_variable idle_cv_;  // pending_ reached 0
+  std::condition_variable idle_cv_;  // a step ended
   std::deque<Job> jobs_;
   int64_t pending_ = 0;  // queued + running
   bool stop_ = false;

@@ -92,6 +92,10 @@ struct TraceOptions {
 enum class OffloadStep {
   kAfterBackward,  // in optimizer.step(), after backward (default; any torch optimizer)
   kBackward,       // per unit during backward, as its gradient reaches the host (FusedAdamW)
+  // Opt-in, ZeRO-Offload's one-step-delayed update: as kBackward, but the device keeps
+  // computing with the parameters of one step before, so step N's CPU update runs beside step
+  // N+1's forward and backward. Parameters are one step stale (Note [Delayed offload step]).
+  kDelayed,
 };
 
 struct ShardingOptions {
@@ -122,7 +126,8 @@ struct ShardingOptions {
   // Offloaded units' CPU optimizer step: after backward (default), or per unit during backward,
   // overlapping the device's backward (needs ShardedModel::attach_optimizer with a FusedAdamW;
   // every synced backward is then an optimizer step; clip_grad_norm_ is refused). Exact either
-  // way (Note [Offload step in backward]).
+  // way (Note [Offload step in backward]). kDelayed: one step stale, level 1 only (Note
+  // [Delayed offload step]).
   OffloadStep offload_step = OffloadStep::kAfterBackward;
 
   // Race exposure for tests (GPU only; 0 = off): a device sleep of this many cycles is queued

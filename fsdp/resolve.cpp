@@ -38,6 +38,11 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
   TORCH_CHECK(offload >= 0 && offload <= 2, "unit '", spec.name, "': offload level must be 0, 1 "
               "or 2, got ", offload);
   r.flat.offload = r.flat.sharded ? offload : std::min(offload, 1);
+  // Note [Delayed offload step] (fsdp/offload_step.h): level 2 reads the master at every gather.
+  TORCH_CHECK(r.flat.offload < 2 || options.offload_step != OffloadStep::kDelayed, "unit '",
+              spec.name, "': offload level 2 cannot run with offload_step = delayed (each gather "
+              "would upload the master while the delayed step writes it); use level 1, or "
+              "offload_step = backward");
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
 }

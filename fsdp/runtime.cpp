@@ -142,8 +142,9 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* repl
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
-  if (options_.offload_step == OffloadStep::kBackward)
-    offload_stepper_ = std::make_shared<OffloadStepper>(comm_.rank(), side_stream(comm.device()));
+  if (options_.offload_step != OffloadStep::kAfterBackward)
+    offload_stepper_ = std::make_shared<OffloadStepper>(
+        comm_.rank(), side_stream(comm.device()), options_.offload_step == OffloadStep::kDelayed);
   ctx_.emplace(UnitContext{comm_, replicate_, all_gather_stream_, reduce_scatter_stream_,
                            tracer_.get(), reduce_buffers_,
                            options_.debug_sleep_before_all_gather_cycles,
@@ -274,7 +275,9 @@ void Runtime::on_first_forward_entry(Unit& unit) {
 void Runtime::on_root_enter() {
   // Note [Offload step in backward]: the last backward's CPU steps end before any upload reads
   // a master (a no-op when none is queued).
-  if (offload_stepper_ && !backward_active_) offload_stepper_->wait();
+  // Note [Delayed offload step]: not when delayed, whose forward reads the held copies.
+  if (offload_stepper_ && !offload_stepper_->delayed() && !backward_active_)
+    offload_stepper_->wait();
   if (!backward_active_ && !pending_backward_ && forward_order_.empty()) {
     step_guard_.on_step_start(units_, comm_.rank());
     for (const auto& u : units_) {
@@ -293,8 +296,9 @@ void Runtime::on_first_pre_backward(Unit& unit) {
   if (!backward_active_) {
     check_offload_step();
     // Note [Offload step in backward]: a second backward over a retained graph (no forward
-    // between) must not gather or reduce a unit the worker is still stepping.
-    if (offload_stepper_) offload_stepper_->wait();
+    // between) must not gather or reduce a unit the worker is still stepping. (Delayed: each
+    // unit waits for its own step before it reduces, and check_offload_step refuses this case.)
+    if (offload_stepper_ && !offload_stepper_->delayed()) offload_stepper_->wait();
     backward_active_ = true;
     backward_order_.clear();
     for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
@@ -317,14 +321,21 @@ bool Runtime::any_offloaded() const {
 }
 
 void Runtime::check_offload_step() const {
-  if (!offload_stepper_ || !requires_grad_sync_ || offload_stepper_->attached() ||
-      !any_offloaded())
-    return;
-  TORCH_CHECK(false, "flatshard (rank ", comm_.rank(), "): offload_step = backward steps the "
-              "offloaded units' optimizer during backward, but no optimizer is attached: call "
-              "fsdp->attach_optimizer(opt) with the flatshard::FusedAdamW built on "
-              "parameters() or named_parameters() before the first backward (Note [Offload "
-              "step in backward], fsdp/offload_step.h)");
+  if (!offload_stepper_ || !requires_grad_sync_ || !any_offloaded()) return;
+  const bool delayed = offload_stepper_->delayed();
+  TORCH_CHECK(offload_stepper_->attached(), "flatshard (rank ", comm_.rank(), "): offload_step = ",
+              delayed ? "delayed" : "backward", " steps the offloaded units' optimizer itself, "
+              "but no optimizer is attached: call fsdp->attach_optimizer(opt) with the "
+              "flatshard::FusedAdamW built on parameters() or named_parameters() before the "
+              "first backward (Note [Offload step in backward], fsdp/offload_step.h)");
+  // Note [Delayed offload step]: a retained graph's second backward would gather device copies
+  // refreshed since its forward (its gradient would not belong to the parameters it used).
+  TORCH_CHECK(!delayed || !forward_order_.empty(), "flatshard (rank ", comm_.rank(),
+              "): offload_step = delayed: a second backward with gradient sync on and no "
+              "forward since the last one (a retained graph) is not supported: the offloaded "
+              "units' device copies were refreshed by the first. Run a forward per backward, "
+              "or use offload_step = backward (Note [Delayed offload step], "
+              "fsdp/offload_step.h)");
 }
 
 void Runtime::wait_offload_steps() {
@@ -369,7 +380,8 @@ void Runtime::finalize_backward() {
   lease_.reset();
   step_.fetch_add(1);  // this step's lease, when its graph is freed, finds its step ended
   step_guard_.on_backward_end(units_, requires_grad_sync_,
-                              offload_stepper_ && offload_stepper_->take_stepped(), comm_.rank());
+                              offload_stepper_ && offload_stepper_->take_stepped(), comm_.rank(),
+                              offload_stepper_ && offload_stepper_->delayed());
   trace_step_end(tracer());
 }
 

@@ -367,19 +367,30 @@ void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
   const auto& stepper = runtime_->offload_stepper();
   TORCH_CHECK(stepper != nullptr, "attach_optimizer (rank ", comm_.rank(),
               "): the optimizer is attached only with ShardingOptions::offload_step = "
-              "OffloadStep::kBackward, which steps offloaded units during backward; with the "
-              "default (after backward) call opt.step() as usual");
+              "OffloadStep::kBackward or kDelayed, which step offloaded units themselves; with "
+              "the default (after backward) call opt.step() as usual");
   check_optimizer(*opt);
   std::vector<FlatParam*> flats;
   for (auto& u : runtime_->units()) flats.push_back(&u->flat());
   stepper->attach(opt, flats);
   std::weak_ptr<OffloadStepper> weak = stepper;
+  // Note [Delayed offload step]: delayed steps run on through the next forward; opt.step()
+  // finds the offloaded units without gradients and steps the rest.
+  if (stepper->delayed()) {
+    opt->set_before_step(nullptr);
+    return;
+  }
   opt->set_before_step([weak] {
     if (auto s = weak.lock()) s->wait();
   });
 }
 
 void ShardedModel::wait_offload_steps() const { runtime_->wait_offload_steps(); }
+
+void ShardedModel::sync_offload_params() {
+  wait_offload_steps();
+  for (auto& u : runtime_->units()) u->flat().release_held_copy();
+}
 
 double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   at::NoGradGuard no_grad;
@@ -388,10 +399,11 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   const bool stepped_in_backward =
       runtime_->offload_stepper() != nullptr && runtime_->any_offloaded();
   TORCH_CHECK(!stepped_in_backward, "clip_grad_norm_ (rank ", comm_.rank(),
-              "): with offload_step = backward the offloaded units were already stepped during "
-              "backward, before the global norm was known, so clipping cannot apply to them. "
-              "Use the default offload_step (after backward) to clip (Note [Offload step in "
-              "backward], fsdp/offload_step.h)");
+              "): with offload_step = ", runtime_->offload_stepper()->delayed() ? "delayed" : "backward",
+              " the offloaded units' steps took their gradients during backward, before the "
+              "global norm was known, so clipping cannot apply to them. Use the default "
+              "offload_step (after backward) to clip (Note [Offload step in backward], "
+              "fsdp/offload_step.h)");
   // One squared norm per unit, summed across ranks in one all-reduce: the total is their sum,
   // and a non-finite total can name the first unit it comes from (any rank's shard).
   const auto& units = runtime_->units();

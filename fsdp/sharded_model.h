@@ -107,15 +107,20 @@ class ShardedModel {
   // StepGuard warns after many reduced steps that changed no master (fsdp/step_guard.h).
   void check_optimizer(const torch::optim::Optimizer& opt) const;
   // Note [Offload step in backward] (fsdp/offload_step.h), for ShardingOptions::offload_step =
-  // kBackward: the optimizer flatshard steps offloaded units with during backward (check_optimizer
-  // runs on it first). Its step() then steps only the rest, after waiting for those steps.
-  // Throws for any other offload_step. Keep using `opt` as usual (step, zero_grad, schedulers).
+  // kBackward or kDelayed: the optimizer flatshard steps offloaded units with during backward
+  // (check_optimizer runs on it first). Its step() then steps only the rest, after waiting for
+  // those steps (kBackward; kDelayed does not wait: Note [Delayed offload step]). Throws for
+  // kAfterBackward. Keep using `opt` as usual (step, zero_grad, schedulers).
   void attach_optimizer(std::shared_ptr<FusedAdamW> opt);
-  // Waits for the CPU optimizer steps flatshard runs during backward (offload_step = kBackward;
-  // a no-op otherwise). Everything in this class that reads masters or gradients, and the
-  // checkpoint functions, call it; code reading master() directly between backward and
-  // optimizer.step() must too.
+  // Waits for the CPU optimizer steps flatshard runs (offload_step = kBackward or kDelayed; a
+  // no-op otherwise). Everything in this class that reads masters or gradients, and the
+  // checkpoint functions, call it; code reading master() or the optimizer's state directly
+  // must too.
   void wait_offload_steps() const;
+  // wait_offload_steps(), and with offload_step = kDelayed the next forward reads the newest
+  // masters instead of the one-step-stale device copies (before evaluating the trained model;
+  // checkpoint loads call it). The step after it is not delayed. A wait otherwise.
+  void sync_offload_params();
   const Plan& plan() const { return plan_; }
   const ShardingOptions& options() const;
   std::vector<UnitInfo> units() const;

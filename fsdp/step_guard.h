@@ -14,7 +14,9 @@
 //
 // How: every in-place write to a master (optimizer steps, copy_, checkpoint loads) bumps its
 // version counter (`_version()`); flatshard itself never writes a master during a step, but
-// with offload_step = backward, when it says so (on_backward_end's `stepped`).
+// with offload_step = backward, when it says so (on_backward_end's `stepped`). With offload_step
+// = delayed, the worker writes offloaded masters at any time (Note [Delayed offload step]):
+// their versions say nothing and are not compared (`skip_offloaded`).
 // Contract: on_backward_end() at the end of each backward pass, on_step_start() when a new
 // forward begins (before any unit gathers). Per rank, single-threaded, no collectives.
 #pragma once
@@ -35,7 +37,7 @@ class StepGuard {
   // `stepped`: flatshard stepped some masters during this backward (Note [Offload step in
   // backward]), so a step certainly happened.
   void on_backward_end(const std::vector<std::unique_ptr<Unit>>& units, bool reduced,
-                       bool stepped, int rank);
+                       bool stepped, int rank, bool skip_offloaded = false);
   // Throws for mistake 1; warns once for mistake 2.
   void on_step_start(const std::vector<std::unique_ptr<Unit>>& units, int rank);
 
@@ -46,6 +48,7 @@ class StepGuard {
   int stale_steps_ = 0;            // consecutive reduced backwards with no master changed
   bool stepped_ = false;           // the last backward stepped masters itself
   bool warned_ = false;
+  bool skip_offloaded_ = false;    // the last backward's on_backward_end said so
 };
 
 }  // namespace flatshard

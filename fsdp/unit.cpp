@@ -276,6 +276,8 @@ void Unit::post_backward() {
       stream_wait_stream(rs, ctx_.compute_stream(), scratch_);  // the gradients are computed
       TraceScope trace(ctx_.tracer, TraceKind::kReduce, &trace_info_);
       device_sleep(rs, ctx_.debug_sleep_before_reduce_cycles);
+      // Note [Delayed offload step]: the unit's last step no longer reads its host gradient.
+      if (ctx_.offload_stepper && flat_->offload() > 0) ctx_.offload_stepper->wait_for(*flat_);
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
       ctx_.reduce_buffers.hold(std::move(in_use), &reduce_done_);

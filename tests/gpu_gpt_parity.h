@@ -107,7 +107,8 @@ inline GpuRun train_sharded(flatshard::gpt::GPT& model, flatshard::ShardedModel&
                             const std::function<void(at::Tensor&)>& mean_over_ranks,
                             int64_t sleep_before_step, bool fused = false) {
   // Note [Offload step in backward]: that mode steps through an attached FusedAdamW.
-  const bool step_in_backward = fsdp.options().offload_step == flatshard::OffloadStep::kBackward;
+  const bool step_in_backward =
+      fsdp.options().offload_step != flatshard::OffloadStep::kAfterBackward;
   std::shared_ptr<torch::optim::AdamW> owned;
   if (fused || step_in_backward) {
     auto f = std::make_shared<flatshard::FusedAdamW>(fsdp.parameters(),

@@ -183,6 +183,35 @@ TEST_CASE("GPU offload_step backward: the CPU step during backward equals the st
       }
 }
 
+TEST_CASE("GPU offload_step delayed: the same numbers with and without device sleeps",
+          "[gpu][parity][offload]") {
+  // Note [Delayed offload step]: the refresh is queued on the upload stream after the unit's
+  // reduction, the worker waits for that upload before it writes the master, and the next
+  // gathers wait for the refresh. Sleeps before every collective and before optimizer.step()
+  // make a missing wait show as different numbers. The CPU-rank test checks the values
+  // against an unsharded model with the delay (tests/offload_test.cpp); here the delay must
+  // at least be there: the second step's loss differs from the undelayed mode's.
+  for (const char* spec : kOffloadPlans) {
+    CAPTURE(spec);
+    ShardingOptions quiet_opts = offload_options(1, false);
+    quiet_opts.offload_step = OffloadStep::kDelayed;
+    const Run quiet = sharded(spec, quiet_opts, 0, /*fused=*/true);
+    ShardingOptions slept_opts = offload_options(1, true);
+    slept_opts.offload_step = OffloadStep::kDelayed;
+    const Run slept = sharded(spec, slept_opts, kSleepCycles, /*fused=*/true);
+    REQUIRE(quiet.losses == slept.losses);
+    for (auto& [name, t] : quiet.params) {
+      CAPTURE(name);
+      REQUIRE(at::equal(t, slept.params.at(name)));
+    }
+    quiet_opts.offload_step = OffloadStep::kBackward;
+    const Run undelayed = sharded(spec, quiet_opts, 0, /*fused=*/true);
+    REQUIRE(quiet.losses.size() >= 2);
+    REQUIRE(quiet.losses[0] == undelayed.losses[0]);
+    REQUIRE(quiet.losses[1] != undelayed.losses[1]);
+  }
+}
+
 int main(int argc, char** argv) {
   return flatshard_test::nccl_test_main("gpu_parity_test", argc, argv, g_comm);
 }

@@ -14,6 +14,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
@@ -232,6 +233,39 @@ std::map<std::string, Scenario> scenarios() {
     auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
     fsdp->attach_optimizer(
         std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2)));
+  };
+  // Note [Delayed offload step]: the delayed mode's own refusals.
+  auto delayed_model = [](Communicator& comm, int level) {
+    auto net = Forgetful();
+    ShardingOptions o;
+    o.offload = level;
+    o.offload_step = OffloadStep::kDelayed;
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp->attach_optimizer(opt);
+    return std::make_tuple(net, std::move(fsdp), opt);
+  };
+  s["offload_delayed_correct"] = [delayed_model](Communicator& comm) {
+    auto [net, fsdp, opt] = delayed_model(comm, 1);
+    for (int step = 0; step < 3; ++step) {
+      opt->zero_grad();
+      train_step(net, comm.rank());
+      opt->step();
+    }
+    fsdp->sync_offload_params();
+  };
+  s["offload_delayed_level2"] = [delayed_model](Communicator& comm) { delayed_model(comm, 2); };
+  s["offload_delayed_clip"] = [delayed_model](Communicator& comm) {
+    auto [net, fsdp, opt] = delayed_model(comm, 1);
+    train_step(net, comm.rank());
+    fsdp->clip_grad_norm_(1.0);
+  };
+  s["offload_delayed_retained"] = [delayed_model](Communicator& comm) {
+    auto [net, fsdp, opt] = delayed_model(comm, 1);
+    auto loss = flatshard::call(net, batch(comm.rank())).pow(2).mean();
+    loss.backward({}, /*retain_graph=*/true);
+    opt->step();
+    loss.backward();
   };
   // Control: the correct program runs (exit 0), so the scenarios above fail for their misuse.
   s["correct"] = [](Communicator& comm) {

@@ -90,11 +90,27 @@ TEST_CASE("offload_step backward: misuse is an error saying what to do, never a 
     require_error("offload_step_no_optimizer", world,
                   {"no optimizer is attached", "attach_optimizer", "rank "});
     require_error("offload_step_clip", world,
-                  {"clip_grad_norm_", "already stepped during backward", "rank "});
+                  {"clip_grad_norm_", "took their gradients during backward", "rank "});
     require_error("offload_step_grad_write", world,
                   {"was modified", "already stepped during backward"});
     require_error("offload_step_attach_default", world,
                   {"attach_optimizer", "OffloadStep::kBackward", "rank "});
+  }
+}
+
+TEST_CASE("offload_step delayed: misuse is an error saying what to do, never a crash",
+          "[misuse][offload_step]") {
+  // Note [Delayed offload step]: the control trains; each refusal names its cause.
+  for (int world : {1, 2}) {
+    const ChildResult r = run_child("offload_delayed_correct", world);
+    CAPTURE(world, r.out);
+    REQUIRE(r.exited);
+    CHECK(r.code == 0);
+    require_error("offload_delayed_level2", world, {"offload level 2", "offload_step = delayed"});
+    require_error("offload_delayed_clip", world,
+                  {"clip_grad_norm_", "offload_step = delayed", "rank "});
+    require_error("offload_delayed_retained", world,
+                  {"retained graph", "offload_step = delayed", "rank "});
   }
 }
 

@@ -222,6 +222,95 @@ TEST_CASE("offload_step backward: two backward passes over a retained graph step
   }
 }
 
+TEST_CASE("offload_step delayed: trains like the unsharded model with a one-step delay",
+          "[offload][offload_step][parity]") {
+  // Note [Delayed offload step] (fsdp/offload_step.h): step k's forward and backward read the
+  // offloaded parameters of after step k-2. The reference applies exactly that delay to the
+  // same parameters (all of them, or all but a unit kept on the device); and the run must
+  // differ from the undelayed reference, else the delay was not applied at all.
+  struct Case {
+    bool llama;
+    int world;
+    const char* policy;
+    bool groups;  // parameter groups + a frozen parameter + 2 no-sync micro-batches
+    const char* kept;  // parameters of a unit left on the device (not delayed), or nullptr
+  };
+  const Case cases[] = {
+      {false, 1, "type=Block", false, nullptr},
+      {false, 2, "type=Block", true, nullptr},
+      {false, 3, "type=Linear|LayerNorm|Embedding", true, nullptr},
+      {false, 2, "noshard:path=blocks.0;offload0:path=blocks.1;type=Block", true, "blocks.1."},
+      {true, 2, "type=DecoderLayer", true, nullptr},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.llama, c.world, c.policy, c.groups);
+    ParitySpec s = c.llama ? llama_spec(c.world, c.policy) : gpt_parity_spec(c.world, c.policy);
+    s.steps = 4;
+    s.fused_adamw = true;
+    s.options.offload = 1;
+    if (c.groups) {
+      s.micro_batches = 2;
+      s.no_sync_accumulation = true;
+      s.no_decay = [](const std::string& n) {
+        return contains(n, "bias") || contains(n, "norm") || contains(n, "ln");
+      };
+      s.frozen = [llama = c.llama](const std::string& n) {
+        return n == (llama ? "layers.1.mlp.up.weight" : "wpe.weight");
+      };
+    }
+    s.options.offload_step = OffloadStep::kDelayed;
+    ParityRun got = run_sharded(s);
+    const ParityRun undelayed = run_reference(s);
+    const std::string kept = c.kept ? c.kept : "";
+    s.delayed = [kept](const std::string& n) { return kept.empty() || n.rfind(kept, 0) != 0; };
+    ParityRun ref = run_reference(s);
+    // After backward the offloaded units' gradients belong to their queued steps (undefined).
+    got.grads.clear();
+    ref.grads.clear();
+    require_parity(ref, got);
+    REQUIRE(got.losses[0] == Approx(undelayed.losses[0]).epsilon(1e-5));  // nothing stepped yet
+    double diff = 0;
+    for (auto& [n, t] : undelayed.params) diff = std::max(diff, (t - got.params.at(n)).abs().max().item<double>());
+    CAPTURE(diff);
+    REQUIRE(diff > 1e-3);
+  }
+}
+
+TEST_CASE("offload_step delayed: the device copy is one step behind; sync_offload_params ends it",
+          "[offload][offload_step]") {
+  ParitySpec s = gpt_parity_spec(1, "type=Block");
+  s.options.offload = 1;
+  s.options.offload_step = OffloadStep::kDelayed;
+  run_ranks(1, [&](Communicator& comm) {
+    auto model = s.make_model();
+    auto fsdp = fully_shard(model, s.plan(*model), comm, s.options);
+    auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp->attach_optimizer(opt);
+    auto eval_loss = [&] {
+      at::NoGradGuard no_grad;
+      return s.loss(model, 0, 0, 0).item<double>();
+    };
+    const double l0 = eval_loss();
+    opt->zero_grad();
+    s.loss(model, 0, 0, 0).backward();
+    opt->step();
+    fsdp->wait_offload_steps();
+    // The masters moved, the forward still reads the parameters of before the step...
+    RANK_REQUIRE(eval_loss() == l0);
+    for (size_t u = 0; u < fsdp->num_units(); ++u)
+      RANK_REQUIRE(!fsdp->unit(u).flat().master().grad().defined());
+    // ...until sync_offload_params(), after which it reads the newest.
+    fsdp->sync_offload_params();
+    const double l1 = eval_loss();
+    RANK_REQUIRE(l1 != l0);
+    // Stepping again holds the device copy at the values sync_offload_params uploaded.
+    opt->zero_grad();
+    s.loss(model, 0, 0, 0).backward();
+    opt->step();
+    RANK_REQUIRE(eval_loss() == l1);
+  });
+}
+
 TEST_CASE("offload: a unit's spec level overrides the default; explain counts host and device bytes",
           "[offload][explain]") {
   ParitySpec s = gpt_parity_spec(2, "offload2:path=blocks.0;offload0:path=blocks.1;type=Block");

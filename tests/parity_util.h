@@ -78,6 +78,9 @@ struct ParitySpec {
   // AdamW group without weight decay at half the learning rate, on both sides.
   std::function<bool(const std::string&)> no_decay;
   bool fused_adamw = false;  // sharded side: flatshard::FusedAdamW instead of AdamW
+  // Reference side, Note [Delayed offload step] (fsdp/offload_step.h): the parameters it names
+  // are one step stale in forward and backward (step k reads the values of after step k-2).
+  std::function<bool(const std::string&)> delayed;
   // Builds the model on CPU with deterministic parameters.
   std::function<std::shared_ptr<torch::nn::Module>()> make_model;
   // Plan for a freshly built model.
@@ -128,8 +131,19 @@ inline ParityRun run_reference(const ParitySpec& s) {
                                 params, torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
   torch::optim::AdamW& opt = *owned;
   ParityRun out;
+  // Note [Delayed offload step]: `stale` holds the delayed parameters' values of one step before.
+  std::vector<std::pair<at::Tensor, at::Tensor>> stale;  // (parameter, its stale value)
+  if (s.delayed)
+    for (auto& [name, p] : named)
+      if (s.delayed(name)) stale.emplace_back(p, p.detach().clone());
   for (int step = 0; step < s.steps; ++step) {
     opt.zero_grad();
+    std::vector<at::Tensor> current;
+    for (auto& [p, old] : stale) {
+      at::NoGradGuard no_grad;
+      current.push_back(p.detach().clone());
+      p.detach().copy_(old);
+    }
     double loss_sum = 0;
     for (int m = 0; m < s.micro_batches; ++m) {
       // The union batch: mean over ranks of the per-rank mean losses.
@@ -143,6 +157,11 @@ inline ParityRun run_reference(const ParitySpec& s) {
       total.backward();
     }
     out.losses.push_back(loss_sum / s.micro_batches);
+    for (size_t i = 0; i < stale.size(); ++i) {  // the step applies to the newest values
+      at::NoGradGuard no_grad;
+      stale[i].first.detach().copy_(current[i]);
+      stale[i].second = current[i];
+    }
     // Parameters that got no gradient get zeros, as flat parameters do.
     for (auto& p : params)
       if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
@@ -190,7 +209,7 @@ inline RankRun train_sharded_rank(const ParitySpec& s,
   torch::optim::AdamW& opt = *owned;
   fsdp.check_optimizer(opt);
   // Note [Offload step in backward]: flatshard steps offloaded units during backward.
-  if (s.options.offload_step == flatshard::OffloadStep::kBackward)
+  if (s.options.offload_step != flatshard::OffloadStep::kAfterBackward)
     fsdp.attach_optimizer(std::dynamic_pointer_cast<flatshard::FusedAdamW>(owned));
   RankRun r;
   for (int step = 0; step < s.steps; ++step) {
