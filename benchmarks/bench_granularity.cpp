@@ -119,10 +119,13 @@ Granularity with_recompute(Granularity g) {
   return g;
 }
 
-Granularity with_offload(Granularity g, int level, bool step_in_backward) {
+Granularity with_offload(Granularity g, int level, OffloadStep step) {
   if (g.local || level == 0) return g;
   for (UnitSpec& u : g.plan.units) u.options.offload = level;
-  g.label += "+offload" + std::to_string(level) + (step_in_backward ? "+bwdstep" : "");
+  g.label += "+offload" + std::to_string(level) +
+             (step == OffloadStep::kBackward  ? "+bwdstep"
+              : step == OffloadStep::kDelayed ? "+delayed"
+                                              : "");
   return g;
 }
 

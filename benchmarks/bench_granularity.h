@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/options.h"
 #include "models/family.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/policy.h"
@@ -45,9 +46,10 @@ std::vector<std::string> split_granularities(const std::vector<std::string>& fla
 
 Granularity with_recompute(Granularity g);
 // Every unit (the root too) at CPU offload `level` (Note [CPU offload]), "+offloadN" appended
-// (and "+bwdstep" with `step_in_backward`: Note [Offload step in backward]); `local` and level
-// 0 are returned unchanged.
-Granularity with_offload(Granularity g, int level, bool step_in_backward = false);
+// (and "+bwdstep" / "+delayed" for those offload steps: Note [Offload step in backward]);
+// `local` and level 0 are returned unchanged.
+Granularity with_offload(Granularity g, int level,
+                         OffloadStep step = OffloadStep::kAfterBackward);
 // The offload level with_offload() gave `g`'s plan (0: none, or local).
 int offload_of(const Granularity& g);
 

@@ -68,8 +68,7 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
       continue;
     }
     for (int level : o.offload_levels)
-      out.push_back(fb::with_offload(g, level,
-                                     o.sharding.offload_step == flatshard::OffloadStep::kBackward));
+      out.push_back(fb::with_offload(g, level, o.sharding.offload_step));
   }
   return out;
 }

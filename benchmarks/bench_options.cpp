@@ -135,8 +135,11 @@ ParseResult parse_command_line(int argc, char** argv) {
   app.add_option("--offload-step", offload_step,
                  "when offloaded units' CPU optimizer steps: after (in optimizer.step(), "
                  "default) | backward (per unit during backward, overlapping the GPU; exact; "
-                 "needs --optimizer fused; runs are labelled GRANULARITY+offloadN+bwdstep)")
-      ->check(CLI::IsMember({"after", "backward"}))
+                 "runs labelled GRANULARITY+offloadN+bwdstep) | delayed (ZeRO-Offload's "
+                 "one-step-delayed update: step N's CPU update runs beside step N+1's forward "
+                 "and backward, so parameters are ONE STEP STALE; level 1 only; +delayed); "
+                 "backward and delayed need --optimizer fused")
+      ->check(CLI::IsMember({"after", "backward", "delayed"}))
       ->group(g_shard);
   app.add_option("--strategy", strategy, "default sharding strategy: full | grad_op | noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
@@ -299,11 +302,18 @@ ParseResult parse_command_line(int argc, char** argv) {
   o.sharding.strategy = parse_strategy(strategy);
   require(prefetch >= 0, "--prefetch", ">= 0", prefetch);
   o.fused_optimizer = optimizer == "fused";
-  if (offload_step == "backward") {
+  if (offload_step != "after") {
     if (!o.fused_optimizer)
-      throw UsageError("--offload-step backward steps units through flatshard::FusedAdamW: "
-                       "add --optimizer fused");
-    o.sharding.offload_step = OffloadStep::kBackward;
+      throw UsageError("--offload-step " + offload_step +
+                       " steps units through flatshard::FusedAdamW: add --optimizer fused");
+    o.sharding.offload_step =
+        offload_step == "backward" ? OffloadStep::kBackward : OffloadStep::kDelayed;
+    if (o.sharding.offload_step == OffloadStep::kDelayed)
+      for (int level : o.offload_levels)
+        if (level == 2)
+          throw UsageError("--offload-step delayed runs offload level 1 only (level 2 uploads "
+                           "the master at every gather, while the delayed step writes it): "
+                           "drop 2 from --offload");
   }
   o.deferred_init = init == "deferred";
   o.sharding.forward_prefetch = prefetch;
@@ -312,9 +322,10 @@ ParseResult parse_command_line(int argc, char** argv) {
       o_pdt->count() ? parse_dtype(param_dtype) : (cuda ? c10::kBFloat16 : c10::kFloat);
   o.sharding.mixed_precision.param_dtype = pdt;
   o.sharding.mixed_precision.reduce_dtype = o_rdt->count() ? parse_dtype(reduce_dtype) : pdt;
-  if (pdt == c10::kHalf && o.sharding.offload_step == OffloadStep::kBackward)
+  if (pdt == c10::kHalf && o.sharding.offload_step != OffloadStep::kAfterBackward)
     throw UsageError("--param-dtype fp16 trains with a gradient scaler, which must see the "
-                     "gradients before any step: it cannot run with --offload-step backward");
+                     "gradients before any step: it cannot run with --offload-step " +
+                     offload_step);
 
   o.nproc_given = o_nproc->count() > 0;
   o.nproc = o.nproc_given ? nproc : (cuda ? 0 : 2);  // cuda 0: resolved to the GPU count later

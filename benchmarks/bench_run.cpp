@@ -125,7 +125,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   }
   // Note [Offload step in backward]: flatshard steps the offloaded units during backward
   // (bench_options.cpp makes this mode imply --optimizer fused).
-  if (fsdp && config.sharding.offload_step == OffloadStep::kBackward)
+  if (fsdp && config.sharding.offload_step != OffloadStep::kAfterBackward)
     fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(optimizer));
   hooks.synchronize();
   const double setup_s = ms_since(setup_start) * 1e-3;

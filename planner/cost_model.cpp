@@ -502,14 +502,18 @@ void CostWalk::time_walk() {
   // its upload follows its step there instead of riding the next forward's gathers. The CPU
   // steps (one after another on one worker) and the last unit's upload show where they outlast
   // the backward left after the first reduction.
+  // Note [Delayed offload step]: delayed, each unit's step has from its reduction to the same
+  // point of the next step: the whole next forward and backward hide it.
+  const bool delayed = e_.options.offload_step == OffloadStep::kDelayed;
   const bool step_in_backward =
-      e_.options.offload_step == OffloadStep::kBackward && cpu_opt_ms_ > 0;
+      e_.options.offload_step != OffloadStep::kAfterBackward && cpu_opt_ms_ > 0;
   double cpu_exposed = cpu_opt_ms_;
   if (step_in_backward) {
     double window = 0, last_upload = 0;
     for (int q = 0; q < n_; ++q) {
       const int k = order_[q];
-      if (q + 1 < n_) window += bwd_ms_[k];  // all but the first unit to reduce
+      if (delayed) window += fwd_ms_[k] + bwd_ms_[k];
+      else if (q + 1 < n_) window += bwd_ms_[k];  // all but the first unit to reduce
       if (level_[k] == 1) {
         if (last_upload == 0) last_upload = up_fwd_[k];  // the first in forward steps last
         up_fwd_[k] = 0;

@@ -421,6 +421,7 @@ int run(const Described& m, const Request& r) {
   opts.reshard_after_forward = !r.keep;
   opts.offload = r.offload;
   if (r.offload_step == "backward") opts.offload_step = flatshard::OffloadStep::kBackward;
+  if (r.offload_step == "delayed") opts.offload_step = flatshard::OffloadStep::kDelayed;
   opts.forward_prefetch = r.prefetch >= 0 ? r.prefetch : r.fwd_prefetch;
   opts.backward_prefetch = r.prefetch >= 0 ? r.prefetch : r.bwd_prefetch;
   auto dtype = [](const std::string& s) {
@@ -541,8 +542,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--offload-step", r.offload_step,
                  "when offloaded units' CPU optimizer steps: after (backward; default) | "
-                 "backward (per unit during backward, as flatshard-bench --offload-step)")
-      ->check(CLI::IsMember({"after", "backward"}))
+                 "backward (per unit during backward) | delayed (one step stale, overlapping "
+                 "the next step), as flatshard-bench --offload-step")
+      ->check(CLI::IsMember({"after", "backward", "delayed"}))
       ->capture_default_str();
   app.add_option("--prefetch", r.prefetch, "forward and backward prefetch depth")
       ->check(at_least(0));

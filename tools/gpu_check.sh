@@ -40,7 +40,9 @@
 #               with and without CPUOffloadPolicy(pin_memory=True), flatshard per-layer at
 #               --offload 0,1,2 (GPU_CHECK_OFFLOAD_TORCH_MODES, _GRANULARITY, _LEVELS), then
 #               levels 1,2 with --offload-step backward (GPU_CHECK_OFFLOAD_SECOND replaces those
-#               bench arguments; empty: none), and the host's CPU AdamW floor (cpu_adamw_probe)
+#               bench arguments; empty: none), level 1 with --offload-step delayed
+#               (GPU_CHECK_OFFLOAD_THIRD likewise), and the host's CPU AdamW floor
+#               (cpu_adamw_probe)
 #   advisor     tools/advisor_check.py: flatshard-bench on 1 GPU (world 1) for the 1B GPT and the
 #               1B LLaMA at 4 and 1 sequences (GPU_CHECK_ADVISOR_BATCHES), every granularity x
 #               recompute x offload level the bench supports, a machine profile written by the
@@ -258,6 +260,10 @@ step_vs_torch() {
       # shellcheck disable=SC2086
       vs_bench "$b" "flatshard_b$b.second" $GPU_CHECK_VS_SECOND || rc=1
     fi
+    if [ -n "${GPU_CHECK_VS_THIRD:-}" ]; then  # and a third
+      # shellcheck disable=SC2086
+      vs_bench "$b" "flatshard_b$b.third" $GPU_CHECK_VS_THIRD || rc=1
+    fi
   done
   # shellcheck disable=SC2086
   "$PYTHON" - "$LOGDIR" ${GPU_CHECK_VS_BATCHES:-4 1} <<'EOF' | tee "$LOGDIR/${VS_TABLE:-vs_torch}.txt"
@@ -273,9 +279,10 @@ for b in batches:
     try:
         t = json.load(open(os.path.join(logdir, f"torch_b{b}.json")))
         f = json.load(open(os.path.join(logdir, f"flatshard_b{b}.json")))
-        second = os.path.join(logdir, f"flatshard_b{b}.second.json")
-        if os.path.exists(second):
-            f["runs"] += json.load(open(second))["runs"]
+        for extra in ("second", "third"):
+            path = os.path.join(logdir, f"flatshard_b{b}.{extra}.json")
+            if os.path.exists(path):
+                f["runs"] += json.load(open(path))["runs"]
     except (OSError, ValueError) as e:
         print(f"{b:>5} missing results: {e}")
         continue
@@ -296,7 +303,8 @@ EOF
 
 # Issue 17's offload table: the vs_torch table with FSDP2's CPUOffloadPolicy beside flatshard's
 # offload levels, per-layer units, 4 and 1 sequences per GPU.
-# With the CPU step during backward (Note [Offload step in backward]) as a second bench, and
+# With the CPU step during backward (Note [Offload step in backward]) as a second bench, the
+# one-step-delayed update (Note [Delayed offload step]) as a third, and
 # the host's CPU AdamW floor (tools/cpu_adamw_probe.py) measured in the same call: issue 35's
 # target is a ratio to max(fwd+bwd, that floor).
 step_offload() {
@@ -305,6 +313,7 @@ step_offload() {
     GPU_CHECK_VS_GRANULARITY=${GPU_CHECK_OFFLOAD_GRANULARITY:-layer} \
     GPU_CHECK_VS_OFFLOAD=${GPU_CHECK_OFFLOAD_LEVELS:-0,1,2} \
     GPU_CHECK_VS_SECOND=${GPU_CHECK_OFFLOAD_SECOND---offload 1,2 --offload-step backward} \
+    GPU_CHECK_VS_THIRD=${GPU_CHECK_OFFLOAD_THIRD---offload 1 --offload-step delayed} \
     VS_TABLE=offload step_vs_torch
 }
 
