@@ -45,6 +45,19 @@ void require_equal_runs(const ParityRun& a, const ParityRun& b) {
   }
 }
 
+// Parameter groups over shard views (no decay for biases and norms), a frozen parameter (a
+// mixed unit) and two micro-batches accumulated without sync.
+void add_groups_frozen_accumulation(ParitySpec& s, bool llama) {
+  s.micro_batches = 2;
+  s.no_sync_accumulation = true;
+  s.no_decay = [](const std::string& n) {
+    return contains(n, "bias") || contains(n, "norm") || contains(n, "ln");
+  };
+  s.frozen = [llama](const std::string& n) {
+    return n == (llama ? "layers.1.mlp.up.weight" : "wpe.weight");
+  };
+}
+
 }  // namespace
 
 TEST_CASE("offload levels 1 and 2 train like the unsharded model and bit for bit like no offload",
@@ -126,16 +139,7 @@ TEST_CASE("offload_step backward: each unit steps during backward, bit for bit l
       s.steps = 3;
       s.fused_adamw = true;
       s.options.offload = level;
-      if (c.groups) {
-        s.micro_batches = 2;
-        s.no_sync_accumulation = true;
-        s.no_decay = [](const std::string& n) {
-          return contains(n, "bias") || contains(n, "norm") || contains(n, "ln");
-        };
-        s.frozen = [llama = c.llama](const std::string& n) {
-          return n == (llama ? "layers.1.mlp.up.weight" : "wpe.weight");
-        };
-      }
+      if (c.groups) add_groups_frozen_accumulation(s, c.llama);
       const ParityRun after = run_sharded(s);
       s.options.offload_step = OffloadStep::kBackward;
       const ParityRun during = run_sharded(s);
@@ -248,16 +252,7 @@ TEST_CASE("offload_step delayed: trains like the unsharded model with a one-step
     s.steps = 4;
     s.fused_adamw = true;
     s.options.offload = 1;
-    if (c.groups) {
-      s.micro_batches = 2;
-      s.no_sync_accumulation = true;
-      s.no_decay = [](const std::string& n) {
-        return contains(n, "bias") || contains(n, "norm") || contains(n, "ln");
-      };
-      s.frozen = [llama = c.llama](const std::string& n) {
-        return n == (llama ? "layers.1.mlp.up.weight" : "wpe.weight");
-      };
-    }
+    if (c.groups) add_groups_frozen_accumulation(s, c.llama);
     s.options.offload_step = OffloadStep::kDelayed;
     ParityRun got = run_sharded(s);
     const ParityRun undelayed = run_reference(s);
@@ -270,7 +265,8 @@ TEST_CASE("offload_step delayed: trains like the unsharded model with a one-step
     require_parity(ref, got);
     REQUIRE(got.losses[0] == Approx(undelayed.losses[0]).epsilon(1e-5));  // nothing stepped yet
     double diff = 0;
-    for (auto& [n, t] : undelayed.params) diff = std::max(diff, (t - got.params.at(n)).abs().max().item<double>());
+    for (auto& [n, t] : undelayed.params)
+      diff = std::max(diff, (t - got.params.at(n)).abs().max().item<double>());
     CAPTURE(diff);
     REQUIRE(diff > 1e-3);
   }
