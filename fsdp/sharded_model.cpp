@@ -399,7 +399,8 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   const bool stepped_in_backward =
       runtime_->offload_stepper() != nullptr && runtime_->any_offloaded();
   TORCH_CHECK(!stepped_in_backward, "clip_grad_norm_ (rank ", comm_.rank(),
-              "): with offload_step = ", runtime_->offload_stepper()->delayed() ? "delayed" : "backward",
+              "): with offload_step = ",
+              runtime_->offload_stepper()->delayed() ? "delayed" : "backward",
               " the offloaded units' steps took their gradients during backward, before the "
               "global norm was known, so clipping cannot apply to them. Use the default "
               "offload_step (after backward) to clip (Note [Offload step in backward], "
