@@ -74,12 +74,19 @@ FusedAdamW::CapturedStep FusedAdamW::capture_step(const std::vector<at::Tensor>&
       if (!p.grad().defined()) continue;
       g.params.push_back(p);
       g.grads.push_back(p.grad());
+      g.versions.push_back(static_cast<int64_t>(p.grad()._version()));
     }
     if (!g.params.empty()) out.groups.push_back(std::move(g));
   }
   TORCH_CHECK(found == wanted.size(), "FusedAdamW::step_params: ", wanted.size() - found, " of ",
               wanted.size(), " tensors are not parameters of this optimizer");
   return out;
+}
+
+void FusedAdamW::mark_stepped_early(const CapturedStep& step, int64_t own_writes) {
+  for (const auto& g : step.groups)
+    for (size_t i = 0; i < g.params.size(); ++i)
+      stepped_early_[g.params[i].unsafeGetTensorImpl()] = g.versions[i] + own_writes;
 }
 
 void FusedAdamW::run_step(const CapturedStep& step) {

@@ -59,12 +59,17 @@ class FusedAdamW : public torch::optim::AdamW {
     struct Group {
       torch::optim::AdamWOptions options;
       std::vector<at::Tensor> params, grads;  // params with a gradient, in group order
+      std::vector<int64_t> versions;          // each gradient's version when captured
     };
     std::vector<Group> groups;
   };
   // Same checks as step_params().
   CapturedStep capture_step(const std::vector<at::Tensor>& params) const;
   void run_step(const CapturedStep& step);
+  // After run_step(step), as step_params() does: marks its tensors stepped early, so the next
+  // step() skips them and throws if a gradient's version moved since the capture by more than
+  // `own_writes` (in-place writes the caller itself made to each since: a staged addition).
+  void mark_stepped_early(const CapturedStep& step, int64_t own_writes);
 
  private:
   // One fused pass over the parameters of each group that have a gradient and for which

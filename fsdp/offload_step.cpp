@@ -52,7 +52,14 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
   job.flat = &flat;
   job.entry = &e;
   job.wait_event = device;
-  if (delayed_) enqueue_delayed(flat, e, stream, job);
+  if (delayed_) {
+    enqueue_delayed(flat, e, stream, job);
+  } else {
+    // Captured here, so a gradient written after the reduction (hand-written clipping) is
+    // caught by the next opt.step() whenever the worker gets to it.
+    job.staged = flat.has_staged_host_grad();
+    job.captured = opt_->capture_step(e.params);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     e.queued = true;
@@ -113,14 +120,15 @@ bool OffloadStepper::take_stepped() {
 }
 
 void OffloadStepper::run_job(Job& job) {
-  if (job.captured) {  // Note [Delayed offload step]
+  if (delayed_) {  // Note [Delayed offload step]
     if (job.wait_event) job.entry->uploaded->synchronize();  // after the gradient's copy too
     opt_->run_step(*job.captured);
     return;
   }
   if (job.wait_event) job.entry->done->synchronize();
-  job.flat->finish_host_grad();
-  opt_->step_params(job.entry->params);
+  job.flat->finish_host_grad();  // one in-place add to the captured gradient when staged
+  opt_->run_step(*job.captured);
+  opt_->mark_stepped_early(*job.captured, job.staged ? 1 : 0);
   job.flat->refresh_compute_copy(upload_stream_);
 }
 

@@ -127,7 +127,8 @@ class OffloadStepper {
     FlatParam* flat = nullptr;
     Entry* entry = nullptr;
     bool wait_event = false;
-    std::optional<FusedAdamW::CapturedStep> captured;  // delayed: the step to run
+    std::optional<FusedAdamW::CapturedStep> captured;  // the step to run, taken at enqueue()
+    bool staged = false;  // backward: finish_host_grad() adds to the captured gradient
   };
   void run();
   void run_job(Job& job);
