@@ -30,8 +30,10 @@
 // - Refused, with a message: an optimizer other than FusedAdamW (the per-unit step needs
 //   step_params), a backward with offloaded units and no optimizer attached,
 //   clip_grad_norm_ (the global norm is known only after the last reduction, when most units
-//   have stepped), and any other write to a stepped gradient before optimizer.step()
-//   (FusedAdamW names it: unscaling, hand-written clipping).
+//   have stepped), and any other write to an offloaded unit's gradient after its reduction
+//   and before optimizer.step() (FusedAdamW names it: unscaling, hand-written clipping). The
+//   step is captured at the reduction (FusedAdamW::capture_step, with the gradients' versions),
+//   so the write is caught whether the worker ran before or after it.
 // - Errors on the worker (a kernel that throws) are kept and rethrown, naming the unit and the
 //   rank, by the next wait.
 //
