@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ops/_fused_adamw.h>
 
+#include <cstdint>
 #include <map>
 #include <tuple>
 #include <unordered_set>
@@ -37,6 +38,9 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   stepped_early_.clear();
   TORCH_CHECK(!closure, "FusedAdamW: step(closure) after step_params(): the closure would "
               "re-evaluate the loss for parameters already stepped");
+  TORCH_CHECK(!needs_fallback(param_groups()),
+              "FusedAdamW: step() after step_params(): amsgrad and sparse gradients have no fused "
+              "step");
   for (const auto& group : param_groups())
     for (const auto& p : group.params()) {
       auto it = early.find(p.unsafeGetTensorImpl());
@@ -59,27 +63,41 @@ void FusedAdamW::step_params(const std::vector<at::Tensor>& params) {
 }
 
 FusedAdamW::CapturedStep FusedAdamW::capture_step(const std::vector<at::Tensor>& params) const {
-  TORCH_CHECK(!needs_fallback(param_groups()),
-              "FusedAdamW::step_params: amsgrad and sparse gradients have no fused step");
+  return capture_located(located(params));
+}
+
+std::vector<FusedAdamW::Located> FusedAdamW::located(const std::vector<at::Tensor>& params) const {
   std::unordered_set<const c10::TensorImpl*> wanted;
   for (const auto& p : params) wanted.insert(p.unsafeGetTensorImpl());
-  size_t found = 0;
+  std::vector<Located> out;
+  const auto& groups = param_groups();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params())
+      if (wanted.count(p.unsafeGetTensorImpl())) out.push_back(Located{g, p});
+  TORCH_CHECK(out.size() == wanted.size(), "FusedAdamW::step_params: ", wanted.size() - out.size(),
+              " of ", wanted.size(), " tensors are not parameters of this optimizer");
+  return out;
+}
+
+FusedAdamW::CapturedStep FusedAdamW::capture_located(const std::vector<Located>& params) const {
   CapturedStep out;
-  for (const auto& group : param_groups()) {
-    CapturedStep::Group g;
-    g.options = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    for (const auto& p : group.params()) {
-      if (!wanted.count(p.unsafeGetTensorImpl())) continue;
-      ++found;
-      if (!p.grad().defined()) continue;
-      g.params.push_back(p);
-      g.grads.push_back(p.grad());
-      g.versions.push_back(static_cast<int64_t>(p.grad()._version()));
+  size_t last = SIZE_MAX;
+  for (const Located& l : params) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[l.group].options());
+    const at::Tensor& grad = l.param.grad();
+    TORCH_CHECK(!o.amsgrad() && !(grad.defined() && grad.is_sparse()),
+                "FusedAdamW::step_params: amsgrad and sparse gradients have no fused step");
+    if (!grad.defined()) continue;
+    if (l.group != last) {
+      out.groups.emplace_back();
+      out.groups.back().options = o;
+      last = l.group;
     }
-    if (!g.params.empty()) out.groups.push_back(std::move(g));
+    CapturedStep::Group& g = out.groups.back();
+    g.params.push_back(l.param);
+    g.grads.push_back(grad);
+    g.versions.push_back(static_cast<int64_t>(grad._version()));
   }
-  TORCH_CHECK(found == wanted.size(), "FusedAdamW::step_params: ", wanted.size() - found, " of ",
-              wanted.size(), " tensors are not parameters of this optimizer");
   return out;
 }
 

@@ -65,6 +65,16 @@ class FusedAdamW : public torch::optim::AdamW {
   };
   // Same checks as step_params().
   CapturedStep capture_step(const std::vector<at::Tensor>& params) const;
+  // A parameter with the index of its group in param_groups(); located() finds them once, so
+  // capture_located() costs the listed tensors only, not a walk over every group (it runs per
+  // unit per step, on the thread that issues the device's work).
+  struct Located {
+    size_t group;
+    at::Tensor param;
+  };
+  std::vector<Located> located(const std::vector<at::Tensor>& params) const;
+  // capture_step() of located(params)'s result, in group order (as located() returns it).
+  CapturedStep capture_located(const std::vector<Located>& params) const;
   void run_step(const CapturedStep& step);
   // After run_step(step), as step_params() does: marks its tensors stepped early, so the next
   // step() skips them and throws if a gradient's version moved since the capture by more than

@@ -24,6 +24,11 @@ OffloadStepper::~OffloadStepper() {
 
 void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<FlatParam*>& flats) {
   wait();
+  if (opt)
+    for (const auto& group : opt->param_groups())
+      TORCH_CHECK(!static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad(),
+                  "attach_optimizer (rank ", rank_, "): amsgrad has no fused step; flatshard "
+                  "steps offloaded units with FusedAdamW's fused kernel only");
   entries_.clear();
   opt_ = std::move(opt);
   if (!opt_) return;
@@ -31,11 +36,12 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
   for (FlatParam* f : flats)
     if (f->master().defined() && f->master().numel() > 0)
       by_storage[f->master().storage().unsafeGetStorageImpl()] = f;
-  for (const auto& group : opt_->param_groups())
-    for (const auto& p : group.params()) {
+  const auto& groups = opt_->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params()) {
       if (!p.defined() || !p.has_storage()) continue;
       auto it = by_storage.find(p.storage().unsafeGetStorageImpl());
-      if (it != by_storage.end()) entries_[it->second].params.push_back(p);
+      if (it != by_storage.end()) entries_[it->second].params.push_back({g, p});
     }
 }
 
@@ -58,7 +64,7 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
     // Captured here, so a gradient written after the reduction (hand-written clipping) is
     // caught by the next opt.step() whenever the worker gets to it.
     job.staged = flat.has_staged_host_grad();
-    job.captured = opt_->capture_step(e.params);
+    job.captured = opt_->capture_located(e.params);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -86,7 +92,7 @@ void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Strea
     if (!e.uploaded) e.uploaded.emplace(stream.device_type());
     e.uploaded->record(upload_stream_);  // the worker's step writes the master the upload reads
   }
-  job.captured = opt_->capture_step(e.params);
+  job.captured = opt_->capture_located(e.params);
   flat.drop_master_grad();
 }
 

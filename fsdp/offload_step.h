@@ -120,7 +120,8 @@ class OffloadStepper {
 
  private:
   struct Entry {
-    std::vector<at::Tensor> params;  // the optimizer's tensors in this unit's master
+    // The optimizer's tensors in this unit's master, with their groups (FusedAdamW::located).
+    std::vector<FusedAdamW::Located> params;
     std::optional<c10::Event> done;  // recorded on the reduce stream by enqueue()
     std::optional<c10::Event> uploaded;  // delayed: after the refresh, on the upload stream
     bool queued = false;                 // a step of this unit is queued or running (mu_)

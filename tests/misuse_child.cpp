@@ -254,6 +254,15 @@ std::map<std::string, Scenario> scenarios() {
     }
     fsdp->sync_offload_params();
   };
+  s["offload_delayed_amsgrad"] = [](Communicator& comm) {
+    auto net = Forgetful();
+    ShardingOptions o;
+    o.offload = 1;
+    o.offload_step = OffloadStep::kDelayed;
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    fsdp->attach_optimizer(std::make_shared<FusedAdamW>(
+        fsdp->parameters(), torch::optim::AdamWOptions(1e-2).amsgrad(true)));
+  };
   s["offload_delayed_level2"] = [delayed_model](Communicator& comm) { delayed_model(comm, 2); };
   s["offload_delayed_clip"] = [delayed_model](Communicator& comm) {
     auto [net, fsdp, opt] = delayed_model(comm, 1);

@@ -106,6 +106,7 @@ TEST_CASE("offload_step delayed: misuse is an error saying what to do, never a c
     CAPTURE(world, r.out);
     REQUIRE(r.exited);
     CHECK(r.code == 0);
+    require_error("offload_delayed_amsgrad", world, {"attach_optimizer", "amsgrad", "rank "});
     require_error("offload_delayed_level2", world, {"offload level 2", "offload_step = delayed"});
     require_error("offload_delayed_clip", world,
                   {"clip_grad_norm_", "offload_step = delayed", "rank "});
