@@ -3,7 +3,7 @@
 // Catch2 (v2) assertions are not thread-safe: ranks asserting at the same time race on the test
 // runner's state (seen as heap corruption when a rank thread exits). These serialise them; a
 // failure still throws, and run_ranks rethrows it on the test's thread. CAPTURE and INFO are no
-// safer: use them on the test's thread, outside run_ranks.
+// safer: use them on the test's thread, outside run_ranks (tests/rank_thread_lint.py checks).
 #pragma once
 
 #include <catch2/catch.hpp>
