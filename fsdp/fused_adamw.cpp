@@ -2,8 +2,10 @@
 #include "fsdp/fused_adamw.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adamw.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <tuple>
@@ -22,6 +24,72 @@ bool needs_fallback(const std::vector<torch::optim::OptimizerParamGroup>& groups
       if (p.grad().defined() && p.grad().is_sparse()) return true;
   }
   return false;
+}
+
+// Note [Host compute copy] (fused_adamw.h): the fused kernel over cache-sized chunks of every
+// tensor, each chunk's gradient upcast first and its parameter cast into the copy after. 64Ki
+// elements: the chunk's four fp32 streams (1 MiB) stay in a core's L2, and per-chunk dispatch
+// (a few microseconds) is a few percent of its memory time. A multiple of every vector width,
+// so chunks split no vector: the kernel's element-wise result does not depend on the split.
+constexpr int64_t kMixedChunk = int64_t{1} << 16;
+
+void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
+                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
+                const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
+                const std::vector<at::Tensor>& copies) {
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  auto fused = [&](const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                   const at::Tensor& v, const at::Tensor& st) {
+    at::_fused_adamw_({p}, {g}, {m}, {v}, /*max_exp_avg_sqs=*/{}, {st}, o.lr(), beta1, beta2,
+                      o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+  };
+  struct Chunk {
+    size_t tensor;
+    int64_t begin, len;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const bool flat_cpu = p.device().is_cpu() && p.dim() == 1 && p.is_contiguous() &&
+                          grads[i].is_contiguous() && exp_avgs[i].is_contiguous() &&
+                          exp_avg_sqs[i].is_contiguous() &&
+                          (!copies[i].defined() || copies[i].is_contiguous());
+    if (!flat_cpu) {  // CUDA (or a shape the chunks do not cover): whole tensors, same values
+      const at::Tensor g = grads[i].to(p.scalar_type());
+      fused(p, g, exp_avgs[i], exp_avg_sqs[i], steps[i]);
+      if (copies[i].defined()) copies[i].copy_(p.reshape(copies[i].sizes()));
+      continue;
+    }
+    for (int64_t b = 0; b < p.numel(); b += kMixedChunk)
+      chunks.push_back({i, b, std::min(kMixedChunk, p.numel() - b)});
+  }
+  // Detached: the kernel's threads run with autograd's default (grad mode on).
+  std::vector<at::Tensor> p_d, g_d, m_d, v_d, c_d;
+  for (size_t i = 0; i < params.size(); ++i) {
+    p_d.push_back(params[i].detach());
+    g_d.push_back(grads[i].detach());
+    m_d.push_back(exp_avgs[i].detach());
+    v_d.push_back(exp_avg_sqs[i].detach());
+    c_d.push_back(copies[i].defined() ? copies[i].detach() : at::Tensor());
+  }
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t cb, int64_t ce) {
+    c10::AutoGradMode no_grad(false);
+    at::Tensor scratch;  // this thread's fp32 chunk of gradient
+    for (int64_t c = cb; c < ce; ++c) {
+      const Chunk& k = chunks[static_cast<size_t>(c)];
+      const size_t i = k.tensor;
+      const at::Tensor p = p_d[i].narrow(0, k.begin, k.len);
+      at::Tensor g = g_d[i].narrow(0, k.begin, k.len);
+      if (g.scalar_type() != p.scalar_type()) {
+        if (!scratch.defined()) scratch = at::empty({kMixedChunk}, p.options());
+        at::Tensor s = scratch.narrow(0, 0, k.len);
+        s.copy_(g);
+        g = s;
+      }
+      fused(p, g, m_d[i].narrow(0, k.begin, k.len), v_d[i].narrow(0, k.begin, k.len), steps[i]);
+      if (c_d[i].defined()) c_d[i].narrow(0, k.begin, k.len).copy_(p);
+    }
+  });
 }
 
 }  // namespace
@@ -79,15 +147,21 @@ std::vector<FusedAdamW::Located> FusedAdamW::located(const std::vector<at::Tenso
   return out;
 }
 
-FusedAdamW::CapturedStep FusedAdamW::capture_located(const std::vector<Located>& params) const {
+FusedAdamW::CapturedStep FusedAdamW::capture_located(const std::vector<Located>& params,
+                                                     const TensorOf& grad_of,
+                                                     const TensorOf& copy_of) const {
   CapturedStep out;
   size_t last = SIZE_MAX;
   for (const Located& l : params) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(param_groups()[l.group].options());
-    const at::Tensor& grad = l.param.grad();
+    const at::Tensor grad = grad_of ? grad_of(l.param) : l.param.grad();
     TORCH_CHECK(!o.amsgrad() && !(grad.defined() && grad.is_sparse()),
                 "FusedAdamW::step_params: amsgrad and sparse gradients have no fused step");
     if (!grad.defined()) continue;
+    TORCH_CHECK(grad.numel() == l.param.numel() && at::isFloatingType(grad.scalar_type()) &&
+                    c10::elementSize(grad.scalar_type()) <= c10::elementSize(l.param.scalar_type()),
+                "FusedAdamW: a gradient of ", grad.numel(), " elements of ", grad.scalar_type(),
+                " for a parameter of ", l.param.numel(), " of ", l.param.scalar_type());
     if (l.group != last) {
       out.groups.emplace_back();
       out.groups.back().options = o;
@@ -97,7 +171,13 @@ FusedAdamW::CapturedStep FusedAdamW::capture_located(const std::vector<Located>&
     g.params.push_back(l.param);
     g.grads.push_back(grad);
     g.versions.push_back(static_cast<int64_t>(grad._version()));
+    if (copy_of) {
+      g.copies.resize(g.params.size() - 1);
+      g.copies.push_back(copy_of(l.param));
+    }
   }
+  for (auto& g : out.groups)
+    if (!g.copies.empty()) g.copies.resize(g.params.size());
   return out;
 }
 
@@ -109,7 +189,7 @@ void FusedAdamW::mark_stepped_early(const CapturedStep& step, int64_t own_writes
 
 void FusedAdamW::run_step(const CapturedStep& step) {
   at::NoGradGuard no_grad;
-  for (const auto& g : step.groups) step_lists(g.options, g.params, g.grads);
+  for (const auto& g : step.groups) step_lists(g.options, g.params, g.grads, g.copies);
 }
 
 void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) {
@@ -128,10 +208,13 @@ void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) 
 
 void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
                             const std::vector<at::Tensor>& params,
-                            const std::vector<at::Tensor>& grads) {
+                            const std::vector<at::Tensor>& grads,
+                            const std::vector<at::Tensor>& copies) {
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
   };
+  Lists mixed;  // Note [Host compute copy]: a lower-precision gradient or a copy to write
+  std::vector<at::Tensor> mixed_copies;
   // (device, dtype) -> lists: one fused launch each.
   std::map<std::tuple<int, int, int>, Lists> by_kind;
   {
@@ -152,8 +235,12 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
       }
       auto& s = static_cast<torch::optim::AdamWParamState&>(*slot);
       s.step(s.step() + 1);
-      Lists& l = by_kind[{static_cast<int>(p.device().type()), p.device().index(),
-                          static_cast<int>(p.scalar_type())}];
+      const at::Tensor copy = copies.empty() ? at::Tensor() : copies[i];
+      const bool is_mixed = copy.defined() || grads[i].scalar_type() != p.scalar_type();
+      if (is_mixed) mixed_copies.push_back(copy);
+      Lists& l = is_mixed ? mixed
+                          : by_kind[{static_cast<int>(p.device().type()), p.device().index(),
+                                     static_cast<int>(p.scalar_type())}];
       l.params.push_back(p);
       l.grads.push_back(grads[i]);
       l.exp_avgs.push_back(s.exp_avg());
@@ -177,6 +264,12 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
     for (auto* list : {&l.params, &l.exp_avgs, &l.exp_avg_sqs})
       for (auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
+  if (mixed.params.empty()) return;
+  mixed_step(o, mixed.params, mixed.grads, mixed.exp_avgs, mixed.exp_avg_sqs, mixed.steps,
+             mixed_copies);
+  for (auto* list : {&mixed.params, &mixed.exp_avgs, &mixed.exp_avg_sqs, &mixed_copies})
+    for (auto& t : *list)
+      if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
 }
 
 }  // namespace flatshard

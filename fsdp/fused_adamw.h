@@ -32,6 +32,15 @@
 //   and run_step() steps them with those, on any thread: the state map is locked while a step
 //   finds or makes its entries, so run_step() may run beside step() and other run_step() calls
 //   over other tensors. The result is step_params()'s.
+// - Note [Host compute copy] (flat_param/collective_plan.h): a captured step may read a
+//   gradient of a lower floating dtype than its parameter (bf16 straight from the device) and
+//   write a compute-dtype copy of the updated parameter (what goes up to the device) in the
+//   same pass. On the CPU that pass runs over cache-sized chunks: each chunk's gradient is
+//   upcast into a per-thread buffer, stepped by the same fused kernel, and its parameter cast
+//   into the copy while still in cache, so memory sees the bf16 gradient read and the bf16
+//   copy written instead of an fp32 gradient and a separate cast pass. The values are those
+//   of stepping with the upcast gradient (exact) and casting after: bit for bit
+//   (tests/fused_adamw_test.cpp). Elsewhere (CUDA tensors) the same, unchunked.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -60,6 +69,9 @@ class FusedAdamW : public torch::optim::AdamW {
       torch::optim::AdamWOptions options;
       std::vector<at::Tensor> params, grads;  // params with a gradient, in group order
       std::vector<int64_t> versions;          // each gradient's version when captured
+      // Empty, or per param: where the step writes its updated value in the compute dtype
+      // (undefined: nowhere). Note [Host compute copy].
+      std::vector<at::Tensor> copies;
     };
     std::vector<Group> groups;
   };
@@ -74,7 +86,12 @@ class FusedAdamW : public torch::optim::AdamW {
   };
   std::vector<Located> located(const std::vector<at::Tensor>& params) const;
   // capture_step() of located(params)'s result, in group order (as located() returns it).
-  CapturedStep capture_located(const std::vector<Located>& params) const;
+  // `grad_of` (optional) gives the gradient a parameter steps with instead of its .grad (a
+  // floating dtype no wider than the parameter's; undefined: the parameter is not stepped),
+  // `copy_of` (optional) the tensor its compute-dtype copy goes to (Note [Host compute copy]).
+  using TensorOf = std::function<at::Tensor(const at::Tensor& param)>;
+  CapturedStep capture_located(const std::vector<Located>& params, const TensorOf& grad_of = {},
+                               const TensorOf& copy_of = {}) const;
   void run_step(const CapturedStep& step);
   // After run_step(step), as step_params() does: marks its tensors stepped early, so the next
   // step() skips them and throws if a gradient's version moved since the capture by more than
@@ -86,8 +103,10 @@ class FusedAdamW : public torch::optim::AdamW {
   // `take` (nullptr: all) returns true.
   void fused_step(const std::function<bool(const at::Tensor&)>& take);
   // One fused pass per (device, dtype) over `params` (each with its gradient in `grads`).
+  // `copies`: empty, or per param (Note [Host compute copy]).
   void step_lists(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
-                  const std::vector<at::Tensor>& grads);
+                  const std::vector<at::Tensor>& grads,
+                  const std::vector<at::Tensor>& copies = {});
 
   // Parameters stepped by step_params() since the last step(), with their gradient's version
   // at that moment.

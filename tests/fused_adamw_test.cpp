@@ -128,3 +128,68 @@ TEST_CASE("FusedAdamW bumps the version counters of what it writes", "[optim]") 
     REQUIRE(static_cast<int64_t>(ps[i]._version()) > before[i]);
   }
 }
+
+TEST_CASE("FusedAdamW's captured step with bf16 gradients and a bf16 copy is bitwise the fused "
+          "step on the upcast gradients", "[fsdp][optim]") {
+  // Note [Host compute copy]: the CPU pass runs over 64Ki-element chunks (upcast each chunk's
+  // gradient, step it, cast it into the copy). Sizes straddle the chunk (and vector) boundaries;
+  // two groups with their own options; a tensor without a gradient in the captured step.
+  auto make = [] {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+    std::vector<at::Tensor> ps;
+    for (int64_t n : {300007, 65536, 131077, 17, 0, 4099})
+      ps.push_back(at::randn({n}, gen, at::TensorOptions().dtype(at::kFloat)).requires_grad_(true));
+    return ps;
+  };
+  auto groups = [](const std::vector<at::Tensor>& ps) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(std::vector<at::Tensor>{ps[0], ps[1], ps[2]});
+    g.emplace_back(std::vector<at::Tensor>{ps[3], ps[4], ps[5]},
+                   std::make_unique<torch::optim::AdamWOptions>(
+                       torch::optim::AdamWOptions(1e-2).weight_decay(0).betas({0.8, 0.95})));
+    return g;
+  };
+  auto ref_p = make(), mix_p = make();
+  const auto opts = torch::optim::AdamWOptions(3e-2).weight_decay(0.1).eps(1e-6);
+  FusedAdamW ref(groups(ref_p), opts), mix(groups(mix_p), opts);
+  std::vector<at::Tensor> copies;
+  for (const auto& p : mix_p) copies.push_back(at::full({p.numel()}, 7.0, at::kBFloat16));
+  std::vector<FusedAdamW::Located> located;
+  for (size_t i = 0; i < mix_p.size(); ++i) located.push_back({i < 3 ? size_t{0} : size_t{1}, mix_p[i]});
+  for (int step = 0; step < 3; ++step) {
+    std::vector<at::Tensor> bf16(mix_p.size());
+    for (size_t i = 0; i < mix_p.size(); ++i) {
+      const bool none = i == 5 && step == 1;  // no gradient this step: not stepped
+      bf16[i] = none ? at::Tensor()
+                     : (at::sin(at::arange(mix_p[i].numel(), at::kFloat) * 0.91 + step) * (1 + i))
+                           .to(at::kBFloat16);
+      ref_p[i].mutable_grad() = none ? at::Tensor() : bf16[i].to(at::kFloat);
+    }
+    ref.step();
+    auto index = [&](const at::Tensor& p) {
+      for (size_t i = 0; i < mix_p.size(); ++i)
+        if (mix_p[i].is_same(p)) return i;
+      return mix_p.size();
+    };
+    mix.run_step(mix.capture_located(
+        located, [&](const at::Tensor& p) { return bf16[index(p)]; },
+        [&](const at::Tensor& p) { return copies[index(p)]; }));
+  }
+  for (size_t i = 0; i < mix_p.size(); ++i) {
+    CAPTURE(i);
+    CHECK(at::equal(ref_p[i], mix_p[i]));
+    CHECK(at::equal(copies[i], ref_p[i].detach().to(at::kBFloat16)));
+    auto& sa = static_cast<torch::optim::AdamWParamState&>(*ref.state().at(ref_p[i].unsafeGetTensorImpl()));
+    auto& sb = static_cast<torch::optim::AdamWParamState&>(*mix.state().at(mix_p[i].unsafeGetTensorImpl()));
+    CHECK(sb.step() == sa.step());
+    CHECK(at::equal(sb.exp_avg(), sa.exp_avg()));
+    CHECK(at::equal(sb.exp_avg_sq(), sa.exp_avg_sq()));
+  }
+  // The copy is stepped values, not a copy of the start: it moved from its fill.
+  CHECK_FALSE(at::equal(copies[0], at::full({copies[0].numel()}, 7.0, at::kBFloat16)));
+  // A gradient wider than its parameter is refused, naming both.
+  CHECK_THROWS_WITH(mix.capture_located(located, [&](const at::Tensor& p) {
+                      return at::zeros({p.numel()}, at::kDouble);
+                    }),
+                    Catch::Contains("Double"));
+}
