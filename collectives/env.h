@@ -71,6 +71,11 @@ inline constexpr const char* kGroupedGradCopy = "FLATSHARD_GROUPED_GRAD_COPY";
 // 0 = ATen's default (one per core), N = N, leaving the other cores to the thread that issues
 // the device's work.
 inline constexpr const char* kOffloadStepThreads = "FLATSHARD_OFFLOAD_STEP_THREADS";
+// FLATSHARD_OFFLOAD_HOST_COPY (default 1): 0 = with offload_step backward or delayed, keep the
+// fp32 host path (gradients come down in fp32, the fp32 master goes up and is cast on the
+// device) instead of Note [Host compute copy] (flat_param/collective_plan.h), for A/B
+// measurements.
+inline constexpr const char* kOffloadHostCopy = "FLATSHARD_OFFLOAD_HOST_COPY";
 
 // FLATSHARD_TRACE (default unset = off): where each rank writes its Chrome/Perfetto trace when
 // ShardingOptions::trace.path is empty (fsdp/trace.h; same syntax: "{rank}", ".rank<R>", "nvtx").
@@ -105,6 +110,7 @@ bool debug();
 bool upcast_kernel();
 bool grouped_grad_copy();
 int offload_step_threads();  // 0: ATen's default
+bool offload_host_copy();
 std::string trace_path();  // "" when unset
 int trace_steps();
 

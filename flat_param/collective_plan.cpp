@@ -2,8 +2,10 @@
 
 #include <c10/core/Event.h>
 
+#include <atomic>
 #include <optional>
 
+#include "collectives/env.h"
 #include "flat_param/offload.h"
 #include "flat_param/upcast.h"
 
@@ -84,6 +86,41 @@ class KeptCopy {
   bool held_ = false;
 };
 
+// Note [Host compute copy] (collective_plan.h): the compute-dtype copy of the master a CPU step
+// writes, kept in host memory with the master version it holds. Its version is read by the
+// gathers on the main thread and written by the stepper's thread, never at once for a unit
+// (Note [Offload step in backward]'s waits); atomic so that holds without reasoning.
+class HostCopy {
+ public:
+  HostCopy() : enabled_(env::offload_host_copy()) {}
+  at::Tensor buffer(const GatherArgs& a) {
+    if (!enabled_ || a.full.scalar_type() == at::kFloat) return {};
+    if (!host_.defined()) host_ = host_empty(a.master.numel(), a.full.scalar_type(), a.full.device());
+    return host_;
+  }
+  bool current(const GatherArgs& a) const {
+    return host_.defined() && version_.load() == a.master_version();
+  }
+  void prepare(const GatherArgs& a) {
+    if (!host_.defined() || current(a)) return;
+    host_.copy_(a.master);  // a host pass, rare: the first step, or after a load
+    version_ = a.master_version();
+  }
+  void written(const GatherArgs& a) {
+    if (host_.defined()) version_ = a.master_version();
+  }
+  // `dst` (compute dtype, the device) from the copy, on the current stream, without blocking
+  // the host (pinned on CUDA: an asynchronous DMA of the bytes as they are).
+  void upload(const at::Tensor& dst) const {
+    dst.copy_(host_, /*non_blocking=*/dst.device() != host_.device());
+  }
+
+ private:
+  bool enabled_;
+  at::Tensor host_;  // pinned on CUDA; undefined until the first step asks for it
+  std::atomic<int64_t> version_{-1};
+};
+
 // Beside backward, whose peak a refresh must not raise: 64 MiB of fp32 staging at a time.
 constexpr int64_t kRefreshChunk = int64_t{16} << 20;
 
@@ -102,7 +139,11 @@ class ResidentAllGather final : public ShardedGather {
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (padded_numel_ == 0) return;
     if (copy_.stale(a, stream)) {
-      upload_to_device(resident_, a.master);
+      if (host_.current(a)) {
+        host_.upload(resident_);
+      } else {
+        upload_to_device(resident_, a.master);
+      }
       copy_.taken(a);
     }
     comm_.all_gather(resident_, a.full, stream);
@@ -114,14 +155,22 @@ class ResidentAllGather final : public ShardedGather {
     if (padded_numel_ == 0) return;
     copy_.hold(hold);
     if (!copy_.changed(a)) return;
-    upload_to_device_chunked(resident_, a.master, kRefreshChunk);
+    if (host_.current(a)) {
+      host_.upload(resident_);
+    } else {
+      upload_to_device_chunked(resident_, a.master, kRefreshChunk);
+    }
     copy_.refreshed(a, stream);
   }
   void release_hold() override { copy_.hold(false); }
+  at::Tensor host_copy(const GatherArgs& a) override { return host_.buffer(a); }
+  void prepare_host_copy(const GatherArgs& a) override { host_.prepare(a); }
+  void host_copy_written(const GatherArgs& a) override { host_.written(a); }
 
  private:
   at::Tensor resident_;  // compute-dtype shard on the device
   KeptCopy copy_;
+  HostCopy host_;
 };
 
 // Note [CPU offload], level 2: nothing stays on the device; every gather uploads the master
@@ -132,9 +181,19 @@ class UploadAllGather final : public ShardedGather {
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (padded_numel_ == 0) return;
     const at::Tensor mine = slot(a.full);
-    upload_to_device(mine, a.master);
+    if (host_.current(a)) {
+      host_.upload(mine);
+    } else {
+      upload_to_device(mine, a.master);
+    }
     comm_.all_gather(mine, a.full, stream);
   }
+  at::Tensor host_copy(const GatherArgs& a) override { return host_.buffer(a); }
+  void prepare_host_copy(const GatherArgs& a) override { host_.prepare(a); }
+  void host_copy_written(const GatherArgs& a) override { host_.written(a); }
+
+ private:
+  HostCopy host_;
 };
 
 // NO_SHARD, not offloaded: recast the master into full() (nothing when full() is the master).
@@ -165,7 +224,11 @@ class ReplicatedUpload final : public GatherPlan {
   }
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (copy_.stale(a, stream)) {  // Note [CPU offload]
-      upload_to_device(a.full, a.master);
+      if (host_.current(a)) {
+        host_.upload(a.full);
+      } else {
+        upload_to_device(a.full, a.master);
+      }
       copy_.taken(a);
     }
   }
@@ -173,13 +236,21 @@ class ReplicatedUpload final : public GatherPlan {
   void refresh(const GatherArgs& a, c10::Stream stream, bool hold) override {
     copy_.hold(hold);
     if (!copy_.changed(a)) return;
-    upload_to_device_chunked(a.full, a.master, kRefreshChunk);
+    if (host_.current(a)) {
+      host_.upload(a.full);
+    } else {
+      upload_to_device_chunked(a.full, a.master, kRefreshChunk);
+    }
     copy_.refreshed(a, stream);
   }
   void release_hold() override { copy_.hold(false); }
+  at::Tensor host_copy(const GatherArgs& a) override { return host_.buffer(a); }
+  void prepare_host_copy(const GatherArgs& a) override { host_.prepare(a); }
+  void host_copy_written(const GatherArgs& a) override { host_.written(a); }
 
  private:
   KeptCopy copy_;
+  HostCopy host_;
 };
 
 // --- reductions ------------------------------------------------------------------------------
@@ -193,10 +264,14 @@ class FlatGradReduce : public ReducePlan {
   bool needs_flat_grad() const final { return true; }
   int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) final {
+    return reduce_as(flat_grad, stream, /*upcast=*/true);
+  }
+  // `upcast` false: the result's `grad` is left undefined (the caller converts `reduced`).
+  ReduceResult reduce_as(const at::Tensor& flat_grad, c10::Stream stream, bool upcast) {
     at::Tensor send =
         flat_grad.scalar_type() == reduce_dtype_ ? flat_grad : flat_grad.to(reduce_dtype_);
     at::Tensor reduced = collective(send, stream);
-    at::Tensor grad = to_float(reduced);
+    at::Tensor grad = upcast ? to_float(reduced) : at::Tensor();
     return {std::move(grad), std::move(send), std::move(reduced)};
   }
   void land(const ReduceResult& r, GradState& s) override {
@@ -288,12 +363,21 @@ class HostGradDelivery final : public ReducePlan {
   int64_t bytes() const override { return inner_->bytes(); }
   int64_t replicate_bytes() const override { return inner_->replicate_bytes(); }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) override {
-    return inner_->reduce(flat_grad, stream);
+    return inner_->reduce_as(flat_grad, stream, /*upcast=*/!keep_);
   }
-  // r.grad was allocated on this stream.
+  // r.grad was allocated on this stream (or is upcast here, on it).
   void land(const ReduceResult& r, GradState& s) override {
-    const at::Tensor& g = r.grad;
     at::Tensor& mg = s.master.mutable_grad();
+    if (keep_ && !mg.defined() && r.reduced.scalar_type() != at::kFloat) {
+      // Note [Host compute copy]: the reduce dtype's bytes go down; the step upcasts them.
+      if (!reduced_host_.defined() || reduced_host_.use_count() > 1 ||
+          reduced_host_.storage().use_count() > 1)
+        reduced_host_ = host_empty(r.reduced.numel(), r.reduced.scalar_type(), device_);
+      download_to_host(reduced_host_, r.reduced);
+      reduced_ready_ = true;
+      return;
+    }
+    const at::Tensor g = r.grad.defined() ? r.grad : to_float(r.reduced);
     if (!mg.defined()) {
       // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
       // someone still holds it (a tensor or a view of its storage) — pinning pages per step
@@ -316,9 +400,18 @@ class HostGradDelivery final : public ReducePlan {
     host_grad_staged_ = false;
   }
   bool has_staged_host_grad() const override { return host_grad_staged_; }
+  void keep_reduce_dtype_on_host(bool keep) override { keep_ = keep; }
+  at::Tensor take_reduced_host_grad() override {
+    if (!reduced_ready_) return {};
+    reduced_ready_ = false;
+    return reduced_host_;
+  }
 
  private:
   std::unique_ptr<FlatGradReduce> inner_;
+  bool keep_ = false;              // Note [Host compute copy]
+  at::Tensor reduced_host_;        // pinned; a reduction in the reduce dtype, reused when free
+  bool reduced_ready_ = false;     // reduced_host_ holds the last reduction, not yet taken
   c10::Device device_;             // the communicator's: pinned host memory when CUDA
   at::Tensor host_grad_;           // pinned; the host gradient's buffer, reused when free
   at::Tensor host_grad_stage_;     // pinned; a reduction beside an existing host gradient

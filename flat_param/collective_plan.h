@@ -53,6 +53,28 @@
 //   5. tests/collective_plan_test.cpp: the factory's choice, the byte count's closed form,
 //      and the gathered buffer / reduced gradient against an independent reference; a parity
 //      run (tests/fsdp_test.cpp style) with the option on.
+//
+// Note [Host compute copy]
+// Offloaded units whose CPU step flatshard drives (offload_step backward or delayed,
+// fsdp/offload_step.h) move half the bytes of Note [CPU offload]'s fp32 host path, on PCIe
+// and in host memory, whose bandwidth the CPU step is bound by:
+// - Down: with a reduce dtype below fp32, the reduced shard goes to the host as it is (bf16: 2
+//   B per element instead of the device upcast and 4 B) and the step reads it, upcasting per
+//   chunk in cache (FusedAdamW, fsdp/fused_adamw.h). master's .grad then stays undefined for
+//   those units (what the step consumed is not kept). A reduction that finds a host gradient
+//   to add to (accumulation across steps without zero_grad) takes the fp32 path.
+// - Up: the step writes the compute-dtype copy of the updated master in the same pass, into a
+//   pinned host buffer the plan keeps (host_copy(): 2 B per element); level 1's refresh (and
+//   an offloaded NO_SHARD unit's), and level 2 at every gather, upload that buffer as it is
+//   (no fp32 staging, no device cast) while it holds the master's current version; otherwise
+//   (an optimizer step after backward, a checkpoint load) the fp32 path as before. The first
+//   step, or one after the master changed otherwise, casts the master into it on the host
+//   first (prepare_host_copy()).
+// - Exact: the same kernel on the same values (bf16 -> fp32 is exact; the host cast rounds as
+//   the device cast does): the fp32 path's result bit for bit (tests/offload_test.cpp, with
+//   FLATSHARD_OFFLOAD_HOST_COPY=0 as the reference).
+// - Cost: 2 B per element of pinned host memory for the copy; the fp32 host gradient buffer (4
+//   B) is then never allocated, the bf16 one (2 B) instead.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -105,6 +127,15 @@ class GatherPlan {
   virtual void refresh(const GatherArgs& /*args*/, c10::Stream /*stream*/, bool /*hold*/) {}
   // Ends a hold: the next gather() uploads the master if it changed since the copy was taken.
   virtual void release_hold() {}
+  // Note [Host compute copy]: the host buffer (compute dtype, master's element count) a CPU
+  // step writes the updated master into; allocated at the first call; undefined where the plan
+  // uploads nothing or the compute dtype is fp32.
+  virtual at::Tensor host_copy(const GatherArgs& /*args*/) { return {}; }
+  // Before a step writes host_copy() (on the stepper's thread, the previous upload of it
+  // done): casts the master into it unless it already holds the master as it is now.
+  virtual void prepare_host_copy(const GatherArgs& /*args*/) {}
+  // After that step: the buffer holds the master as it is now (its new version).
+  virtual void host_copy_written(const GatherArgs& /*args*/) {}
 
  private:
   std::string name_;
@@ -151,6 +182,13 @@ class ReducePlan {
   // Offload: after the host waited for the last reduction's stream, adds a staged gradient.
   virtual void finish_host_grad(const at::Tensor& /*master*/) {}
   virtual bool has_staged_host_grad() const { return false; }
+  // Note [Host compute copy]: from now on (offloaded plans; a no-op elsewhere) a reduction in a
+  // dtype below fp32 that finds no host gradient to add to goes to the host as it is, into a
+  // buffer take_reduced_host_grad() hands out, and master's .grad stays undefined.
+  virtual void keep_reduce_dtype_on_host(bool /*keep*/) {}
+  // The last reduction's host gradient in the reduce dtype (then forgotten here), or undefined
+  // when it landed in master's .grad.
+  virtual at::Tensor take_reduced_host_grad() { return {}; }
 
  private:
   std::string name_;

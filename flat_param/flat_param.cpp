@@ -400,6 +400,23 @@ void FlatParam::refresh_compute_copy(c10::Stream stream, bool hold) {
 
 void FlatParam::release_held_copy() { gather_->release_hold(); }
 
+at::Tensor FlatParam::host_copy() {
+  return gather_->host_copy(GatherArgs{master_.detach(), full_, views_});
+}
+
+void FlatParam::prepare_host_copy() {
+  at::NoGradGuard no_grad;
+  gather_->prepare_host_copy(GatherArgs{master_.detach(), full_, views_});
+}
+
+void FlatParam::host_copy_written() {
+  gather_->host_copy_written(GatherArgs{master_.detach(), full_, views_});
+}
+
+void FlatParam::keep_reduce_dtype_on_host(bool keep) { reduce_->keep_reduce_dtype_on_host(keep); }
+
+at::Tensor FlatParam::take_reduced_host_grad() { return reduce_->take_reduced_host_grad(); }
+
 void FlatParam::drop_master_grad() {
   master_.mutable_grad() = at::Tensor();
   for (size_t i = 0; i < views_.size(); ++i)

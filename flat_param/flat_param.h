@@ -236,6 +236,16 @@ class FlatParam {
   void release_held_copy();
   // Sets master().grad and the shard views' .grad to undefined (the caller holds them).
   void drop_master_grad();
+  // Note [Host compute copy] (flat_param/collective_plan.h), for the stepper of offloaded units:
+  // the host buffer a CPU step writes the compute-dtype master into (undefined: none); before
+  // that step, prepare_host_copy() (the master cast into it unless it holds it already); after,
+  // host_copy_written(). keep_reduce_dtype_on_host(true): reductions below fp32 come to the
+  // host as they are, for take_reduced_host_grad() (master().grad stays undefined).
+  at::Tensor host_copy();
+  void prepare_host_copy();
+  void host_copy_written();
+  void keep_reduce_dtype_on_host(bool keep);
+  at::Tensor take_reduced_host_grad();
   // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
   int64_t resident_bytes() const;
 

@@ -7,8 +7,10 @@
 
 #include <string>
 
+#include "collectives/env.h"
 #include "flat_param/flat_param.h"
 #include "fsdp/fused_adamw.h"
+#include "fsdp/trace.h"
 
 namespace flatshard {
 
@@ -22,7 +24,8 @@ OffloadStepper::~OffloadStepper() {
   if (worker_.joinable()) worker_.join();
 }
 
-void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<FlatParam*>& flats) {
+void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<FlatParam*>& flats,
+                            const std::vector<int>& trace_units) {
   wait();
   if (opt)
     for (const auto& group : opt->param_groups())
@@ -30,6 +33,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
                   "attach_optimizer (rank ", rank_, "): amsgrad has no fused step; flatshard "
                   "steps offloaded units with FusedAdamW's fused kernel only");
   entries_.clear();
+  for (FlatParam* f : flats) f->keep_reduce_dtype_on_host(false);
   opt_ = std::move(opt);
   if (!opt_) return;
   std::unordered_map<const c10::StorageImpl*, FlatParam*> by_storage;
@@ -43,6 +47,41 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
       auto it = by_storage.find(p.storage().unsafeGetStorageImpl());
       if (it != by_storage.end()) entries_[it->second].params.push_back({g, p});
     }
+  // Note [Host compute copy]: only units this optimizer steps, so no gradient waits unseen.
+  const bool host_copy = env::offload_host_copy();
+  for (size_t i = 0; i < flats.size(); ++i) {
+    auto it = entries_.find(flats[i]);
+    if (it == entries_.end()) continue;
+    flats[i]->keep_reduce_dtype_on_host(host_copy);
+    if (i < trace_units.size()) it->second.trace_unit = trace_units[i];
+  }
+}
+
+FusedAdamW::CapturedStep OffloadStepper::capture(FlatParam& flat, const Entry& e) {
+  // Note [Host compute copy]: the gradient in the reduce dtype and the copy to write, as the
+  // slices of the unit's buffers that line up with each tensor (the master or a shard view).
+  const at::Tensor reduced = flat.take_reduced_host_grad();
+  const at::Tensor copy = flat.host_copy();
+  if (!reduced.defined() && !copy.defined()) return opt_->capture_located(e.params);
+  const at::Tensor& master = flat.master();
+  const std::vector<ShardView>& views = flat.shard_views();
+  auto slice = [&](const at::Tensor& buf, const at::Tensor& p) {
+    return buf.narrow(0, p.storage_offset() - master.storage_offset(), p.numel());
+  };
+  // The tensors the fp32 path gives a gradient: the master, and trainable views while the
+  // views are active (FlatParam::point_view_grads()).
+  auto has_grad = [&](const at::Tensor& p) {
+    if (p.is_same(master)) return true;
+    if (!flat.views_active()) return false;
+    for (size_t i = 0; i < views.size(); ++i)
+      if (views[i].tensor.is_same(p)) return flat.trainable(i);
+    return false;
+  };
+  FusedAdamW::TensorOf grad_of, copy_of;
+  if (reduced.defined())
+    grad_of = [&](const at::Tensor& p) { return has_grad(p) ? slice(reduced, p) : at::Tensor(); };
+  if (copy.defined()) copy_of = [&](const at::Tensor& p) { return slice(copy, p); };
+  return opt_->capture_located(e.params, grad_of, copy_of);
 }
 
 void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
@@ -58,13 +97,14 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
   job.flat = &flat;
   job.entry = &e;
   job.wait_event = device;
+  if (tracer_) job.trace_step = tracer_->recording_step();
   if (delayed_) {
     enqueue_delayed(flat, e, stream, job);
   } else {
     // Captured here, so a gradient written after the reduction (hand-written clipping) is
     // caught by the next opt.step() whenever the worker gets to it.
     job.staged = flat.has_staged_host_grad();
-    job.captured = opt_->capture_located(e.params);
+    job.captured = capture(flat, e);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -92,7 +132,7 @@ void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Strea
     if (!e.uploaded) e.uploaded.emplace(stream.device_type());
     e.uploaded->record(upload_stream_);  // the worker's step writes the master the upload reads
   }
-  job.captured = opt_->capture_located(e.params);
+  job.captured = capture(flat, e);
   flat.drop_master_grad();
 }
 
@@ -126,14 +166,35 @@ bool OffloadStepper::take_stepped() {
 }
 
 void OffloadStepper::run_job(Job& job) {
+  // The trace's CPU optimizer track: the wait for the unit's gradient, then its step.
+  const double t0 = tracer_ ? Tracer::now_us() : 0;
+  double t1 = 0;
+  struct Spans {  // recorded when the job ends, whichever way
+    Tracer* tracer;
+    int unit, step;
+    const double& t0;
+    double& t1;
+    ~Spans() {
+      if (!tracer) return;
+      const double t2 = Tracer::now_us();
+      tracer->record_worker(TraceKind::kOffloadWait, unit, step, t0, t1 > 0 ? t1 : t2);
+      if (t1 > 0) tracer->record_worker(TraceKind::kOffloadStep, unit, step, t1, t2);
+    }
+  } spans{tracer_, job.entry->trace_unit, job.trace_step, t0, t1};
   if (delayed_) {  // Note [Delayed offload step]
     if (job.wait_event) job.entry->uploaded->synchronize();  // after the gradient's copy too
+    if (tracer_) t1 = Tracer::now_us();
+    job.flat->prepare_host_copy();  // the upload that read it is done
     opt_->run_step(*job.captured);
+    job.flat->host_copy_written();
     return;
   }
   if (job.wait_event) job.entry->done->synchronize();
+  if (tracer_) t1 = Tracer::now_us();
   job.flat->finish_host_grad();  // one in-place add to the captured gradient when staged
+  job.flat->prepare_host_copy();  // its last upload came before this unit's forward
   opt_->run_step(*job.captured);
+  job.flat->host_copy_written();
   opt_->mark_stepped_early(*job.captured, job.staged ? 1 : 0);
   job.flat->refresh_compute_copy(upload_stream_);
 }

@@ -88,23 +88,28 @@
 namespace flatshard {
 
 class FlatParam;
+class Tracer;
 
 class OffloadStepper {
  public:
   // `upload_stream`: where the stepped masters' compute-dtype copies are uploaded (level 1).
   // `delayed`: Note [Delayed offload step]; else Note [Offload step in backward].
-  OffloadStepper(int rank, c10::Stream upload_stream, bool delayed)
+  // `tracer` (nullptr: off) gets each step's spans on its CPU optimizer track (fsdp/trace.h).
+  OffloadStepper(int rank, c10::Stream upload_stream, bool delayed, Tracer* tracer = nullptr)
       : rank_(rank),
         upload_stream_(upload_stream),
         delayed_(delayed),
-        threads_(env::offload_step_threads()) {}
+        threads_(env::offload_step_threads()),
+        tracer_(tracer) {}
   ~OffloadStepper();  // waits for queued steps (errors dropped), joins the worker
   OffloadStepper(const OffloadStepper&) = delete;
   OffloadStepper& operator=(const OffloadStepper&) = delete;
 
   // The optimizer whose tensors step with each unit: per FlatParam, the tensors of `opt` that
-  // share its master's storage. Waits first. Replaces an earlier attachment.
-  void attach(std::shared_ptr<FusedAdamW> opt, const std::vector<FlatParam*>& flats);
+  // share its master's storage. Waits first. Replaces an earlier attachment. `trace_units`
+  // (empty, or one per flat): the units' indices in the trace.
+  void attach(std::shared_ptr<FusedAdamW> opt, const std::vector<FlatParam*>& flats,
+              const std::vector<int>& trace_units = {});
   bool attached() const { return opt_ != nullptr; }
   // Main thread, after `flat`'s reduction was enqueued on `stream`: queue its step (a no-op for
   // a unit the optimizer holds no tensor of). Delayed: refreshes the device copy first.
@@ -125,6 +130,7 @@ class OffloadStepper {
     std::optional<c10::Event> done;  // recorded on the reduce stream by enqueue()
     std::optional<c10::Event> uploaded;  // delayed: after the refresh, on the upload stream
     bool queued = false;                 // a step of this unit is queued or running (mu_)
+    int trace_unit = -1;                 // the unit's index in the trace
   };
   struct Job {
     FlatParam* flat = nullptr;
@@ -132,15 +138,20 @@ class OffloadStepper {
     bool wait_event = false;
     std::optional<FusedAdamW::CapturedStep> captured;  // the step to run, taken at enqueue()
     bool staged = false;  // backward: finish_host_grad() adds to the captured gradient
+    int trace_step = -1;  // the trace's step it was queued in (-1: not traced)
   };
   void run();
   void run_job(Job& job);
+  // The unit's step as it reads now (Note [Host compute copy]: its gradient in the reduce dtype
+  // and its compute-dtype copy, where the unit has them).
+  FusedAdamW::CapturedStep capture(FlatParam& flat, const Entry& e);
   void enqueue_delayed(FlatParam& flat, Entry& e, const c10::Stream& stream, Job& job);
 
   int rank_;
   c10::Stream upload_stream_;
   bool delayed_;
   int threads_;  // the worker's intra-op threads (env FLATSHARD_OFFLOAD_STEP_THREADS; 0: default)
+  Tracer* tracer_;  // nullptr: not tracing; outlives the stepper (the runtime owns both)
   std::shared_ptr<FusedAdamW> opt_;
   std::unordered_map<const FlatParam*, Entry> entries_;
   bool stepped_ = false;

@@ -130,7 +130,16 @@ struct LeaseHook : public torch::autograd::FunctionPreHook {
 
 }  // namespace
 
-Runtime::~Runtime() { anchor_.reset(); }  // leases alive in graphs now find nothing
+Runtime::~Runtime() {
+  anchor_.reset();  // leases alive in graphs now find nothing
+  // The stepper's worker reads the units and writes the tracer, both destroyed before it.
+  if (offload_stepper_) {
+    try {
+      offload_stepper_->wait();
+    } catch (...) {  // an error no wait reported: nothing to do about it in a destructor
+    }
+  }
+}
 
 Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate)
     : comm_(comm),
@@ -144,7 +153,8 @@ Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* repl
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
   if (options_.offload_step != OffloadStep::kAfterBackward)
     offload_stepper_ = std::make_shared<OffloadStepper>(
-        comm_.rank(), side_stream(comm.device()), options_.offload_step == OffloadStep::kDelayed);
+        comm_.rank(), side_stream(comm.device()), options_.offload_step == OffloadStep::kDelayed,
+        tracer_.get());
   ctx_.emplace(UnitContext{comm_, replicate_, all_gather_stream_, reduce_scatter_stream_,
                            tracer_.get(), reduce_buffers_,
                            options_.debug_sleep_before_all_gather_cycles,

@@ -371,8 +371,12 @@ void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
               "the default (after backward) call opt.step() as usual");
   check_optimizer(*opt);
   std::vector<FlatParam*> flats;
-  for (auto& u : runtime_->units()) flats.push_back(&u->flat());
-  stepper->attach(opt, flats);
+  std::vector<int> trace_units;
+  for (auto& u : runtime_->units()) {
+    flats.push_back(&u->flat());
+    trace_units.push_back(u->trace_info().index);
+  }
+  stepper->attach(opt, flats, trace_units);
   std::weak_ptr<OffloadStepper> weak = stepper;
   // Note [Delayed offload step]: delayed steps run on through the next forward; opt.step()
   // finds the offloaded units without gradients and steps the rest.

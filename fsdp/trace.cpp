@@ -133,6 +133,10 @@ const char* to_string(TraceKind kind) {
       return tf::cat::kWaitReduce;
     case TraceKind::kOptimizer:
       return tf::cat::kOptimizer;
+    case TraceKind::kOffloadWait:
+      return tf::cat::kOffloadWait;
+    case TraceKind::kOffloadStep:
+      return tf::cat::kOffloadStep;
   }
   return "?";
 }
@@ -437,6 +441,26 @@ void Tracer::resolve(bool wait) {
   }
 }
 
+double Tracer::now_us() { return flatshard::now_us(); }
+
+int Tracer::recording_step() const {
+  return record_ && step_open_ ? static_cast<int>(steps_.size()) - 1 : -1;
+}
+
+void Tracer::record_worker(TraceKind kind, int unit, int step, double begin_us, double end_us) {
+  if (!record_ || step < 0) return;
+  std::lock_guard<std::mutex> lock(worker_mu_);
+  if (worker_records_.size() >= kMaxRecords) return;
+  TraceRecord r;
+  r.kind = kind;
+  r.unit = unit;
+  r.step = step;
+  r.backward = true;
+  r.host_begin = begin_us;
+  r.host_end = end_us;
+  worker_records_.push_back(r);
+}
+
 const std::vector<TraceRecord>& Tracer::records() {
   resolve(/*wait=*/false);
   return records_;
@@ -494,7 +518,15 @@ void Tracer::write_json(std::ostream& os) const {
      << "\"process_name\"," << Key{k::kArgs} << '{' << Key{k::kName} << "\"rank " << rank
      << "\"}},\n{" << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank << ',' << Key{k::kName}
      << "\"process_sort_index\"," << Key{k::kArgs} << "{\"sort_index\":" << rank << "}}";
-  for (int t = 0; t < (gpu_ ? tf::kTrackCount : 1); ++t) {
+  std::vector<TraceRecord> worker;
+  {
+    std::lock_guard<std::mutex> lock(worker_mu_);
+    worker = worker_records_;
+  }
+  for (int t = 0; t < tf::kTrackCount; ++t) {
+    const bool shown = t == kHostTrack || (gpu_ && t != tf::kOffloadStepTrack) ||
+                       (t == tf::kOffloadStepTrack && !worker.empty());
+    if (!shown) continue;
     os << ",\n{" << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank << ',' << Key{k::kTid} << t
        << ',' << Key{k::kName} << "\"thread_name\"," << Key{k::kArgs} << '{' << Key{k::kName}
        << Lit{kTrackNames[t]} << "}},\n{" << Key{k::kPh} << "\"M\"," << Key{k::kPid} << rank
@@ -516,7 +548,7 @@ void Tracer::write_json(std::ostream& os) const {
            << Lit{r->backward ? tf::phase::kBackward : tf::phase::kForward};
       }
       if (r->bytes) os << ',' << Key{k::kBytes} << r->bytes;
-      if (tid != kHostTrack)
+      if (tid != kHostTrack && tid != tf::kOffloadStepTrack)
         os << ',' << Key{k::kHostTs} << fixed3(r->host_begin) << ',' << Key{k::kHostEnd}
            << fixed3(r->host_end);
     }
@@ -540,6 +572,11 @@ void Tracer::write_json(std::ostream& os) const {
       event(name, to_string(r.kind), r.gpu_begin + offset, r.gpu_end - r.gpu_begin,
             track_for(r.kind), &r, r.step);
   }
+  // The stepper's spans, in the step their work was queued in (they may run after it ended:
+  // the host runs ahead of the device, and a delayed step runs in the next step's forward).
+  for (const auto& r : worker)
+    event(event_name(r.kind, r.unit), to_string(r.kind), r.host_begin, r.host_end - r.host_begin,
+          tf::kOffloadStepTrack, &r, r.step);
   os << "\n]}\n";
 }
 

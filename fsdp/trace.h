@@ -10,6 +10,8 @@
 //                         previous reduction before its buffers are reused), optimizer
 //   all-gather stream     all_gather (the collective itself)
 //   reduce-scatter stream reduce_scatter / all_reduce
+//   CPU optimizer         offload_wait, offload_step (the offload stepper's thread: Note
+//                         [Offload step in backward], fsdp/offload_step.h)
 // and writes them as Chrome trace JSON (ui.perfetto.dev and chrome://tracing open it): process =
 // rank, one thread track per row above. tools/flatshard-trace summarises such files.
 //
@@ -36,7 +38,9 @@
 //   without backward (evaluation) stay in the step that is open. Recording stops after
 //   TraceOptions::max_steps steps, or 2^20 events, so memory stays bounded; hooks then cost a
 //   call each.
-// - One tracer per ShardedModel per rank; driven by one thread at a time, like the runtime.
+// - One tracer per ShardedModel per rank; driven by one thread at a time, like the runtime,
+//   except record_worker(), which the offload stepper's thread calls (its own records, locked,
+//   in the step its work was queued in: a delayed step runs during the next step's forward).
 // - The file is written by write() and when the tracer is destroyed (with the ShardedModel),
 //   whole or not at all (support/output_file.h: a failed write leaves an earlier file at the
 //   path as it was); the destructor never throws (a failed write is a warning).
@@ -62,6 +66,7 @@
 #include <deque>
 #include <iosfwd>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -82,6 +87,10 @@ enum class TraceKind : uint8_t {
   kReduce,          // host: issuing the reduction (CPU: running it); reduce-scatter stream
   kWaitReduce,      // compute stream only: waiting for the previous reduction
   kOptimizer,       // host + compute stream: ShardedModel::trace_optimizer_step() scope
+  // The offload stepper's thread (Tracer::record_worker): waiting for a unit's gradient on the
+  // host, then its CPU step (and the upload it issues after, offload_step backward).
+  kOffloadWait,
+  kOffloadStep,
 };
 const char* to_string(TraceKind kind);
 
@@ -139,6 +148,13 @@ class Tracer {
   void close(const Open& open);
   void end(TraceKind kind, const TraceUnit& unit);  // closes the unit's open kForward / kBackward
   void step_end();
+  // The step being recorded (-1: none: before the first hook, or past max_steps). Main thread.
+  int recording_step() const;
+  // Any thread: a host span [begin_us, end_us) (now_us()'s clock) of the offload stepper, for
+  // unit index `unit` (kOffloadWait, kOffloadStep), in `step` (recording_step() when the work
+  // was queued; -1: not recorded). Not recorded past the record bound.
+  void record_worker(TraceKind kind, int unit, int step, double begin_us, double end_us);
+  static double now_us();  // the host clock of every record (steady_clock, microseconds)
 
   // Resolves every pending GPU event (waits for them) and writes the JSON file; returns its
   // path ("" in NVTX-only mode). Throws c10::Error if the file cannot be written.
@@ -197,6 +213,8 @@ class Tracer {
   size_t first_pending_ = 0;   // records before it have no pending GPU event
   std::deque<c10::Event> events_;  // pool; deque: addresses stay valid as it grows
   std::vector<int> free_events_;
+  mutable std::mutex worker_mu_;             // worker_records_ (record_worker's thread)
+  std::vector<TraceRecord> worker_records_;
 };
 
 // RAII host span (+ GPU span on the kind's stream). A null tracer makes it a no-op.

@@ -32,11 +32,13 @@ enum Track : int {
   kComputeTrack = 1,    // the compute (current) stream
   kAllGatherTrack = 2,  // the all-gather stream
   kReduceTrack = 3,     // the reduce-scatter stream (reduce_scatter / all_reduce)
+  // The thread that steps offloaded units (offload_step backward / delayed, fsdp/offload_step.h):
+  // host spans, in GPU and CPU traces alike, present only when such steps ran.
+  kOffloadStepTrack = 4,
 };
-inline constexpr int kTrackCount = 4;
-inline constexpr const char* kTrackNames[kTrackCount] = {"host", "compute stream",
-                                                         "all-gather stream",
-                                                         "reduce-scatter stream"};
+inline constexpr int kTrackCount = 5;
+inline constexpr const char* kTrackNames[kTrackCount] = {
+    "host", "compute stream", "all-gather stream", "reduce-scatter stream", "CPU optimizer"};
 
 // Event categories ("cat"): one per TraceKind (fsdp/trace.h; to_string(TraceKind) returns them),
 // plus the step span.
@@ -52,6 +54,8 @@ inline constexpr char kBackward[] = "backward";
 inline constexpr char kReduce[] = "reduce";
 inline constexpr char kWaitReduce[] = "wait_reduce";
 inline constexpr char kOptimizer[] = "optimizer";
+inline constexpr char kOffloadWait[] = "offload_wait";  // the stepper waiting for the gradient
+inline constexpr char kOffloadStep[] = "offload_step";  // its CPU step of the unit (+ upload issue)
 }  // namespace cat
 
 // Event names ("name") where they differ from the category; a unit's events append " <unit>".

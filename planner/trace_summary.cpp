@@ -294,6 +294,7 @@ struct Acc {  // sums over the used steps of one rank
   double fwd = 0, bwd = 0, ag_fwd = 0, ag_bwd = 0, rs = 0, gap = 0, ags = 0, rss = 0, ag_time = 0;
   double host = 0;
   std::map<std::string, double> host_by_phase;
+  double cpu_wait = 0, cpu_step = 0;  // the CPU optimizer track
 };
 
 // The host spans of flatshard's hooks (not the model's forward / backward spans around them).
@@ -395,7 +396,8 @@ struct SpanSums {
 void add_step_spans(const RankTrace& r, const std::set<int>& steps, SpanSums& sums) {
   std::map<int, std::pair<double, double>> host_span, gpu_span;
   for (const auto& e : r.events) {
-    if (!steps.count(e.step) || e.cat == tf::cat::kStep) continue;
+    if (!steps.count(e.step) || e.cat == tf::cat::kStep || e.tid == tf::kOffloadStepTrack)
+      continue;  // the CPU optimizer's thread is neither the issuing host nor a stream
     auto [it, fresh] =
         (e.tid == kHostTrack ? host_span : gpu_span).try_emplace(e.step, e.ts, e.ts + e.dur);
     if (fresh) continue;
@@ -447,6 +449,10 @@ std::map<std::string, Acc> unit_times(const Tracks& tracks, bool gpu) {
       acc[e->unit].rss += 1;
       if (!gpu) acc[e->unit].rs += e->dur;
     }
+  for (const auto* e : tracks[tf::kOffloadStepTrack]) {
+    if (e->cat == tf::cat::kOffloadWait) acc[e->unit].cpu_wait += e->dur;
+    if (e->cat == tf::cat::kOffloadStep) acc[e->unit].cpu_step += e->dur;
+  }
   // UnitCost::host_us: top-level hook spans only (sorted by begin, enclosing first), so a
   // prefetch's all-gather inside another unit's pre-forward is not counted twice.
   double top_end = -1;
@@ -515,6 +521,8 @@ void add_rank_means(const std::map<std::string, Acc>& acc, double steps, UnitOrd
     t.ag_time += a.ag_time / steps;
     t.host += a.host / steps;
     for (const auto& [phase, us] : a.host_by_phase) t.host_by_phase[phase] += us / steps;
+    t.cpu_wait += a.cpu_wait / steps;
+    t.cpu_step += a.cpu_step / steps;
   }
 }
 
@@ -539,6 +547,10 @@ void fill_units(TraceSummary& s, const UnitOrder& order, const std::map<std::str
     u.gathered_bytes = order.meta.at(name).all_gather_bytes * world_size;
     u.host_us = t.host / ranks;
     for (const auto& [phase, us] : t.host_by_phase) u.host_by_phase[phase] = us / ranks;
+    u.offload_wait_us = t.cpu_wait / ranks;
+    u.offload_step_us = t.cpu_step / ranks;
+    s.offload_wait_us += u.offload_wait_us;
+    s.offload_step_us += u.offload_step_us;
     s.compute_us += u.forward_us + u.backward_us;
     s.all_gather_us += u.all_gather_forward_us + u.all_gather_backward_us;
     s.reduce_us += u.reduce_us;
@@ -777,7 +789,8 @@ TraceSummary summarize(const std::vector<RankTrace>& ranks, const SummaryOptions
   s.ranks = static_cast<int>(ranks.size());
   s.device = ranks.front().device;
   for (const auto& r : ranks)
-    for (const auto& e : r.events) s.gpu = s.gpu || e.tid != kHostTrack;
+    for (const auto& e : r.events)
+      s.gpu = s.gpu || (e.tid != kHostTrack && e.tid != tf::kOffloadStepTrack);
 
   UnitOrder order = plan_order(ranks);
   std::map<std::string, Acc> total;  // summed over ranks of per-step means
@@ -888,6 +901,25 @@ std::string TraceSummary::to_string() const {
       os << "  rank " << g.rank << " step " << g.step << " " << g.unit << " (" << g.phase
          << "): " << ms(g.us) << " ms waiting for "
          << (g.cause == "host" ? "the host" : "its " + g.cause) << "\n";
+  }
+  if (offload_step_us > 0 || offload_wait_us > 0) {
+    // Note [Offload step in backward]: the CPU steps overlap the device work only as far as
+    // they keep up with it; per unit, the step against the unit's backward says which side
+    // is slower.
+    std::vector<double> per_unit;
+    double bwd = 0;
+    for (const auto& u : units)
+      if (u.offload_step_us > 0) {
+        per_unit.push_back(u.offload_step_us);
+        bwd += u.backward_us;
+      }
+    std::sort(per_unit.begin(), per_unit.end());
+    os << "CPU optimizer track (offloaded units stepped by flatshard), per step: CPU steps "
+       << ms(offload_step_us) << " ms over " << per_unit.size() << " units (median "
+       << (per_unit.empty() ? 0.0 : per_unit[per_unit.size() / 2]) / 1000.0 << " ms, max "
+       << (per_unit.empty() ? 0.0 : per_unit.back()) / 1000.0
+       << " ms), waiting for gradients " << ms(offload_wait_us) << " ms; those units' "
+       << (gpu ? "backward " : "backward (host) ") << ms(bwd) << " ms\n";
   }
   os << "top offenders (exposed time per step):\n";
   if (offenders.empty()) os << "  none: no exposed communication\n";

@@ -111,6 +111,9 @@ struct UnitCost {
   // On CPU the collectives run inside all_gather / reduce: it is not issue time there.
   double host_us = 0;
   std::map<std::string, double> host_by_phase;  // by span category, per step
+  // The CPU optimizer track (offload_step backward / delayed), per step: the stepper's wait
+  // for this unit's gradient on the host, and its CPU step of the unit.
+  double offload_wait_us = 0, offload_step_us = 0;
 };
 
 // Host time per unit per step, by unit kind (TraceUnitMeta::kind): what one unit of each kind
@@ -141,6 +144,8 @@ struct TraceSummary {
   // record call) and how long the GPU streams took to run it (first to last GPU event). Issue
   // well below GPU span: the host runs ahead and cannot starve the GPU.
   double host_issue_us = 0, gpu_span_us = 0;
+  // Sums of UnitCost::offload_wait_us / offload_step_us (0: no CPU optimizer track).
+  double offload_wait_us = 0, offload_step_us = 0;
   std::vector<UnitCost> units;     // plan order
   std::vector<size_t> offenders;   // indices into units, most exposed first (exposed > 0)
   std::vector<IdleGap> largest_gaps;  // GPU only, largest first

@@ -10,14 +10,20 @@
 
 #include <torch/optim/adamw.h>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "checkpoint/checkpoint.h"
+#include "collectives/env.h"
+#include "fsdp/trace.h"
 #include "fsdp/fused_adamw.h"
 #include "planner/explain.h"
+#include "planner/trace_summary.h"
 #include "gpt_parity_spec.h"
 #include "llama_parity_spec.h"
 #include "parity_util.h"
@@ -148,6 +154,127 @@ TEST_CASE("offload_step backward: each unit steps during backward, bit for bit l
       require_equal_runs(after, during);
       require_parity(run_reference(s), during);  // and it trains: against the unsharded model
     }
+  }
+}
+
+TEST_CASE("offload_step backward and delayed with bf16: the host compute copy path is bit for "
+          "bit the fp32 host path", "[offload][offload_step][parity]") {
+  // Note [Host compute copy] (flat_param/collective_plan.h): bf16 gradients come down as they
+  // are and the CPU step writes the bf16 copy that goes up. The reference is the same run with
+  // FLATSHARD_OFFLOAD_HOST_COPY=0 (device upcast, fp32 down and up, device cast), and for the
+  // backward mode also the step after backward. Step-0 gradients are not compared: with the
+  // copy path an offloaded unit's .grad stays undefined (what its step consumed), which the
+  // gathered gradients show as zeros; that they do proves the path ran.
+  struct Case {
+    bool llama;
+    int world;
+    const char* policy;
+    bool groups;  // parameter groups + a frozen parameter + 2 no-sync micro-batches
+  };
+  const Case cases[] = {
+      {false, 1, "type=Block", false},
+      {false, 2, "type=Block", true},
+      {false, 3, "type=Linear|LayerNorm|Embedding", true},
+      {false, 2, "noshard:path=blocks.0;offload0:path=blocks.1;type=Block", true},
+      {true, 2, "type=DecoderLayer", true},
+  };
+  struct Env {  // FLATSHARD_OFFLOAD_HOST_COPY for one run (read when the model is built)
+    explicit Env(const char* v) { setenv(env::kOffloadHostCopy, v, 1); }
+    ~Env() { unsetenv(env::kOffloadHostCopy); }
+  };
+  auto equal_params = [](const ParityRun& a, const ParityRun& b) {
+    REQUIRE(a.losses == b.losses);
+    REQUIRE(a.params.size() == b.params.size());
+    for (auto& [name, t] : a.params) {
+      CAPTURE(name);
+      REQUIRE(at::equal(t, b.params.at(name)));
+    }
+  };
+  for (const Case& c : cases) {
+    for (const OffloadStep mode : {OffloadStep::kBackward, OffloadStep::kDelayed}) {
+      for (int level : {1, 2}) {
+        if (mode == OffloadStep::kDelayed && level == 2) continue;  // refused at setup
+        CAPTURE(c.llama, c.world, c.policy, c.groups, level, mode == OffloadStep::kDelayed);
+        ParitySpec s =
+            c.llama ? llama_spec(c.world, c.policy) : gpt_parity_spec(c.world, c.policy);
+        s.steps = 3;
+        s.fused_adamw = true;
+        s.options.offload = level;
+        s.options.mixed_precision.param_dtype = at::kBFloat16;
+        if (c.groups) add_groups_frozen_accumulation(s, c.llama);
+        s.options.offload_step = mode;
+        ParityRun fp32_path, copy_path;
+        {
+          Env off("0");
+          fp32_path = run_sharded(s);
+        }
+        {
+          Env on("1");
+          copy_path = run_sharded(s);
+        }
+        equal_params(fp32_path, copy_path);
+        if (mode == OffloadStep::kBackward) {
+          s.options.offload_step = OffloadStep::kAfterBackward;
+          equal_params(run_sharded(s), copy_path);
+        }
+        // An offloaded unit's gradient went to its step in bf16: zeros where the fp32 path
+        // (backward mode) has the gradient.
+        if (mode == OffloadStep::kBackward && !c.groups) {
+          bool zero_somewhere = false;
+          for (auto& [name, g] : copy_path.grads)
+            if (g.abs().max().item<double>() == 0 &&
+                fp32_path.grads.at(name).abs().max().item<double>() > 0)
+              zero_somewhere = true;
+          REQUIRE(zero_somewhere);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("offload_step backward and delayed: the trace has the CPU optimizer track, a wait and "
+          "a step per unit per step", "[offload][offload_step][trace]") {
+  // fsdp/trace.h: the stepper's thread records on its own track (tid 4, "CPU optimizer"); the
+  // summary (planner/trace_summary.h) sums it per unit and prints it.
+  for (const OffloadStep mode : {OffloadStep::kBackward, OffloadStep::kDelayed}) {
+    CAPTURE(mode == OffloadStep::kDelayed);
+    TempDir dir;
+    ParitySpec s = gpt_parity_spec(2, "type=Block");
+    s.steps = 3;
+    s.fused_adamw = true;
+    s.options.offload = 1;
+    s.options.offload_step = mode;
+    s.options.trace.path = dir / "t.json";
+    run_sharded(s);
+    std::vector<std::string> files;
+    for (int rank = 0; rank < 2; ++rank) {
+      files.push_back(trace_file_for_rank(s.options.trace.path, rank, 2));
+      const nlohmann::json doc = nlohmann::json::parse(read_bytes(files.back()));
+      const size_t units = doc.at("otherData").at("units").size();
+      std::map<std::pair<std::string, int>, int> steps, waits;  // (unit, step) -> events
+      bool named = false;
+      for (const auto& e : doc.at("traceEvents")) {
+        if (e.at("ph") == "M" && e.value("tid", -1) == 4)
+          named = named || e.at("args").at("name") == "CPU optimizer";
+        if (e.at("ph") != "X" || e.at("tid") != 4) continue;
+        const auto key = std::make_pair(e.at("args").at("unit").get<std::string>(),
+                                        e.at("args").at("step").get<int>());
+        ++(e.at("cat") == "offload_step" ? steps : waits)[key];
+        REQUIRE(e.at("dur").get<double>() >= 0);
+      }
+      CAPTURE(rank, units);
+      REQUIRE(named);
+      REQUIRE(steps.size() == units * 3);  // every unit, every step, once
+      REQUIRE(waits.size() == units * 3);
+      for (const auto& [key, n] : steps) REQUIRE(n == 1);
+    }
+    const TraceSummary sum = summarize(read_trace_files(files));
+    REQUIRE(sum.offload_step_us > 0);
+    for (const auto& u : sum.units) {
+      CAPTURE(u.unit);
+      REQUIRE(u.offload_step_us > 0);
+    }
+    REQUIRE(contains(sum.to_string(), "CPU optimizer track"));
   }
 }
 
