@@ -50,7 +50,11 @@
 #               predicted vs measured peak MiB and step ms (issue 20; GPU_CHECK_ADVISOR_ARGS adds
 #               arguments to the script, e.g. "--bench-args '--layers 4'"; to split a long run
 #               over calls keep GPU_CHECK_LOGDIR between them and pass "--models gpt --offloads
-#               0", ..., then "--reuse" for the whole table)
+#               0", ..., then "--reuse" for the whole table); the overlapped CPU-offload optimizer
+#               modes (issue 35) are opt-in, e.g. a short offload-only advisor run:
+#               GPU_CHECK_ADVISOR_ARGS="--granularities layer --offloads 0 1 --offload-steps
+#               after backward delayed" (rows '+offload1+bwdstep' / '+delayed', and a last line
+#               counting those within 10% of the measured step)
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
 #               every rank of nccl_reliability_test's GPT memory case (100 steps) and
 #               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
