@@ -2,7 +2,6 @@
 #include "fsdp/fused_adamw.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/_fused_adamw.h>
 
 #include <algorithm>
@@ -26,70 +25,58 @@ bool needs_fallback(const std::vector<torch::optim::OptimizerParamGroup>& groups
   return false;
 }
 
-// Note [Host compute copy] (fused_adamw.h): the fused kernel over cache-sized chunks of every
-// tensor, each chunk's gradient upcast first and its parameter cast into the copy after. 64Ki
-// elements: the chunk's four fp32 streams (1 MiB) stay in a core's L2, and per-chunk dispatch
-// (a few microseconds) is a few percent of its memory time. A multiple of every vector width,
-// so chunks split no vector: the kernel's element-wise result does not depend on the split.
-constexpr int64_t kMixedChunk = int64_t{1} << 16;
+// Note [Host compute copy] (fused_adamw.h): per block of a tensor, three parallel passes: the
+// gradient upcast into fp32 scratch, the fused kernel, the parameter cast into the copy. Blocks
+// of 4 Mi elements keep the scratch (16 MiB) and the block's parameter in the host's cache
+// between passes, and each pass is one parallel region over all threads. Measured on the
+// 16-core H200 host, 50 M elements, on a fresh thread as the stepper's
+// (benchmarks/fused_adamw_bench.cpp; RESULTS.md "Offload"): 17 ms, against 12 ms for the fp32
+// step alone (whose gradient upcast and copy cast then run on the device, and whose PCIe bytes
+// are twice these) and 120 ms for the fused kernel per 64 Ki-element chunk inside one parallel
+// region (the first version: per-call overhead in every thread). A multiple of every vector
+// width, so blocks split no vector: the kernel's element-wise result does not depend on the
+// split.
+constexpr int64_t kMixedBlock = int64_t{1} << 22;
 
 void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
                 const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
-                const std::vector<at::Tensor>& copies) {
+                const std::vector<at::Tensor>& copies, at::Tensor& scratch) {
   const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
   auto fused = [&](const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                    const at::Tensor& v, const at::Tensor& st) {
     at::_fused_adamw_({p}, {g}, {m}, {v}, /*max_exp_avg_sqs=*/{}, {st}, o.lr(), beta1, beta2,
                       o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
   };
-  struct Chunk {
-    size_t tensor;
-    int64_t begin, len;
-  };
-  std::vector<Chunk> chunks;
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
+    // Detached: no autograd recording of the in-place writes.
+    const at::Tensor p = params[i].detach(), g = grads[i].detach(), m = exp_avgs[i].detach(),
+                     v = exp_avg_sqs[i].detach();
+    const at::Tensor c = copies[i].defined() ? copies[i].detach() : at::Tensor();
     const bool flat_cpu = p.device().is_cpu() && p.dim() == 1 && p.is_contiguous() &&
-                          grads[i].is_contiguous() && exp_avgs[i].is_contiguous() &&
-                          exp_avg_sqs[i].is_contiguous() &&
-                          (!copies[i].defined() || copies[i].is_contiguous());
-    if (!flat_cpu) {  // CUDA (or a shape the chunks do not cover): whole tensors, same values
-      const at::Tensor g = grads[i].to(p.scalar_type());
-      fused(p, g, exp_avgs[i], exp_avg_sqs[i], steps[i]);
-      if (copies[i].defined()) copies[i].copy_(p.reshape(copies[i].sizes()));
+                          g.is_contiguous() && m.is_contiguous() && v.is_contiguous() &&
+                          (!c.defined() || c.is_contiguous());
+    if (!flat_cpu) {  // CUDA (or a shape the blocks do not cover): whole tensors, same values
+      fused(p, g.to(p.scalar_type()), m, v, steps[i]);
+      if (c.defined()) c.copy_(p.reshape(c.sizes()));
       continue;
     }
-    for (int64_t b = 0; b < p.numel(); b += kMixedChunk)
-      chunks.push_back({i, b, std::min(kMixedChunk, p.numel() - b)});
-  }
-  // Detached: the kernel's threads run with autograd's default (grad mode on).
-  std::vector<at::Tensor> p_d, g_d, m_d, v_d, c_d;
-  for (size_t i = 0; i < params.size(); ++i) {
-    p_d.push_back(params[i].detach());
-    g_d.push_back(grads[i].detach());
-    m_d.push_back(exp_avgs[i].detach());
-    v_d.push_back(exp_avg_sqs[i].detach());
-    c_d.push_back(copies[i].defined() ? copies[i].detach() : at::Tensor());
-  }
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t cb, int64_t ce) {
-    c10::AutoGradMode no_grad(false);
-    at::Tensor scratch;  // this thread's fp32 chunk of gradient
-    for (int64_t c = cb; c < ce; ++c) {
-      const Chunk& k = chunks[static_cast<size_t>(c)];
-      const size_t i = k.tensor;
-      const at::Tensor p = p_d[i].narrow(0, k.begin, k.len);
-      at::Tensor g = g_d[i].narrow(0, k.begin, k.len);
-      if (g.scalar_type() != p.scalar_type()) {
-        if (!scratch.defined()) scratch = at::empty({kMixedChunk}, p.options());
-        at::Tensor s = scratch.narrow(0, 0, k.len);
-        s.copy_(g);
-        g = s;
+    const bool upcast = g.scalar_type() != p.scalar_type();
+    for (int64_t b = 0; b < p.numel(); b += kMixedBlock) {
+      const int64_t len = std::min(kMixedBlock, p.numel() - b);
+      const at::Tensor pb = p.narrow(0, b, len);
+      at::Tensor gb = g.narrow(0, b, len);
+      if (upcast) {
+        if (!scratch.defined() || scratch.scalar_type() != p.scalar_type() || scratch.numel() < len)
+          scratch = at::empty({std::min(kMixedBlock, p.numel())}, p.options());
+        at::Tensor s = scratch.narrow(0, 0, len);
+        s.copy_(gb);
+        gb = s;
       }
-      fused(p, g, m_d[i].narrow(0, k.begin, k.len), v_d[i].narrow(0, k.begin, k.len), steps[i]);
-      if (c_d[i].defined()) c_d[i].narrow(0, k.begin, k.len).copy_(p);
+      fused(pb, gb, m.narrow(0, b, len), v.narrow(0, b, len), steps[i]);
+      if (c.defined()) c.narrow(0, b, len).copy_(pb);
     }
-  });
+  }
 }
 
 }  // namespace
@@ -265,8 +252,11 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
       for (auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
   if (mixed.params.empty()) return;
-  mixed_step(o, mixed.params, mixed.grads, mixed.exp_avgs, mixed.exp_avg_sqs, mixed.steps,
-             mixed_copies);
+  {
+    std::lock_guard<std::mutex> lock(scratch_mu_);
+    mixed_step(o, mixed.params, mixed.grads, mixed.exp_avgs, mixed.exp_avg_sqs, mixed.steps,
+               mixed_copies, mixed_scratch_);
+  }
   for (auto* list : {&mixed.params, &mixed.exp_avgs, &mixed.exp_avg_sqs, &mixed_copies})
     for (auto& t : *list)
       if (t.defined()) t.unsafeGetTensorImpl()->bump_version();

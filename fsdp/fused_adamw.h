@@ -35,12 +35,13 @@
 // - Note [Host compute copy] (flat_param/collective_plan.h): a captured step may read a
 //   gradient of a lower floating dtype than its parameter (bf16 straight from the device) and
 //   write a compute-dtype copy of the updated parameter (what goes up to the device) in the
-//   same pass. On the CPU that pass runs over cache-sized chunks: each chunk's gradient is
-//   upcast into a per-thread buffer, stepped by the same fused kernel, and its parameter cast
-//   into the copy while still in cache, so memory sees the bf16 gradient read and the bf16
-//   copy written instead of an fp32 gradient and a separate cast pass. The values are those
-//   of stepping with the upcast gradient (exact) and casting after: bit for bit
-//   (tests/fused_adamw_test.cpp). Elsewhere (CUDA tensors) the same, unchunked.
+//   same step. On the CPU it runs per block of 4 Mi elements, three parallel passes each (the
+//   gradient upcast into an fp32 scratch block kept between steps, the fused kernel, the cast
+//   into the copy), the block still in the host's cache for the later passes: memory sees the
+//   bf16 gradient read and the bf16 copy written instead of an fp32 gradient download and a
+//   device cast. The values are those of stepping with the upcast gradient (exact) and casting
+//   after: bit for bit (tests/fused_adamw_test.cpp). Elsewhere (CUDA tensors) the same,
+//   unblocked. benchmarks/fused_adamw_bench.cpp times it against the fp32 step.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -113,6 +114,10 @@ class FusedAdamW : public torch::optim::AdamW {
   std::unordered_map<const c10::TensorImpl*, int64_t> stepped_early_;
   std::function<void()> before_step_;
   std::mutex state_mu_;  // state_'s lookups and insertions (run_step() beside step())
+  // Note [Host compute copy]: the fp32 block an upcast gradient goes through, kept between
+  // steps (a fresh 16 MiB allocation per unit per step would fault its pages in each time).
+  at::Tensor mixed_scratch_;
+  std::mutex scratch_mu_;
 };
 
 }  // namespace flatshard

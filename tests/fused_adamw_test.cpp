@@ -131,13 +131,14 @@ TEST_CASE("FusedAdamW bumps the version counters of what it writes", "[optim]") 
 
 TEST_CASE("FusedAdamW's captured step with bf16 gradients and a bf16 copy is bitwise the fused "
           "step on the upcast gradients", "[fsdp][optim]") {
-  // Note [Host compute copy]: the CPU pass runs over 64Ki-element chunks (upcast each chunk's
-  // gradient, step it, cast it into the copy). Sizes straddle the chunk (and vector) boundaries;
-  // two groups with their own options; a tensor without a gradient in the captured step.
+  // Note [Host compute copy]: the CPU step runs per 4 Mi-element block (upcast the block's
+  // gradient, step it, cast it into the copy). Sizes straddle the block (2 blocks + 4101, one
+  // block exactly) and vector boundaries; two groups with their own options; a tensor without
+  // a gradient in the captured step.
   auto make = [] {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
     std::vector<at::Tensor> ps;
-    for (int64_t n : {300007, 65536, 131077, 17, 0, 4099})
+    for (int64_t n : std::vector<int64_t>{8392709, 4194304, 131077, 17, 0, 4099})
       ps.push_back(at::randn({n}, gen, at::TensorOptions().dtype(at::kFloat)).requires_grad_(true));
     return ps;
   };
