@@ -37,9 +37,10 @@ const std::vector<Knob>& knobs() {
       {kOffloadStepThreads, "0",
        "intra-op threads of flatshard's CPU optimizer-step thread (offload_step backward or "
        "delayed); 0: ATen's default (one per core)"},
-      {kOffloadHostCopy, "1",
+      {kOffloadHostCopy, "0",
        "1: with offload_step backward or delayed, gradients come down in the reduce dtype and "
-       "the CPU step writes the compute-dtype copy that goes up; 0: the fp32 host path"},
+       "the CPU step writes the compute-dtype copy that goes up (half the PCIe bytes, more "
+       "host time); 0: the fp32 host path"},
       {kTrace, "",
        "path of each rank's Chrome/Perfetto trace (\"{rank}\" or .rank<R> per rank; \"nvtx\": "
        "NVTX ranges only); unset: no trace unless TraceOptions::path is set"},
@@ -94,7 +95,7 @@ bool debug() { return get_bool(kDebug, false); }
 bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
 bool grouped_grad_copy() { return get_bool(kGroupedGradCopy, true); }
 int offload_step_threads() { return static_cast<int>(get_int(kOffloadStepThreads, 0, 0, 4096)); }
-bool offload_host_copy() { return get_bool(kOffloadHostCopy, true); }
+bool offload_host_copy() { return get_bool(kOffloadHostCopy, false); }
 std::string trace_path() { return get(kTrace); }
 int trace_steps() { return static_cast<int>(get_int(kTraceSteps, 64, 0, 1000000)); }
 

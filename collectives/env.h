@@ -71,10 +71,11 @@ inline constexpr const char* kGroupedGradCopy = "FLATSHARD_GROUPED_GRAD_COPY";
 // 0 = ATen's default (one per core), N = N, leaving the other cores to the thread that issues
 // the device's work.
 inline constexpr const char* kOffloadStepThreads = "FLATSHARD_OFFLOAD_STEP_THREADS";
-// FLATSHARD_OFFLOAD_HOST_COPY (default 1): 0 = with offload_step backward or delayed, keep the
-// fp32 host path (gradients come down in fp32, the fp32 master goes up and is cast on the
-// device) instead of Note [Host compute copy] (flat_param/collective_plan.h), for A/B
-// measurements.
+// FLATSHARD_OFFLOAD_HOST_COPY (default 0): 1 = with offload_step backward or delayed, Note [Host
+// compute copy] (flat_param/collective_plan.h): gradients come down in the reduce dtype and the
+// CPU step writes the compute-dtype copy that goes up, instead of the fp32 host path. Off by
+// default: on the H200 host it made the step slower (the CPU step is the bound; measured in
+// benchmarks/RESULTS.md "Offload").
 inline constexpr const char* kOffloadHostCopy = "FLATSHARD_OFFLOAD_HOST_COPY";
 
 // FLATSHARD_TRACE (default unset = off): where each rank writes its Chrome/Perfetto trace when

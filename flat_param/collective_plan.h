@@ -55,9 +55,9 @@
 //      run (tests/fsdp_test.cpp style) with the option on.
 //
 // Note [Host compute copy]
-// Offloaded units whose CPU step flatshard drives (offload_step backward or delayed,
-// fsdp/offload_step.h) move half the bytes of Note [CPU offload]'s fp32 host path, on PCIe
-// and in host memory, whose bandwidth the CPU step is bound by:
+// Opt-in (FLATSHARD_OFFLOAD_HOST_COPY=1): offloaded units whose CPU step flatshard drives
+// (offload_step backward or delayed, fsdp/offload_step.h) move half the PCIe bytes of Note [CPU
+// offload]'s fp32 host path:
 // - Down: with a reduce dtype below fp32, the reduced shard goes to the host as it is (bf16: 2
 //   B per element instead of the device upcast and 4 B) and the step reads it, upcasting per
 //   chunk in cache (FusedAdamW, fsdp/fused_adamw.h). master's .grad then stays undefined for
@@ -74,7 +74,12 @@
 //   the device cast does): the fp32 path's result bit for bit (tests/offload_test.cpp, with
 //   FLATSHARD_OFFLOAD_HOST_COPY=0 as the reference).
 // - Cost: 2 B per element of pinned host memory for the copy; the fp32 host gradient buffer (4
-//   B) is then never allocated, the bf16 one (2 B) instead.
+//   B) is then never allocated, the bf16 one (2 B) instead. And host time: the step's upcast
+//   and cast run on the host (fsdp/fused_adamw.cpp), 1.3-1.8x the fp32 step's time. On the
+//   H200 host (16 cores) that made the 1B step slower although the device's forward and
+//   backward got faster (benchmarks/RESULTS.md "Offload"): the CPU step is the bound there, so
+//   the path is off by default. It pays where PCIe, not the host, bounds the step; a one-pass
+//   vectorized kernel (bf16 read, fp32 state, bf16 write, no scratch pass) is the next lever.
 #pragma once
 
 #include <ATen/ATen.h>
