@@ -60,7 +60,7 @@
 // offload]'s fp32 host path:
 // - Down: with a reduce dtype below fp32, the reduced shard goes to the host as it is (bf16: 2
 //   B per element instead of the device upcast and 4 B) and the step reads it, upcasting per
-//   chunk in cache (FusedAdamW, fsdp/fused_adamw.h). master's .grad then stays undefined for
+//   block in cache (FusedAdamW, fsdp/fused_adamw.h). master's .grad then stays undefined for
 //   those units (what the step consumed is not kept). A reduction that finds a host gradient
 //   to add to (accumulation across steps without zero_grad) takes the fp32 path.
 // - Up: the step writes the compute-dtype copy of the updated master in the same pass, into a
