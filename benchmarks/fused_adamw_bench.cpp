@@ -6,25 +6,23 @@
 // Usage: flatshard-fused-adamw-bench [elements=50000000] [pinned=0|1 (CUDA builds)]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <thread>
 
 #include "flat_param/offload.h"
 #include "fsdp/fused_adamw.h"
 
-int main(int argc, char** argv) {
-  const long long n = argc > 1 ? std::atoll(argv[1]) : 50'000'000;
-  const bool pinned = argc > 2 && std::string(argv[2]) == "1";
-  if (n <= 0) {
-    std::fprintf(stderr, "flatshard-fused-adamw-bench: elements must be positive, got '%s'\n",
-                 argv[1]);
-    return 2;
-  }
+namespace {
+
+int run(long long n, bool pinned) {
   // host_empty: pinned (registered) host memory for a CUDA device, as offloaded units have.
   const c10::Device dev = pinned ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
   auto make = [&](at::ScalarType t) { return flatshard::host_empty(n, t, dev); };
@@ -51,8 +49,16 @@ int main(int argc, char** argv) {
   auto row = [&](const char* name, const auto& fn) {
     const double here = best_ms(fn);
     double there = 0;
-    std::thread t([&] { there = best_ms(fn); });
+    std::exception_ptr failed;  // an exception must not leave the thread (std::terminate)
+    std::thread t([&] {
+      try {
+        there = best_ms(fn);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
     t.join();
+    if (failed) std::rethrow_exception(failed);
     std::printf("%-40s %8.2f ms %7.3f ns/elem   on a fresh thread %8.2f ms\n", name, here,
                 here * 1e6 / static_cast<double>(n), there);
   };
@@ -72,4 +78,39 @@ int main(int argc, char** argv) {
     copy16.copy_(p.detach());
   });
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Arguments are untrusted: the element count parses whole and is bounded (8 B per element of
+  // each of five tensors and the optimizer's state must fit the host).
+  long long n = 50'000'000;
+  if (argc > 1) {
+    char* end = nullptr;
+    errno = 0;
+    n = std::strtoll(argv[1], &end, 10);
+    if (errno != 0 || end == argv[1] || *end != '\0' || n <= 0 || n > (1LL << 34)) {
+      std::fprintf(stderr,
+                   "flatshard-fused-adamw-bench: elements must be an integer in 1..2^34, got "
+                   "'%s'\n",
+                   argv[1]);
+      return 2;
+    }
+  }
+  const std::string pin = argc > 2 ? argv[2] : "0";
+  if (pin != "0" && pin != "1") {
+    std::fprintf(stderr, "flatshard-fused-adamw-bench: pinned must be 0 or 1, got '%s'\n",
+                 pin.c_str());
+    return 2;
+  }
+  try {
+    return run(n, pin == "1");
+  } catch (const c10::Error& e) {  // no CUDA device for pinned memory, no host memory
+    std::fprintf(stderr, "flatshard-fused-adamw-bench: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "flatshard-fused-adamw-bench: %s\n", e.what());
+    return 1;
+  }
 }
