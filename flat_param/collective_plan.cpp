@@ -5,7 +5,6 @@
 #include <atomic>
 #include <optional>
 
-#include "collectives/env.h"
 #include "flat_param/offload.h"
 #include "flat_param/upcast.h"
 
@@ -87,14 +86,14 @@ class KeptCopy {
 };
 
 // Note [Host compute copy] (collective_plan.h): the compute-dtype copy of the master a CPU step
-// writes, kept in host memory with the master version it holds. Its version is read by the
+// writes, kept in host memory with the master version it holds; allocated when the stepper asks
+// for it (attach, FLATSHARD_OFFLOAD_HOST_COPY=1), unused until then. Its version is read by the
 // gathers on the main thread and written by the stepper's thread, never at once for a unit
 // (Note [Offload step in backward]'s waits); atomic so that holds without reasoning.
 class HostCopy {
  public:
-  HostCopy() : enabled_(env::offload_host_copy()) {}
   at::Tensor buffer(const GatherArgs& a) {
-    if (!enabled_ || a.full.scalar_type() == at::kFloat) return {};
+    if (a.full.scalar_type() == at::kFloat) return {};
     if (!host_.defined()) host_ = host_empty(a.master.numel(), a.full.scalar_type(), a.full.device());
     return host_;
   }
@@ -116,8 +115,7 @@ class HostCopy {
   }
 
  private:
-  bool enabled_;
-  at::Tensor host_;  // pinned on CUDA; undefined until the first step asks for it
+  at::Tensor host_;  // pinned on CUDA; undefined until the stepper asks for it
   std::atomic<int64_t> version_{-1};
 };
 

@@ -48,11 +48,10 @@ void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tenso
     at::_fused_adamw_({p}, {g}, {m}, {v}, /*max_exp_avg_sqs=*/{}, {st}, o.lr(), beta1, beta2,
                       o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
   };
+  at::NoGradGuard no_grad;  // in-place writes to parameters: nothing for autograd to record
   for (size_t i = 0; i < params.size(); ++i) {
-    // Detached: no autograd recording of the in-place writes.
-    const at::Tensor p = params[i].detach(), g = grads[i].detach(), m = exp_avgs[i].detach(),
-                     v = exp_avg_sqs[i].detach();
-    const at::Tensor c = copies[i].defined() ? copies[i].detach() : at::Tensor();
+    const at::Tensor &p = params[i], &g = grads[i], &m = exp_avgs[i], &v = exp_avg_sqs[i],
+                     &c = copies[i];
     const bool flat_cpu = p.device().is_cpu() && p.dim() == 1 && p.is_contiguous() &&
                           g.is_contiguous() && m.is_contiguous() && v.is_contiguous() &&
                           (!c.defined() || c.is_contiguous());

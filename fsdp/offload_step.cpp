@@ -53,6 +53,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
     auto it = entries_.find(flats[i]);
     if (it == entries_.end()) continue;
     flats[i]->keep_reduce_dtype_on_host(host_copy);
+    if (host_copy) it->second.host_copy = flats[i]->host_copy();
     if (i < trace_units.size()) it->second.trace_unit = trace_units[i];
   }
 }
@@ -61,7 +62,7 @@ FusedAdamW::CapturedStep OffloadStepper::capture(FlatParam& flat, const Entry& e
   // Note [Host compute copy]: the gradient in the reduce dtype and the copy to write, as the
   // slices of the unit's buffers that line up with each tensor (the master or a shard view).
   const at::Tensor reduced = flat.take_reduced_host_grad();
-  const at::Tensor copy = flat.host_copy();
+  const at::Tensor& copy = e.host_copy;
   if (!reduced.defined() && !copy.defined()) return opt_->capture_located(e.params);
   const at::Tensor& master = flat.master();
   const std::vector<ShardView>& views = flat.shard_views();
@@ -181,20 +182,21 @@ void OffloadStepper::run_job(Job& job) {
       if (t1 > 0) tracer->record_worker(TraceKind::kOffloadStep, unit, step, t1, t2);
     }
   } spans{tracer_, job.entry->trace_unit, job.trace_step, t0, t1};
+  const bool copy = job.entry->host_copy.defined();  // Note [Host compute copy]
   if (delayed_) {  // Note [Delayed offload step]
     if (job.wait_event) job.entry->uploaded->synchronize();  // after the gradient's copy too
     if (tracer_) t1 = Tracer::now_us();
-    job.flat->prepare_host_copy();  // the upload that read it is done
+    if (copy) job.flat->prepare_host_copy();  // the upload that read it is done
     opt_->run_step(*job.captured);
-    job.flat->host_copy_written();
+    if (copy) job.flat->host_copy_written();
     return;
   }
   if (job.wait_event) job.entry->done->synchronize();
   if (tracer_) t1 = Tracer::now_us();
   job.flat->finish_host_grad();  // one in-place add to the captured gradient when staged
-  job.flat->prepare_host_copy();  // its last upload came before this unit's forward
+  if (copy) job.flat->prepare_host_copy();  // its last upload came before this unit's forward
   opt_->run_step(*job.captured);
-  job.flat->host_copy_written();
+  if (copy) job.flat->host_copy_written();
   opt_->mark_stepped_early(*job.captured, job.staged ? 1 : 0);
   job.flat->refresh_compute_copy(upload_stream_);
 }

@@ -131,6 +131,9 @@ class OffloadStepper {
     std::optional<c10::Event> uploaded;  // delayed: after the refresh, on the upload stream
     bool queued = false;                 // a step of this unit is queued or running (mu_)
     int trace_unit = -1;                 // the unit's index in the trace
+    // Note [Host compute copy]: the buffer its steps write the compute-dtype master into, taken
+    // at attach (undefined: the fp32 path, and no host-copy work per step).
+    at::Tensor host_copy;
   };
   struct Job {
     FlatParam* flat = nullptr;
