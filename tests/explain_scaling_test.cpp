@@ -84,7 +84,9 @@ double time_explain(const Tower& model, int world) {
   return best;
 }
 
-double time_suggest(const Tower& model, int64_t layers) {
+// suggest() for `layers` layers; the best of three runs, as time_explain (a fresh-clone CI run
+// saw 0.55 s at 2048 layers and 1.75 s at 4096 with other tests on both cores: 3.2x, noise).
+double time_suggest_once(const Tower& model, int64_t layers) {
   AdvisorOptions a;
   a.memory_limit_bytes = int64_t{1} << 30;
   a.workload = {1, 32};
@@ -96,6 +98,12 @@ double time_suggest(const Tower& model, int64_t layers) {
   const Advice advice = suggest(*model, 2, 1, ShardingOptions{}, a);
   REQUIRE(advice.to_string().size() > 0);
   return seconds_since(t0);
+}
+
+double time_suggest(const Tower& model, int64_t layers) {
+  double best = 1e30;
+  for (int i = 0; i < 3; ++i) best = std::min(best, time_suggest_once(model, layers));
+  return best;
 }
 
 // The child's exit status, stdout and stderr.
@@ -199,7 +207,7 @@ TEST_CASE("the largest trainable shard matches a per-rank count", "[explain][iss
 // "every layer anchored before q" per unit: 3.0x the time for 2x the layers); prefix sums now.
 TEST_CASE("suggest is linear in layers", "[advisor][scaling][issue36]") {
   const Tower small = meta_tower(2048), big = meta_tower(4096);
-  (void)time_suggest(small, 2048);
+  (void)time_suggest_once(small, 2048);
   const double t2k = time_suggest(small, 2048), t4k = time_suggest(big, 4096);
   INFO("suggest: 2048 layers " << t2k << " s, 4096 layers " << t4k << " s");
   CHECK(t4k < 10.0);
