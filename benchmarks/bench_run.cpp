@@ -124,9 +124,14 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
                     : std::make_shared<torch::optim::AdamW>(params, adamw_options());
   }
   // Note [Offload step in backward]: flatshard steps the offloaded units during backward
-  // (bench_options.cpp makes this mode imply --optimizer fused).
-  if (fsdp && config.sharding.offload_step != OffloadStep::kAfterBackward)
-    fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(optimizer));
+  // (bench_options.cpp makes this mode imply --optimizer fused); Note [Compute copy in the
+  // step]: FusedAdamW writes NO_SHARD units' compute copies.
+  if (fsdp && config.fused_optimizer) {
+    const auto units = fsdp->units();
+    if (config.sharding.offload_step != OffloadStep::kAfterBackward ||
+        std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
+      fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(optimizer));
+  }
   hooks.synchronize();
   const double setup_s = ms_since(setup_start) * 1e-3;
   torch::optim::AdamW& opt = *optimizer;

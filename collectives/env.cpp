@@ -34,6 +34,11 @@ const std::vector<Knob>& knobs() {
       {kGroupedGradCopy, "1",
        "1: one grouped launch per unit copies its parameters' gradients into the flat (or, at "
        "one rank, master) gradient; 0: one launch per parameter"},
+      {kStepComputeCopy, "1",
+       "1: an attached FusedAdamW writes the compute-dtype copies units keep on the device in "
+       "its step; 0: their next gather recasts the master"},
+      {kAdamwKernel, "1",
+       "1: that step is flatshard's one-pass CUDA kernel; 0: ATen's fused AdamW, then a cast"},
       {kOffloadStepThreads, "0",
        "intra-op threads of flatshard's CPU optimizer-step thread (offload_step backward or "
        "delayed); 0: ATen's default (one per core)"},
@@ -94,6 +99,8 @@ bool nccl_eager_connect() { return get_bool(kNcclEagerConnect, true); }
 bool debug() { return get_bool(kDebug, false); }
 bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
 bool grouped_grad_copy() { return get_bool(kGroupedGradCopy, true); }
+bool step_compute_copy() { return get_bool(kStepComputeCopy, true); }
+bool adamw_kernel() { return get_bool(kAdamwKernel, true); }
 int offload_step_threads() { return static_cast<int>(get_int(kOffloadStepThreads, 0, 0, 4096)); }
 bool offload_host_copy() { return get_bool(kOffloadHostCopy, false); }
 std::string trace_path() { return get(kTrace); }
@@ -109,6 +116,8 @@ void check_all() {
   debug();
   upcast_kernel();
   grouped_grad_copy();
+  step_compute_copy();
+  adamw_kernel();
   offload_step_threads();
   offload_host_copy();
   trace_steps();

@@ -65,6 +65,13 @@ inline constexpr const char* kUpcastKernel = "FLATSHARD_UPCAST_KERNEL";
 // grouped launch per unit (Note [Grouped gradient copies], flat_param/flat_param.cpp), for A/B
 // measurements.
 inline constexpr const char* kGroupedGradCopy = "FLATSHARD_GROUPED_GRAD_COPY";
+// FLATSHARD_STEP_COMPUTE_COPY (default 1): 0 = an attached FusedAdamW does not write the
+// compute-dtype copies units keep on the device (Note [Compute copy in the step],
+// fsdp/fused_adamw.h); their next gather recasts the master instead. For A/B measurements.
+inline constexpr const char* kStepComputeCopy = "FLATSHARD_STEP_COMPUTE_COPY";
+// FLATSHARD_ADAMW_KERNEL (default 1): 0 = that step runs ATen's fused AdamW and then a cast
+// instead of flatshard's one-pass kernel (fsdp/adamw_kernel.cu), for A/B measurements.
+inline constexpr const char* kAdamwKernel = "FLATSHARD_ADAMW_KERNEL";
 
 // FLATSHARD_OFFLOAD_STEP_THREADS (default 0): intra-op threads of the CPU optimizer steps
 // flatshard runs on its own thread (offload_step = backward or delayed, fsdp/offload_step.h);
@@ -110,6 +117,8 @@ bool nccl_eager_connect();
 bool debug();
 bool upcast_kernel();
 bool grouped_grad_copy();
+bool step_compute_copy();
+bool adamw_kernel();
 int offload_step_threads();  // 0: ATen's default
 bool offload_host_copy();
 std::string trace_path();  // "" when unset

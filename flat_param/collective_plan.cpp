@@ -194,20 +194,38 @@ class UploadAllGather final : public ShardedGather {
   HostCopy host_;
 };
 
-// NO_SHARD, not offloaded: recast the master into full() (nothing when full() is the master).
+// NO_SHARD, not offloaded: recast the master into full() when it changed since full() took it
+// (nothing when full() is the master). full() persists, so it is the unit's step copy (Note
+// [Compute copy in the step], fsdp/fused_adamw.h): a step that wrote it leaves nothing to recast.
 class ReplicatedRecast final : public GatherPlan {
  public:
   explicit ReplicatedRecast(bool recast) : GatherPlan("ReplicatedRecast"), recast_(recast) {}
   int64_t bytes() const override { return 0; }
   void prepare(const GatherArgs& a) override {
-    if (recast_) upload_to_device(a.full, a.master);  // same device: a plain copy_
+    if (!recast_) return;
+    upload_to_device(a.full, a.master);  // same device: a plain copy_
+    version_ = a.master_version();
   }
   void gather(const GatherArgs& a, c10::Stream) override {
-    if (recast_) a.full.copy_(a.master);
+    if (!recast_) return;
+    const int64_t version = a.master_version();
+    if (version == version_) return;
+    a.full.copy_(a.master);
+    version_ = version;
+  }
+  at::Tensor step_copy(const GatherArgs& a) const override {
+    return recast_ ? a.full : at::Tensor();
+  }
+  bool step_copy_current(const GatherArgs& a) const override {
+    return recast_ && version_ == a.master_version();
+  }
+  void step_copy_written(const GatherArgs& a) override {
+    if (recast_) version_ = a.master_version();
   }
 
  private:
-  bool recast_;  // false: full() aliases the master
+  bool recast_;            // false: full() aliases the master
+  int64_t version_ = -1;   // master_version() full() last took
 };
 
 // NO_SHARD, offloaded (level 2 acts as level 1, fsdp/resolve.h): full() stays on the device,

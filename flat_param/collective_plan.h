@@ -11,8 +11,10 @@
 //   the FlatParamConfig, the layout and the communicators; after that FlatParam never branches
 //   on the strategy to issue a collective: unshard() calls gather(), reduce_grad() calls
 //   reduce() then land(). The choice, in the factories' order:
-//     gather  NO_SHARD: ReplicatedRecast (offload 0: recast master into full(), or nothing when
-//                       full() is the fp32 master itself: full_aliases_master()),
+//     gather  NO_SHARD: ReplicatedRecast (offload 0: recast master into full() when the master
+//                       changed since full() took it — or an optimizer step wrote full() in
+//                       its pass: Note [Compute copy in the step] —, or nothing when full()
+//                       is the fp32 master itself: full_aliases_master()),
 //                       ReplicatedUpload (offload 1 or 2: upload when master_version changed);
 //             sharded:  AllGather (offload 0: cast master into this rank's slot, all-gather),
 //                       ResidentAllGather (offload 1: the device's compute-dtype shard, uploaded
@@ -141,6 +143,14 @@ class GatherPlan {
   virtual void prepare_host_copy(const GatherArgs& /*args*/) {}
   // After that step: the buffer holds the master as it is now (its new version).
   virtual void host_copy_written(const GatherArgs& /*args*/) {}
+  // Note [Compute copy in the step] (fsdp/fused_adamw.h): the device buffer (compute dtype,
+  // the master's element count) that keeps the master's cast between gathers and that an
+  // optimizer step may write in its pass; undefined where the plan keeps none (sharded,
+  // offloaded, full() aliasing the fp32 master). step_copy_current(): it holds the master as it
+  // is now; step_copy_written(): a step just wrote it with the master's new values.
+  virtual at::Tensor step_copy(const GatherArgs& /*args*/) const { return {}; }
+  virtual bool step_copy_current(const GatherArgs& /*args*/) const { return false; }
+  virtual void step_copy_written(const GatherArgs& /*args*/) {}
 
  private:
   std::string name_;

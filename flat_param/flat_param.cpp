@@ -409,6 +409,18 @@ void FlatParam::prepare_host_copy() {
   gather_->prepare_host_copy(GatherArgs{master_.detach(), full_, views_});
 }
 
+at::Tensor FlatParam::step_copy() const {
+  return gather_->step_copy(GatherArgs{master_.detach(), full_, views_});
+}
+
+bool FlatParam::step_copy_current() const {
+  return gather_->step_copy_current(GatherArgs{master_.detach(), full_, views_});
+}
+
+void FlatParam::step_copy_written() {
+  gather_->step_copy_written(GatherArgs{master_.detach(), full_, views_});
+}
+
 void FlatParam::host_copy_written() {
   gather_->host_copy_written(GatherArgs{master_.detach(), full_, views_});
 }

@@ -244,6 +244,14 @@ class FlatParam {
   at::Tensor host_copy();
   void prepare_host_copy();
   void host_copy_written();
+  // Note [Compute copy in the step] (fsdp/fused_adamw.h): the device buffer that keeps the
+  // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
+  // optimizer step may write in its pass; undefined where the unit keeps none. Whether it holds
+  // the master as it is now; after a step wrote it, step_copy_written() (the next unshard()
+  // then recasts nothing).
+  at::Tensor step_copy() const;
+  bool step_copy_current() const;
+  void step_copy_written();
   void keep_reduce_dtype_on_host(bool keep);
   at::Tensor take_reduced_host_grad();
   // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).

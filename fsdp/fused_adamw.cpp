@@ -5,10 +5,19 @@
 #include <ATen/ops/_fused_adamw.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <tuple>
 #include <unordered_set>
+
+#include "collectives/env.h"
+
+#if FLATSHARD_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "fsdp/adamw_kernel.h"
+#endif
 
 namespace flatshard {
 
@@ -38,10 +47,52 @@ bool needs_fallback(const std::vector<torch::optim::OptimizerParamGroup>& groups
 // split.
 constexpr int64_t kMixedBlock = int64_t{1} << 22;
 
+// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): steps `p` and writes `c` in one launch on
+// the current stream when the kernel is built and on and the tensors are what it takes (CUDA,
+// contiguous, fp32 parameter and moments, a bf16 / fp16 copy); false leaves it to the caller.
+bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const at::Tensor& g,
+                 const at::Tensor& m, const at::Tensor& v, const at::Tensor& c, int64_t step) {
+#if FLATSHARD_WITH_CUDA_KERNELS
+  using kernels::KernelDtype;
+  static const bool enabled = env::adamw_kernel();  // read once: it is on the per-step path
+  auto kind = [](at::ScalarType t) {
+    return t == at::kFloat ? KernelDtype::kFloat32
+           : t == at::kBFloat16 ? KernelDtype::kBFloat16 : KernelDtype::kFloat16;
+  };
+  auto fits = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.device() == p.device() && t.is_contiguous() && t.numel() == p.numel();
+  };
+  const bool half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }(
+      c.defined() ? c.scalar_type() : at::kFloat);
+  if (!enabled || !c.defined() || !half || p.scalar_type() != at::kFloat ||
+      m.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat ||
+      !(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16 ||
+        g.scalar_type() == at::kHalf) ||
+      !fits(p) || !fits(g) || !fits(m) || !fits(v) || !fits(c))
+    return false;
+  const kernels::AdamwStep s{static_cast<float>(o.lr()),
+                             static_cast<float>(std::get<0>(o.betas())),
+                             static_cast<float>(std::get<1>(o.betas())),
+                             static_cast<float>(o.weight_decay()), static_cast<float>(o.eps()),
+                             static_cast<float>(step)};
+  const cudaError_t e = kernels::adamw_step_with_copy(
+      p.data_ptr<float>(), g.data_ptr(), kind(g.scalar_type()), m.data_ptr<float>(),
+      v.data_ptr<float>(), c.data_ptr(), kind(c.scalar_type()), p.numel(), s,
+      c10::cuda::getCurrentCUDAStream(p.device().index()).stream());
+  TORCH_CHECK(e == cudaSuccess, "FusedAdamW: the one-pass AdamW kernel failed to launch on ",
+              p.device(), " (", p.numel(), " elements): ", cudaGetErrorString(e));
+  return true;
+#else
+  (void)o, (void)p, (void)g, (void)m, (void)v, (void)c, (void)step;
+  return false;
+#endif
+}
+
 void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
                 const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
-                const std::vector<at::Tensor>& copies, at::Tensor& scratch) {
+                const std::vector<int64_t>& counts, const std::vector<at::Tensor>& copies,
+                at::Tensor& scratch) {
   const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
   auto fused = [&](const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                    const at::Tensor& v, const at::Tensor& st) {
@@ -56,6 +107,7 @@ void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tenso
                           g.is_contiguous() && m.is_contiguous() && v.is_contiguous() &&
                           (!c.defined() || c.is_contiguous());
     if (!flat_cpu) {  // CUDA (or a shape the blocks do not cover): whole tensors, same values
+      if (kernel_step(o, p, g, m, v, c, counts[i])) continue;
       fused(p, g.to(p.scalar_type()), m, v, steps[i]);
       if (c.defined()) c.copy_(p.reshape(c.sizes()));
       continue;
@@ -180,16 +232,50 @@ void FusedAdamW::run_step(const CapturedStep& step) {
 
 void FusedAdamW::fused_step(const std::function<bool(const at::Tensor&)>& take) {
   at::NoGradGuard no_grad;
+  // Note [Compute copy in the step]: a set's copies are written only if they hold the values
+  // the step starts from; `wrote`: the sets this step wrote a copy of.
+  std::vector<char> current(copy_sets_.size()), wrote(copy_sets_.size());
+  for (size_t i = 0; i < copy_sets_.size(); ++i) current[i] = copy_sets_[i].current();
   for (auto& group : param_groups()) {
-    std::vector<at::Tensor> params, grads;
+    std::vector<at::Tensor> params, grads, copies;
     for (auto& p : group.params()) {
       if (!p.grad().defined() || (take && !take(p))) continue;
       params.push_back(p);
       grads.push_back(p.grad());
+      if (copy_of_.empty()) continue;
+      auto it = copy_of_.find(p.unsafeGetTensorImpl());
+      const bool write = it != copy_of_.end() && current[it->second.first];
+      copies.resize(params.size() - 1);
+      copies.push_back(write ? it->second.second : at::Tensor());
+      if (write) wrote[it->second.first] = 1;
     }
     if (!params.empty())
-      step_lists(static_cast<const torch::optim::AdamWOptions&>(group.options()), params, grads);
+      step_lists(static_cast<const torch::optim::AdamWOptions&>(group.options()), params, grads,
+                 copies);
   }
+  for (size_t i = 0; i < copy_sets_.size(); ++i)
+    if (wrote[i]) copy_sets_[i].written();
+}
+
+void FusedAdamW::set_compute_copies(std::vector<ComputeCopies> sets) {
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, at::Tensor>> copy_of;
+  for (size_t i = 0; i < sets.size(); ++i) {
+    TORCH_CHECK(sets[i].current && sets[i].written,
+                "FusedAdamW::set_compute_copies: set ", i, " lacks current() or written()");
+    for (const auto& [p, c] : sets[i].tensors) {
+      TORCH_CHECK(p.defined() && c.defined() && p.numel() == c.numel() &&
+                      p.device() == c.device() && at::isFloatingType(c.scalar_type()) &&
+                      c10::elementSize(c.scalar_type()) < c10::elementSize(p.scalar_type()),
+                  "FusedAdamW::set_compute_copies: set ", i, " pairs a parameter of ",
+                  p.defined() ? p.numel() : 0, " elements of ",
+                  p.defined() ? p.scalar_type() : at::kFloat, " with a copy of ",
+                  c.defined() ? c.numel() : 0, " of ", c.defined() ? c.scalar_type() : at::kFloat,
+                  " (same element count and device, a narrower floating dtype)");
+      copy_of[p.unsafeGetTensorImpl()] = {i, c};
+    }
+  }
+  copy_sets_ = std::move(sets);
+  copy_of_ = std::move(copy_of);
 }
 
 void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
@@ -198,6 +284,7 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
                             const std::vector<at::Tensor>& copies) {
   struct Lists {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+    std::vector<int64_t> counts;  // the step counts of `steps`
   };
   Lists mixed;  // Note [Host compute copy]: a lower-precision gradient or a copy to write
   std::vector<at::Tensor> mixed_copies;
@@ -238,6 +325,7 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
         st = at::full({}, static_cast<double>(s.step()),
                       at::TensorOptions().dtype(at::kFloat).device(p.device()));
       l.steps.push_back(st);
+      l.counts.push_back(s.step());
     }
   }
   for (auto& [kind, l] : by_kind) {
@@ -254,7 +342,7 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
   {
     std::lock_guard<std::mutex> lock(scratch_mu_);
     mixed_step(o, mixed.params, mixed.grads, mixed.exp_avgs, mixed.exp_avg_sqs, mixed.steps,
-               mixed_copies, mixed_scratch_);
+               mixed.counts, mixed_copies, mixed_scratch_);
   }
   for (auto* list : {&mixed.params, &mixed.exp_avgs, &mixed.exp_avg_sqs, &mixed_copies})
     for (auto& t : *list)

@@ -42,6 +42,19 @@
 //   device cast. The values are those of stepping with the upcast gradient (exact) and casting
 //   after: bit for bit (tests/fused_adamw_test.cpp). Elsewhere (CUDA tensors) the same,
 //   unblocked. benchmarks/fused_adamw_bench.cpp times it against the fp32 step.
+// - Note [Compute copy in the step]: a unit that keeps a compute-dtype copy of its master on the
+//   device between gathers (a NO_SHARD unit below fp32: its full(); FlatParam::step_copy())
+//   casts the master into it only when the master changed since. set_compute_copies() hands
+//   this optimizer those copies (ShardedModel::attach_optimizer does, unless
+//   FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the same pass as its
+//   parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
+//   fsdp/adamw_kernel.h), elsewhere the fused kernel then a cast, per block on the CPU — when
+//   its set's current() says the copies hold the parameters as they are before the step, and
+//   calls the set's written() after; otherwise the copies are left for the gather to recast.
+//   The copy is what the gather's cast would have written: bit for bit on CPU ranks
+//   (tests/fused_adamw_test.cpp); on the GPU the kernel is checked against ATen's fused AdamW
+//   and cast (tests/gpu_parity_test.cpp). A step that falls back to AdamW::step() (amsgrad,
+//   sparse, a closure) writes no copy; the gather then recasts.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -99,12 +112,23 @@ class FusedAdamW : public torch::optim::AdamW {
   // `own_writes` (in-place writes the caller itself made to each since: a staged addition).
   void mark_stepped_early(const CapturedStep& step, int64_t own_writes);
 
+  // Note [Compute copy in the step] (see the contract). One set per unit.
+  struct ComputeCopies {
+    // (one of this optimizer's parameters, or a tensor it may hold; its copy: same element
+    // count and device, a floating dtype narrower than the parameter's).
+    std::vector<std::pair<at::Tensor, at::Tensor>> tensors;
+    std::function<bool()> current;  // the copies hold their parameters' values as they are now
+    std::function<void()> written;  // a step wrote them: they hold the new values
+  };
+  // Replaces the sets given before. Throws c10::Error for a pair that does not match.
+  void set_compute_copies(std::vector<ComputeCopies> sets);
+
  private:
   // One fused pass over the parameters of each group that have a gradient and for which
   // `take` (nullptr: all) returns true.
   void fused_step(const std::function<bool(const at::Tensor&)>& take);
   // One fused pass per (device, dtype) over `params` (each with its gradient in `grads`).
-  // `copies`: empty, or per param (Note [Host compute copy]).
+  // `copies`: empty, or per param (Note [Host compute copy], Note [Compute copy in the step]).
   void step_lists(const torch::optim::AdamWOptions& o, const std::vector<at::Tensor>& params,
                   const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& copies = {});
@@ -118,6 +142,9 @@ class FusedAdamW : public torch::optim::AdamW {
   // steps (a fresh 16 MiB allocation per unit per step would fault its pages in each time).
   at::Tensor mixed_scratch_;
   std::mutex scratch_mu_;
+  // Note [Compute copy in the step]: the sets, and per parameter its set and copy.
+  std::vector<ComputeCopies> copy_sets_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, at::Tensor>> copy_of_;
 };
 
 }  // namespace flatshard

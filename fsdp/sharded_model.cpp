@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "collectives/env.h"
 #include "fsdp/buffers.h"
 #include "fsdp/call.h"
 #include "fsdp/deferred_init.h"
@@ -338,7 +339,8 @@ std::vector<UnitInfo> ShardedModel::units() const {
   for (auto& u : runtime_->units()) {
     const auto& l = u->flat().layout();
     out.push_back(UnitInfo{u->name(), u->strategy(), u->reshard_after_forward(), l.used_numel,
-                           l.padded_numel, u->flat().master().numel(), u->flat().params().size()});
+                           l.padded_numel, u->flat().master().numel(), u->flat().params().size(),
+                           u->flat().step_copy().defined()});
   }
   return out;
 }
@@ -365,11 +367,35 @@ void ShardedModel::set_requires_gradient_sync(bool sync) {
 void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
   TORCH_CHECK(opt != nullptr, "attach_optimizer: the optimizer is null (rank ", comm_.rank(), ")");
   const auto& stepper = runtime_->offload_stepper();
-  TORCH_CHECK(stepper != nullptr, "attach_optimizer (rank ", comm_.rank(),
-              "): the optimizer is attached only with ShardingOptions::offload_step = "
-              "OffloadStep::kBackward or kDelayed, which step offloaded units themselves; with "
-              "the default (after backward) call opt.step() as usual");
+  // Note [Compute copy in the step] (fsdp/fused_adamw.h): per unit that keeps a device copy,
+  // its master and shard views paired with their parts of the copy.
+  std::vector<FusedAdamW::ComputeCopies> copies;
+  const std::weak_ptr<char> alive = alive_;
+  for (auto& u : runtime_->units()) {
+    FlatParam* flat = &u->flat();
+    const at::Tensor copy = flat->step_copy();
+    if (!copy.defined()) continue;
+    FusedAdamW::ComputeCopies set;
+    set.tensors.emplace_back(flat->master(), copy);
+    for (const auto& v : flat->shard_views())
+      if (v.numel() > 0) set.tensors.emplace_back(v.tensor, copy.narrow(0, v.begin, v.numel()));
+    // The optimizer may outlive this model: then its copies are never current again.
+    set.current = [alive, flat] { return !alive.expired() && flat->step_copy_current(); };
+    set.written = [alive, flat] {
+      if (!alive.expired()) flat->step_copy_written();
+    };
+    copies.push_back(std::move(set));
+  }
+  TORCH_CHECK(stepper != nullptr || !copies.empty(), "attach_optimizer (rank ", comm_.rank(),
+              "): nothing here for the optimizer to be attached to: flatshard steps offloaded "
+              "units itself only with ShardingOptions::offload_step = OffloadStep::kBackward or "
+              "kDelayed, and writes device compute copies in the step only for NO_SHARD units "
+              "below fp32 (Note [Compute copy in the step]); this model has neither, so call "
+              "opt.step() as usual");
   check_optimizer(*opt);
+  opt->set_compute_copies(env::step_compute_copy() ? std::move(copies)
+                                                   : std::vector<FusedAdamW::ComputeCopies>{});
+  if (stepper == nullptr) return;
   std::vector<FlatParam*> flats;
   std::vector<int> trace_units;
   for (auto& u : runtime_->units()) {

@@ -74,6 +74,9 @@ struct UnitInfo {
   int64_t padded_numel;  // flat buffer elements
   int64_t shard_numel;   // elements of this rank's master shard
   size_t num_params;
+  // Keeps a device compute copy an attached FusedAdamW writes in its step (Note [Compute copy
+  // in the step], fsdp/fused_adamw.h): NO_SHARD below fp32, not offloaded.
+  bool step_copy;
 };
 
 class ShardedModel {
@@ -106,11 +109,15 @@ class ShardedModel {
   // master it lacks. Local, no collectives (fsdp/optimizer_check.cpp). Without this call, a
   // StepGuard warns after many reduced steps that changed no master (fsdp/step_guard.h).
   void check_optimizer(const torch::optim::Optimizer& opt) const;
-  // Note [Offload step in backward] (fsdp/offload_step.h), for ShardingOptions::offload_step =
-  // kBackward or kDelayed: the optimizer flatshard steps offloaded units with during backward
-  // (check_optimizer runs on it first). Its step() then steps only the rest, after waiting for
-  // those steps (kBackward; kDelayed does not wait: Note [Delayed offload step]). Throws for
-  // kAfterBackward. Keep using `opt` as usual (step, zero_grad, schedulers).
+  // Hands `opt` (check_optimizer runs on it first) what flatshard drives with it:
+  // - ShardingOptions::offload_step = kBackward or kDelayed (Note [Offload step in backward],
+  //   fsdp/offload_step.h): the optimizer flatshard steps offloaded units with during backward.
+  //   Its step() then steps only the rest, after waiting for those steps (kBackward; kDelayed
+  //   does not wait: Note [Delayed offload step]).
+  // - NO_SHARD units below fp32 (Note [Compute copy in the step], fsdp/fused_adamw.h): its
+  //   step() writes their compute-dtype copies in the same pass, so their next gather recasts
+  //   nothing (any offload_step; FLATSHARD_STEP_COMPUTE_COPY=0 turns it off).
+  // Throws when the model has neither. Keep using `opt` as usual (step, zero_grad, schedulers).
   void attach_optimizer(std::shared_ptr<FusedAdamW> opt);
   // Waits for the CPU optimizer steps flatshard runs (offload_step = kBackward or kDelayed; a
   // no-op otherwise). Everything in this class that reads masters or gradients, and the
@@ -173,6 +180,9 @@ class ShardedModel {
   Communicator& comm_;
   ShardingMesh mesh_;
   std::unique_ptr<Runtime> runtime_;
+  // Expires with this model: what attach_optimizer hands an optimizer checks it (Note [Compute
+  // copy in the step]).
+  std::shared_ptr<char> alive_ = std::make_shared<char>(0);
 };
 
 std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,

@@ -9,6 +9,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/optim/adamw.h>
 
+#include <map>
+
 #include "collectives/thread_communicator.h"
 #include "fsdp/fused_adamw.h"
 #include "fsdp/call.h"
@@ -193,4 +195,120 @@ TEST_CASE("FusedAdamW's captured step with bf16 gradients and a bf16 copy is bit
                       return at::zeros({p.numel()}, at::kDouble);
                     }),
                     Catch::Contains("Double"));
+}
+
+TEST_CASE("Compute copy in the step: an attached FusedAdamW writes NO_SHARD bf16 units' copies, "
+          "bit for bit what the gather's recast writes", "[fsdp][optim]") {
+  // Note [Compute copy in the step] (fsdp/fused_adamw.h). Two identical models train alike, one
+  // with the optimizer attached (its step writes the blocks' bf16 full() buffers, which the
+  // next forward then uses without a recast), one without (the forward recasts). Losses and
+  // masters must be equal bit for bit; right after each step, the attached model's NO_SHARD
+  // parameters must already hold the cast of their updated masters, which the other model's
+  // cannot yet (so the check can fail). Variants: parameter groups over the shard views, and a
+  // master written in place after the step (the copies are then stale: the gather recasts).
+  for (int world : {1, 2})
+    for (bool groups : {false, true})
+      for (bool write_after : {false, true}) {
+        CAPTURE(world, groups, write_after);
+        run_ranks(world, [&](Communicator& comm) {
+          ShardingOptions o;
+          o.mixed_precision.param_dtype = at::kBFloat16;
+          o.mixed_precision.reduce_dtype = at::kFloat;
+          struct Side {
+            flatshard_test::TinyNet net{nullptr};
+            std::unique_ptr<ShardedModel> fsdp;
+            std::shared_ptr<FusedAdamW> opt;
+            std::vector<double> losses;
+          };
+          auto make = [&](bool attach) {
+            Side s;
+            s.net = flatshard_test::TinyNet(5, 9, 3);
+            flatshard_test::init_params(*s.net, 11);
+            s.fsdp = fully_shard(s.net.ptr(),
+                                 make_plan(*s.net, parse_policy("noshard:type=TinyBlock")), comm, o);
+            const auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+            if (groups) {
+              std::vector<at::Tensor> decay, plain;
+              for (auto& [name, p] : s.fsdp->named_parameters())
+                (name.find("bias") == std::string::npos ? decay : plain).push_back(p);
+              std::vector<torch::optim::OptimizerParamGroup> g;
+              g.emplace_back(decay);
+              g.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
+                                        torch::optim::AdamWOptions(3e-2).weight_decay(0)));
+              s.opt = std::make_shared<FusedAdamW>(g, opts);
+            } else {
+              s.opt = std::make_shared<FusedAdamW>(s.fsdp->parameters(), opts);
+            }
+            if (attach) s.fsdp->attach_optimizer(s.opt);
+            return s;
+          };
+          Side a = make(true), b = make(false);
+          int copies = 0;
+          for (const auto& u : a.fsdp->units()) copies += u.step_copy ? 1 : 0;
+          TORCH_CHECK(copies == 3, "rank ", comm.rank(), ": ", copies, " units keep a step copy");
+          // Whether every NO_SHARD parameter of `s` holds the bf16 cast of its master now.
+          auto copies_current = [](Side& s) {
+            const auto full = s.fsdp->gather_full_params();
+            std::map<std::string, at::Tensor> by_name(full.begin(), full.end());
+            bool all = true;
+            for (const auto& item : s.net->named_parameters())
+              if (item.key().rfind("blocks.", 0) == 0)
+                all = all && at::equal(item.value().detach(),
+                                       by_name.at(item.key()).to(at::kBFloat16));
+            return all;
+          };
+          for (int step = 0; step < 4; ++step) {
+            auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + comm.rank());
+            const auto x = at::randn({4, 5}, gen).to(at::kBFloat16);
+            for (Side* s : {&a, &b}) {
+              s->opt->zero_grad();
+              at::Tensor loss = enter(s->net, [&] { return s->net->forward(x); })
+                                    .to(at::kFloat).pow(2).mean();
+              loss.backward();
+              s->losses.push_back(loss.item<double>());
+              s->opt->step();
+            }
+            if (write_after) {
+              for (Side* s : {&a, &b}) {
+                at::NoGradGuard no_grad;
+                for (auto& p : s->fsdp->parameters()) p.mul_(0.999);
+              }
+            } else {
+              TORCH_CHECK(copies_current(a), "rank ", comm.rank(), " step ", step,
+                          ": the attached step did not write the copies");
+              TORCH_CHECK(!copies_current(b), "rank ", comm.rank(), " step ", step,
+                          ": the unattached model's copies are already current");
+            }
+          }
+          TORCH_CHECK(a.losses == b.losses, "rank ", comm.rank(), ": losses differ, first ",
+                      a.losses[0], " vs ", b.losses[0], ", last ", a.losses.back(), " vs ",
+                      b.losses.back());
+          const auto pa = a.fsdp->gather_full_params(), pb = b.fsdp->gather_full_params();
+          for (size_t i = 0; i < pa.size(); ++i)
+            TORCH_CHECK(at::equal(pa[i].second, pb[i].second), "rank ", comm.rank(), ": ",
+                        pa[i].first, " differs by ",
+                        (pa[i].second - pb[i].second).abs().max().item<double>());
+        });
+      }
+}
+
+TEST_CASE("FusedAdamW::set_compute_copies rejects a pair that does not match", "[optim]") {
+  auto ps = make_params(5);
+  FusedAdamW opt(ps, torch::optim::AdamWOptions(1e-2));
+  auto set = [&](const at::Tensor& copy) {
+    FusedAdamW::ComputeCopies c;
+    c.tensors.emplace_back(ps[1], copy);
+    c.current = [] { return true; };
+    c.written = [] {};
+    opt.set_compute_copies({c});
+  };
+  CHECK_THROWS_WITH(set(at::zeros({63}, at::kBFloat16)), Catch::Contains("63 of BFloat16"));
+  CHECK_THROWS_WITH(set(at::zeros({64}, at::kFloat)), Catch::Contains("narrower floating"));
+  CHECK_NOTHROW(set(at::zeros({64}, at::kBFloat16)));
+  // Written in the step: the copy holds the cast of the updated parameter.
+  at::Tensor copy = at::zeros({64}, at::kHalf);
+  set(copy);
+  set_grads(ps, 0);
+  opt.step();
+  CHECK(at::equal(copy, ps[1].detach().to(at::kHalf)));
 }

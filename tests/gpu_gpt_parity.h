@@ -17,6 +17,8 @@
 //   relative, gradients rtol 1e-3 / atol 1e-5, parameters rtol 1e-3 / atol 2e-4.
 #pragma once
 
+#include <algorithm>
+
 #include <catch2/catch.hpp>
 
 #include <ATen/ATen.h>
@@ -113,7 +115,11 @@ inline GpuRun train_sharded(flatshard::gpt::GPT& model, flatshard::ShardedModel&
   if (fused || step_in_backward) {
     auto f = std::make_shared<flatshard::FusedAdamW>(fsdp.parameters(),
                                                      torch::optim::AdamWOptions(kGpuParityLr));
-    if (step_in_backward) fsdp.attach_optimizer(f);
+    // Note [Compute copy in the step]: the step writes NO_SHARD units' compute copies.
+    const auto units = fsdp.units();
+    const bool copies = std::any_of(units.begin(), units.end(),
+                                    [](const flatshard::UnitInfo& u) { return u.step_copy; });
+    if (step_in_backward || copies) fsdp.attach_optimizer(f);
     owned = f;
   } else {
     owned = std::make_shared<torch::optim::AdamW>(fsdp.parameters(),

@@ -226,6 +226,22 @@ std::map<std::string, Scenario> scenarios() {
         if (p.grad().defined()) p.mutable_grad().mul_(0.5);  // hand-written clipping
     });
   };
+  // Note [Compute copy in the step]: an attached optimizer that outlives its model steps on
+  // (its copies are never current again) instead of reaching into the freed units.
+  s["step_copy_outlives_model"] = [](Communicator& comm) {
+    ShardingOptions o;
+    o.strategy = ShardingStrategy::kNoShard;
+    o.mixed_precision.param_dtype = at::kBFloat16;
+    auto net = Forgetful();
+    auto fsdp = fully_shard(net.ptr(), plan_of(*net), comm, o);
+    auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp->attach_optimizer(opt);
+    flatshard::call(net, batch(comm.rank()).to(at::kBFloat16)).to(at::kFloat).pow(2).mean().backward();
+    opt->step();
+    fsdp.reset();
+    for (auto& p : opt->param_groups()[0].params()) p.mutable_grad() = at::ones_like(p);
+    opt->step();
+  };
   s["offload_step_attach_default"] = [](Communicator& comm) {
     auto net = Forgetful();
     ShardingOptions o;

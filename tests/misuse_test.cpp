@@ -98,6 +98,17 @@ TEST_CASE("offload_step backward: misuse is an error saying what to do, never a 
   }
 }
 
+TEST_CASE("An optimizer attached for compute copies outlives its model without a crash",
+          "[misuse][optim]") {
+  // Note [Compute copy in the step]: the step after the model is gone is a plain step.
+  for (int world : {1, 2}) {
+    const ChildResult r = run_child("step_copy_outlives_model", world);
+    CAPTURE(world, r.out);
+    REQUIRE(r.exited);
+    CHECK(r.code == 0);
+  }
+}
+
 TEST_CASE("offload_step delayed: misuse is an error saying what to do, never a crash",
           "[misuse][offload_step]") {
   // Note [Delayed offload step]: the control trains; each refusal names its cause.

@@ -1,0 +1,41 @@
+// flatshard/fsdp/adamw_kernel.h — the one-pass AdamW CUDA kernel's interface (plain C++, no
+// torch: included by fsdp/adamw_kernel.cu and fsdp/fused_adamw.cpp, which checks the tensors).
+//
+// Note [One-pass AdamW kernel]: ATen's `_fused_adamw_` updates an fp32 master and its two
+// moments in one pass, but the compute-dtype copy a unit gathers from is a second pass over the
+// master (read 4 B, write 2 B per element). Measured on one H200 (benchmarks/RESULTS.md "Against
+// PyTorch on one GPU"): the casts were 2.9 ms of a 34.5 ms step at 1B / 1 seq. ATen has no
+// kernel that writes a copy, so this one does (Note [Compute copy in the step],
+// fsdp/fused_adamw.h): it reads the gradient in its own dtype (fp32, bf16 or fp16), updates the
+// master and both moments, and writes the copy. Per element it does what ATen's fused AdamW of
+// torch 2.11 does, in its order and precision: all in float (the options rounded to float),
+// the moments as two nested fused multiply-adds, the bias corrections from the device's powf of
+// the float step count. Its results are then those of ATen's kernel followed by the cast, bit
+// for bit (tests/gpu_parity_test.cpp checks it on the device; a first version with the moments
+// in double differed in ~1% of elements by one ulp). A torch upgrade that changes ATen's order
+// shows there, and FLATSHARD_ADAMW_KERNEL=0 is the fallback.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace flatshard {
+namespace kernels {
+
+enum class KernelDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct AdamwStep {
+  float lr, beta1, beta2, weight_decay, eps;  // the group's options, rounded to float
+  float step;                                 // the step count after this step
+};
+
+// One tensor of n elements: param, exp_avg, exp_avg_sq fp32; grad of `grad_dtype`; copy of
+// `copy_dtype` (bf16 or fp16). Enqueued on `stream`; returns the launch error.
+cudaError_t adamw_step_with_copy(float* param, const void* grad, KernelDtype grad_dtype,
+                                 float* exp_avg, float* exp_avg_sq, void* copy,
+                                 KernelDtype copy_dtype, int64_t n, const AdamwStep& step,
+                                 cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace flatshard
