@@ -35,7 +35,7 @@
 #               AdamW) on the 1B GPT; step ms, x PyTorch plain, x PyTorch amp, host ms and peak
 #               MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
 #               GPU_CHECK_VS_TORCH_MODES replaces plain,amp,fsdp2-block;
-#               GPU_CHECK_VS_GRANULARITY replaces local,layer,leaf)
+#               GPU_CHECK_VS_GRANULARITY replaces local,layer,leaf,noshard)
 #   offload     the vs_torch table for CPU offload (issue 17): PyTorch plain, FSDP2 per block
 #               with and without CPUOffloadPolicy(pin_memory=True), flatshard per-layer at
 #               --offload 0,1,2 (GPU_CHECK_OFFLOAD_TORCH_MODES, _GRANULARITY, _LEVELS), then
@@ -248,7 +248,7 @@ vs_bench() {
   # shellcheck disable=SC2086
   "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 --preset 1b --batch "$b" \
     --warmup 3 --steps 10 --optimizer fused \
-    --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf}" "$@" \
+    --policy "${GPU_CHECK_VS_GRANULARITY:-local,layer,leaf,noshard}" "$@" \
     --json "$LOGDIR/$out.json" ${GPU_CHECK_VS_ARGS:-} >"$LOGDIR/$out.txt"
 }
 
