@@ -31,7 +31,7 @@
 #   vs_torch    one table against PyTorch running the same model (issue 19): per batch (4 and 1
 #               sequences per GPU, GPU_CHECK_VS_BATCHES), tools/torch_reference.py (plain single
 #               GPU, pure bf16; amp single GPU, fp32 parameters + bf16 autocast; FSDP2 per block)
-#               and flatshard-bench (local, layer, leaf; FusedAdamW like the reference's fused
+#               and flatshard-bench (local, layer, leaf, noshard; FusedAdamW like the reference's fused
 #               AdamW) on the 1B GPT; step ms, x PyTorch plain, x PyTorch amp, host ms and peak
 #               MiB per row (GPU_CHECK_VS_ARGS adds arguments to both, e.g. "--layers 4";
 #               GPU_CHECK_VS_TORCH_MODES replaces plain,amp,fsdp2-block;
