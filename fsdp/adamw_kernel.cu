@@ -151,6 +151,8 @@ cudaError_t adamw_step_with_copy(float* param, const void* grad, KernelDtype gra
            : launch<KernelDtype::kFloat16, KernelDtype::kFloat16>(param, grad, exp_avg,
                                                                   exp_avg_sq, copy, n, step, stream);
       break;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
