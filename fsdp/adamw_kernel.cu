@@ -123,6 +123,18 @@ void launch(float* param, const void* grad, float* exp_avg, float* exp_avg_sq, v
       static_cast<uint16_t*>(copy), n, s, vec);
 }
 
+// The copy's dtype picks the instance for gradients of dtype G.
+template <KernelDtype G>
+void launch_for_grad(float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
+                     void* copy, KernelDtype copy_dtype, int64_t n, const AdamwStep& s,
+                     cudaStream_t stream) {
+  if (copy_dtype == KernelDtype::kBFloat16) {
+    launch<G, KernelDtype::kBFloat16>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
+  } else {
+    launch<G, KernelDtype::kFloat16>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
+  }
+}
+
 }  // namespace
 
 cudaError_t adamw_step_with_copy(float* param, const void* grad, KernelDtype grad_dtype,
@@ -131,25 +143,18 @@ cudaError_t adamw_step_with_copy(float* param, const void* grad, KernelDtype gra
                                  cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   if (copy_dtype == KernelDtype::kFloat32) return cudaErrorInvalidValue;
-  const bool bf16 = copy_dtype == KernelDtype::kBFloat16;
   switch (grad_dtype) {
     case KernelDtype::kFloat32:
-      bf16 ? launch<KernelDtype::kFloat32, KernelDtype::kBFloat16>(param, grad, exp_avg,
-                                                                   exp_avg_sq, copy, n, step, stream)
-           : launch<KernelDtype::kFloat32, KernelDtype::kFloat16>(param, grad, exp_avg,
-                                                                  exp_avg_sq, copy, n, step, stream);
+      launch_for_grad<KernelDtype::kFloat32>(param, grad, exp_avg, exp_avg_sq, copy, copy_dtype,
+                                             n, step, stream);
       break;
     case KernelDtype::kBFloat16:
-      bf16 ? launch<KernelDtype::kBFloat16, KernelDtype::kBFloat16>(param, grad, exp_avg,
-                                                                    exp_avg_sq, copy, n, step, stream)
-           : launch<KernelDtype::kBFloat16, KernelDtype::kFloat16>(param, grad, exp_avg,
-                                                                   exp_avg_sq, copy, n, step, stream);
+      launch_for_grad<KernelDtype::kBFloat16>(param, grad, exp_avg, exp_avg_sq, copy, copy_dtype,
+                                              n, step, stream);
       break;
     case KernelDtype::kFloat16:
-      bf16 ? launch<KernelDtype::kFloat16, KernelDtype::kBFloat16>(param, grad, exp_avg,
-                                                                   exp_avg_sq, copy, n, step, stream)
-           : launch<KernelDtype::kFloat16, KernelDtype::kFloat16>(param, grad, exp_avg,
-                                                                  exp_avg_sq, copy, n, step, stream);
+      launch_for_grad<KernelDtype::kFloat16>(param, grad, exp_avg, exp_avg_sq, copy, copy_dtype,
+                                             n, step, stream);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -62,13 +62,11 @@ bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const
   auto fits = [&](const at::Tensor& t) {
     return t.is_cuda() && t.device() == p.device() && t.is_contiguous() && t.numel() == p.numel();
   };
-  const bool half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }(
-      c.defined() ? c.scalar_type() : at::kFloat);
-  if (!enabled || !c.defined() || !half || p.scalar_type() != at::kFloat ||
+  auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
+  if (!enabled || !c.defined() || !half(c.scalar_type()) || p.scalar_type() != at::kFloat ||
       m.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat ||
-      !(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16 ||
-        g.scalar_type() == at::kHalf) ||
-      !fits(p) || !fits(g) || !fits(m) || !fits(v) || !fits(c))
+      !(g.scalar_type() == at::kFloat || half(g.scalar_type())) || !fits(p) || !fits(g) ||
+      !fits(m) || !fits(v) || !fits(c))
     return false;
   const kernels::AdamwStep s{static_cast<float>(o.lr()),
                              static_cast<float>(std::get<0>(o.betas())),
