@@ -101,6 +101,7 @@ bool upcast_kernel() { return get_bool(kUpcastKernel, true); }
 bool grouped_grad_copy() { return get_bool(kGroupedGradCopy, true); }
 bool step_compute_copy() { return get_bool(kStepComputeCopy, true); }
 bool adamw_kernel() { return get_bool(kAdamwKernel, true); }
+bool range_copy_kernel() { return get_bool(kRangeCopyKernel, true); }
 int offload_step_threads() { return static_cast<int>(get_int(kOffloadStepThreads, 0, 0, 4096)); }
 bool offload_host_copy() { return get_bool(kOffloadHostCopy, false); }
 std::string trace_path() { return get(kTrace); }
@@ -118,6 +119,7 @@ void check_all() {
   grouped_grad_copy();
   step_compute_copy();
   adamw_kernel();
+  range_copy_kernel();
   offload_step_threads();
   offload_host_copy();
   trace_steps();

@@ -72,6 +72,10 @@ inline constexpr const char* kStepComputeCopy = "FLATSHARD_STEP_COMPUTE_COPY";
 // FLATSHARD_ADAMW_KERNEL (default 1): 0 = that step runs ATen's fused AdamW and then a cast
 // instead of flatshard's one-pass kernel (fsdp/adamw_kernel.cu), for A/B measurements.
 inline constexpr const char* kAdamwKernel = "FLATSHARD_ADAMW_KERNEL";
+// FLATSHARD_RANGE_COPY_KERNEL (default 1): 0 = a unit's gather cast and gradient copies run as
+// ATen ops on views (copy_, _foreach_copy_, _foreach_zero_) instead of flatshard's one-launch
+// range copy (Note [Range copies], flat_param/range_copy_kernel.h), for A/B measurements.
+inline constexpr const char* kRangeCopyKernel = "FLATSHARD_RANGE_COPY_KERNEL";
 
 // FLATSHARD_OFFLOAD_STEP_THREADS (default 0): intra-op threads of the CPU optimizer steps
 // flatshard runs on its own thread (offload_step = backward or delayed, fsdp/offload_step.h);
@@ -119,6 +123,7 @@ bool upcast_kernel();
 bool grouped_grad_copy();
 bool step_compute_copy();
 bool adamw_kernel();
+bool range_copy_kernel();
 int offload_step_threads();  // 0: ATen's default
 bool offload_host_copy();
 std::string trace_path();  // "" when unset

@@ -261,7 +261,8 @@ struct InflightMark {
 
 template <class Enqueue>
 void NcclCommunicator::launch(Op op, Lane lane, const at::Tensor& t, int64_t bytes,
-                              cudaStream_t stream, bool count, Enqueue&& enqueue) {
+                              cudaStream_t stream, bool count, bool enqueues,
+                              Enqueue&& enqueue) {
   const char* call = op_name(op);
   check_ok(call);
   c10::cuda::CUDAGuard guard(device_);
@@ -296,7 +297,7 @@ void NcclCommunicator::launch(Op op, Lane lane, const at::Tensor& t, int64_t byt
       counters_.bytes += bytes;
     }
   }
-  if (numel == 0) return;
+  if (numel == 0 || !enqueues) return;
   {
     InflightMark mark(inflight_[li].since_ns, inflight_[li].seq, inflight_[li].op, seq,
                       static_cast<int>(op));
@@ -339,9 +340,10 @@ void NcclCommunicator::track_locked(int64_t seq, Op op, Lane lane, at::ScalarTyp
 // one-rank reduction with ncclAvg (NVIDIA/nccl#1950; torch 2.11's wheel ships 2.28.9). Seen
 // here as one zero at the end of each Block's flat gradient on a 2x1 HSDP mesh, which
 // gpu_hsdp_test caught. With one rank every collective is the identity, so a copy (or nothing,
-// in place) on the caller's stream is exact and cheaper; the work is still counted and tracked
-// by the watchdog like any other collective. The barrier keeps its NCCL call (its value is
-// unused).
+// in place) on the caller's stream is exact and cheaper; the work is still counted, and a copy is
+// tracked by the watchdog like any other collective. In place there is nothing to enqueue, so
+// nothing is tracked: an event recorded and polled per gather was host time for no work (every
+// unit's gather in a 1-GPU run). The barrier keeps its NCCL call (its value is unused).
 void NcclCommunicator::one_rank_copy(const at::Tensor& dst, const at::Tensor& src,
                                      cudaStream_t stream) {
   TORCH_INTERNAL_ASSERT(dst.nbytes() == src.nbytes(), "rank ", rank_, ": one-rank copy of ",
@@ -357,7 +359,9 @@ void NcclCommunicator::all_gather(const at::Tensor& input, const at::Tensor& out
   const cudaStream_t s = cuda_stream("all_gather", stream);
   const int64_t n = input.numel();
   if (n > 0) check_alias("all_gather", rank_, "input", input, "output", output, rank_);
-  launch(Op::kAllGather, Lane::kAllGather, input, input.nbytes(), s, true,
+  // Note [One-rank NCCL]: in place, one rank's gather is nothing.
+  const bool enqueues = world_ > 1 || input.data_ptr() != output.data_ptr();
+  launch(Op::kAllGather, Lane::kAllGather, input, input.nbytes(), s, true, enqueues,
          [&](ncclComm* comm, cudaStream_t st) {
            if (world_ == 1) return one_rank_copy(output, input, st);  // Note [One-rank NCCL]
            FLATSHARD_NCCL_CHECK(ncclAllGather(input.const_data_ptr(), output.data_ptr(),
@@ -373,7 +377,8 @@ void NcclCommunicator::reduce_scatter(const at::Tensor& input, const at::Tensor&
   const cudaStream_t s = cuda_stream("reduce_scatter", stream);
   const int64_t n = output.numel();
   if (n > 0) check_alias("reduce_scatter", rank_, "output", output, "input", input, rank_);
-  launch(Op::kReduceScatter, Lane::kReduceScatter, output, input.nbytes(), s, true,
+  const bool enqueues = world_ > 1 || input.data_ptr() != output.data_ptr();
+  launch(Op::kReduceScatter, Lane::kReduceScatter, output, input.nbytes(), s, true, enqueues,
          [&](ncclComm* comm, cudaStream_t st) {
            if (world_ == 1) return one_rank_copy(output, input, st);  // Note [One-rank NCCL]
            FLATSHARD_NCCL_CHECK(
@@ -387,7 +392,7 @@ void NcclCommunicator::all_reduce(const at::Tensor& tensor, ReduceOp op, c10::St
                                   Lane lane) {
   detail::check_tensor("all_reduce", rank_, "tensor", tensor, device_);
   const cudaStream_t s = cuda_stream("all_reduce", stream);
-  launch(Op::kAllReduce, lane, tensor, tensor.nbytes(), s, true,
+  launch(Op::kAllReduce, lane, tensor, tensor.nbytes(), s, true, /*enqueues=*/world_ > 1,
          [&](ncclComm* comm, cudaStream_t st) {
            if (world_ == 1) return;  // in place: already the result (Note [One-rank NCCL])
            FLATSHARD_NCCL_CHECK(
@@ -404,6 +409,7 @@ void NcclCommunicator::broadcast(const at::Tensor& tensor, int root, c10::Stream
               " out of range for world_size ", world_);
   const cudaStream_t s = cuda_stream("broadcast", stream);
   launch(Op::kBroadcast, Lane::kAllGather, tensor, tensor.nbytes(), s, true,
+         /*enqueues=*/world_ > 1,
          [&](ncclComm* comm, cudaStream_t st) {
            if (world_ == 1) return;  // in place, root 0 is this rank (Note [One-rank NCCL])
            FLATSHARD_NCCL_CHECK(
@@ -430,7 +436,7 @@ void NcclCommunicator::barrier() {
     c10::cuda::CUDAStreamGuard stream_guard(barrier_stream_);  // allocate and fill on bs
     one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
   }
-  launch(Op::kBarrier, Lane::kAllGather, one, 0, bs, /*count=*/false,
+  launch(Op::kBarrier, Lane::kAllGather, one, 0, bs, /*count=*/false, /*enqueues=*/true,
          [&](ncclComm* comm, cudaStream_t st) {
            FLATSHARD_NCCL_CHECK(ncclAllReduce(one.const_data_ptr(), one.data_ptr(), 1,
                                                      ncclFloat32, ncclSum, comm, st),

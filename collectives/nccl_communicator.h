@@ -169,8 +169,10 @@ class NcclCommunicator final : public Communicator {
   // Launches `enqueue(comm, stream)` on `lane` unless t.numel() == 0, then books the collective
   // for the watchdog.
   template <class Enqueue>
+  // `enqueues` false: counted, but there is nothing to enqueue or to watch (Note [One-rank
+  // NCCL]: one rank, in place).
   void launch(Op op, Lane lane, const at::Tensor& t, int64_t bytes, cudaStream_t stream,
-              bool count, Enqueue&& enqueue);
+              bool count, bool enqueues, Enqueue&& enqueue);
   // One rank: the collective is a copy of src into dst on `stream` (Note [One-rank NCCL]).
   void one_rank_copy(const at::Tensor& dst, const at::Tensor& src, cudaStream_t stream);
   void track_locked(int64_t seq, Op op, Lane lane, at::ScalarType dtype, int64_t numel,

@@ -35,22 +35,35 @@ class ShardedGather : public GatherPlan {
   int64_t bytes() const final { return shard_numel_ * c10::elementSize(param_dtype_); }
 
  protected:
-  at::Tensor slot(const at::Tensor& full) const { return full.narrow(0, begin_, shard_numel_); }
+  // This rank's slot of `full` (always the unit's FlatParam::full()), built once: a view shares
+  // full()'s storage, whose bytes come back at each gather (Note [Unsharded buffer lifetime]).
+  const at::Tensor& slot(const at::Tensor& full) {
+    if (slot_base_ != full.unsafeGetTensorImpl()) {
+      slot_ = full.narrow(0, begin_, shard_numel_);
+      slot_base_ = full.unsafeGetTensorImpl();
+    }
+    return slot_;
+  }
 
   int64_t begin_, shard_numel_, padded_numel_;
   at::ScalarType param_dtype_;
   Communicator& comm_;
+
+ private:
+  at::Tensor slot_;
+  const c10::TensorImpl* slot_base_ = nullptr;
 };
 
-// Offload 0: cast the master into the slot, gather in place.
+// Offload 0: cast the master into the slot (Note [Range copies]), gather in place.
 class AllGather final : public ShardedGather {
  public:
   using ShardedGather::ShardedGather;
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (padded_numel_ == 0) return;
-    const at::Tensor mine = slot(a.full);
-    mine.copy_(a.master);
-    comm_.all_gather(mine, a.full, stream);
+    RangeCopies cast(a.full);
+    cast.copy(begin_, a.master);
+    cast.run();
+    comm_.all_gather(slot(a.full), a.full, stream);
   }
 };
 
@@ -178,7 +191,7 @@ class UploadAllGather final : public ShardedGather {
   using ShardedGather::ShardedGather;
   void gather(const GatherArgs& a, c10::Stream stream) override {
     if (padded_numel_ == 0) return;
-    const at::Tensor mine = slot(a.full);
+    const at::Tensor& mine = slot(a.full);
     if (host_.current(a)) {
       host_.upload(mine);
     } else {
@@ -210,8 +223,13 @@ class ReplicatedRecast final : public GatherPlan {
     if (!recast_) return;
     const int64_t version = a.master_version();
     if (version == version_) return;
-    a.full.copy_(a.master);
+    RangeCopies cast(a.full);  // Note [Range copies]
+    cast.copy(0, a.master);
+    cast.run();
     version_ = version;
+  }
+  bool gather_is_noop(const GatherArgs& a) const override {
+    return !recast_ || version_ == a.master_version();
   }
   at::Tensor step_copy(const GatherArgs& a) const override {
     return recast_ ? a.full : at::Tensor();
@@ -457,36 +475,36 @@ class OneRankReduce final : public ReducePlan {
   ReduceResult reduce(const at::Tensor&, c10::Stream) override { return {}; }  // no collective
   void land(const ReduceResult&, GradState& s) override {
     at::Tensor& mg = s.master.mutable_grad();
-    const bool fresh = !mg.defined();
-    if (fresh) mg = at::empty({s.master.numel()}, s.master.options().requires_grad(false));
     const FlatLayout& l = s.layout;
-    // A fresh gradient: Note [Grouped gradient copies] (upcast.cpp), one launch for the copies
-    // (upcasts), one for the zeros; accumulating into an existing one adds per parameter.
-    std::vector<at::Tensor> regions, srcs, zeros;
+    if (mg.defined()) {  // accumulating into an existing gradient: adds per parameter
+      for (size_t i = 0; i < s.pending.size(); ++i) {
+        at::Tensor src;
+        if (s.pending[i].defined()) {
+          src = s.pending[i].reshape({-1});
+        } else if (s.flat_grad.defined() && s.written[i]) {
+          src = s.flat_grad.narrow(0, l.offsets[i], l.numels[i]);
+        }
+        if (src.defined()) mg.narrow(0, l.offsets[i], l.numels[i]).add_(src);
+        if (s.pending[i].defined()) s.in_use.push_back(std::move(s.pending[i]));
+      }
+      return;
+    }
+    // A fresh gradient: Note [Range copies] (range_copy_kernel.h), one launch for the copies
+    // (upcasts) and the zeros, or Note [Grouped gradient copies]'s two.
+    mg = at::empty({s.master.numel()}, s.master.options().requires_grad(false));
+    RangeCopies copies(mg);
     for (size_t i = 0; i < s.pending.size(); ++i) {
-      at::Tensor region = mg.narrow(0, l.offsets[i], l.numels[i]);
-      at::Tensor src;
       if (s.pending[i].defined()) {
-        src = s.pending[i].reshape({-1});
+        copies.copy(l.offsets[i], s.pending[i]);
+        s.in_use.push_back(std::move(s.pending[i]));
       } else if (s.flat_grad.defined() && s.written[i]) {
-        src = s.flat_grad.narrow(0, l.offsets[i], l.numels[i]);
-      }
-      if (!src.defined()) {
-        // No gradient reached it: zero, as the general path.
-        if (fresh) zeros.push_back(std::move(region));
-      } else if (fresh) {
-        regions.push_back(std::move(region));
-        srcs.push_back(std::move(src));
+        copies.copy(l.offsets[i], s.flat_grad, l.offsets[i], l.numels[i]);
       } else {
-        region.add_(src);
+        copies.zero(l.offsets[i], l.numels[i]);  // no gradient reached it: zero, as the general path
       }
-      if (s.pending[i].defined()) s.in_use.push_back(std::move(s.pending[i]));
     }
-    if (fresh) {
-      copy_all(regions, srcs);
-      for (const auto& [b, e] : s.padding) zeros.push_back(mg.narrow(0, b, e - b));
-      zero_all(zeros);
-    }
+    for (const auto& [b, e] : s.padding) copies.zero(b, e - b);
+    copies.run();
   }
 
  private:

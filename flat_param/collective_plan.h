@@ -124,6 +124,9 @@ class GatherPlan {
   virtual void prepare(const GatherArgs&) {}
   // full() from the masters, on `stream`.
   virtual void gather(const GatherArgs& args, c10::Stream stream) = 0;
+  // True when gather() would write nothing and wait for nothing: a NO_SHARD full() that is the
+  // master or holds its current cast. The unit then skips the gather and its stream events.
+  virtual bool gather_is_noop(const GatherArgs& /*args*/) const { return false; }
   // Right after an optimizer step wrote the master (Note [Offload step in backward],
   // fsdp/offload_step.h: on the stepper's thread, once the unit's backward is done): brings the
   // device copy the plan keeps up to date now, on `stream`, so the next gather() finds it current

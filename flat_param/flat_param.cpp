@@ -413,6 +413,11 @@ at::Tensor FlatParam::step_copy() const {
   return gather_->step_copy(GatherArgs{master_.detach(), full_, views_});
 }
 
+bool FlatParam::gather_is_noop() const {
+  if (config_.poison_padding && !full_aliases_master_) return false;  // unshard() poisons
+  return gather_->gather_is_noop(GatherArgs{master_.detach(), full_, views_});
+}
+
 bool FlatParam::step_copy_current() const {
   return gather_->step_copy_current(GatherArgs{master_.detach(), full_, views_});
 }
@@ -524,21 +529,19 @@ void FlatParam::complete_flat_grad(std::vector<at::Tensor>& in_use) {
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
   // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
   // wrote. The pending gradients go to `in_use`: the compute stream allocated them.
-  // Note [Grouped gradient copies] (upcast.cpp): one launch for the copies, one for the zeros.
-  std::vector<at::Tensor> regions, grads, zeros;
+  // Note [Range copies] (range_copy_kernel.h): one launch for the copies and the zeros (or Note
+  // [Grouped gradient copies]' two, upcast.cpp).
+  RangeCopies copies(full_grad_);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!pending_[i].defined()) continue;
-    regions.push_back(full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]));
-    grads.push_back(pending_[i]);  // the whole gradient: Note [Replaced gradient]
+    copies.copy(layout_.offsets[i], pending_[i]);  // the whole gradient: Note [Replaced gradient]
     grad_written_[i] = true;
     in_use.push_back(std::move(pending_[i]));  // leaves pending_[i] undefined
   }
-  copy_all(regions, grads);
-  for (const auto& [b, e] : padding_) zeros.push_back(full_grad_.narrow(0, b, e - b));
+  for (const auto& [b, e] : padding_) copies.zero(b, e - b);
   for (size_t i = 0; i < params_.size(); ++i)
-    if (!grad_written_[i])
-      zeros.push_back(full_grad_.narrow(0, layout_.offsets[i], layout_.numels[i]));
-  zero_all(zeros);
+    if (!grad_written_[i]) copies.zero(layout_.offsets[i], layout_.numels[i]);
+  copies.run();
 }
 
 std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {

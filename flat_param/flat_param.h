@@ -251,6 +251,8 @@ class FlatParam {
   // then recasts nothing).
   at::Tensor step_copy() const;
   bool step_copy_current() const;
+  // Whether unshard() would write and wait for nothing (GatherPlan::gather_is_noop).
+  bool gather_is_noop() const;
   void step_copy_written();
   void keep_reduce_dtype_on_host(bool keep);
   at::Tensor take_reduced_host_grad();

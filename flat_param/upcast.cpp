@@ -1,6 +1,7 @@
 #include "flat_param/upcast.h"
 
 #include <cstdint>
+#include <optional>
 
 #include "collectives/env.h"
 
@@ -13,6 +14,7 @@ namespace kernels {
 cudaError_t bf16_to_fp32(const void* in, float* out, int64_t n, cudaStream_t stream);
 }  // namespace kernels
 }  // namespace flatshard
+#include "flat_param/range_copy_kernel.h"
 #endif
 
 namespace flatshard {
@@ -118,6 +120,117 @@ void zero_all(const std::vector<at::Tensor>& ts) {
     return;
   }
   for (const auto& t : ts) t.zero_();
+}
+
+}  // namespace flatshard
+
+namespace flatshard {
+
+RangeCopies::RangeCopies(const at::Tensor& dst) : dst_(dst) {
+  TORCH_INTERNAL_ASSERT(dst.dim() == 1, "RangeCopies: a ", dst.dim(), "-D destination");
+}
+
+void RangeCopies::copy(int64_t offset, const at::Tensor& src) {
+  const int64_t n = src.numel();
+  TORCH_INTERNAL_ASSERT(offset >= 0 && offset + n <= dst_.numel(), "RangeCopies: [", offset, ", ",
+                        offset + n, ") outside a destination of ", dst_.numel());
+  ranges_.push_back(Range{offset, n, src, 0, true});
+}
+
+void RangeCopies::copy(int64_t offset, const at::Tensor& src, int64_t src_offset, int64_t n) {
+  TORCH_INTERNAL_ASSERT(offset >= 0 && n >= 0 && offset + n <= dst_.numel() && src.dim() == 1 &&
+                            src_offset >= 0 && src_offset + n <= src.numel(),
+                        "RangeCopies: [", offset, ", ", offset + n, ") of ", dst_.numel(),
+                        " from [", src_offset, ", ", src_offset + n, ") of ", src.numel());
+  ranges_.push_back(Range{offset, n, src, src_offset, false});
+}
+
+void RangeCopies::zero(int64_t offset, int64_t n) {
+  TORCH_INTERNAL_ASSERT(offset >= 0 && n >= 0 && offset + n <= dst_.numel(), "RangeCopies: [",
+                        offset, ", ", offset + n, ") outside a destination of ", dst_.numel());
+  ranges_.push_back(Range{offset, n, at::Tensor(), 0, false});
+}
+
+namespace {
+
+#if FLATSHARD_WITH_CUDA_KERNELS
+std::optional<kernels::RangeDtype> range_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::RangeDtype::kFloat32;
+    case at::kBFloat16:
+      return kernels::RangeDtype::kBFloat16;
+    case at::kHalf:
+      return kernels::RangeDtype::kFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+#endif
+
+}  // namespace
+
+bool RangeCopies::uses_kernel(const at::Tensor& dst) {
+#if FLATSHARD_WITH_CUDA_KERNELS
+  static const bool on = env::range_copy_kernel();  // read once: it is on the per-unit path
+  return on && dst.is_cuda() && dst.is_contiguous() && range_dtype(dst.scalar_type()).has_value();
+#else
+  (void)dst;
+  return false;
+#endif
+}
+
+void RangeCopies::run() {
+  std::vector<at::Tensor> dsts, srcs, zeros;
+  auto by_views = [&](const Range& r) {
+    if (!r.src.defined()) {
+      zeros.push_back(dst_.narrow(0, r.offset, r.n));
+      return;
+    }
+    dsts.push_back(dst_.narrow(0, r.offset, r.n));
+    srcs.push_back(r.whole ? r.src : r.src.narrow(0, r.src_offset, r.n));
+  };
+#if FLATSHARD_WITH_CUDA_KERNELS
+  if (uses_kernel(dst_)) {
+    const std::optional<kernels::RangeDtype> dst_dtype = range_dtype(dst_.scalar_type());
+    kernels::RangeCopy batch[kernels::kMaxRangesPerLaunch];
+    int count = 0;
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dst_.device().index()).stream();
+    auto flush = [&] {
+      if (count == 0) return;
+      const cudaError_t e = kernels::copy_ranges(batch, count, stream);
+      TORCH_CHECK(e == cudaSuccess, "flatshard: range copy kernel launch failed on ",
+                  dst_.device(), ": ", cudaGetErrorString(e));
+      count = 0;
+    };
+    char* base = ranges_.empty() ? nullptr : static_cast<char*>(dst_.data_ptr());
+    const int64_t dst_size = static_cast<int64_t>(dst_.element_size());
+    for (const Range& r : ranges_) {
+      if (r.n == 0) continue;
+      kernels::RangeCopy k{nullptr, base + r.offset * dst_size, r.n, *dst_dtype, *dst_dtype};
+      if (r.src.defined()) {
+        const std::optional<kernels::RangeDtype> src_dtype = range_dtype(r.src.scalar_type());
+        if (!src_dtype || r.src.device() != dst_.device() || !r.src.is_contiguous()) {
+          by_views(r);
+          continue;
+        }
+        k.src = static_cast<const char*>(r.src.const_data_ptr()) +
+                r.src_offset * static_cast<int64_t>(r.src.element_size());
+        k.src_dtype = *src_dtype;
+      }
+      batch[count++] = k;
+      if (count == kernels::kMaxRangesPerLaunch) flush();
+    }
+    flush();
+  } else  // NOLINT(readability/braces): the views below are the other branch
+#endif
+  {
+    for (const Range& r : ranges_)
+      if (r.n > 0) by_views(r);
+  }
+  copy_all(dsts, srcs);
+  zero_all(zeros);
+  ranges_.clear();
 }
 
 }  // namespace flatshard

@@ -38,3 +38,42 @@ void copy_all(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>
 void zero_all(const std::vector<at::Tensor>& ts);
 
 }  // namespace flatshard
+
+namespace flatshard {
+
+// Note [Range copies] (flat_param/range_copy_kernel.h): copies into, and zero-fills of, ranges
+// of one contiguous 1-D destination, issued together by run() on the current stream of its
+// device. When the build has CUDA kernels, FLATSHARD_RANGE_COPY_KERNEL is on (default) and the
+// destination is a contiguous CUDA fp32/bf16/fp16 tensor, every range whose source is a
+// contiguous CUDA tensor of those dtypes on the same device goes into one launch per 48 ranges,
+// with no view and no ATen dispatch. The rest (CPU, other dtypes, non-contiguous sources) runs
+// as views through copy_all / zero_all, which is also everything when the kernel is off.
+// Bitwise equal either way. The sources must stay alive until the stream has run the copies (as
+// for any copy_ on a stream).
+class RangeCopies {
+ public:
+  // Whether ranges into `dst` (with eligible sources) go through the kernel.
+  static bool uses_kernel(const at::Tensor& dst);
+
+  explicit RangeCopies(const at::Tensor& dst);
+  // dst[offset, offset + src.numel()) = src, read flattened.
+  void copy(int64_t offset, const at::Tensor& src);
+  // dst[offset, offset + n) = src[src_offset, src_offset + n); `src` is 1-D and contiguous.
+  void copy(int64_t offset, const at::Tensor& src, int64_t src_offset, int64_t n);
+  // dst[offset, offset + n) = 0.
+  void zero(int64_t offset, int64_t n);
+  // Issues what was added, once.
+  void run();
+
+ private:
+  struct Range {
+    int64_t offset, n;
+    at::Tensor src;  // undefined: a zero-fill
+    int64_t src_offset;
+    bool whole;  // src read flattened from its start (copy(offset, src))
+  };
+  const at::Tensor& dst_;
+  std::vector<Range> ranges_;
+};
+
+}  // namespace flatshard

@@ -205,8 +205,11 @@ bool Unit::mark_pre_backward() {
 
 void Unit::pre_forward(const torch::nn::Module*) {
   if (strategy_ == ShardingStrategy::kNoShard) {
-    if (member_calls_ % static_cast<int64_t>(members_.size()) == 0) {
-      state_ = UnitState::kSharded;  // re-cast the master into the compute copy (no collective)
+    // Re-cast the master into the compute copy (no collective), unless it is current (the fp32
+    // master itself, or written by the step: Note [Compute copy in the step]) — then there is
+    // nothing to order either.
+    if (member_calls_ % static_cast<int64_t>(members_.size()) == 0 && !flat_->gather_is_noop()) {
+      state_ = UnitState::kSharded;
       unshard(/*for_backward=*/false);
     }
   } else {

@@ -11,11 +11,14 @@
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include "collectives/nccl_communicator.h"
 #include "flat_param/offload.h"
+#include "flat_param/upcast.h"
 #include "fsdp/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 #include "gpu_gpt_parity.h"
@@ -184,6 +187,79 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
           CHECK(at::equal(copies[i], pb.to(copy_dtype)));
         }
       }
+}
+
+// Note [Range copies] (flat_param/range_copy_kernel.h): every dtype pair, whole and partial
+// sources, misaligned pointers (the scalar path), tails, zero-fills and more ranges than one
+// launch takes, against ATen's copy_ / zero_ on views, compared as bits (NaN payloads,
+// infinities, values fp16 cannot hold and subnormals included).
+TEST_CASE("GPU range copies: ATen's copy_ and zero_ on views, bit for bit", "[gpu][kernels]") {
+  const c10::Device dev = g_comm->device();
+  auto bits = [](const at::Tensor& t) {
+    return t.view(t.element_size() == 4 ? at::kInt : at::kShort);
+  };
+  for (at::ScalarType src_dtype : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (at::ScalarType dst_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      CAPTURE(src_dtype, dst_dtype);
+      at::manual_seed(5);
+      auto source = [&](int64_t n) {
+        at::Tensor f = at::randn({n}, at::TensorOptions().dtype(at::kFloat).device(dev)).mul_(300);
+        if (n >= 8) {  // specials at the front
+          const float specials[] = {NAN, -INFINITY, INFINITY, 70000.f, 1e-30f, -0.f, 1e-40f, 3.f};
+          f.narrow(0, 0, 8).copy_(at::tensor(at::ArrayRef<float>(specials, 8)));
+        }
+        return f.to(src_dtype);
+      };
+      const int64_t total = (int64_t{5} << 20);
+      const at::Tensor init = source(total).to(dst_dtype);
+      at::Tensor got = init.clone(), want = init.clone();
+      RangeCopies copies(got);
+      std::vector<at::Tensor> keep;
+      int64_t at_off = 0;
+      // The next destination offset: 16-byte aligned for every dtype, or one element past.
+      auto next = [&](int64_t misalign) {
+        at_off = (at_off + 7) / 8 * 8 + misalign;
+        return at_off;
+      };
+      // Whole sources: sizes with tails and a big one, at aligned and misaligned destinations.
+      for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{4099}, int64_t{1} << 20})
+        for (int64_t misalign : {0, 1}) {
+          keep.push_back(source(n));
+          copies.copy(next(misalign), keep.back());
+          want.narrow(0, at_off, n).copy_(keep.back());
+          at_off += n;
+        }
+      // A misaligned source: a view at element 1 of a buffer.
+      const at::Tensor base = source(2049);
+      keep.push_back(base.narrow(0, 1, 2048));
+      copies.copy(next(0), keep.back());
+      want.narrow(0, at_off, 2048).copy_(keep.back());
+      at_off += 2048;
+      // A partial range of a 1-D source, and zero-fills.
+      copies.copy(at_off, base, 5, 1000);
+      want.narrow(0, at_off, 1000).copy_(base.narrow(0, 5, 1000));
+      at_off += 1000;
+      copies.zero(at_off, 333);
+      want.narrow(0, at_off, 333).zero_();
+      at_off += 400;
+      // More ranges than one launch takes (kMaxRangesPerLaunch is 48).
+      for (int k = 0; k < 60; ++k) {
+        keep.push_back(source(17 + k));
+        copies.copy(at_off, keep.back());
+        want.narrow(0, at_off, 17 + k).copy_(keep.back());
+        at_off += 17 + k;
+        if (k % 7 == 0) {
+          copies.zero(at_off, 9);
+          want.narrow(0, at_off, 9).zero_();
+          at_off += 9;
+        }
+      }
+      REQUIRE(at_off <= total);
+      REQUIRE(RangeCopies::uses_kernel(got));
+      copies.run();
+      CAPTURE((got.to(at::kFloat) != want.to(at::kFloat)).sum().item<int64_t>());
+      CHECK(at::equal(bits(got), bits(want)));
+    }
 }
 
 // Note [Compute copy in the step] end to end: NO_SHARD bf16 blocks trained with the step
