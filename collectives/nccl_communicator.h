@@ -166,11 +166,10 @@ class NcclCommunicator final : public Communicator {
 
   // --- nccl_communicator.cpp: launching
   cudaStream_t cuda_stream(const char* call, c10::Stream stream) const;
-  // Launches `enqueue(comm, stream)` on `lane` unless t.numel() == 0, then books the collective
-  // for the watchdog.
+  // Counts the collective, then launches `enqueue(comm, stream)` on `lane` and books it for the
+  // watchdog, unless t.numel() == 0 or `enqueues` is false (nothing to enqueue or watch: Note
+  // [One-rank NCCL], one rank in place).
   template <class Enqueue>
-  // `enqueues` false: counted, but there is nothing to enqueue or to watch (Note [One-rank
-  // NCCL]: one rank, in place).
   void launch(Op op, Lane lane, const at::Tensor& t, int64_t bytes, cudaStream_t stream,
               bool count, bool enqueues, Enqueue&& enqueue);
   // One rank: the collective is a copy of src into dst on `stream` (Note [One-rank NCCL]).

@@ -16,16 +16,16 @@ struct Ranges {
 };
 
 // Storage types: 16-bit values move as their bits.
-template <RangeDtype D>
+template <KernelDtype D>
 struct Store;
 template <>
-struct Store<RangeDtype::kFloat32> {
+struct Store<KernelDtype::kFloat32> {
   using T = float;
   static __device__ __forceinline__ float to_float(float v) { return v; }
   static __device__ __forceinline__ float from_float(float v) { return v; }
 };
 template <>
-struct Store<RangeDtype::kBFloat16> {
+struct Store<KernelDtype::kBFloat16> {
   using T = uint16_t;
   static __device__ __forceinline__ float to_float(uint16_t v) {
     return __uint_as_float(static_cast<uint32_t>(v) << 16);  // exact, as c10::BFloat16
@@ -35,7 +35,7 @@ struct Store<RangeDtype::kBFloat16> {
   }
 };
 template <>
-struct Store<RangeDtype::kFloat16> {
+struct Store<KernelDtype::kFloat16> {
   using T = uint16_t;
   static __device__ __forceinline__ float to_float(uint16_t v) {
     return __half2float(__ushort_as_half(v));
@@ -45,7 +45,7 @@ struct Store<RangeDtype::kFloat16> {
   }
 };
 
-template <RangeDtype S, RangeDtype D>
+template <KernelDtype S, KernelDtype D>
 __device__ __forceinline__ typename Store<D>::T convert(typename Store<S>::T v) {
   if constexpr (S == D) {
     return v;  // the bits, NaN payloads included (ATen's same-dtype copy is a memcpy)
@@ -64,7 +64,7 @@ constexpr int kVec = 4;
 
 // Blocks blockIdx.x of gridDim.x stride over the range's elements, kVec per thread when both
 // pointers are aligned for it.
-template <RangeDtype S, RangeDtype D>
+template <KernelDtype S, KernelDtype D>
 __device__ void copy_range(const RangeCopy& r) {
   using ST = typename Store<S>::T;
   using DT = typename Store<D>::T;
@@ -90,7 +90,7 @@ __device__ void copy_range(const RangeCopy& r) {
   for (int64_t i = done + first; i < r.n; i += stride) dst[i] = convert<S, D>(src[i]);
 }
 
-template <RangeDtype D>
+template <KernelDtype D>
 __device__ void zero_range(const RangeCopy& r) {
   using DT = typename Store<D>::T;
   DT* dst = static_cast<DT*>(r.dst);
@@ -107,15 +107,15 @@ __device__ void zero_range(const RangeCopy& r) {
   for (int64_t i = done + first; i < r.n; i += stride) dst[i] = DT(0);
 }
 
-template <RangeDtype S>
+template <KernelDtype S>
 __device__ void copy_from(const RangeCopy& r) {
   switch (r.dst_dtype) {
-    case RangeDtype::kFloat32:
-      return copy_range<S, RangeDtype::kFloat32>(r);
-    case RangeDtype::kBFloat16:
-      return copy_range<S, RangeDtype::kBFloat16>(r);
-    case RangeDtype::kFloat16:
-      return copy_range<S, RangeDtype::kFloat16>(r);
+    case KernelDtype::kFloat32:
+      return copy_range<S, KernelDtype::kFloat32>(r);
+    case KernelDtype::kBFloat16:
+      return copy_range<S, KernelDtype::kBFloat16>(r);
+    case KernelDtype::kFloat16:
+      return copy_range<S, KernelDtype::kFloat16>(r);
   }
 }
 
@@ -124,27 +124,27 @@ __global__ void __launch_bounds__(kThreads) copy_ranges_kernel(const Ranges rang
   const RangeCopy& r = ranges.r[blockIdx.y];
   if (r.src == nullptr) {
     switch (r.dst_dtype) {
-      case RangeDtype::kFloat32:
-        return zero_range<RangeDtype::kFloat32>(r);
-      case RangeDtype::kBFloat16:
-        return zero_range<RangeDtype::kBFloat16>(r);
-      case RangeDtype::kFloat16:
-        return zero_range<RangeDtype::kFloat16>(r);
+      case KernelDtype::kFloat32:
+        return zero_range<KernelDtype::kFloat32>(r);
+      case KernelDtype::kBFloat16:
+        return zero_range<KernelDtype::kBFloat16>(r);
+      case KernelDtype::kFloat16:
+        return zero_range<KernelDtype::kFloat16>(r);
     }
     return;
   }
   switch (r.src_dtype) {
-    case RangeDtype::kFloat32:
-      return copy_from<RangeDtype::kFloat32>(r);
-    case RangeDtype::kBFloat16:
-      return copy_from<RangeDtype::kBFloat16>(r);
-    case RangeDtype::kFloat16:
-      return copy_from<RangeDtype::kFloat16>(r);
+    case KernelDtype::kFloat32:
+      return copy_from<KernelDtype::kFloat32>(r);
+    case KernelDtype::kBFloat16:
+      return copy_from<KernelDtype::kBFloat16>(r);
+    case KernelDtype::kFloat16:
+      return copy_from<KernelDtype::kFloat16>(r);
   }
 }
 
-bool known(RangeDtype d) {
-  return d == RangeDtype::kFloat32 || d == RangeDtype::kBFloat16 || d == RangeDtype::kFloat16;
+bool known(KernelDtype d) {
+  return d == KernelDtype::kFloat32 || d == KernelDtype::kBFloat16 || d == KernelDtype::kFloat16;
 }
 
 }  // namespace

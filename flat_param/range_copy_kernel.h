@@ -17,18 +17,18 @@
 
 #include <cuda_runtime.h>
 
+#include "flat_param/kernel_dtype.h"
+
 namespace flatshard {
 namespace kernels {
-
-enum class RangeDtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // n elements of `src` (of src_dtype) converted into `dst` (of dst_dtype); src null: zeros.
 struct RangeCopy {
   const void* src;
   void* dst;
   int64_t n;
-  RangeDtype src_dtype;
-  RangeDtype dst_dtype;
+  KernelDtype src_dtype;
+  KernelDtype dst_dtype;
 };
 
 // One launch copies up to this many ranges (the kernel takes them as its argument).

@@ -122,10 +122,6 @@ void zero_all(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) t.zero_();
 }
 
-}  // namespace flatshard
-
-namespace flatshard {
-
 RangeCopies::RangeCopies(const at::Tensor& dst) : dst_(dst) {
   TORCH_INTERNAL_ASSERT(dst.dim() == 1, "RangeCopies: a ", dst.dim(), "-D destination");
 }
@@ -151,34 +147,33 @@ void RangeCopies::zero(int64_t offset, int64_t n) {
   ranges_.push_back(Range{offset, n, at::Tensor(), 0, false});
 }
 
-namespace {
-
-#if FLATSHARD_WITH_CUDA_KERNELS
-std::optional<kernels::RangeDtype> range_dtype(at::ScalarType t) {
+std::optional<kernels::KernelDtype> kernel_dtype(at::ScalarType t) {
   switch (t) {
     case at::kFloat:
-      return kernels::RangeDtype::kFloat32;
+      return kernels::KernelDtype::kFloat32;
     case at::kBFloat16:
-      return kernels::RangeDtype::kBFloat16;
+      return kernels::KernelDtype::kBFloat16;
     case at::kHalf:
-      return kernels::RangeDtype::kFloat16;
+      return kernels::KernelDtype::kFloat16;
     default:
       return std::nullopt;
   }
 }
-#endif
 
-}  // namespace
-
-bool RangeCopies::uses_kernel(const at::Tensor& dst) {
+namespace {
+// The destination's dtype when ranges into `dst` go through the kernel, else nullopt.
+std::optional<kernels::KernelDtype> range_kernel_dtype(const at::Tensor& dst) {
 #if FLATSHARD_WITH_CUDA_KERNELS
   static const bool on = env::range_copy_kernel();  // read once: it is on the per-unit path
-  return on && dst.is_cuda() && dst.is_contiguous() && range_dtype(dst.scalar_type()).has_value();
+  if (on && dst.is_cuda() && dst.is_contiguous()) return kernel_dtype(dst.scalar_type());
 #else
   (void)dst;
-  return false;
 #endif
+  return std::nullopt;
 }
+}  // namespace
+
+bool RangeCopies::uses_kernel(const at::Tensor& dst) { return range_kernel_dtype(dst).has_value(); }
 
 void RangeCopies::run() {
   std::vector<at::Tensor> dsts, srcs, zeros;
@@ -191,8 +186,7 @@ void RangeCopies::run() {
     srcs.push_back(r.whole ? r.src : r.src.narrow(0, r.src_offset, r.n));
   };
 #if FLATSHARD_WITH_CUDA_KERNELS
-  if (uses_kernel(dst_)) {
-    const std::optional<kernels::RangeDtype> dst_dtype = range_dtype(dst_.scalar_type());
+  if (const std::optional<kernels::KernelDtype> dst_dtype = range_kernel_dtype(dst_)) {
     kernels::RangeCopy batch[kernels::kMaxRangesPerLaunch];
     int count = 0;
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dst_.device().index()).stream();
@@ -209,7 +203,7 @@ void RangeCopies::run() {
       if (r.n == 0) continue;
       kernels::RangeCopy k{nullptr, base + r.offset * dst_size, r.n, *dst_dtype, *dst_dtype};
       if (r.src.defined()) {
-        const std::optional<kernels::RangeDtype> src_dtype = range_dtype(r.src.scalar_type());
+        const std::optional<kernels::KernelDtype> src_dtype = kernel_dtype(r.src.scalar_type());
         if (!src_dtype || r.src.device() != dst_.device() || !r.src.is_contiguous()) {
           by_views(r);
           continue;

@@ -9,8 +9,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
 
+#include <optional>
 #include <vector>
+
+#include "flat_param/kernel_dtype.h"
 
 namespace flatshard {
 
@@ -37,9 +41,8 @@ void copy_all(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>
 // Zeroes every tensor of `ts`, grouped the same way (_foreach_zero_).
 void zero_all(const std::vector<at::Tensor>& ts);
 
-}  // namespace flatshard
-
-namespace flatshard {
+// The kernels' name for `t` (flat_param/kernel_dtype.h); nullopt for a dtype they do not take.
+std::optional<kernels::KernelDtype> kernel_dtype(at::ScalarType t);
 
 // Note [Range copies] (flat_param/range_copy_kernel.h): copies into, and zero-fills of, ranges
 // of one contiguous 1-D destination, issued together by run() on the current stream of its
@@ -73,7 +76,7 @@ class RangeCopies {
     bool whole;  // src read flattened from its start (copy(offset, src))
   };
   const at::Tensor& dst_;
-  std::vector<Range> ranges_;
+  c10::SmallVector<Range, 16> ranges_;  // a unit's ranges without a heap allocation
 };
 
 }  // namespace flatshard

@@ -21,10 +21,10 @@
 
 #include <cuda_runtime.h>
 
+#include "flat_param/kernel_dtype.h"
+
 namespace flatshard {
 namespace kernels {
-
-enum class KernelDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct AdamwStep {
   float lr, beta1, beta2, weight_decay, eps;  // the group's options, rounded to float

@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "collectives/env.h"
+#include "flat_param/upcast.h"
 
 #if FLATSHARD_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
@@ -53,12 +54,7 @@ constexpr int64_t kMixedBlock = int64_t{1} << 22;
 bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const at::Tensor& g,
                  const at::Tensor& m, const at::Tensor& v, const at::Tensor& c, int64_t step) {
 #if FLATSHARD_WITH_CUDA_KERNELS
-  using kernels::KernelDtype;
   static const bool enabled = env::adamw_kernel();  // read once: it is on the per-step path
-  auto kind = [](at::ScalarType t) {
-    return t == at::kFloat ? KernelDtype::kFloat32
-           : t == at::kBFloat16 ? KernelDtype::kBFloat16 : KernelDtype::kFloat16;
-  };
   auto fits = [&](const at::Tensor& t) {
     return t.is_cuda() && t.device() == p.device() && t.is_contiguous() && t.numel() == p.numel();
   };
@@ -74,8 +70,8 @@ bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const
                              static_cast<float>(o.weight_decay()), static_cast<float>(o.eps()),
                              static_cast<float>(step)};
   const cudaError_t e = kernels::adamw_step_with_copy(
-      p.data_ptr<float>(), g.data_ptr(), kind(g.scalar_type()), m.data_ptr<float>(),
-      v.data_ptr<float>(), c.data_ptr(), kind(c.scalar_type()), p.numel(), s,
+      p.data_ptr<float>(), g.data_ptr(), *kernel_dtype(g.scalar_type()), m.data_ptr<float>(),
+      v.data_ptr<float>(), c.data_ptr(), *kernel_dtype(c.scalar_type()), p.numel(), s,
       c10::cuda::getCurrentCUDAStream(p.device().index()).stream());
   TORCH_CHECK(e == cudaSuccess, "FusedAdamW: the one-pass AdamW kernel failed to launch on ",
               p.device(), " (", p.numel(), " elements): ", cudaGetErrorString(e));
