@@ -63,6 +63,7 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
   for (const auto& label : fb::split_granularities(o.granularity_flags)) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
     if (o.recompute) g = fb::with_recompute(std::move(g));
+    if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";
     if (g.local) {
       out.push_back(std::move(g));
       continue;

@@ -155,6 +155,13 @@ ParseResult parse_command_line(int argc, char** argv) {
                                "fp32 | bf16 | fp16: gradient reduction (default: the param dtype)")
                     ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
                     ->group(g_shard);
+  app.add_flag("--keep-low-precision-grads",
+               o.sharding.mixed_precision.keep_low_precision_grads,
+               "master gradients stay in the reduce dtype (MixedPrecision::"
+               "keep_low_precision_grads): no upcast, half the gradient memory; runs labelled "
+               "GRANULARITY+lpgrads ('local' as is); not with --offload levels above 0 or "
+               "fp16's gradient scaler")
+      ->group(g_shard);
 
   auto* g_run = "Run";
   app.add_option("--device", device, "cpu (ranks as threads) | cuda (one process per GPU)")
@@ -322,6 +329,15 @@ ParseResult parse_command_line(int argc, char** argv) {
       o_pdt->count() ? parse_dtype(param_dtype) : (cuda ? c10::kBFloat16 : c10::kFloat);
   o.sharding.mixed_precision.param_dtype = pdt;
   o.sharding.mixed_precision.reduce_dtype = o_rdt->count() ? parse_dtype(reduce_dtype) : pdt;
+  if (o.sharding.mixed_precision.keep_low_precision_grads) {
+    if (pdt == c10::kHalf)
+      throw UsageError("--keep-low-precision-grads cannot run with --param-dtype fp16: its "
+                       "gradient scaler unscales fp32 gradients only");
+    for (int level : o.offload_levels)
+      if (level > 0)
+        throw UsageError("--keep-low-precision-grads cannot run with --offload " +
+                         std::to_string(level) + ": offloaded gradients take the host path");
+  }
   if (pdt == c10::kHalf && o.sharding.offload_step != OffloadStep::kAfterBackward)
     throw UsageError("--param-dtype fp16 trains with a gradient scaler, which must see the "
                      "gradients before any step: it cannot run with --offload-step " +

@@ -148,7 +148,8 @@ void print_table(const Report& rep, std::ostream& out) {
       << fixed(m.flops_per_token() / 1e6, 1) << " MFLOP/token)\n"
       << "  " << rep.device_description << "; batch " << o.batch << " seq/rank/step; strategy "
       << strategy_name(o.sharding.strategy) << "; params " << dtype_name(mp.param_dtype)
-      << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << "; prefetch "
+      << ", reduce " << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype))
+      << (mp.keep_low_precision_grads ? " (gradients kept in it)" : "") << "; prefetch "
       << o.sharding.forward_prefetch << "; optimizer "
       << (o.fused_optimizer ? "FusedAdamW" : "AdamW")
       << (o.param_groups ? " (2 groups by name over per-parameter views)" : "") << "; init "
@@ -236,7 +237,8 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //   "model": {"family" ("gpt" | "llama"), "preset", "vocab", "d_model", "n_heads", "n_layers", "seq_len", "params",
 //             "flops_per_token"},
 //   "device", "device_description", "world_size", "batch" (sequences per rank per step),
-//   "strategy", "param_dtype", "reduce_dtype", "prefetch", "optimizer", "init" ("eager" |
+//   "strategy", "param_dtype", "reduce_dtype", "keep_low_precision_grads" (bool), "prefetch",
+//   "optimizer", "init" ("eager" |
 //   "deferred"), "warmup", "steps", "seed",
 //   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance",
 //   "all_ok",
@@ -272,6 +274,8 @@ void write_json(const Report& rep, const std::string& path) {
     << "  \"param_dtype\": " << json_string(dtype_name(mp.param_dtype)) << ",\n"
     << "  \"reduce_dtype\": "
     << json_string(dtype_name(mp.reduce_dtype.value_or(mp.param_dtype))) << ",\n"
+    << "  \"keep_low_precision_grads\": " << (mp.keep_low_precision_grads ? "true" : "false")
+    << ",\n"
     << "  \"prefetch\": " << o.sharding.forward_prefetch << ",\n"
     << "  \"optimizer\": " << json_string(o.fused_optimizer ? "fused" : "adamw") << ",\n"
     << "  \"param_groups\": " << (o.param_groups ? "true" : "false") << ",\n"

@@ -290,15 +290,18 @@ class ReplicatedUpload final : public GatherPlan {
 // --- reductions ------------------------------------------------------------------------------
 
 // Reductions through the flat gradient: cast to the reduce dtype, collective(), upcast to
-// fp32; land() sets or adds the result to the device master gradient.
+// fp32 (or not: Note [Low-precision master gradient]); land() sets or adds the result to the
+// device master gradient.
 class FlatGradReduce : public ReducePlan {
  public:
   FlatGradReduce(std::string name, at::ScalarType reduce_dtype, int64_t padded_numel)
       : ReducePlan(std::move(name)), reduce_dtype_(reduce_dtype), padded_numel_(padded_numel) {}
   bool needs_flat_grad() const final { return true; }
   int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
+  // Note [Low-precision master gradient]: land() then takes the reduced buffer as it is.
+  void keep_reduce_dtype() { upcast_ = false; }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) final {
-    return reduce_as(flat_grad, stream, /*upcast=*/true);
+    return reduce_as(flat_grad, stream, upcast_);
   }
   // `upcast` false: the result's `grad` is left undefined (the caller converts `reduced`).
   ReduceResult reduce_as(const at::Tensor& flat_grad, c10::Stream stream, bool upcast) {
@@ -310,10 +313,11 @@ class FlatGradReduce : public ReducePlan {
   }
   void land(const ReduceResult& r, GradState& s) override {
     at::Tensor& mg = s.master.mutable_grad();
+    const at::Tensor& g = upcast_ ? r.grad : r.reduced;
     if (mg.defined()) {
-      mg.add_(r.grad);
+      mg.add_(g);
     } else {
-      mg = r.grad;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
+      mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
     }
   }
   // `send` (reduce dtype, the whole flat buffer) to this rank's mean over ranks, reduce dtype,
@@ -323,6 +327,7 @@ class FlatGradReduce : public ReducePlan {
  protected:
   at::ScalarType reduce_dtype_;
   int64_t padded_numel_;
+  bool upcast_ = true;
 };
 
 class ReduceScatter final : public FlatGradReduce {
@@ -465,9 +470,10 @@ class HostGradDelivery final : public ReducePlan {
 // general path, whose rounding is then the requested behaviour.
 class OneRankReduce final : public ReducePlan {
  public:
-  OneRankReduce(at::ScalarType reduce_dtype, const FlatLayout& layout)
+  OneRankReduce(at::ScalarType reduce_dtype, at::ScalarType grad_dtype, const FlatLayout& layout)
       : ReducePlan("OneRankReduce"),
         reduce_dtype_(reduce_dtype),
+        grad_dtype_(grad_dtype),
         padded_numel_(layout.padded_numel) {}
   bool needs_flat_grad() const override { return false; }
   // What the general path would send (the unit's counters count it the same).
@@ -491,7 +497,8 @@ class OneRankReduce final : public ReducePlan {
     }
     // A fresh gradient: Note [Range copies] (range_copy_kernel.h), one launch for the copies
     // (upcasts) and the zeros, or Note [Grouped gradient copies]'s two.
-    mg = at::empty({s.master.numel()}, s.master.options().requires_grad(false));
+    mg = at::empty({s.master.numel()},
+                   s.master.options().dtype(grad_dtype_).requires_grad(false));
     RangeCopies copies(mg);
     for (size_t i = 0; i < s.pending.size(); ++i) {
       if (s.pending[i].defined()) {
@@ -509,6 +516,7 @@ class OneRankReduce final : public ReducePlan {
 
  private:
   at::ScalarType reduce_dtype_;
+  at::ScalarType grad_dtype_;  // Note [Low-precision master gradient]
   int64_t padded_numel_;
 };
 
@@ -547,7 +555,7 @@ std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
   // Note [One-rank reduction]: the reduce dtype must round nothing.
   if (comm.world_size() == 1 && !hybrid && config.offload == 0 &&
       (config.reduce_dtype == config.param_dtype || config.reduce_dtype == at::kFloat))
-    return std::make_unique<OneRankReduce>(config.reduce_dtype, layout);
+    return std::make_unique<OneRankReduce>(config.reduce_dtype, config.grad_dtype(), layout);
   std::unique_ptr<FlatGradReduce> plan;
   if (config.sharded) {
     plan = std::make_unique<ReduceScatter>(config.reduce_dtype, layout, comm);
@@ -557,6 +565,10 @@ std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
   if (hybrid)
     plan = std::make_unique<ReplicateAllReduce>(std::move(plan), config.reduce_dtype, layout,
                                                 config.sharded, *replicate);
+  TORCH_CHECK(!(config.keep_low_precision_grads && config.offload > 0), "unit '", unit_name,
+              "': keep_low_precision_grads cannot be combined with offload (level ",
+              config.offload, ")");
+  if (config.keep_low_precision_grads) plan->keep_reduce_dtype();
   if (config.offload > 0) return std::make_unique<HostGradDelivery>(std::move(plan), comm.device());
   return plan;
 }

@@ -82,6 +82,20 @@
 //   backward got faster (benchmarks/RESULTS.md "Offload"): the CPU step is the bound there, so
 //   the path is off by default. It pays where PCIe, not the host, bounds the step; a one-pass
 //   vectorized kernel (bf16 read, fp32 state, bf16 write, no scratch pass) is the next lever.
+//
+// Note [Low-precision master gradient]
+// Opt-in (MixedPrecision::keep_low_precision_grads, FSDP1's option of that name): master().grad
+// stays in the reduce dtype. The reduce-scatter's output (or the replicated all-reduce's
+// buffer) becomes the master gradient as it is, and the one-rank path copies the parameters'
+// gradients into a reduce-dtype buffer: no fp32 upcast pass, 2 B instead of 4 B per element
+// held from backward to the step, and FusedAdamW reads the bf16 gradient in its own pass
+// (Note [One-pass AdamW kernel], fsdp/adamw_kernel.h; exact, bf16 -> fp32 is). Steps that only
+// read the gradient are bit for bit the fp32 path's; what writes it first rounds in the reduce
+// dtype: clip_grad_norm_'s scaling, accumulation of synced reductions across backward passes
+// (the flat gradient of an unsynced pass is the compute dtype either way). The norm itself is
+// computed in fp32. Refused with offload (its host path has its own, Note [Host compute copy])
+// and by the gradient scaler (unscaling fp16 in fp16 would lose the small gradients the scale
+// protects). With a reduce dtype of fp32 it changes nothing.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -606,7 +606,8 @@ std::vector<at::Tensor> FlatParam::absorb_view_grads() {
     mg = at::Tensor();
     return read;
   }
-  if (!mg.defined()) mg = at::zeros_like(master_.detach());
+  if (!mg.defined())  // Note [Low-precision master gradient]: in its dtype
+    mg = at::zeros({master_.numel()}, master_.options().dtype(config_.grad_dtype()));
   for (size_t i = 0; i < views_.size(); ++i) {
     const ShardView& v = views_[i];
     if (!trainable_[i] || v.numel() == 0) continue;

@@ -99,6 +99,11 @@ struct FlatParamConfig {
   bool poison_padding = false;
   // CPU offload level, 0 (off), 1 or 2: Note [CPU offload] (flat_param/offload.h).
   int offload = 0;
+  // Note [Low-precision master gradient] (collective_plan.h): master().grad keeps the reduce
+  // dtype instead of being upcast to fp32. Not with offload (fsdp/resolve.cpp refuses it).
+  bool keep_low_precision_grads = false;
+  // The dtype of master().grad.
+  at::ScalarType grad_dtype() const { return keep_low_precision_grads ? reduce_dtype : at::kFloat; }
 };
 
 // The part of one original parameter inside this rank's master shard (Note [Original-parameter

@@ -60,8 +60,8 @@ struct alignas(4 * sizeof(T)) Vec4 {
 };
 
 // Four elements per thread with vector loads when `vec` (every pointer aligned to its 4-element
-// vector), one otherwise; a grid-stride loop.
-template <KernelDtype G, KernelDtype C>
+// vector), one otherwise; a grid-stride loop. kCopy false: no copy (`copy` is null).
+template <KernelDtype G, KernelDtype C, bool kCopy>
 __global__ void adamw_kernel(float* __restrict__ param, const typename Storage<G>::T* __restrict__ grad,
                              float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
                              uint16_t* __restrict__ copy, int64_t n, AdamwStep s, bool vec) {
@@ -83,12 +83,12 @@ __global__ void adamw_kernel(float* __restrict__ param, const typename Storage<G
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         adamw(p.x[k], to_float<G>(g.x[k]), m.x[k], v.x[k], s, bc1, bc2_sqrt);
-        c.x[k] = from_float<C>(p.x[k]);
+        if constexpr (kCopy) c.x[k] = from_float<C>(p.x[k]);
       }
       reinterpret_cast<Vec4<float>*>(param)[i] = p;
       reinterpret_cast<Vec4<float>*>(exp_avg)[i] = m;
       reinterpret_cast<Vec4<float>*>(exp_avg_sq)[i] = v;
-      reinterpret_cast<Vec4<uint16_t>*>(copy)[i] = c;
+      if constexpr (kCopy) reinterpret_cast<Vec4<uint16_t>*>(copy)[i] = c;
     }
     done = vecs * 4;
   }
@@ -98,7 +98,7 @@ __global__ void adamw_kernel(float* __restrict__ param, const typename Storage<G
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
-    copy[i] = from_float<C>(p);
+    if constexpr (kCopy) copy[i] = from_float<C>(p);
   }
 }
 
@@ -106,7 +106,7 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 size_t element_size(KernelDtype d) { return d == KernelDtype::kFloat32 ? 4 : 2; }
 
-template <KernelDtype G, KernelDtype C>
+template <KernelDtype G, KernelDtype C, bool kCopy>
 void launch(float* param, const void* grad, float* exp_avg, float* exp_avg_sq, void* copy,
             int64_t n, const AdamwStep& s, cudaStream_t stream) {
   constexpr int kThreads = 256;
@@ -118,20 +118,22 @@ void launch(float* param, const void* grad, float* exp_avg, float* exp_avg_sq, v
   const int64_t items = vec ? (n + 3) / 4 : n;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>((items + kThreads - 1) / kThreads, kMaxBlocks));
-  adamw_kernel<G, C><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  adamw_kernel<G, C, kCopy><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       param, static_cast<const typename Storage<G>::T*>(grad), exp_avg, exp_avg_sq,
       static_cast<uint16_t*>(copy), n, s, vec);
 }
 
-// The copy's dtype picks the instance for gradients of dtype G.
+// The copy's dtype (or its absence) picks the instance for gradients of dtype G.
 template <KernelDtype G>
 void launch_for_grad(float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
                      void* copy, KernelDtype copy_dtype, int64_t n, const AdamwStep& s,
                      cudaStream_t stream) {
-  if (copy_dtype == KernelDtype::kBFloat16) {
-    launch<G, KernelDtype::kBFloat16>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
+  if (copy == nullptr) {
+    launch<G, KernelDtype::kBFloat16, false>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
+  } else if (copy_dtype == KernelDtype::kBFloat16) {
+    launch<G, KernelDtype::kBFloat16, true>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
   } else {
-    launch<G, KernelDtype::kFloat16>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
+    launch<G, KernelDtype::kFloat16, true>(param, grad, exp_avg, exp_avg_sq, copy, n, s, stream);
   }
 }
 
@@ -142,7 +144,7 @@ cudaError_t adamw_step_with_copy(float* param, const void* grad, KernelDtype gra
                                  KernelDtype copy_dtype, int64_t n, const AdamwStep& step,
                                  cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  if (copy_dtype == KernelDtype::kFloat32) return cudaErrorInvalidValue;
+  if (copy != nullptr && copy_dtype == KernelDtype::kFloat32) return cudaErrorInvalidValue;
   switch (grad_dtype) {
     case KernelDtype::kFloat32:
       launch_for_grad<KernelDtype::kFloat32>(param, grad, exp_avg, exp_avg_sq, copy, copy_dtype,

@@ -48,21 +48,39 @@ bool needs_fallback(const std::vector<torch::optim::OptimizerParamGroup>& groups
 // split.
 constexpr int64_t kMixedBlock = int64_t{1} << 22;
 
-// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): steps `p` and writes `c` in one launch on
-// the current stream when the kernel is built and on and the tensors are what it takes (CUDA,
-// contiguous, fp32 parameter and moments, a bf16 / fp16 copy); false leaves it to the caller.
+// A plain fp32 CUDA step (fp32 gradient, no copy) of at least this many elements runs the
+// one-pass kernel, one launch per tensor; smaller ones stay in ATen's fused multi-tensor launch,
+// where one launch covers many tensors (a model's biases and norms) and host time would
+// otherwise grow with their count (Note [One-pass AdamW kernel]).
+constexpr int64_t kKernelMinNumel = int64_t{1} << 20;
+
+// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): whether the kernel is built and on and
+// would step parameter `p` (CUDA fp32); the step of such a parameter goes through kernel_step().
+bool kernel_takes(const at::Tensor& p) {
+#if FLATSHARD_WITH_CUDA_KERNELS
+  static const bool enabled = env::adamw_kernel();  // read once: it is on the per-step path
+  return enabled && p.is_cuda() && p.scalar_type() == at::kFloat;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// Steps `p` and writes `c` (if defined) in one launch on the current stream when kernel_takes(p)
+// and the tensors are what the kernel takes (on p's device, contiguous, fp32 moments, an fp32 /
+// bf16 / fp16 gradient — Note [Low-precision master gradient] —, a bf16 / fp16 copy or none);
+// false leaves it to the caller.
 bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const at::Tensor& g,
                  const at::Tensor& m, const at::Tensor& v, const at::Tensor& c, int64_t step) {
 #if FLATSHARD_WITH_CUDA_KERNELS
-  static const bool enabled = env::adamw_kernel();  // read once: it is on the per-step path
   auto fits = [&](const at::Tensor& t) {
     return t.is_cuda() && t.device() == p.device() && t.is_contiguous() && t.numel() == p.numel();
   };
   auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
-  if (!enabled || !c.defined() || !half(c.scalar_type()) || p.scalar_type() != at::kFloat ||
+  if (!kernel_takes(p) || (c.defined() && !(half(c.scalar_type()) && fits(c))) ||
       m.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat ||
       !(g.scalar_type() == at::kFloat || half(g.scalar_type())) || !fits(p) || !fits(g) ||
-      !fits(m) || !fits(v) || !fits(c))
+      !fits(m) || !fits(v))
     return false;
   const kernels::AdamwStep s{static_cast<float>(o.lr()),
                              static_cast<float>(std::get<0>(o.betas())),
@@ -71,7 +89,8 @@ bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const
                              static_cast<float>(step)};
   const cudaError_t e = kernels::adamw_step_with_copy(
       p.data_ptr<float>(), g.data_ptr(), *kernel_dtype(g.scalar_type()), m.data_ptr<float>(),
-      v.data_ptr<float>(), c.data_ptr(), *kernel_dtype(c.scalar_type()), p.numel(), s,
+      v.data_ptr<float>(), c.defined() ? c.data_ptr() : nullptr,
+      c.defined() ? *kernel_dtype(c.scalar_type()) : kernels::KernelDtype::kBFloat16, p.numel(), s,
       c10::cuda::getCurrentCUDAStream(p.device().index()).stream());
   TORCH_CHECK(e == cudaSuccess, "FusedAdamW: the one-pass AdamW kernel failed to launch on ",
               p.device(), " (", p.numel(), " elements): ", cudaGetErrorString(e));
@@ -280,7 +299,9 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
     std::vector<int64_t> counts;  // the step counts of `steps`
   };
-  Lists mixed;  // Note [Host compute copy]: a lower-precision gradient or a copy to write
+  // Per tensor: a lower-precision gradient or a copy to write (Note [Host compute copy]), or a
+  // CUDA fp32 step the one-pass kernel takes (Note [One-pass AdamW kernel]).
+  Lists mixed;
   std::vector<at::Tensor> mixed_copies;
   // (device, dtype) -> lists: one fused launch each.
   std::map<std::tuple<int, int, int>, Lists> by_kind;
@@ -303,7 +324,8 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
       auto& s = static_cast<torch::optim::AdamWParamState&>(*slot);
       s.step(s.step() + 1);
       const at::Tensor copy = copies.empty() ? at::Tensor() : copies[i];
-      const bool is_mixed = copy.defined() || grads[i].scalar_type() != p.scalar_type();
+      const bool is_mixed = copy.defined() || grads[i].scalar_type() != p.scalar_type() ||
+                            (kernel_takes(p) && p.numel() >= kKernelMinNumel);
       if (is_mixed) mixed_copies.push_back(copy);
       Lists& l = is_mixed ? mixed
                           : by_kind[{static_cast<int>(p.device().type()), p.device().index(),

@@ -55,6 +55,10 @@
 //   (tests/fused_adamw_test.cpp); on the GPU the kernel is checked against ATen's fused AdamW
 //   and cast (tests/gpu_parity_test.cpp). A step that falls back to AdamW::step() (amsgrad,
 //   sparse, a closure) writes no copy; the gather then recasts.
+// - Note [Low-precision master gradient] (flat_param/collective_plan.h): a bf16 / fp16 gradient
+//   of an fp32 parameter, with or without a copy, is read as it is — on CUDA by the one-pass
+//   kernel (no fp32 gradient is made), elsewhere upcast per block as above — and the result is
+//   the fp32 gradient's, bit for bit (the upcast is exact).
 #pragma once
 
 #include <torch/optim/adamw.h>

@@ -108,7 +108,9 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& opt) {
                       ": the gradient of optimizer parameter ", i, " of group ", g, " is ",
                       grad.is_sparse() ? "sparse " : "", grad.scalar_type(),
                       "; the scaler unscales dense fp32 gradients (build the optimizer on "
-                      "ShardedModel::parameters() or named_parameters())");
+                      "ShardedModel::parameters() or named_parameters(), and leave "
+                      "MixedPrecision::keep_low_precision_grads off: unscaling in ",
+                      grad.scalar_type(), " would flush the small gradients the scale keeps)");
           auto at_device = std::find_if(groups.begin(), groups.end(),
                                         [&](const auto& e) { return e.first == grad.device(); });
           if (at_device == groups.end())

@@ -69,6 +69,12 @@ struct MixedPrecision {
   c10::ScalarType param_dtype = c10::kFloat;
   // dtype of the gradient reduce-scatter / all-reduce. Default: param_dtype.
   std::optional<c10::ScalarType> reduce_dtype;
+  // Keep the master shards' gradients (master().grad, what the optimizer reads) in the reduce
+  // dtype instead of upcasting them to fp32: half the gradient memory and no upcast pass, at
+  // the price of clipping and accumulation rounding in that dtype (Note [Low-precision master
+  // gradient], flat_param/collective_plan.h). Not with offload or the gradient scaler.
+  // Default: off (fp32 gradients, as FSDP1's keep_low_precision_grads=False and FSDP2).
+  bool keep_low_precision_grads = false;
   // dtype floating-point buffers (module.named_buffers()) are cast to at setup; integer and
   // bool buffers keep theirs. Default: every buffer keeps its own dtype, whatever param_dtype
   // is — buffers are not parameters and are not cast with them (a rotary inv_freq, for one,

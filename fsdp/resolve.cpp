@@ -43,6 +43,12 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
               spec.name, "': offload level 2 cannot run with offload_step = delayed (each gather "
               "would upload the master while the delayed step writes it); use level 1, or "
               "offload_step = backward");
+  // Note [Low-precision master gradient] (flat_param/collective_plan.h).
+  r.flat.keep_low_precision_grads = mp.keep_low_precision_grads;
+  TORCH_CHECK(!(r.flat.keep_low_precision_grads && r.flat.offload > 0), "unit '", spec.name,
+              "': MixedPrecision::keep_low_precision_grads cannot be combined with offload "
+              "(level ", r.flat.offload, "): offloaded gradients take the host path (Note [Host "
+              "compute copy]); turn one of them off");
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
 }

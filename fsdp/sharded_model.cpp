@@ -446,7 +446,9 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
     if (!g.defined()) continue;
     // A replicated unit's gradient is identical on every rank: count it on rank 0 only.
     if (units[i]->strategy() == ShardingStrategy::kNoShard && comm_.rank() != 0) continue;
-    sumsq[static_cast<int64_t>(i)].copy_(g.pow(2).sum());
+    // Note [Low-precision master gradient]: a bf16 / fp16 gradient's norm in fp32.
+    sumsq[static_cast<int64_t>(i)].copy_(
+        (g.scalar_type() == at::kFloat ? g : g.to(at::kFloat)).pow(2).sum());
   }
   if (!units.empty()) comm_.all_reduce(sumsq, ReduceOp::kSum, comm_.current_stream());
   const at::Tensor per_unit = sumsq.to(at::kDouble).cpu();
@@ -465,7 +467,12 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   if (coef < 1.0) {
     for (auto& u : units) {
       at::Tensor g = u->flat().master().grad();
-      if (g.defined()) g.mul_(coef);
+      if (!g.defined()) continue;
+      if (g.scalar_type() == at::kFloat) {
+        g.mul_(coef);
+      } else {  // Note [Low-precision master gradient]: scaled in fp32, rounded once
+        g.copy_(g.to(at::kFloat).mul_(coef));
+      }
     }
   }
   return total;
@@ -498,7 +505,10 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool g
     if (grads) f.absorb_view_grads();  // zero_grad on the views since the reduction
     const FlatLayout& l = f.layout();
     at::Tensor master = f.master().detach();
-    if (grads) master = f.master().grad().defined() ? f.master().grad() : at::zeros_like(master);
+    if (grads)
+      master = f.master().grad().defined()
+                   ? f.master().grad()
+                   : at::zeros_like(master, master.options().dtype(f.config().grad_dtype()));
     master = master.to(comm_.device());  // Note [CPU offload]: a host master is gathered on the device
     at::Tensor full = master;
     if (f.config().sharded && l.padded_numel > 0) {

@@ -161,7 +161,8 @@ class ShardedModel {
   // rank (gathered from the master shards; with HSDP within the shard group). Tied
   // parameters appear under each of their names.
   std::vector<std::pair<std::string, at::Tensor>> gather_full_params() const;
-  // Collective: the same for the master gradients (zeros where a unit has none yet).
+  // Collective: the same for the master gradients (zeros where a unit has none yet), in their
+  // dtype (Note [Low-precision master gradient], flat_param/collective_plan.h).
   std::vector<std::pair<std::string, at::Tensor>> gather_full_grads() const;
 
   // Tracing (fsdp/trace.h; ShardingOptions::trace or FLATSHARD_TRACE). All are no-ops when off.

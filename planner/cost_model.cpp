@@ -309,9 +309,9 @@ void CostWalk::persistent_state() {
       // The unsharded buffer; offloaded (even fp32, which otherwise computes on the master
       // itself) it is a device copy of the host master.
       persistent_ += level_[k] > 0 ? u.padded_numel * ec_ : u.gathered_bytes;
-      p_.replicated_bytes += 2 * u.master_bytes + 2 * trainable;
+      p_.replicated_bytes += u.master_bytes + u.master_grad_bytes + 2 * trainable;
     }
-    master_grad_[k] = (u.frozen || level_[k] > 0) ? 0 : u.master_bytes;
+    master_grad_[k] = level_[k] > 0 ? 0 : u.master_grad_bytes;
     p_.host_bytes += off_[k].host_bytes;
   }
   p_.persistent_bytes = persistent_;

@@ -209,14 +209,15 @@ void warn_fragmentation(Explanation& e) {
 // rank) is a noticeable share of per-rank memory. `shard_numel_if_sharded[i]`: unit i's master
 // shard were it sharded over the shard group (its own shard_numel for sharded units).
 void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if_sharded) {
-  constexpr int64_t kStateCopies = 4;  // master, gradient, exp_avg, exp_avg_sq (all fp32)
+  constexpr int64_t kStateCopies = 3;  // master, exp_avg, exp_avg_sq (fp32); and the gradient
   std::vector<std::pair<int64_t, const UnitExplanation*>> replicated;  // state bytes, unit
   int64_t total = 0, saved = 0;
   for (size_t i = 0; i < e.units.size(); ++i) {
     const auto& u = e.units[i];
     if (u.strategy != ShardingStrategy::kNoShard || u.padded_numel == 0) continue;
-    const int64_t state = kStateCopies * u.master_bytes;
-    const int64_t if_sharded = kStateCopies * shard_numel_if_sharded[i] * elem_size(c10::kFloat);
+    const int64_t state = kStateCopies * u.master_bytes + u.master_grad_bytes;
+    const int64_t numel = u.master_bytes / elem_size(c10::kFloat);
+    const int64_t if_sharded = (numel > 0 ? state / numel : 0) * shard_numel_if_sharded[i];
     if (state <= if_sharded) continue;  // one rank per shard group: sharding saves nothing
     replicated.emplace_back(state, &u);
     total += state;
@@ -329,7 +330,7 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
   const int n = static_cast<int>(units.size());
   for (const auto& u : units) {
     // master + its gradient (a frozen unit has none); AdamW state for the trainable part only
-    const int64_t state = (u.frozen ? 1 : 2) * u.master_bytes;
+    const int64_t state = u.master_bytes + u.master_grad_bytes;
     const int64_t adamw =
         2 * (u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes);
     if (u.offload > 0) {  // Note [CPU offload]: on the host; level 1 keeps a compute shard
@@ -518,6 +519,8 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       trainable_shard_numel = max_trainable_in_shard(layout, trainable, sharded);
     u.frozen = !shapes.empty() && trainable_numel == 0;
     u.trainable_master_bytes = trainable_shard_numel * elem_size(c10::kFloat);
+    u.master_grad_bytes =
+        u.frozen ? 0 : layout.shard_numel * elem_size(settings.flat.grad_dtype());
     if (u.frozen) u.grad_buffer_bytes = 0;
     u.backward_reads_params = !u.frozen || any_trainable_before;
     any_trainable_before = any_trainable_before || !u.frozen;
@@ -616,7 +619,12 @@ std::string Explanation::to_string() const {
      << format_fixed(cost.reference_step_ms, 1)
      << " ms reference step (a stated constant, not a prediction)\n";
   os << "memory per rank: persistent " << format_bytes(memory.persistent_bytes)
-     << " (fp32 master shards + grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
+     << " (fp32 master shards + "
+     << (options.mixed_precision.keep_low_precision_grads
+             ? dtype_name(options.mixed_precision.reduce_dtype.value_or(
+                   options.mixed_precision.param_dtype))
+             : std::string("fp32"))
+     << " grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
      << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "
      << format_bytes(memory.total()) << " (+ AdamW state " << format_bytes(memory.adamw_state_bytes)
      << ", + activations)";

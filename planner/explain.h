@@ -90,7 +90,10 @@ struct UnitExplanation {
   // Bytes of the flat gradient during the unit's backward (padded_numel * param dtype), plus the
   // cast copy sent to the reduction when reduce dtype != param dtype.
   int64_t grad_buffer_bytes = 0;
-  int64_t master_bytes = 0;  // fp32 master: shard_numel * 4; its gradient is the same again
+  int64_t master_bytes = 0;  // fp32 master: shard_numel * 4
+  // Its gradient: shard_numel * 4, or * the reduce dtype's size with keep_low_precision_grads
+  // (Note [Low-precision master gradient], flat_param/collective_plan.h); 0 when frozen.
+  int64_t master_grad_bytes = 0;
   // Note [Frozen parameters]: a unit whose parameters all have requires_grad false (no
   // gradient, no reduction, no optimizer state), and the fp32 bytes of the trainable part of
   // the largest rank's shard (what AdamW keeps state for; -1: all of master_bytes).

@@ -293,6 +293,23 @@ TEST_CASE("explain: memory estimate by hand", "[diagnostics][explain]") {
   }
 }
 
+TEST_CASE("explain: keep_low_precision_grads counts the master gradients in the reduce dtype",
+          "[diagnostics][explain]") {
+  // Note [Low-precision master gradient] (flat_param/collective_plan.h). Tiny per-layer, world
+  // 2, bf16: fp32 masters (33856 + 2 * 24992 elements per rank) with fp32 gradients (4 + 4 B
+  // per element), or bf16 ones (4 + 2 B); a reduce dtype of fp32 keeps fp32 gradients.
+  const int64_t shard = 33856 + 2 * 24992;
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = c10::kBFloat16;
+  CHECK(explain_tiny(kPerLayer, 2, o).memory.persistent_bytes == shard * 8);
+  o.mixed_precision.keep_low_precision_grads = true;
+  const auto e = explain_tiny(kPerLayer, 2, o);
+  CHECK(e.memory.persistent_bytes == shard * 6);
+  CHECK(unit(e, "blocks.0").master_grad_bytes == 24992 * 2);
+  o.mixed_precision.reduce_dtype = c10::kFloat;
+  CHECK(explain_tiny(kPerLayer, 2, o).memory.persistent_bytes == shard * 8);
+}
+
 TEST_CASE("explain: 1B GPT on the meta device, and warnings", "[diagnostics][explain]") {
   auto cfg = g::GPTConfig::preset("1b");
   g::GPT model{nullptr};
@@ -700,6 +717,7 @@ std::vector<UnitExplanation> random_units(int n, uint32_t seed) {
     u.gathered_bytes = 1 + next() % 1000;
     u.grad_buffer_bytes = 1 + next() % 1000;
     u.master_bytes = 1 + next() % 100;
+    u.master_grad_bytes = u.master_bytes;  // an fp32 gradient
   }
   return units;
 }

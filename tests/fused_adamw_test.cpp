@@ -13,6 +13,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/fused_adamw.h"
+#include "fsdp/grad_scaler.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "tiny_net.h"
@@ -311,4 +312,145 @@ TEST_CASE("FusedAdamW::set_compute_copies rejects a pair that does not match", "
   set_grads(ps, 0);
   opt.step();
   CHECK(at::equal(copy, ps[1].detach().to(at::kHalf)));
+}
+
+TEST_CASE("Low-precision master gradient: bf16 master gradients train bit for bit as their fp32 "
+          "upcasts; clipping rounds once in bf16", "[fsdp][optim]") {
+  // Note [Low-precision master gradient] (flat_param/collective_plan.h). Two identical models,
+  // bf16 compute and reduction, one with keep_low_precision_grads. After every backward the
+  // kept model's gradients must be bf16 and equal to the other's fp32 ones (which are exact
+  // upcasts of bf16 values); without clipping, losses and masters stay equal bit for bit
+  // (FusedAdamW reads the bf16 gradient and upcasts exactly). With clipping, both compute the
+  // same fp32 norm, and the kept gradient is the fp32 clipped gradient rounded to bf16 once.
+  // Variants: one rank (the one-rank path's copy) and two (the reduce-scatter's output kept),
+  // sharded and NO_SHARD blocks (whose step also writes the compute copy), parameter groups
+  // over the shard views.
+  for (int world : {1, 2})
+    for (const char* policy : {"type=TinyBlock", "noshard:type=TinyBlock"})
+      for (bool groups : {false, true})
+        for (bool clip : {false, true}) {
+          CAPTURE(world, policy, groups, clip);
+          run_ranks(world, [&](Communicator& comm) {
+            struct Side {
+              flatshard_test::TinyNet net{nullptr};
+              std::unique_ptr<ShardedModel> fsdp;
+              std::shared_ptr<FusedAdamW> opt;
+              std::vector<double> losses;
+            };
+            auto make = [&](bool keep) {
+              ShardingOptions o;
+              o.mixed_precision.param_dtype = at::kBFloat16;
+              o.mixed_precision.keep_low_precision_grads = keep;
+              Side s;
+              s.net = flatshard_test::TinyNet(5, 9, 3);
+              flatshard_test::init_params(*s.net, 11);
+              s.fsdp = fully_shard(s.net.ptr(), make_plan(*s.net, parse_policy(policy)), comm, o);
+              const auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+              if (groups) {
+                std::vector<at::Tensor> decay, plain;
+                for (auto& [name, p] : s.fsdp->named_parameters())
+                  (name.find("bias") == std::string::npos ? decay : plain).push_back(p);
+                std::vector<torch::optim::OptimizerParamGroup> g;
+                g.emplace_back(decay);
+                g.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
+                                          torch::optim::AdamWOptions(3e-2).weight_decay(0)));
+                s.opt = std::make_shared<FusedAdamW>(g, opts);
+              } else {
+                s.opt = std::make_shared<FusedAdamW>(s.fsdp->parameters(), opts);
+              }
+              // Note [Compute copy in the step]: NO_SHARD blocks' copies written in the step.
+              if (std::string(policy).rfind("noshard", 0) == 0) s.fsdp->attach_optimizer(s.opt);
+              return s;
+            };
+            Side a = make(true), b = make(false);
+            for (int step = 0; step < 4; ++step) {
+              auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + comm.rank());
+              const auto x = at::randn({4, 5}, gen).to(at::kBFloat16);
+              double norms[2] = {0, 0};
+              for (Side* s : {&a, &b}) {
+                s->opt->zero_grad();
+                at::Tensor loss = enter(s->net, [&] { return s->net->forward(x); })
+                                      .to(at::kFloat).pow(2).mean();
+                loss.backward();
+                s->losses.push_back(loss.item<double>());
+              }
+              const auto ga = a.fsdp->parameters(), gb = b.fsdp->parameters();
+              TORCH_CHECK(ga.size() == gb.size() && !ga.empty(), "rank ", comm.rank());
+              for (size_t i = 0; i < ga.size(); ++i) {
+                const at::Tensor &x1 = ga[i].grad(), &x2 = gb[i].grad();
+                TORCH_CHECK(x1.defined() && x2.defined(), "rank ", comm.rank(), " param ", i);
+                TORCH_CHECK(x1.scalar_type() == at::kBFloat16 && x2.scalar_type() == at::kFloat,
+                            "rank ", comm.rank(), " param ", i, ": gradients of ",
+                            x1.scalar_type(), " and ", x2.scalar_type());
+                TORCH_CHECK(at::equal(x1.to(at::kFloat), x2), "rank ", comm.rank(), " step ",
+                            step, " param ", i, ": the kept gradient is not the upcast one's");
+              }
+              if (clip) {
+                int k = 0;
+                for (Side* s : {&a, &b}) norms[k++] = s->fsdp->clip_grad_norm_(1e-3);
+                TORCH_CHECK(norms[0] == norms[1] && norms[0] > 1e-3, "rank ", comm.rank(),
+                            ": norms ", norms[0], " and ", norms[1]);
+                for (size_t i = 0; i < ga.size(); ++i)
+                  TORCH_CHECK(at::equal(ga[i].grad(), gb[i].grad().to(at::kBFloat16)), "rank ",
+                              comm.rank(), " step ", step, " param ", i,
+                              ": the clipped bf16 gradient is not the fp32 one rounded");
+                // From here the two models' gradients differ by that rounding; step each with
+                // the same gradient (b's rounded) so the optimizer is still compared.
+                at::NoGradGuard no_grad;
+                for (size_t i = 0; i < gb.size(); ++i)
+                  gb[i].mutable_grad().copy_(ga[i].grad().to(at::kFloat));
+              }
+              for (Side* s : {&a, &b}) s->opt->step();
+            }
+            TORCH_CHECK(a.losses == b.losses, "rank ", comm.rank(), ": losses differ, first ",
+                        a.losses[0], " vs ", b.losses[0], ", last ", a.losses.back(), " vs ",
+                        b.losses.back());
+            const auto pa = a.fsdp->gather_full_params(), pb = b.fsdp->gather_full_params();
+            for (size_t i = 0; i < pa.size(); ++i)
+              TORCH_CHECK(at::equal(pa[i].second, pb[i].second), "rank ", comm.rank(), ": ",
+                          pa[i].first, " differs by ",
+                          (pa[i].second - pb[i].second).abs().max().item<double>());
+            // The full gradients come back in the kept dtype.
+            const auto fa = a.fsdp->gather_full_grads();
+            TORCH_CHECK(!fa.empty() && fa[0].second.scalar_type() == at::kBFloat16, "rank ",
+                        comm.rank());
+          });
+        }
+}
+
+TEST_CASE("Low-precision master gradient: refused with offload, and by the gradient scaler, "
+          "with messages", "[fsdp][optim]") {
+  run_ranks(1, [&](Communicator& comm) {
+    ShardingOptions o;
+    o.mixed_precision.param_dtype = at::kBFloat16;
+    o.mixed_precision.keep_low_precision_grads = true;
+    o.offload = 1;
+    auto net = flatshard_test::TinyNet(5, 9, 3);
+    try {
+      auto fsdp = fully_shard(net.ptr(), make_plan(*net, parse_policy("type=TinyBlock")), comm, o);
+      TORCH_CHECK(false, "offload with keep_low_precision_grads was accepted");
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      TORCH_CHECK(what.find("keep_low_precision_grads cannot be combined with offload") !=
+                      std::string::npos,
+                  "unexpected message: ", what);
+    }
+    o.offload = 0;
+    o.mixed_precision.param_dtype = at::kHalf;
+    auto net2 = flatshard_test::TinyNet(5, 9, 3);
+    auto fsdp = fully_shard(net2.ptr(), make_plan(*net2, parse_policy("type=TinyBlock")), comm, o);
+    auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+    ShardedGradScaler scaler(*fsdp);
+    const auto x = at::ones({4, 5}, at::kHalf);
+    at::Tensor loss = enter(net2, [&] { return net2->forward(x); }).to(at::kFloat).pow(2).mean();
+    scaler.scale(loss).backward();
+    try {
+      scaler.unscale_(*opt);
+      TORCH_CHECK(false, "the scaler unscaled fp16 master gradients");
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      TORCH_CHECK(what.find("keep_low_precision_grads off") != std::string::npos,
+                  "unexpected message: ", what);
+    }
+  });
 }

@@ -12,8 +12,10 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <optional>
 
 #include <ATen/ATen.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include "collectives/nccl_communicator.h"
@@ -131,19 +133,22 @@ TEST_CASE("GPU bf16 mixed precision against the fp32 reference", "[gpu][parity][
   }
 }
 
-// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): FusedAdamW with compute copies (the
-// kernel) against FusedAdamW without (ATen's _fused_adamw_) followed by the cast, on the
-// device: parameters, both moments and the copy bit for bit, over steps, with and without
-// decay, fp32 / bf16 / fp16 gradients, bf16 / fp16 copies, sizes that leave vector tails and a
-// view at an odd offset (the scalar path).
+// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): FusedAdamW (the kernel: with compute
+// copies, with bf16 / fp16 gradients, and for fp32 tensors of 1 Mi elements or more) against
+// ATen's _fused_adamw_ on the upcast gradients followed by the cast, on the device: parameters,
+// both moments and the copy bit for bit, over steps, with and without decay, fp32 / bf16 / fp16
+// gradients, bf16 / fp16 copies or none (Note [Low-precision master gradient]), sizes that
+// leave vector tails and a view at an odd offset (the scalar path).
 TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for bit",
           "[gpu][optim]") {
   const c10::Device dev = g_comm->device();
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
   for (at::ScalarType grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf})
-    for (at::ScalarType copy_dtype : {at::kBFloat16, at::kHalf})
+    for (std::optional<at::ScalarType> copy_dtype :
+         {std::optional<at::ScalarType>(at::kBFloat16), std::optional<at::ScalarType>(at::kHalf),
+          std::optional<at::ScalarType>()})
       for (double wd : {0.0, 0.1}) {
-        CAPTURE(grad_dtype, copy_dtype, wd);
+        CAPTURE(grad_dtype, copy_dtype.has_value(), wd);
         at::manual_seed(3);
         std::vector<at::Tensor> a, b, copies;
         for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{4099}, int64_t{5} << 20}) {
@@ -157,15 +162,22 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
         for (auto& t : a) t.requires_grad_(true);
         for (auto& t : b) t.requires_grad_(true);
         const auto o = torch::optim::AdamWOptions(1e-3).weight_decay(wd).betas({0.9, 0.95}).eps(1e-8);
-        FusedAdamW with(a, o), without(b, o);
-        FusedAdamW::ComputeCopies set;
-        for (auto& t : a) {
-          copies.push_back(at::empty({t.numel()}, f32.dtype(copy_dtype)));
-          set.tensors.emplace_back(t, copies.back());
+        FusedAdamW with(a, o);
+        std::vector<at::Tensor> mb, vb;  // the reference's moments
+        for (auto& t : b) {
+          mb.push_back(at::zeros_like(t));
+          vb.push_back(at::zeros_like(t));
         }
-        set.current = [] { return true; };
-        set.written = [] {};
-        with.set_compute_copies({set});
+        if (copy_dtype) {
+          FusedAdamW::ComputeCopies set;
+          for (auto& t : a) {
+            copies.push_back(at::empty({t.numel()}, f32.dtype(*copy_dtype)));
+            set.tensors.emplace_back(t, copies.back());
+          }
+          set.current = [] { return true; };
+          set.written = [] {};
+          with.set_compute_copies({set});
+        }
         for (int step = 0; step < 5; ++step) {
           for (size_t i = 0; i < a.size(); ++i) {
             const at::Tensor g = at::randn({a[i].numel()}, f32).mul_(1 + step).to(grad_dtype);
@@ -173,18 +185,26 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
             b[i].mutable_grad() = g.to(at::kFloat);  // exact: what the kernel computes with
           }
           with.step();
-          without.step();
+          at::NoGradGuard no_grad;
+          std::vector<at::Tensor> pd, gd, steps;
+          for (auto& t : b) {
+            pd.push_back(t.detach());
+            gd.push_back(t.grad());
+            steps.push_back(at::full({}, static_cast<double>(step + 1), f32));
+          }
+          at::_fused_adamw_(pd, gd, mb, vb, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
+                            std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(),
+                            o.eps(), /*amsgrad=*/false, /*maximize=*/false);
         }
         for (size_t i = 0; i < a.size(); ++i) {
           CAPTURE(i, a[i].numel());
           auto& sa = static_cast<torch::optim::AdamWParamState&>(*with.state().at(a[i].unsafeGetTensorImpl()));
-          auto& sb = static_cast<torch::optim::AdamWParamState&>(*without.state().at(b[i].unsafeGetTensorImpl()));
           const at::Tensor pa = a[i].detach(), pb = b[i].detach();
           CAPTURE((pa - pb).abs().max().item<double>(), (pa != pb).sum().item<int64_t>());
           CHECK(at::equal(pa, pb));
-          CHECK(at::equal(sa.exp_avg(), sb.exp_avg()));
-          CHECK(at::equal(sa.exp_avg_sq(), sb.exp_avg_sq()));
-          CHECK(at::equal(copies[i], pb.to(copy_dtype)));
+          CHECK(at::equal(sa.exp_avg(), mb[i]));
+          CHECK(at::equal(sa.exp_avg_sq(), vb[i]));
+          if (copy_dtype) CHECK(at::equal(copies[i], pb.to(*copy_dtype)));
         }
       }
 }
@@ -281,6 +301,30 @@ TEST_CASE("GPU compute copy in the step: the same training as the gather's recas
   for (auto& kv : recast.params) {
     CAPTURE(kv.first);
     CHECK(at::equal(stepped.params.at(kv.first), kv.second));
+  }
+}
+
+// Note [Low-precision master gradient] end to end: per-layer and NO_SHARD bf16 training with
+// bf16 master gradients (the one-pass kernel reads them) equals the fp32-gradient training (ATen's
+// fused AdamW, or the kernel with a copy), bit for bit, with device sleeps before the step.
+TEST_CASE("GPU low-precision master gradients: the same training as the fp32 gradients",
+          "[gpu][parity][bf16]") {
+  for (const char* spec : {"type=Block", "noshard:type=Block"}) {
+    CAPTURE(spec);
+    ShardingOptions opts;
+    opts.mixed_precision.param_dtype = at::kBFloat16;
+    const Run fp32 = sharded(spec, opts, kSleepCycles, /*fused=*/true);
+    opts.mixed_precision.keep_low_precision_grads = true;
+    const Run kept = sharded(spec, opts, kSleepCycles, /*fused=*/true);
+    REQUIRE(fp32.losses == kept.losses);
+    for (auto& kv : fp32.grads0) {  // step 0's gradients (to_cpu_map upcasts the bf16 ones)
+      CAPTURE(kv.first);
+      CHECK(at::equal(kept.grads0.at(kv.first), kv.second));
+    }
+    for (auto& kv : fp32.params) {
+      CAPTURE(kv.first);
+      CHECK(at::equal(kept.params.at(kv.first), kv.second));
+    }
   }
 }
 

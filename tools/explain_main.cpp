@@ -239,7 +239,7 @@ struct Request {
       offload_step = "after";
   int world = 1, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
   int64_t align = 8, batch = 0, seq = 0;
-  bool keep = false, show_plan = false, suggest = false;
+  bool keep = false, show_plan = false, suggest = false, keep_low_precision_grads = false;
   std::vector<int> offload_levels, prefetch_depths;
   flatshard::ExplainOptions cost;
 };
@@ -429,6 +429,7 @@ int run(const Described& m, const Request& r) {
   };
   opts.mixed_precision.param_dtype = dtype(r.param_dtype);
   if (!r.reduce_dtype.empty()) opts.mixed_precision.reduce_dtype = dtype(r.reduce_dtype);
+  opts.mixed_precision.keep_low_precision_grads = r.keep_low_precision_grads;
   opts.align = r.align;
   std::optional<int64_t> limit;
   if (!r.memory_limit.empty()) limit = parse_bytes(r.memory_limit);
@@ -559,6 +560,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--reduce-dtype", r.reduce_dtype, "gradient reduction dtype (default: param dtype)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_flag("--keep-low-precision-grads", r.keep_low_precision_grads,
+               "master gradients stay in the reduce dtype (as flatshard-bench's flag)");
   app.add_option("--align", r.align, "alignment of parameters in a flat buffer, in elements")
       ->check(at_least(1))
       ->capture_default_str();
