@@ -11,8 +11,12 @@ namespace kernels {
 
 namespace {
 
+// The ranges, and per range the index of its first block: range i has blocks
+// [first_block[i], first_block[i + 1]), one per kChunk elements (Note [Range copies]'s blocks).
 struct Ranges {
   RangeCopy r[kMaxRangesPerLaunch];
+  int64_t first_block[kMaxRangesPerLaunch + 1];
+  int count;
 };
 
 // Storage types: 16-bit values move as their bits.
@@ -61,24 +65,28 @@ struct alignas(sizeof(T) * N) Vec {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
+// Elements per block: 4 vectors per thread. Blocks are given to ranges by their size, so a
+// unit's few large parameters get all the blocks they can use beside its many small ones. A
+// grid of a fixed block count per range left the large ranges at ~2.7 blocks per SM: the 1B
+// GPT's per-layer step spent 6.36 ms in this kernel, 4.11 ms with blocks by size (one H200, 4
+// seq; benchmarks/RESULTS.md "Against PyTorch on one GPU").
+constexpr int64_t kChunk = int64_t{kThreads} * kVec * 4;
 
-// Blocks blockIdx.x of gridDim.x stride over the range's elements, kVec per thread when both
-// pointers are aligned for it.
+// This block's part [begin, begin + n) of the range, kVec elements per thread when both
+// pointers are aligned for it (a chunk starts kChunk elements after another: aligned alike).
 template <KernelDtype S, KernelDtype D>
-__device__ void copy_range(const RangeCopy& r) {
+__device__ void copy_range(const RangeCopy& r, int64_t begin, int64_t n) {
   using ST = typename Store<S>::T;
   using DT = typename Store<D>::T;
-  const ST* src = static_cast<const ST*>(r.src);
-  DT* dst = static_cast<DT*>(r.dst);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const ST* src = static_cast<const ST*>(r.src) + begin;
+  DT* dst = static_cast<DT*>(r.dst) + begin;
   int64_t done = 0;
   if (reinterpret_cast<uintptr_t>(src) % sizeof(Vec<ST, kVec>) == 0 &&
       reinterpret_cast<uintptr_t>(dst) % sizeof(Vec<DT, kVec>) == 0) {
-    const int64_t vecs = r.n / kVec;
+    const int64_t vecs = n / kVec;
     const auto* s4 = reinterpret_cast<const Vec<ST, kVec>*>(src);
     auto* d4 = reinterpret_cast<Vec<DT, kVec>*>(dst);
-    for (int64_t i = first; i < vecs; i += stride) {
+    for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
       const Vec<ST, kVec> in = s4[i];
       Vec<DT, kVec> out;
 #pragma unroll
@@ -87,59 +95,62 @@ __device__ void copy_range(const RangeCopy& r) {
     }
     done = vecs * kVec;
   }
-  for (int64_t i = done + first; i < r.n; i += stride) dst[i] = convert<S, D>(src[i]);
+  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = convert<S, D>(src[i]);
 }
 
 template <KernelDtype D>
-__device__ void zero_range(const RangeCopy& r) {
+__device__ void zero_range(const RangeCopy& r, int64_t begin, int64_t n) {
   using DT = typename Store<D>::T;
-  DT* dst = static_cast<DT*>(r.dst);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  DT* dst = static_cast<DT*>(r.dst) + begin;
   int64_t done = 0;
   if (reinterpret_cast<uintptr_t>(dst) % sizeof(Vec<DT, kVec>) == 0) {
-    const int64_t vecs = r.n / kVec;
+    const int64_t vecs = n / kVec;
     auto* d4 = reinterpret_cast<Vec<DT, kVec>*>(dst);
     const Vec<DT, kVec> zero{};
-    for (int64_t i = first; i < vecs; i += stride) d4[i] = zero;
+    for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) d4[i] = zero;
     done = vecs * kVec;
   }
-  for (int64_t i = done + first; i < r.n; i += stride) dst[i] = DT(0);
+  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = DT(0);
 }
 
 template <KernelDtype S>
-__device__ void copy_from(const RangeCopy& r) {
+__device__ void copy_from(const RangeCopy& r, int64_t begin, int64_t n) {
   switch (r.dst_dtype) {
     case KernelDtype::kFloat32:
-      return copy_range<S, KernelDtype::kFloat32>(r);
+      return copy_range<S, KernelDtype::kFloat32>(r, begin, n);
     case KernelDtype::kBFloat16:
-      return copy_range<S, KernelDtype::kBFloat16>(r);
+      return copy_range<S, KernelDtype::kBFloat16>(r, begin, n);
     case KernelDtype::kFloat16:
-      return copy_range<S, KernelDtype::kFloat16>(r);
+      return copy_range<S, KernelDtype::kFloat16>(r, begin, n);
   }
 }
 
-// blockIdx.y: the range; every range's blocks exit once its elements are done.
+// Block b copies chunk b - first_block[i] of the range i whose blocks hold b.
 __global__ void __launch_bounds__(kThreads) copy_ranges_kernel(const Ranges ranges) {
-  const RangeCopy& r = ranges.r[blockIdx.y];
+  const int64_t b = blockIdx.x;
+  int i = 0;
+  while (i + 1 < ranges.count && ranges.first_block[i + 1] <= b) ++i;
+  const RangeCopy& r = ranges.r[i];
+  const int64_t begin = (b - ranges.first_block[i]) * kChunk;
+  const int64_t n = r.n - begin < kChunk ? r.n - begin : kChunk;
   if (r.src == nullptr) {
     switch (r.dst_dtype) {
       case KernelDtype::kFloat32:
-        return zero_range<KernelDtype::kFloat32>(r);
+        return zero_range<KernelDtype::kFloat32>(r, begin, n);
       case KernelDtype::kBFloat16:
-        return zero_range<KernelDtype::kBFloat16>(r);
+        return zero_range<KernelDtype::kBFloat16>(r, begin, n);
       case KernelDtype::kFloat16:
-        return zero_range<KernelDtype::kFloat16>(r);
+        return zero_range<KernelDtype::kFloat16>(r, begin, n);
     }
     return;
   }
   switch (r.src_dtype) {
     case KernelDtype::kFloat32:
-      return copy_from<KernelDtype::kFloat32>(r);
+      return copy_from<KernelDtype::kFloat32>(r, begin, n);
     case KernelDtype::kBFloat16:
-      return copy_from<KernelDtype::kBFloat16>(r);
+      return copy_from<KernelDtype::kBFloat16>(r, begin, n);
     case KernelDtype::kFloat16:
-      return copy_from<KernelDtype::kFloat16>(r);
+      return copy_from<KernelDtype::kFloat16>(r, begin, n);
   }
 }
 
@@ -153,24 +164,23 @@ cudaError_t copy_ranges(const RangeCopy* ranges, int count, cudaStream_t stream)
   if (count <= 0) return cudaSuccess;
   if (count > kMaxRangesPerLaunch) return cudaErrorInvalidValue;
   Ranges arg{};
-  int64_t most = 0;
   int used = 0;
+  int64_t blocks = 0;
   for (int i = 0; i < count; ++i) {
     const RangeCopy& r = ranges[i];
     if (r.n < 0 || (r.n > 0 && r.dst == nullptr) || !known(r.dst_dtype) ||
         (r.src != nullptr && !known(r.src_dtype)))
       return cudaErrorInvalidValue;
     if (r.n == 0) continue;
-    arg.r[used++] = r;
-    most = std::max(most, r.n);
+    arg.r[used] = r;
+    arg.first_block[used++] = blocks;
+    blocks += (r.n + kChunk - 1) / kChunk;
   }
   if (used == 0) return cudaSuccess;
-  // Enough blocks for the largest range at kVec elements per thread, at most ~8 per SM of a
-  // 132-SM H200 over all ranges (the grid-stride loops cover the rest).
-  const int64_t want = (most + kThreads * kVec - 1) / (kThreads * kVec);
-  const int64_t cap = std::max<int64_t>(8, (132 * 8) / used);
-  const dim3 grid(static_cast<unsigned>(std::min(want, cap)), static_cast<unsigned>(used));
-  copy_ranges_kernel<<<grid, kThreads, 0, stream>>>(arg);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;  // 8.8e12 elements: not a unit
+  arg.first_block[used] = blocks;
+  arg.count = used;
+  copy_ranges_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(arg);
   return cudaGetLastError();
 }
 
