@@ -105,7 +105,7 @@ void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tenso
                 const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& steps,
                 const std::vector<int64_t>& counts, const std::vector<at::Tensor>& copies,
-                at::Tensor& scratch) {
+                at::Tensor& scratch, std::mutex& scratch_mu) {
   const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
   auto fused = [&](const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                    const at::Tensor& v, const at::Tensor& st) {
@@ -126,6 +126,9 @@ void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tenso
       continue;
     }
     const bool upcast = g.scalar_type() != p.scalar_type();
+    // The scratch block is shared by steps on other threads (an offload worker's); CUDA steps
+    // above take no lock, so a device step never waits behind a host one.
+    std::lock_guard<std::mutex> lock(scratch_mu);
     for (int64_t b = 0; b < p.numel(); b += kMixedBlock) {
       const int64_t len = std::min(kMixedBlock, p.numel() - b);
       const at::Tensor pb = p.narrow(0, b, len);
@@ -355,11 +358,8 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
       for (auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
   }
   if (mixed.params.empty()) return;
-  {
-    std::lock_guard<std::mutex> lock(scratch_mu_);
-    mixed_step(o, mixed.params, mixed.grads, mixed.exp_avgs, mixed.exp_avg_sqs, mixed.steps,
-               mixed.counts, mixed_copies, mixed_scratch_);
-  }
+  mixed_step(o, mixed.params, mixed.grads, mixed.exp_avgs, mixed.exp_avg_sqs, mixed.steps,
+             mixed.counts, mixed_copies, mixed_scratch_, scratch_mu_);
   for (auto* list : {&mixed.params, &mixed.exp_avgs, &mixed.exp_avg_sqs, &mixed_copies})
     for (auto& t : *list)
       if (t.defined()) t.unsafeGetTensorImpl()->bump_version();
