@@ -223,6 +223,34 @@ TEST_CASE("HSDP with no_sync accumulation and clipping matches", "[hsdp][parity]
   require_exact_counters(h, 2);
 }
 
+TEST_CASE("HSDP with bf16 master gradients trains as with fp32 ones, bit for bit",
+          "[hsdp][parity][bf16]") {
+  // Note [Low-precision master gradient] (flat_param/collective_plan.h) through the replicate
+  // all-reduce: on a 2x2 mesh, bf16 compute and reduction, the kept bf16 gradients are the
+  // fp32 path's values (exact upcasts), and both torch's AdamW (a bf16 .grad on an fp32
+  // parameter promotes exactly) and FusedAdamW step to the same bits.
+  for (bool fused : {false, true}) {
+    CAPTURE(fused);
+    auto s = gpt_spec(std::string(kMix) + "type=Block");
+    s.options.mixed_precision.param_dtype = at::kBFloat16;
+    s.fused_adamw = fused;
+    const auto fp32 = run_hsdp(s, 2, 2);
+    s.options.mixed_precision.keep_low_precision_grads = true;
+    const auto kept = run_hsdp(s, 2, 2);
+    REQUIRE(kept.run.losses == fp32.run.losses);
+    for (auto& kv : fp32.run.grads) {
+      CAPTURE(kv.first);
+      REQUIRE(kept.run.grads.at(kv.first).scalar_type() == at::kBFloat16);
+      REQUIRE(at::equal(kept.run.grads.at(kv.first).to(at::kFloat), kv.second));
+    }
+    for (auto& kv : fp32.run.params) {
+      CAPTURE(kv.first);
+      REQUIRE(at::equal(kept.run.params.at(kv.first), kv.second));
+    }
+    require_replicas_identical(kept);
+  }
+}
+
 TEST_CASE("HSDP checkpoint: replicate rank 0's group writes, every rank loads", "[hsdp][checkpoint]") {
   TempDir tmp;
   const std::string dir = tmp / "ckpt";
