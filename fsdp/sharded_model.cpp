@@ -447,8 +447,7 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
     // A replicated unit's gradient is identical on every rank: count it on rank 0 only.
     if (units[i]->strategy() == ShardingStrategy::kNoShard && comm_.rank() != 0) continue;
     // Note [Low-precision master gradient]: a bf16 / fp16 gradient's norm in fp32.
-    sumsq[static_cast<int64_t>(i)].copy_(
-        (g.scalar_type() == at::kFloat ? g : g.to(at::kFloat)).pow(2).sum());
+    sumsq[static_cast<int64_t>(i)].copy_(g.to(at::kFloat).pow(2).sum());  // to(): g if fp32
   }
   if (!units.empty()) comm_.all_reduce(sumsq, ReduceOp::kSum, comm_.current_stream());
   const at::Tensor per_unit = sumsq.to(at::kDouble).cpu();

@@ -44,6 +44,47 @@ void set_grads(std::vector<at::Tensor>& ps, int step) {
   }
 }
 
+// One of two identical models a comparison trains side by side: TinyNet(5, 9, 3) sharded by
+// `policy` under `o`, with a FusedAdamW over its masters or, with `groups`, two groups over the
+// shard views (biases without decay at another learning rate); attached when `attach`.
+struct TinySide {
+  flatshard_test::TinyNet net{nullptr};
+  std::unique_ptr<ShardedModel> fsdp;
+  std::shared_ptr<FusedAdamW> opt;
+  std::vector<double> losses;
+};
+
+TinySide make_tiny_side(Communicator& comm, const char* policy, const ShardingOptions& o,
+                        bool groups, bool attach) {
+  TinySide s;
+  s.net = flatshard_test::TinyNet(5, 9, 3);
+  flatshard_test::init_params(*s.net, 11);
+  s.fsdp = fully_shard(s.net.ptr(), make_plan(*s.net, parse_policy(policy)), comm, o);
+  const auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  if (groups) {
+    std::vector<at::Tensor> decay, plain;
+    for (auto& [name, p] : s.fsdp->named_parameters())
+      (name.find("bias") == std::string::npos ? decay : plain).push_back(p);
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(decay);
+    g.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
+                              torch::optim::AdamWOptions(3e-2).weight_decay(0)));
+    s.opt = std::make_shared<FusedAdamW>(g, opts);
+  } else {
+    s.opt = std::make_shared<FusedAdamW>(s.fsdp->parameters(), opts);
+  }
+  if (attach) s.fsdp->attach_optimizer(s.opt);
+  return s;
+}
+
+// zero_grad, forward on `x`, backward of the mean square; records the loss.
+void tiny_backward(TinySide& s, const at::Tensor& x) {
+  s.opt->zero_grad();
+  at::Tensor loss = enter(s.net, [&] { return s.net->forward(x); }).to(at::kFloat).pow(2).mean();
+  loss.backward();
+  s.losses.push_back(loss.item<double>());
+}
+
 }  // namespace
 
 TEST_CASE("FusedAdamW matches torch::optim::AdamW", "[fsdp][optim]") {
@@ -215,33 +256,9 @@ TEST_CASE("Compute copy in the step: an attached FusedAdamW writes NO_SHARD bf16
           ShardingOptions o;
           o.mixed_precision.param_dtype = at::kBFloat16;
           o.mixed_precision.reduce_dtype = at::kFloat;
-          struct Side {
-            flatshard_test::TinyNet net{nullptr};
-            std::unique_ptr<ShardedModel> fsdp;
-            std::shared_ptr<FusedAdamW> opt;
-            std::vector<double> losses;
-          };
+          using Side = TinySide;
           auto make = [&](bool attach) {
-            Side s;
-            s.net = flatshard_test::TinyNet(5, 9, 3);
-            flatshard_test::init_params(*s.net, 11);
-            s.fsdp = fully_shard(s.net.ptr(),
-                                 make_plan(*s.net, parse_policy("noshard:type=TinyBlock")), comm, o);
-            const auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
-            if (groups) {
-              std::vector<at::Tensor> decay, plain;
-              for (auto& [name, p] : s.fsdp->named_parameters())
-                (name.find("bias") == std::string::npos ? decay : plain).push_back(p);
-              std::vector<torch::optim::OptimizerParamGroup> g;
-              g.emplace_back(decay);
-              g.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
-                                        torch::optim::AdamWOptions(3e-2).weight_decay(0)));
-              s.opt = std::make_shared<FusedAdamW>(g, opts);
-            } else {
-              s.opt = std::make_shared<FusedAdamW>(s.fsdp->parameters(), opts);
-            }
-            if (attach) s.fsdp->attach_optimizer(s.opt);
-            return s;
+            return make_tiny_side(comm, "noshard:type=TinyBlock", o, groups, attach);
           };
           Side a = make(true), b = make(false);
           int copies = 0;
@@ -262,11 +279,7 @@ TEST_CASE("Compute copy in the step: an attached FusedAdamW writes NO_SHARD bf16
             auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + comm.rank());
             const auto x = at::randn({4, 5}, gen).to(at::kBFloat16);
             for (Side* s : {&a, &b}) {
-              s->opt->zero_grad();
-              at::Tensor loss = enter(s->net, [&] { return s->net->forward(x); })
-                                    .to(at::kFloat).pow(2).mean();
-              loss.backward();
-              s->losses.push_back(loss.item<double>());
+              tiny_backward(*s, x);
               s->opt->step();
             }
             if (write_after) {
@@ -331,49 +344,21 @@ TEST_CASE("Low-precision master gradient: bf16 master gradients train bit for bi
         for (bool clip : {false, true}) {
           CAPTURE(world, policy, groups, clip);
           run_ranks(world, [&](Communicator& comm) {
-            struct Side {
-              flatshard_test::TinyNet net{nullptr};
-              std::unique_ptr<ShardedModel> fsdp;
-              std::shared_ptr<FusedAdamW> opt;
-              std::vector<double> losses;
-            };
+            using Side = TinySide;
             auto make = [&](bool keep) {
               ShardingOptions o;
               o.mixed_precision.param_dtype = at::kBFloat16;
               o.mixed_precision.keep_low_precision_grads = keep;
-              Side s;
-              s.net = flatshard_test::TinyNet(5, 9, 3);
-              flatshard_test::init_params(*s.net, 11);
-              s.fsdp = fully_shard(s.net.ptr(), make_plan(*s.net, parse_policy(policy)), comm, o);
-              const auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
-              if (groups) {
-                std::vector<at::Tensor> decay, plain;
-                for (auto& [name, p] : s.fsdp->named_parameters())
-                  (name.find("bias") == std::string::npos ? decay : plain).push_back(p);
-                std::vector<torch::optim::OptimizerParamGroup> g;
-                g.emplace_back(decay);
-                g.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
-                                          torch::optim::AdamWOptions(3e-2).weight_decay(0)));
-                s.opt = std::make_shared<FusedAdamW>(g, opts);
-              } else {
-                s.opt = std::make_shared<FusedAdamW>(s.fsdp->parameters(), opts);
-              }
               // Note [Compute copy in the step]: NO_SHARD blocks' copies written in the step.
-              if (std::string(policy).rfind("noshard", 0) == 0) s.fsdp->attach_optimizer(s.opt);
-              return s;
+              return make_tiny_side(comm, policy, o, groups,
+                                    std::string(policy).rfind("noshard", 0) == 0);
             };
             Side a = make(true), b = make(false);
             for (int step = 0; step < 4; ++step) {
               auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + comm.rank());
               const auto x = at::randn({4, 5}, gen).to(at::kBFloat16);
               double norms[2] = {0, 0};
-              for (Side* s : {&a, &b}) {
-                s->opt->zero_grad();
-                at::Tensor loss = enter(s->net, [&] { return s->net->forward(x); })
-                                      .to(at::kFloat).pow(2).mean();
-                loss.backward();
-                s->losses.push_back(loss.item<double>());
-              }
+              for (Side* s : {&a, &b}) tiny_backward(*s, x);
               const auto ga = a.fsdp->parameters(), gb = b.fsdp->parameters();
               TORCH_CHECK(ga.size() == gb.size() && !ga.empty(), "rank ", comm.rank());
               for (size_t i = 0; i < ga.size(); ++i) {
