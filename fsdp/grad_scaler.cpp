@@ -19,21 +19,35 @@ namespace flatshard {
 
 namespace {
 
-// A value S can hold: finite, positive and still positive once rounded to fp32.
-bool positive_fp32(double v) {
-  return std::isfinite(v) && v > 0 && v <= static_cast<double>(std::numeric_limits<float>::max()) &&
-         static_cast<float>(v) > 0;
+// Note [Loss scale range]: S is a normal fp32 value, so 1/S (<= 2^126) is finite in fp32. A
+// subnormal S (1e-40) has a reciprocal of inf: the unscale would turn every finite gradient
+// into inf or NaN after the inf check (which reads the gradients before they are unscaled) and
+// the step would count as clean. update() never backs S off below kMinScale.
+constexpr double kMinScale = static_cast<double>(std::numeric_limits<float>::min());  // 2^-126
+constexpr double kMaxScale = static_cast<double>(std::numeric_limits<float>::max());
+// The factors' bounds: one update moves S by at most 2^16 either way.
+constexpr double kMaxGrowth = 65536.0;
+constexpr double kMinBackoff = 1.0 / 65536.0;
+
+bool valid_scale(double v) { return std::isfinite(v) && v >= kMinScale && v <= kMaxScale; }
+
+// "a normal positive fp32 value in [1.17549e-38, 3.40282e+38] (...)": one wording for the option
+// and the state.
+std::string scale_rule() {
+  return c10::str("a normal positive fp32 value in [", kMinScale, ", ", kMaxScale,
+                  "] (below that its reciprocal overflows fp32 and every unscaled gradient "
+                  "becomes inf or NaN)");
 }
 
 }  // namespace
 
 void GradScalerState::check(const std::string& what) const {
-  TORCH_CHECK(positive_fp32(scale), what, ": scale must be a finite positive fp32 value, got ",
-              scale);
-  TORCH_CHECK(std::isfinite(growth_factor) && growth_factor > 1, what,
-              ": growth_factor must be finite and > 1, got ", growth_factor);
-  TORCH_CHECK(std::isfinite(backoff_factor) && backoff_factor > 0 && backoff_factor < 1, what,
-              ": backoff_factor must be in (0, 1), got ", backoff_factor);
+  TORCH_CHECK(valid_scale(scale), what, ": scale must be ", scale_rule(), ", got ", scale);
+  TORCH_CHECK(std::isfinite(growth_factor) && growth_factor > 1 && growth_factor <= kMaxGrowth,
+              what, ": growth_factor must be in (1, 2^16 = ", kMaxGrowth, "], got ", growth_factor);
+  TORCH_CHECK(std::isfinite(backoff_factor) && backoff_factor >= kMinBackoff && backoff_factor < 1,
+              what, ": backoff_factor must be in [2^-16 = ", kMinBackoff, ", 1), got ",
+              backoff_factor);
   TORCH_CHECK(growth_interval >= 1 && growth_interval <= std::numeric_limits<int32_t>::max(), what,
               ": growth_interval must be in [1, 2^31 - 1], got ", growth_interval);
   TORCH_CHECK(growth_tracker >= 0 && growth_tracker < growth_interval, what,
@@ -49,8 +63,8 @@ ShardedGradScaler::ShardedGradScaler(ShardedModel& model, GradScalerOptions opti
       backoff_factor_(options.backoff_factor),
       growth_interval_(options.growth_interval) {
   const std::string what = where("ShardedGradScaler") + ": GradScalerOptions";
-  TORCH_CHECK(positive_fp32(options.init_scale), what,
-              ".init_scale must be a finite positive fp32 value, got ", options.init_scale);
+  TORCH_CHECK(valid_scale(options.init_scale), what, ".init_scale must be ", scale_rule(), ", got ",
+              options.init_scale);
   GradScalerState s;  // the constants' rules are the state's
   s.growth_factor = options.growth_factor;
   s.backoff_factor = options.backoff_factor;
@@ -127,6 +141,12 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& opt) {
       const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
       at::Tensor found = at::zeros({1}, f32);
       at::_amp_foreach_non_finite_check_and_unscale_(grads, found, at::full({1}, inv, f32));
+      // The kernel checks each gradient before multiplying it. With S < 1 (1/S > 1) a finite
+      // scaled gradient can overflow once unscaled: check the unscaled values too (the kernel
+      // with 1/S = 1 only checks), so a non-finite gradient never reaches a clean step. With
+      // S >= 1, |g / S| <= |g|: nothing new can overflow, and no second pass is paid.
+      if (inv > 1.0f)
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, found, at::ones({1}, f32));
       flags.narrow(0, 0, 1).add_(found.to(device));
     }
   } catch (...) {
@@ -178,7 +198,8 @@ void ShardedGradScaler::update() {
   per_optimizer_.clear();
   // torch's _amp_update_scale_: fp32 scale times a double factor, rounded to fp32.
   if (found_inf) {
-    scale_ = static_cast<float>(static_cast<double>(scale_) * backoff_factor_);
+    // Note [Loss scale range]: held at 2^-126 rather than backed off into subnormals.
+    scale_ = static_cast<float>(std::max(static_cast<double>(scale_) * backoff_factor_, kMinScale));
     growth_tracker_ = 0;
     return;
   }

@@ -24,14 +24,20 @@
 //   (and inf/NaN where fp16 compute or an fp16 reduction overflowed).
 // - unscale_(opt): every gradient the optimizer holds (fp32: the masters' .grad) is multiplied
 //   by 1/S (computed in double, rounded to fp32, as torch does) and checked for inf/NaN; at most
-//   once per optimizer per step. The local answer is combined with ONE all-reduce of one 2-float
-//   tensor [found_inf, failed] over every rank holding shards: the shard group, then (HSDP) the
-//   replicate group with the same tensor, so the result is the sum over all R * S ranks.
+//   once per optimizer per step. With S < 1 the unscaled values are checked as well (a finite
+//   gradient times 1/S > 1 can overflow), so a non-finite gradient never makes a clean step. The
+//   local answer is combined with ONE all-reduce of one 2-float tensor [found_inf, failed] over
+//   every rank holding shards: the shard group, then (HSDP) the replicate group with the same
+//   tensor, so the result is the sum over all R * S ranks.
 // - step(opt): unscale_(opt) unless done this step; then opt.step() only if no rank found
 //   inf/NaN. Returns whether it stepped — the same on every rank.
 // - update(): after a skipped step S *= backoff_factor and the clean-step count resets; after
 //   growth_interval consecutive clean steps S *= growth_factor (kept only if finite in fp32)
 //   and the count resets. S is held as an fp32 value, like torch's scale tensor.
+// - Note [Loss scale range] (grad_scaler.cpp): S is always a normal fp32 value, in
+//   [2^-126, FLT_MAX], so 1/S is finite. An init_scale or a loaded scale outside it is refused;
+//   backing off below 2^-126 holds S at 2^-126 (torch's would go subnormal, then 0, and its
+//   unscale would turn every gradient into inf/NaN unseen).
 // - enabled = false: scale() returns the loss, step() is opt.step(), unscale_() and update() do
 //   nothing, state_dict() is not saved by checkpoints (checkpoint/checkpoint.h).
 //
@@ -71,9 +77,9 @@ namespace flatshard {
 class ShardedModel;
 
 struct GradScalerOptions {
-  double init_scale = 65536.0;     // S at the start: 2^16
-  double growth_factor = 2.0;      // S *= this after growth_interval clean steps; > 1
-  double backoff_factor = 0.5;     // S *= this after a step with inf/NaN; in (0, 1)
+  double init_scale = 65536.0;     // S at the start: 2^16; a normal fp32 value, [2^-126, FLT_MAX]
+  double growth_factor = 2.0;      // S *= this after growth_interval clean steps; (1, 2^16]
+  double backoff_factor = 0.5;     // S *= this after a step with inf/NaN; [2^-16, 1)
   int64_t growth_interval = 2000;  // clean steps before growing; >= 1
   bool enabled = true;             // false: a pass-through (bf16 or fp32 runs keep one loop)
 };
@@ -86,8 +92,9 @@ struct GradScalerState {
   int64_t growth_interval = 2000;
   int64_t growth_tracker = 0;  // consecutive clean steps since the last change of S
   // Throws c10::Error "<what>: <field> ... got <value>" unless every field is usable: scale a
-  // finite fp32 value > 0, growth_factor finite > 1, backoff_factor in (0, 1), growth_interval
-  // in [1, 2^31 - 1], growth_tracker in [0, growth_interval). Untrusted values (a manifest)
+  // normal positive fp32 value (Note [Loss scale range]), growth_factor in (1, 2^16],
+  // backoff_factor in [2^-16, 1), growth_interval in [1, 2^31 - 1], growth_tracker in
+  // [0, growth_interval). Untrusted values (a manifest)
   // pass through it before anything uses them.
   void check(const std::string& what) const;
 };

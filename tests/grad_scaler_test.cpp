@@ -486,13 +486,21 @@ TEST_CASE("grad scaler: untrusted checkpoint values are checked", "[grad_scaler]
     std::string field, text, says;
   };
   for (const Case& c : std::vector<Case>{
-           {"scale", "0", "scale must be a finite positive fp32 value, got 0"},
-           {"scale", "-65536", "scale must be a finite positive fp32 value, got -65536"},
-           {"scale", "1e39", "scale must be a finite positive fp32 value, got 1e+39"},
+           {"scale", "0", "becomes inf or NaN), got 0"},
+           {"scale", "-65536", "becomes inf or NaN), got -65536"},
+           {"scale", "1e39", "becomes inf or NaN), got 1e+39"},
+           // Note [Loss scale range]: subnormal fp32 scales, whose reciprocal overflows fp32.
+           {"scale", "1e-40",
+            "scale must be a normal positive fp32 value in [1.17549e-38, 3.40282e+38]"},
+           {"scale", "1e-40", "becomes inf or NaN), got 1e-40"},
+           {"scale", "1e-45", "becomes inf or NaN), got 1e-45"},
            {"scale", "1e999", "number overflow parsing '1e999'"},
            {"scale", "\"inf\"", "/grad_scaler/scale"},
-           {"growth_factor", "1", "growth_factor must be finite and > 1, got 1"},
-           {"backoff_factor", "1.5", "backoff_factor must be in (0, 1), got 1.5"},
+           {"growth_factor", "1", "growth_factor must be in (1, 2^16 = 65536], got 1"},
+           {"growth_factor", "1e300", "growth_factor must be in (1, 2^16 = 65536], got 1e+300"},
+           {"backoff_factor", "1.5", "backoff_factor must be in [2^-16 = 1.52588e-05, 1), got 1.5"},
+           {"backoff_factor", "1e-300",
+            "backoff_factor must be in [2^-16 = 1.52588e-05, 1), got 1e-300"},
            {"growth_interval", "0", "growth_interval must be in [1, 2^31 - 1], got 0"},
            {"growth_tracker", "2000",
             "growth_tracker must be in [0, growth_interval = 2000), got 2000"},
@@ -587,7 +595,8 @@ TEST_CASE("grad scaler: misuse is a clear error naming the call and the rank",
     bad.scale = std::numeric_limits<double>::quiet_NaN();
     RANK_REQUIRE_THROWS_WITH(
         scaler.load_state_dict(bad),
-        Contains("scale must be a finite positive fp32 value, got nan") && Contains(rank));
+        Contains("scale must be a normal positive fp32 value") && Contains("got nan") &&
+            Contains(rank));
     RANK_CHECK(scaler.get_scale() == 256);  // unchanged by the refused state
 
     // A local fault inside unscale_ (rank 1's optimizer holds an fp16 gradient) fails every
@@ -617,19 +626,38 @@ TEST_CASE("grad scaler: invalid options name the field and the value", "[grad_sc
         return o;
       };
       RANK_REQUIRE_THROWS_WITH(ShardedGradScaler(*fsdp, with([](auto& o) { o.init_scale = 0; })),
-                               Contains("init_scale must be a finite positive fp32 value, got 0") &&
-                                   Contains("(rank 0)"));
+                               Contains("init_scale must be a normal positive fp32 value") &&
+                                   Contains("got 0") && Contains("(rank 0)"));
       RANK_REQUIRE_THROWS_WITH(
           ShardedGradScaler(*fsdp, with([](auto& o) { o.init_scale = INFINITY; })),
-          Contains("init_scale must be a finite positive fp32 value, got inf"));
+          Contains("init_scale must be a normal positive fp32 value") && Contains("got inf"));
       RANK_REQUIRE_THROWS_WITH(ShardedGradScaler(*fsdp, with([](auto& o) { o.growth_factor = 1; })),
-                               Contains("growth_factor must be finite and > 1, got 1"));
+                               Contains("growth_factor must be in (1, 2^16 = 65536], got 1"));
       RANK_REQUIRE_THROWS_WITH(
           ShardedGradScaler(*fsdp, with([](auto& o) { o.backoff_factor = 0; })),
-          Contains("backoff_factor must be in (0, 1), got 0"));
+          Contains("backoff_factor must be in [2^-16 = 1.52588e-05, 1), got 0"));
       RANK_REQUIRE_THROWS_WITH(
           ShardedGradScaler(*fsdp, with([](auto& o) { o.growth_interval = 0; })),
           Contains("growth_interval must be in [1, 2^31 - 1], got 0"));
+      // Note [Loss scale range]: a subnormal init_scale (1/S = inf in fp32) and factors that
+      // move S by more than 2^16 in one update.
+      RANK_REQUIRE_THROWS_WITH(
+          ShardedGradScaler(*fsdp, with([](auto& o) { o.init_scale = 1e-40; })),
+          Contains("GradScalerOptions.init_scale must be a normal positive fp32 value in "
+                   "[1.17549e-38, 3.40282e+38]") &&
+              Contains("got 1e-40"));
+      RANK_REQUIRE_THROWS_WITH(
+          ShardedGradScaler(*fsdp, with([](auto& o) { o.backoff_factor = 1e-300; })),
+          Contains("backoff_factor must be in [2^-16 = 1.52588e-05, 1), got 1e-300"));
+      RANK_REQUIRE_THROWS_WITH(
+          ShardedGradScaler(*fsdp, with([](auto& o) { o.growth_factor = 1e300; })),
+          Contains("growth_factor must be in (1, 2^16 = 65536], got 1e+300"));
+      // The bounds themselves are valid.
+      ShardedGradScaler(*fsdp, with([](auto& o) {
+        o.init_scale = std::numeric_limits<float>::min();
+        o.backoff_factor = 1.0 / 65536;
+        o.growth_factor = 65536;
+      }));
     });
   }
 }
@@ -654,5 +682,57 @@ TEST_CASE("grad scaler: disabled, it is a pass-through", "[grad_scaler]") {
     RANK_CHECK(fsdp->parameters()[0]._version() != before);  // stepped
     scaler.update();
     scaler.update();  // no step state to check when disabled
+  });
+}
+
+TEST_CASE(
+    "grad scaler: backing off stops at the smallest normal fp32 scale, and a gradient that "
+    "overflows only once unscaled skips the step",
+    "[grad_scaler]") {
+  // Note [Loss scale range] (fsdp/grad_scaler.cpp). Gradients set by hand on a lone parameter:
+  // the scaler's all-reduce and rules are the same for any optimizer.
+  constexpr float kMin = std::numeric_limits<float>::min();  // 2^-126
+  run_ranks(2, [&](Communicator& comm) {
+    TinyNet net = make_net();
+    auto fsdp = fully_shard(net.ptr(), net_plan(*net), comm, fp16_options());
+    at::Tensor p = at::zeros({3}).requires_grad_();
+    torch::optim::AdamW opt({p}, adamw());
+    // One step with gradient `grad` on rank `on` (1 elsewhere); whether it stepped.
+    auto step = [&](ShardedGradScaler& scaler, float grad, int on) {
+      p.mutable_grad() = at::full({3}, comm.rank() == on ? grad : 1.0f);
+      const bool stepped = scaler.step(opt);
+      scaler.update();
+      return stepped;
+    };
+
+    // S = 2^-10: 1e36 is finite, but 1e36 / S = 1.024e39 is inf in fp32. The kernel's check
+    // reads the gradient before it is unscaled; the step must still be skipped on every rank
+    // and the parameter stay finite.
+    GradScalerOptions so;
+    so.init_scale = std::ldexp(1.0, -10);
+    ShardedGradScaler small(*fsdp, so);
+    bool stepped = step(small, 1e36f, 1);
+    RANK_CHECK(!stepped);
+    RANK_CHECK(small.get_scale() == std::ldexp(1.0, -11));  // backed off
+    RANK_CHECK(at::isfinite(p).all().item<bool>());
+    RANK_CHECK(at::equal(p, at::zeros({3})));  // not stepped
+    // A gradient that stays finite once unscaled steps as usual.
+    stepped = step(small, 1e30f, 1);
+    RANK_CHECK(stepped);
+    RANK_CHECK(at::isfinite(p).all().item<bool>());
+
+    // 2^-120 backed off by 2^-16 would be 2^-136, a subnormal whose reciprocal is inf in fp32:
+    // held at 2^-126 instead, and again on the next overflow.
+    so = GradScalerOptions{};
+    so.init_scale = std::ldexp(1.0, -120);
+    so.backoff_factor = 1.0 / 65536;
+    ShardedGradScaler held(*fsdp, so);
+    stepped = step(held, INFINITY, 1);
+    RANK_CHECK(!stepped);
+    RANK_CHECK(held.get_scale() == kMin);
+    stepped = step(held, NAN, 0);
+    RANK_CHECK(!stepped);
+    RANK_CHECK(held.get_scale() == kMin);
+    held.state_dict().check("the held scale");  // and a checkpoint of it loads
   });
 }
