@@ -14,6 +14,12 @@
 
 namespace flatshard {
 
+namespace {
+// Note [Delayed offload step]: mark_stepped_early()'s `own_writes` for a step whose gradients
+// were dropped: no real version plus it is a version (see enqueue_delayed).
+constexpr int64_t kDroppedGradient = -(int64_t{1} << 62);
+}  // namespace
+
 OffloadStepper::~OffloadStepper() {
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -135,6 +141,12 @@ void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Strea
   }
   job.captured = capture(flat, e);
   flat.drop_master_grad();
+  // Marked as stepped early, as offload_step = backward marks its steps, so opt.step() leaves
+  // these tensors to the worker. Their gradients were just dropped: any gradient they hold at
+  // opt.step() was written since (a loop filling missing gradients with zeros, clipping) and
+  // would step them a second time. No gradient's version (>= 0) equals this mark's, so
+  // opt.step() refuses every such gradient with the backward mode's error.
+  opt_->mark_stepped_early(*job.captured, kDroppedGradient);
 }
 
 void OffloadStepper::wait() {

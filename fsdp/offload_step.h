@@ -52,8 +52,9 @@
 //   until the next refresh the copy ignores writes to the master); capture the step
 //   (FusedAdamW::capture_step: the gradient and the group options as they are now) and drop
 //   the unit's gradients (master and shard views: they belong to that step now, so zero_grad,
-//   clipping or inspection cannot race with it); queue it. The worker waits for the upload
-//   (it reads the master) and steps. The next forward and backward gather the held copy
+//   clipping or inspection cannot race with it) and mark its tensors stepped early
+//   (FusedAdamW::mark_stepped_early), so opt.step() skips them; queue it. The worker waits for the
+//   upload (it reads the master) and steps. The next forward and backward gather the held copy
 //   without waiting for the worker.
 // - Level 1 only: level 2 uploads from the master at every gather, which the worker writes
 //   meanwhile; sharded level-2 units are refused at setup. Offloaded NO_SHARD units (level 1
@@ -64,7 +65,10 @@
 //   offloaded units' gradients are undefined (gather_full_grads shows zeros for them).
 // - Refused, with a message: clip_grad_norm_ and the gradient scaler (the step takes the
 //   gradient at the reduction), a second synced backward without a forward between (a
-//   retained graph: its gathers would read a copy refreshed since the forward), level 2.
+//   retained graph: its gathers would read a copy refreshed since the forward), level 2, and
+//   any gradient an offloaded tensor holds at opt.step() (written after backward, e.g. zeros
+//   for "missing" gradients: it would step that tensor a second time; opt.step() throws the
+//   backward mode's error before stepping anything).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -432,6 +432,57 @@ TEST_CASE("offload_step delayed: the device copy is one step behind; sync_offloa
   });
 }
 
+TEST_CASE("offload_step delayed: a gradient written after backward is an error, not a second step",
+          "[offload][offload_step]") {
+  // Note [Delayed offload step]: after backward the offloaded tensors' gradients are undefined
+  // (their steps are queued). A loop that fills "missing" gradients with zeros used to make
+  // opt.step() step them again (AdamW's step count 4 after two iterations); it is now the
+  // backward mode's error, before anything is stepped, and a clean loop steps each tensor once
+  // per iteration.
+  ParitySpec s = gpt_parity_spec(2, "type=Block");
+  s.options.offload = 1;
+  s.options.offload_step = OffloadStep::kDelayed;
+  run_ranks(2, [&](Communicator& comm) {
+    auto model = s.make_model();
+    auto fsdp = fully_shard(model, s.plan(*model), comm, s.options);
+    auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp->attach_optimizer(opt);
+    std::vector<at::Tensor> params;
+    for (const auto& g : opt->param_groups())
+      for (const auto& p : g.params()) params.push_back(p);
+    auto steps = [&] {  // AdamW's step count per tensor (0: no state yet)
+      fsdp->wait_offload_steps();
+      std::vector<int64_t> out;
+      for (const auto& p : params) {
+        auto it = opt->state().find(p.unsafeGetTensorImpl());
+        out.push_back(it == opt->state().end()
+                          ? 0
+                          : static_cast<torch::optim::AdamWParamState&>(*it->second).step());
+      }
+      return out;
+    };
+    for (int step = 0; step < 2; ++step) {
+      opt->zero_grad();
+      s.loss(model, comm.rank(), step, 0).backward();
+      int filled = 0;
+      for (auto& p : params)
+        if (!p.grad().defined()) {
+          p.mutable_grad() = at::zeros_like(p);
+          ++filled;
+        }
+      RANK_REQUIRE(filled == static_cast<int>(params.size()));  // every unit is offloaded
+      RANK_REQUIRE_THROWS_WITH(opt->step(), Catch::Contains("was modified") &&
+                                                Catch::Contains("already stepped during backward"));
+      RANK_REQUIRE(steps() == std::vector<int64_t>(params.size(), step + 1));
+    }
+    // Without the write: one step per tensor per iteration.
+    opt->zero_grad();
+    s.loss(model, comm.rank(), 2, 0).backward();
+    opt->step();
+    RANK_REQUIRE(steps() == std::vector<int64_t>(params.size(), 3));
+  });
+}
+
 TEST_CASE("offload: a unit's spec level overrides the default; explain counts host and device bytes",
           "[offload][explain]") {
   ParitySpec s = gpt_parity_spec(2, "offload2:path=blocks.0;offload0:path=blocks.1;type=Block");
