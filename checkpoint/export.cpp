@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <set>
@@ -15,6 +16,7 @@
 #include "checkpoint/tensor_file.h"
 #include "checkpoint/unit_ranges.h"
 #include "fsdp/sharded_model.h"
+#include "support/input_file.h"
 #include "support/json.h"
 
 namespace flatshard {
@@ -23,6 +25,8 @@ namespace {
 
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
+constexpr const char* kMetadataKey = "__metadata__";
+constexpr const char* kTempSuffix = ".tmp";  // AtomicFile's (file_io.h): `<name>.tmp`
 
 std::string numbered_file(size_t i, size_t n) {
   char buf[64];
@@ -72,6 +76,11 @@ Layout lay_out(const ShardedModel& model, const ExportOptions& o) {
     item.name = o.name_map ? o.name_map(p.key()) : p.key();
     TORCH_CHECK(!item.name.empty(), "export_safetensors: the name map gives parameter '",
                 p.key(), "' an empty name");
+    // The header's metadata sits under this key beside the tensors: a tensor of that name
+    // makes a duplicate key that readers refuse.
+    TORCH_CHECK(item.name != kMetadataKey, "export_safetensors: the name map gives parameter '",
+                p.key(), "' the name '", kMetadataKey,
+                "', which safetensors reserves for the header's metadata; map it to another name");
     auto [t, fresh] = taken.emplace(item.name, p.key());
     TORCH_CHECK(fresh, "export_safetensors: the name map gives parameters '", t->second, "' and '",
                 p.key(), "' the same name '", item.name, "'");
@@ -145,11 +154,24 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
     TORCH_CHECK(o.max_file_bytes > 0, what, ": max_file_bytes must be positive, got ",
                 o.max_file_bytes);
     std::set<std::string> names;
+    auto own = [](const std::string& name) {
+      return name == kSingleFile || name == kIndexFile || is_numbered_file(name) ||
+             name == kMarkerName;
+    };
     for (const auto& [name, text] : o.text_files) {
       check_plain_name(name, what + ": text file");
-      TORCH_CHECK(name != kSingleFile && name != kIndexFile && !is_numbered_file(name) &&
-                      name != kMarkerName && names.insert(name).second,
-                  what, ": text file '", name, "' repeats or clashes with the export's own files");
+      TORCH_CHECK(!own(name) && names.insert(name).second, what, ": text file '",
+                  printable_escape(name), "' repeats or clashes with the export's own files");
+    }
+    // Every file is written as `<name>.tmp` and renamed: a text file named like another file's
+    // temporary would be overwritten by that file's write and renamed away.
+    for (const auto& [name, text] : o.text_files) {
+      const size_t n = std::strlen(kTempSuffix);
+      if (name.size() <= n || name.compare(name.size() - n, n, kTempSuffix) != 0) continue;
+      const std::string stem = name.substr(0, name.size() - n);
+      TORCH_CHECK(!own(stem) && !names.count(stem), what, ": text file '", printable_escape(name),
+                  "' is the name the export writes '", printable_escape(stem),
+                  "' under before renaming it (its temporary); rename the text file");
     }
     layout = lay_out(model, o);
     if (writer_rank) {
@@ -162,7 +184,6 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
   } catch (...) {
     err = std::current_exception();
   }
-  agree(comm, err, what);
 
   std::vector<std::unique_ptr<TensorFileWriter>> writers;
   auto guarded = [&](const std::function<void()>& fn) {
@@ -174,6 +195,9 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
     }
   };
   try {
+    // Inside the try: a failure on another rank (a name map that throws there) removes the
+    // staging directory this rank made.
+    agree(comm, err, what);
     guarded([&] {
       std::vector<std::vector<TensorEntry>> entries(layout.files.size());
       for (const Item& item : layout.items) {

@@ -11,20 +11,25 @@
 // Contract
 // - Collective: every rank of the model's communicator calls it with the same arguments,
 //   between steps (HSDP: the shard group of replicate rank 0 writes, as save_checkpoint). If any
-//   rank fails, every rank throws and nothing is published.
+//   rank fails (also in the name map), every rank throws, nothing is published and no staging
+//   directory is left.
 // - What is written: every parameter once, under name_map(its name) (identity when unset), in
 //   named_parameters() order, shape as the model's, values of the fp32 master converted to
 //   `dtype` (kFloat or kBFloat16); a tied parameter once, under the name its unit lists it by
 //   (its aliases are not written: readers tie them from their config). Buffers are not written
-//   (what transformers' model files hold). Mapped names must be non-empty and distinct: a
-//   collision is an error naming both parameters, before anything is written.
+//   (what transformers' model files hold). Mapped names must be non-empty, distinct and not
+//   `__metadata__` (the header's metadata key): a collision is an error naming both
+//   parameters, before anything is written.
 // - Files: tensors in order, a new file whenever the next tensor would take the current one
 //   above max_file_bytes (a tensor is never split): one file is `model.safetensors`; several
 //   are `model-00001-of-0000N.safetensors` ... with `model.safetensors.index.json`
 //   ({"metadata": {"total_size": tensor bytes}, "weight_map": {name: file}}), the layout
 //   transformers' save_pretrained writes and safetensors_loader reads. Header metadata
 //   {"format": "pt"} (transformers requires it). Then `text_files` in order; the last one (or,
-//   with none, the index or the single file) marks the export complete.
+//   with none, the index or the single file) marks the export complete. Every file is written
+//   as `<name>.tmp` and renamed, so a text file named `<name>.tmp` for a file the export
+//   writes (`config.json.tmp` beside `config.json`) is an error: every text file asked for is
+//   in the result or refused.
 // - Memory: ranks gather one unit at a time (the same all-gathers as a full checkpoint) and
 //   rank 0 writes it, so no rank holds more than one unit's full parameters beside its shards.
 // - Crash safe and non-destructive as save_checkpoint (Note [Checkpoint publication],

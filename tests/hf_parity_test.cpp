@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <mutex>
 #include <sstream>
@@ -461,6 +462,88 @@ TEST_CASE("export: bad options and a model that is not the LLaMA are errors, not
   clash.text_files = {{"model.safetensors", "{}"}};
   fails(llama, &clash, "clashes with the export's own files");
   fails(fm::ModelConfig::preset("gpt", "tiny"), nullptr, "not flatshard's LLaMA");
+}
+
+TEST_CASE(
+    "export: a failure on one rank, a reserved or repeated tensor name and a text file named like "
+    "a temporary are errors that leave nothing behind",
+    "[hf]") {
+  // Issue 49. Each failing export: every rank throws, naming the cause; neither the directory
+  // nor a staging directory beside it exists afterwards.
+  flatshard_test::TempDir tmp;
+  const auto cfg = fm::ModelConfig::of(flatshard::llama::LlamaConfig::preset("tiny"));
+  auto run = [&](const std::string& dir, const std::function<flatshard::ExportOptions(int)>& o) {
+    flatshard::run_ranks(2, [&](Communicator& comm) {
+      auto model = cfg.build(0);
+      auto fsdp =
+          flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm);
+      flatshard::export_safetensors(*fsdp, dir, o(comm.rank()));
+    });
+  };
+  auto nothing_left = [&](const std::string& dir) {
+    CHECK_FALSE(flatshard::path_exists(dir));
+    CHECK(side_entries(dir) == std::vector<std::string>{});
+  };
+  // A name map that throws on rank 1 only: rank 0 had made its staging directory by then.
+  const std::string failing = tmp / "failing";
+  CHECK_THROWS_WITH(run(failing,
+                        [](int rank) {
+                          flatshard::ExportOptions o;
+                          o.name_map = [rank](const std::string& n) {
+                            if (rank == 1) throw std::runtime_error("no name for '" + n + "'");
+                            return n;
+                          };
+                          return o;
+                        }),
+                    Catch::Contains("no name for") && Catch::Contains("rank 1"));
+  nothing_left(failing);
+  // A tensor named like the header's metadata key; two tensors given one name.
+  auto mapped = [&](const std::string& dir, const std::string& a, const std::string& b,
+                    const std::string& to) {
+    run(dir, [&](int) {
+      flatshard::ExportOptions o;
+      o.name_map = [=](const std::string& n) { return n == a || n == b ? to : n; };
+      return o;
+    });
+  };
+  const std::string reserved = tmp / "reserved";
+  CHECK_THROWS_WITH(mapped(reserved, "layers.1.mlp.up.weight", "", "__metadata__"),
+                    Catch::Contains("'layers.1.mlp.up.weight'") &&
+                        Catch::Contains("'__metadata__'") && Catch::Contains("reserves"));
+  nothing_left(reserved);
+  const std::string twice = tmp / "twice";
+  CHECK_THROWS_WITH(
+      mapped(twice, "layers.0.mlp.up.weight", "layers.1.mlp.up.weight", "up"),
+      Catch::Contains("'layers.0.mlp.up.weight' and 'layers.1.mlp.up.weight' the same name 'up'"));
+  nothing_left(twice);
+  // A text file named like another file's temporary (`<name>.tmp`): that file's write would
+  // replace it and rename it away. Refused in either order, and for the export's own files.
+  auto with_text = [&](const std::string& dir,
+                       std::vector<std::pair<std::string, std::string>> files) {
+    run(dir, [&](int) {
+      flatshard::ExportOptions o;
+      o.text_files = files;
+      return o;
+    });
+  };
+  const std::vector<std::vector<std::pair<std::string, std::string>>> clashing = {
+      {{"config.json.tmp", "draft"}, {"config.json", "{}"}},
+      {{"config.json", "{}"}, {"config.json.tmp", "draft"}},
+      {{"model.safetensors.tmp", "draft"}},
+  };
+  for (const auto& files : clashing) {
+    const std::string dir = tmp / "text";
+    CAPTURE(files.front().first);
+    CHECK_THROWS_WITH(with_text(dir, files), Catch::Contains(".tmp'") &&
+                                                 Catch::Contains("its temporary"));
+    nothing_left(dir);
+  }
+  // Alone, such a name is an ordinary file: it is in the export.
+  const std::string alone = tmp / "alone";
+  with_text(alone, {{"config.json.tmp", "draft"}, {"notes.txt", "n"}});
+  CHECK(read_file(alone + "/config.json.tmp") == "draft");
+  CHECK(read_file(alone + "/notes.txt") == "n");
+  CHECK(side_entries(alone) == std::vector<std::string>{});
 }
 
 TEST_CASE("hf: config.json written by hf_config_json reads back as the same config", "[hf]") {
