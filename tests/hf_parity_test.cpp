@@ -562,3 +562,91 @@ TEST_CASE("hf: what flatshard cannot express is a clear error naming the field",
   CHECK_THROWS_WITH(fm::hf_parameter_name("layers.0.attn.rope.weight"),
                     Catch::Contains("layers.0.attn.rope.weight"));
 }
+
+// Issue 49: "Errors about a file name the file's own keys".
+TEST_CASE("hf: config.json errors name the file's keys and the file", "[hf]") {
+  flatshard_test::TempDir tmp;
+  const std::string path = tmp / "config.json";
+  auto fails = [&](const std::string& body, const std::string& what) {
+    write_file(path, "{" + body + "}");
+    CAPTURE(body);
+    CHECK_THROWS_WITH(fm::hf_config(tmp.path()), Catch::Contains(what + " in " + path));
+  };
+  const std::string llama = R"("architectures": ["LlamaForCausalLM"], "vocab_size": 128,
+      "intermediate_size": 96, "num_hidden_layers": 2, )";
+  fails(llama + R"("hidden_size": 256, "num_attention_heads": 6)",
+        "num_attention_heads (6) must divide hidden_size (256)");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3)",
+        "num_key_value_heads (3) must divide num_attention_heads (4)");
+  fails(llama + R"("hidden_size": 60, "num_attention_heads": 4)",
+        "hidden_size / num_attention_heads (60 / 4 = 15) must be even");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "head_dim": 15)",
+        "head_dim (15) must be even");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "rms_norm_eps": 0)",
+        "rms_norm_eps (0) must be finite and > 0");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "rope_theta": 0.5)",
+        "rope_theta (0.5) must be finite and > 1");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4,
+        "rope_scaling": {"rope_type": "linear", "factor": 0})",
+        "rope_scaling.factor (0) must be finite and > 0");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4,
+        "rope_parameters": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+        "high_freq_factor": 1, "original_max_position_embeddings": 16})",
+        "rope_parameters.low_freq_factor (4) must be > 0 and below "
+        "rope_parameters.high_freq_factor (1)");
+  // Keys an architecture does not read are ignored, as transformers ignores them: Qwen2 and
+  // Mistral build their biases from the architecture alone.
+  const std::string sizes = R"("vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "mlp_bias": true, )";
+  const auto q = fm::parse_hf_config(
+      "{" + sizes + R"("architectures": ["Qwen2ForCausalLM"], "attention_bias": false})", "q");
+  CHECK(q.llama->attention_bias);
+  const auto m = fm::parse_hf_config(
+      "{" + sizes + R"("architectures": ["MistralForCausalLM"], "attention_bias": true})", "m");
+  CHECK_FALSE(m.llama->attention_bias);
+  // rope_scaling and rope_parameters both: transformers 5 takes a non-empty rope_scaling (an
+  // empty one falls back to rope_parameters); a rope_theta inside it wins over the top level.
+  const std::string l64 = "{" + llama + R"("hidden_size": 64, "num_attention_heads": 4,
+      "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, )";
+  const auto both = fm::parse_hf_config(
+      l64 + R"("rope_scaling": {"type": "linear", "factor": 2.0, "rope_theta": 3e4}})", "b");
+  CHECK(both.llama->rope_scaling.type == flatshard::llama::RopeScaling::Type::kLinear);
+  CHECK(both.llama->rope_scaling.factor == 2.0);
+  CHECK(both.llama->rope_theta == 3e4);
+  const auto empty = fm::parse_hf_config(l64 + R"("rope_scaling": {}})", "e");
+  CHECK(empty.llama->rope_scaling.type == flatshard::llama::RopeScaling::Type::kNone);
+  CHECK(empty.llama->rope_theta == 1e4);
+}
+
+// Issue 49: save_hf with a base config.json holding quantization_config wrote an export
+// transformers cannot load (it tries to load the plain weights as quantized). The key is dropped,
+// with a warning: the export's weights are not quantized.
+TEST_CASE("hf: save_hf drops the base config's quantization_config; transformers loads the export",
+          "[hf][python]") {
+  flatshard_test::TempDir tmp;
+  std::string base = read_file(reference_dir() + "/llama2/config.json");
+  const size_t brace = base.find('{');
+  REQUIRE(brace != std::string::npos);
+  base.insert(brace + 1, R"("quantization_config": {"quant_method": "fp8",
+      "weight_block_size": [128, 128]}, )");
+  write_file(tmp / "base.json", base);
+  auto cfg = flatshard::llama::LlamaConfig::preset("tiny");
+  const std::string out = tmp / "export";
+  flatshard::run_ranks(2, [&](Communicator& comm) {
+    auto model = fm::ModelConfig::of(cfg).build(0);
+    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm);
+    fm::HfSaveOptions o;
+    o.base_config = tmp / "base.json";
+    fm::save_hf(*fsdp, out, o);
+  });
+  const std::string written = read_file(out + "/config.json");
+  CHECK(written.find("quantization_config") == std::string::npos);
+  CHECK(written.find("\"bos_token_id\"") != std::string::npos);  // the base's other keys stay
+  const at::Tensor idx = at::randint(0, cfg.vocab, {2, 8}, at::kLong);
+  flatshard_test::write_bytes(tmp / "idx.bin", std::string(static_cast<const char*>(idx.data_ptr()),
+                                                           static_cast<size_t>(idx.nbytes())));
+  python_logits({{out, tmp / "idx.bin", tmp / "out.logits"}}, tmp / "python.log");
+  CHECK(at::isfinite(read_tensor(tmp / "out.logits", {2, 8, cfg.vocab}, at::kFloat))
+            .all()
+            .item<bool>());
+}
