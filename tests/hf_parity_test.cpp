@@ -12,10 +12,13 @@
 // with nothing written.
 #include <catch2/catch.hpp>
 
+#include <c10/util/Exception.h>
+
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +31,7 @@
 
 #include "checkpoint/export.h"
 #include "checkpoint/file_io.h"
+#include "checkpoint/load_into_shards.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/meta_init.h"
@@ -106,9 +110,32 @@ LoadedHf load_hf(const std::string& dir, const fm::ModelConfig& cfg, Communicato
   return l;
 }
 
+// The issue-49 directories (hf_reference.py --variants): what transformers makes of each.
+const std::string& variants_dir() {
+  static flatshard_test::TempDir tmp;
+  static const bool written = [] {
+    const std::string cmd = std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " +
+                            FLATSHARD_SOURCE_DIR + "/tests/hf_reference.py --variants " +
+                            tmp.path() + " > " + (tmp / "log.txt") + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    INFO("hf_reference.py --variants:\n" << read_file(tmp / "log.txt"));
+    REQUIRE(rc == 0);
+    return true;
+  }();
+  (void)written;
+  return tmp.path();
+}
+
+void check_dir(const std::string& dir, int world);
+
 // transformers' logits and ours for `name`, sharded per layer over `world` CPU ranks.
 void check_case(const std::string& name, int world) {
-  const std::string dir = reference_dir() + "/" + name;
+  check_dir(reference_dir() + "/" + name, world);
+}
+
+// transformers' logits (dir/logits.bin) and ours for `dir`, as check_case.
+void check_dir(const std::string& dir, int world) {
+  const std::string name = dir;
   std::istringstream dims(read_file(dir + "/seq.txt"));
   int64_t seq = 0, vocab = 0;
   dims >> seq >> vocab;
@@ -561,6 +588,83 @@ TEST_CASE("hf: what flatshard cannot express is a clear error naming the field",
   CHECK(at::allclose(scaled * 4.0, plain));
   CHECK_THROWS_WITH(fm::hf_parameter_name("layers.0.attn.rope.weight"),
                     Catch::Contains("layers.0.attn.rope.weight"));
+}
+
+namespace {
+
+// Collects TORCH_WARN messages of this thread.
+struct WarningCollector : c10::WarningHandler {
+  void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  std::string all() const {
+    std::string out;
+    for (const auto& m : messages) out += m + "\n";
+    return out;
+  }
+  std::vector<std::string> messages;
+};
+
+// hf_config(dir) and hf_loader's check of every parameter (as fully_shard plans them: a tied
+// one once), on this thread, with the warnings both give.
+std::pair<fm::ModelConfig, std::string> config_and_check_warnings(const std::string& dir) {
+  WarningCollector w;
+  c10::WarningUtils::WarningHandlerGuard guard(&w);
+  fm::ModelConfig cfg = fm::hf_config(dir);
+  std::shared_ptr<torch::nn::Module> model;
+  {
+    flatshard::MetaInit meta;
+    model = cfg.build(0);
+  }
+  std::vector<flatshard::PlannedParam> planned;
+  std::vector<const void*> seen;
+  for (const auto& p : model->named_parameters()) {
+    const void* impl = p.value().unsafeGetTensorImpl();
+    if (std::find(seen.begin(), seen.end(), impl) != seen.end()) continue;
+    seen.push_back(impl);
+    planned.push_back({p.key(), p.value().sizes().vec()});
+  }
+  fm::hf_loader(dir, cfg).check(planned);
+  return {cfg, w.all()};
+}
+
+}  // namespace
+
+// Issue 49: the same directory, another model than transformers loads. Each directory of
+// hf_reference.py --variants must give transformers' own logits (from_pretrained of it).
+TEST_CASE("hf: a directory whose files say two things loads what transformers loads",
+          "[hf][python]") {
+  const std::string v = variants_dir();
+  using flatshard::llama::LlamaConfig;
+  // tie_word_embeddings with an lm_head.weight of other values: untied, both loaded, said.
+  auto [tie, tie_warn] = config_and_check_warnings(v + "/tie_differs");
+  CHECK_FALSE(tie.as<LlamaConfig>().tie_embeddings);
+  CHECK_THAT(tie_warn, Catch::Contains("tie_word_embeddings true") &&
+                           Catch::Contains("differs from model.embed_tokens.weight"));
+  CHECK_THAT(tie_warn, !Catch::Contains("read by no parameter"));
+  // ... and with an equal one: tied, and the unread copy is no news.
+  auto [equal, equal_warn] = config_and_check_warnings(v + "/tie_equal");
+  CHECK(equal.as<LlamaConfig>().tie_embeddings);
+  CHECK(equal_warn.empty());
+  // model.safetensors beside an index over other values: model.safetensors, both named.
+  auto [both, both_warn] = config_and_check_warnings(v + "/both_files");
+  CHECK_THAT(both_warn, Catch::Contains("holds both model.safetensors and "
+                                        "model.safetensors.index.json") &&
+                            Catch::Contains(v + "/both_files/model.safetensors.index.json"));
+  // Qwen2 with "attention_bias": false keeps its q/k/v biases.
+  auto [qwen, qwen_warn] = config_and_check_warnings(v + "/qwen2_attention_bias_false");
+  CHECK(qwen.as<LlamaConfig>().attention_bias);
+  // rope_scaling wins over rope_parameters.
+  auto [rope, rope_warn] = config_and_check_warnings(v + "/rope_both");
+  CHECK(rope.as<LlamaConfig>().rope_scaling.type == flatshard::llama::RopeScaling::Type::kLinear);
+  CHECK(rope.as<LlamaConfig>().rope_scaling.factor == 4.0);
+  // A stray tensor is reported by name; the rotary inv_freq buffer is not.
+  auto [extra, extra_warn] = config_and_check_warnings(v + "/extra_tensor");
+  CHECK_THAT(extra_warn, Catch::Contains("1 tensor of") &&
+                             Catch::Contains("'model.extra.weight'") &&
+                             Catch::Contains("read by no parameter"));
+  CHECK_THAT(extra_warn, !Catch::Contains("inv_freq"));
+  for (const char* name : {"tie_differs", "tie_equal", "both_files", "qwen2_attention_bias_false",
+                           "rope_both", "extra_tensor"})
+    for (int world : {1, 2}) check_dir(v + "/" + name, world);
 }
 
 // Issue 49: "Errors about a file name the file's own keys".
