@@ -197,6 +197,24 @@ bool is_directory(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+WeightsDirPick pick_weights_in_dir(const std::string& dir) {
+  // Note [Weights file of a directory]: transformers' order, model.safetensors first.
+  auto present = [&](const char* name) {
+    struct stat st;
+    return ::lstat(join_path(dir, name).c_str(), &st) == 0;
+  };
+  WeightsDirPick p;
+  const bool single = present("model.safetensors");
+  const bool index = present("model.safetensors.index.json");
+  if (single) p.path = join_path(dir, "model.safetensors");
+  if (index && !single) {
+    p.path = join_path(dir, "model.safetensors.index.json");
+    p.index = true;
+  }
+  if (index && single) p.shadowed = join_path(dir, "model.safetensors.index.json");
+  return p;
+}
+
 std::vector<std::string> list_dir(const std::string& path) {
   DIR* d = ::opendir(path.c_str());
   TORCH_CHECK(d != nullptr, "checkpoint: cannot list '", path, "': ", os_error());

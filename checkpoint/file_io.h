@@ -178,6 +178,21 @@ void check_plain_name(const std::string& name, const std::string& what);
 // otherwise. Opened with InputFile afterwards (O_NOFOLLOW: the blob path has no links left).
 std::string resolve_weights_file(const std::string& path);
 
+// Note [Weights file of a directory]
+// A Hugging Face directory holds `model.safetensors` (one file) or
+// `model.safetensors.index.json` (sharded). With both, transformers 5 (modeling_utils.py,
+// _get_resolved_checkpoint_files) reads model.safetensors and never opens the index, so
+// flatshard does the same (its loader, safetensors_loader, and flatshard-explain --weights:
+// both call pick_weights_in_dir) and says so, naming both files: they may disagree (a stale
+// index from an earlier sharded save). An entry counts as present when lstat finds it (a
+// dangling link of a partial hub download is chosen and then refused, never skipped).
+struct WeightsDirPick {
+  std::string path;      // <dir>/model.safetensors or <dir>/model.safetensors.index.json; ""
+  bool index = false;    // path is the index
+  std::string shadowed;  // the index that is present but not read ("" when none)
+};
+WeightsDirPick pick_weights_in_dir(const std::string& dir);
+
 inline constexpr const char* kMarkerName = ".flatshard-checkpoint";
 inline constexpr const char* kStagingInfix = ".flatshard-saving-";
 inline constexpr const char* kBackupInfix = ".flatshard-old-";

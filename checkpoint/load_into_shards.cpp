@@ -5,12 +5,16 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <unordered_map>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/safetensors.h"
+#include "support/input_file.h"
 #include "support/json.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -57,8 +61,24 @@ struct Resolved {
 
 class SafetensorsLoader {
  public:
-  SafetensorsLoader(std::string path, NameMap map, std::shared_ptr<LoadStats> stats)
-      : path_(std::move(path)), map_(std::move(map)), stats_(std::move(stats)) {}
+  SafetensorsLoader(std::string path, NameMap map, std::shared_ptr<LoadStats> stats,
+                    UnreadFilter unread_ok)
+      : path_(std::move(path)),
+        map_(std::move(map)),
+        stats_(std::move(stats)),
+        unread_ok_(std::move(unread_ok)) {}
+
+  // The entry of tensor `tensor` (a name in the files), or nullptr when the files lack it.
+  const TensorEntry* entry(const std::string& tensor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    discover();
+    if (!index_path_.empty()) {
+      auto it = weight_map_.find(tensor);
+      if (it == weight_map_.end()) return nullptr;
+      return source(it->second, "tensor '" + printable_escape(tensor) + "'")->header.find(tensor);
+    }
+    return source(single_path_, "tensor '" + printable_escape(tensor) + "'")->header.find(tensor);
+  }
 
   void check(const std::vector<PlannedParam>& planned) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -103,6 +123,7 @@ class SafetensorsLoader {
                  "once; if a copy is meant (initialising an untied model), ignore this");
       warned_ = true;
     }
+    report_unread(users);
   }
 
   void read(const std::string& name, int64_t begin, int64_t end, const at::Tensor& dst) {
@@ -144,19 +165,34 @@ class SafetensorsLoader {
     if (discovered_) return;
     std::string index;
     if (is_directory(path_)) {
-      const std::string idx = join_path(path_, kIndexName);
-      const std::string single = join_path(path_, kModelName);
-      if (path_exists(idx)) {
-        index = idx;
-      } else if (path_exists(single)) {
-        single_path_ = single;
+      const WeightsDirPick pick = pick_weights_in_dir(path_);
+      if (pick.index) {
+        index = pick.path;
+      } else if (!pick.path.empty()) {
+        single_path_ = pick.path;
       } else {
-        TORCH_CHECK(!path_exists(join_path(path_, "manifest.json")), "safetensors_loader: '",
-                    path_, "' is a sharded flatshard checkpoint (a manifest, no ", kModelName,
+        TORCH_CHECK(!path_exists(join_path(path_, kManifestName)), "safetensors_loader: '", path_,
+                    "' is a sharded flatshard checkpoint (a manifest, no ", kModelName,
                     "); load it with load_checkpoint after fully_shard, or save a full one");
         TORCH_CHECK(false, "safetensors_loader: '", path_, "' holds neither ", kIndexName,
                     " nor ", kModelName);
       }
+      // A full flatshard checkpoint's model.safetensors also holds the model's buffers (its
+      // manifest lists them): expected there, so not reported as unread. A manifest that
+      // cannot be read only costs that (this loader reads the tensors, not the manifest).
+      if (!pick.index && path_exists(join_path(path_, kManifestName))) {
+        try {
+          for (const auto& b : read_manifest(path_).buffers) manifest_buffers_.insert(b.name);
+        } catch (const c10::Error&) {
+        }
+      }
+      // Note [Weights file of a directory]: transformers reads model.safetensors, so do we.
+      if (!pick.shadowed.empty())
+        TORCH_WARN("safetensors_loader: '", printable_escape(path_), "' holds both ", kModelName,
+                   " and ", kIndexName, "; reading '", printable_escape(pick.path),
+                   "' as transformers does, not the files the index '",
+                   printable_escape(pick.shadowed),
+                   "' names (remove whichever is stale so the two cannot disagree)");
     } else if (ends_with(path_, ".json")) {
       index = path_;
     } else {
@@ -184,6 +220,42 @@ class SafetensorsLoader {
     index_path_ = index;
   }
 
+  // Tensors of the files that no planned parameter reads: said once per loader, as
+  // transformers reports them (its load report's UNEXPECTED keys), leaving out the ones
+  // unread_ok_ accepts. The index's weight_map lists an index's tensors; a file's header
+  // lists its own.
+  void report_unread(const std::map<std::string, std::vector<std::string>>& users) {
+    if (reported_unread_) return;
+    reported_unread_ = true;
+    std::vector<std::string> unread;
+    auto consider = [&](const std::string& tensor) {
+      if (users.count(tensor) == 0 && manifest_buffers_.count(tensor) == 0 &&
+          !(unread_ok_ && unread_ok_(tensor)))
+        unread.push_back(tensor);
+    };
+    std::string where;
+    if (!index_path_.empty()) {
+      for (const auto& kv : weight_map_) consider(kv.first);
+      where = index_path_;
+    } else {
+      const Source* src = source(single_path_, "safetensors_loader");
+      for (const auto& t : src->header.tensors()) consider(t.name);
+      where = src->file->path();
+    }
+    if (unread.empty()) return;
+    std::sort(unread.begin(), unread.end());
+    constexpr size_t kShown = 8;
+    std::string list;
+    for (size_t i = 0; i < unread.size() && i < kShown; ++i)
+      list += (i ? ", '" : "'") + printable_escape(unread[i]) + "'";
+    if (unread.size() > kShown)
+      list += ", ... (" + std::to_string(unread.size() - kShown) + " more)";
+    TORCH_WARN("safetensors_loader: ", unread.size(), " tensor", unread.size() == 1 ? "" : "s",
+               " of '", printable_escape(where), "' ", unread.size() == 1 ? "is" : "are",
+               " read by no parameter of the model and dropped: ", list,
+               " (a model other than the one these weights were saved from?)");
+  }
+
   // The file (a name from the index, or the single file's path), opened and its header read
   // on first use; errors are prefixed with `what` (the tensor that needs it).
   const Source* source(const std::string& file, const std::string& what) {
@@ -206,7 +278,10 @@ class SafetensorsLoader {
   const std::shared_ptr<LoadStats> stats_;
   std::mutex mu_;  // check() may run on several rank threads sharing this loader
   bool discovered_ = false;
+  const UnreadFilter unread_ok_;  // tensors that may stay unread without a word
   bool warned_ = false;  // the several-parameters-one-tensor warning was given
+  std::set<std::string> manifest_buffers_;  // a flatshard checkpoint's buffers (not reported)
+  bool reported_unread_ = false;            // report_unread ran (once per loader, not per rank)
   std::string single_path_;                                  // one file, or
   std::string index_path_, index_dir_;                       // an index and its directory
   std::unordered_map<std::string, std::string> weight_map_;  // tensor name -> file name
@@ -217,13 +292,38 @@ class SafetensorsLoader {
 }  // namespace
 
 ParamLoader safetensors_loader(const std::string& path, NameMap name_map,
-                               std::shared_ptr<LoadStats> stats) {
+                               std::shared_ptr<LoadStats> stats, UnreadFilter unread_ok) {
   // A sharded flatshard checkpoint: its pieces are found through the manifest.
   if (is_directory(path) && path_exists(join_path(path, "manifest.json")) &&
       !path_exists(join_path(path, kModelName)) && !path_exists(join_path(path, kIndexName)))
     return checkpoint_loader(path, std::move(name_map), std::move(stats));
-  return ParamLoader::over(
-      std::make_shared<SafetensorsLoader>(path, std::move(name_map), std::move(stats)));
+  return ParamLoader::over(std::make_shared<SafetensorsLoader>(
+      path, std::move(name_map), std::move(stats), std::move(unread_ok)));
+}
+
+std::optional<bool> safetensors_tensors_equal(const std::string& path, const std::string& a,
+                                              const std::string& b) {
+  auto loader = std::make_shared<SafetensorsLoader>(path, NameMap{}, nullptr,
+                                                    [](const std::string&) { return true; });
+  const TensorEntry* ea = loader->entry(a);
+  const TensorEntry* eb = loader->entry(b);
+  if (ea == nullptr || eb == nullptr) return std::nullopt;
+  if (ea->shape != eb->shape) return false;
+  const std::vector<int64_t> shape = ea->shape;
+  const int64_t numel = ea->numel();
+  loader->check({PlannedParam{a, shape}, PlannedParam{b, shape}});  // dtypes, bounds
+  // In fp32, as the loaded parameters compare (torch.equal in transformers' tie check), a
+  // bounded piece at a time: an embedding may be gigabytes.
+  constexpr int64_t kPiece = int64_t{1} << 22;
+  at::Tensor x = at::empty({std::min(numel, kPiece)}, at::kFloat);
+  at::Tensor y = at::empty_like(x);
+  for (int64_t pos = 0; pos < numel; pos += kPiece) {
+    const int64_t n = std::min(kPiece, numel - pos);
+    loader->read(a, pos, pos + n, x.narrow(0, 0, n));
+    loader->read(b, pos, pos + n, y.narrow(0, 0, n));
+    if (!at::equal(x.narrow(0, 0, n), y.narrow(0, 0, n))) return false;
+  }
+  return true;
 }
 
 }  // namespace flatshard

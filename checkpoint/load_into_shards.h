@@ -10,7 +10,8 @@
 // Contract
 // - `path`: a `.safetensors` file; an index file (`*.index.json`: {"weight_map": {tensor:
 //   file}}, files named relative to it, as the Hugging Face hub publishes sharded weights); or a
-//   directory holding `model.safetensors.index.json` (preferred) or `model.safetensors`. A
+//   directory holding `model.safetensors` (preferred, as transformers) or
+//   `model.safetensors.index.json`. A
 //   flatshard full checkpoint is such a directory (its manifest.json is not read, so its CRCs
 //   are not checked; load_checkpoint does check them). A sharded flatshard checkpoint (shard
 //   files, no model.safetensors) is read through its manifest: checkpoint_loader() below.
@@ -34,8 +35,14 @@
 //   copy_ into the master's slice on its device. pread because the files are opened once,
 //   confined (Note [Checkpoint confinement]: regular files only; a symlink is followed only
 //   from a Hugging Face hub-cache snapshot into its repository's blobs/, Note [Hub snapshots]
-//   in checkpoint/file_io.h, any other is refused naming it), a file truncated after the check fails with an error
-//   naming it instead of a SIGBUS, and the bytes read are exactly the shard's.
+//   in checkpoint/file_io.h, any other is refused naming it), a file truncated after the check
+//   fails with an error naming it instead of a SIGBUS, and the bytes read are exactly the shard's.
+// - A directory holding both model.safetensors and model.safetensors.index.json is read from
+//   model.safetensors, as transformers reads it, with a warning naming both (Note [Weights
+//   file of a directory], checkpoint/file_io.h).
+// - Tensors of the files that no planned parameter reads are reported once per loader
+//   (TORCH_WARN naming them, the first 8 and a count), as transformers reports its UNEXPECTED
+//   keys; `unread_ok` names the ones that may stay unread silently.
 // - `stats` (optional): bytes and reads of tensor data this loader did (headers not counted).
 //   Thread-safe: one loader may serve several rank threads.
 // - Host little-endian only (checked), as safetensors' data is little-endian.
@@ -45,6 +52,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "fsdp/options.h"
@@ -58,8 +66,20 @@ struct LoadStats {
   std::atomic<int64_t> reads{0};  // pread calls for tensor data
 };
 
+// Tensor names (in the files) that may stay unread without a report, e.g. Hugging Face's
+// rotary `*.inv_freq` buffers; empty: every unread tensor is reported.
+using UnreadFilter = std::function<bool(const std::string& tensor)>;
+
 ParamLoader safetensors_loader(const std::string& path, NameMap name_map = {},
-                               std::shared_ptr<LoadStats> stats = nullptr);
+                               std::shared_ptr<LoadStats> stats = nullptr,
+                               UnreadFilter unread_ok = {});
+
+// Whether tensors `a` and `b` of the weights at `path` (as safetensors_loader reads it) hold
+// equal values (same shape, equal after conversion to fp32: torch.equal on the loaded
+// parameters, transformers' test for tying two weights); nullopt when either is missing.
+// Reads both whole, a bounded piece at a time. Errors as check() and read().
+std::optional<bool> safetensors_tensors_equal(const std::string& path, const std::string& a,
+                                              const std::string& b);
 
 // A flatshard checkpoint directory (full or sharded, checkpoint/checkpoint.h) as a loader: its
 // manifest is read and validated (Note [Strict manifest]) at check, each planned parameter must

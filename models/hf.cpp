@@ -4,13 +4,16 @@
 #include <c10/util/Exception.h>
 
 #include <map>
+#include <optional>
 
 #include "checkpoint/export.h"
-#include "collectives/agree.h"
+#include "checkpoint/file_io.h"
 #include "checkpoint/load_into_shards.h"
+#include "collectives/agree.h"
 #include "fsdp/sharded_model.h"
 #include "models/hf_config.h"
 #include "models/llama.h"
+#include "support/input_file.h"
 
 namespace flatshard {
 namespace models {
@@ -18,8 +21,24 @@ namespace models {
 ModelConfig hf_config(const std::string& dir) {
   const std::string path = dir + "/config.json";
   const HfConfig c = read_hf_config(path);
-  TORCH_CHECK(c.known(), path, ": ", c.describe());
-  return ModelConfig::of(*c.llama);
+  TORCH_CHECK(c.known(), printable_escape(path), ": ", c.describe());
+  llama::LlamaConfig l = *c.llama;
+  // Note [Tied head in the files]: transformers 5 (modeling_utils.py, tie_weights during
+  // from_pretrained) ties lm_head to embed_tokens only if the files hold no lm_head.weight or
+  // one equal to model.embed_tokens.weight (torch.equal); with other values it keeps both,
+  // untied, and warns. So does flatshard: the values decide, not the key alone.
+  if (l.tie_embeddings && !pick_weights_in_dir(dir).path.empty()) {
+    const std::optional<bool> equal =
+        safetensors_tensors_equal(dir, "model.embed_tokens.weight", "lm_head.weight");
+    if (equal.has_value() && !*equal) {
+      l.tie_embeddings = false;
+      TORCH_WARN("hf_config: ", printable_escape(path),
+                 " has tie_word_embeddings true, but the weights hold an lm_head.weight that "
+                 "differs from model.embed_tokens.weight: both are loaded, untied, as "
+                 "transformers loads them (set tie_word_embeddings false to silence this)");
+    }
+  }
+  return ModelConfig::of(l);
 }
 
 std::string hf_parameter_name(const std::string& name) {
@@ -60,7 +79,15 @@ ParamLoader hf_loader(const std::string& dir, const ModelConfig& cfg) {
   TORCH_CHECK(cfg.family().name() == std::string("llama"), "hf_loader: ", dir,
               ": the config is of the '", cfg.family().name(),
               "' family; Hugging Face directories load into the llama family (hf_config)");
-  return safetensors_loader(dir, hf_parameter_name);
+  // Unread without a word, as transformers leaves them: the rotary tables older checkpoints
+  // saved, and a tied model's lm_head.weight (hf_config ties only when it equals the
+  // embedding, Note [Tied head in the files]).
+  const bool tied = cfg.as<llama::LlamaConfig>().tie_embeddings;
+  const auto is_buffer = hf_naming().is_buffer;
+  return safetensors_loader(dir, hf_parameter_name, nullptr,
+                            [tied, is_buffer](const std::string& tensor) {
+                              return is_buffer(tensor) || (tied && tensor == "lm_head.weight");
+                            });
 }
 
 void save_hf(const ShardedModel& model, const std::string& dir, const HfSaveOptions& options) {

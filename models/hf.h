@@ -15,7 +15,11 @@
 //     ModelConfig of the llama family: head_dim, q/k/v biases (Qwen2's implied), RoPE theta and
 //     scaling (linear, llama3), Mistral's sliding window, tied embeddings. Another
 //     architecture, or a value flatshard cannot express, is a c10::Error naming the file, the
-//     field and the value.
+//     field and the value. Note [Tied head in the files]: tie_word_embeddings with an
+//     lm_head.weight in the weights that differs from model.embed_tokens.weight (in fp32) gives
+//     an untied config and a warning, as transformers 5's from_pretrained unties them; so with
+//     tie_word_embeddings set and both tensors present, hf_config reads both (a bounded piece
+//     at a time, checkpoint/load_into_shards.h's safetensors_tensors_equal).
 //   * hf_parameter_name(name): flatshard's LLaMA parameter name (models/llama.h's module
 //     paths) -> transformers' (embed_tokens.weight -> model.embed_tokens.weight,
 //     layers.<i>.attn.q.weight -> model.layers.<i>.self_attn.q_proj.weight,
@@ -25,7 +29,11 @@
 //     model.safetensors.index.json (checkpoint/load_into_shards.h's safetensors_loader: every
 //     planned parameter checked before any read, each rank reads only its shard's bytes) with
 //     hf_parameter_name as the name map. Tied embeddings are one parameter, embed_tokens.weight,
-//     read from model.embed_tokens.weight. A directory of the hub cache
+//     read from model.embed_tokens.weight. Both model.safetensors and the index present:
+//     model.safetensors, as transformers (Note [Weights file of a directory],
+//     checkpoint/file_io.h). Tensors no parameter reads are reported (one warning naming them),
+//     except the rotary "*.inv_freq" tables and, when tied, lm_head.weight (transformers leaves
+//     those without a word). A directory of the hub cache
 //     (models--ORG--NAME/snapshots/REV/, files linked into ../../blobs/) is read in place
 //     (Note [Hub snapshots], checkpoint/file_io.h); any other symbolic link is refused.
 //   * save_hf(model, dir, options): collective (every rank), between steps. The sharded model

@@ -3,12 +3,14 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 #include <sstream>
 #include <vector>
 
 #include "models/family.h"
+#include "support/input_file.h"
 #include "support/json.h"
 
 namespace flatshard {
@@ -58,6 +60,47 @@ std::optional<json::Node> present(const json::Node& root, const std::string& key
   auto n = root.find(key);
   if (n && n->is_null()) return std::nullopt;
   return n;
+}
+
+// Which config.json key each checked value came from (the names errors use).
+struct HfKeys {
+  std::string rope;                       // "rope_scaling" or "rope_parameters"
+  std::string rope_theta = "rope_theta";  // or "<rope>.rope_theta"
+};
+
+// LlamaConfig::validate()'s rules on the values read from config.json, each error in the
+// file's own terms: "num_attention_heads (6) must divide hidden_size (256) in <path>". The
+// sizes' ranges are checked where they are read (size_key); validate() stays the backstop.
+void check_in_file_terms(const llama::LlamaConfig& l, const HfKeys& keys, const std::string& path) {
+  const std::string in = " in " + printable_escape(path);
+  TORCH_CHECK(l.head_size > 0 || l.d_model % l.n_heads == 0, "num_attention_heads (", l.n_heads,
+              ") must divide hidden_size (", l.d_model, ")", in,
+              " (or head_dim must give the head size)");
+  TORCH_CHECK(l.n_heads % l.kv_heads() == 0, "num_key_value_heads (", l.kv_heads(),
+              ") must divide num_attention_heads (", l.n_heads, ")", in);
+  TORCH_CHECK(l.head_dim() % 2 == 0, "the head size ",
+              l.head_size > 0
+                  ? "head_dim (" + std::to_string(l.head_size) + ")"
+                  : "hidden_size / num_attention_heads (" + std::to_string(l.d_model) + " / " +
+                        std::to_string(l.n_heads) + " = " + std::to_string(l.head_dim()) + ")",
+              " must be even", in, " (RoPE rotates pairs)");
+  TORCH_CHECK(std::isfinite(l.rope_theta) && l.rope_theta > 1.0, keys.rope_theta, " (",
+              l.rope_theta, ") must be finite and > 1", in);
+  TORCH_CHECK(std::isfinite(l.norm_eps) && l.norm_eps > 0.0, "rms_norm_eps (", l.norm_eps,
+              ") must be finite and > 0", in);
+  const llama::RopeScaling& r = l.rope_scaling;
+  if (r.type != llama::RopeScaling::Type::kNone)
+    TORCH_CHECK(std::isfinite(r.factor) && r.factor > 0, keys.rope, ".factor (", r.factor,
+                ") must be finite and > 0", in);
+  if (r.type == llama::RopeScaling::Type::kLlama3) {
+    TORCH_CHECK(std::isfinite(r.low_freq_factor) && std::isfinite(r.high_freq_factor) &&
+                    r.low_freq_factor > 0 && r.low_freq_factor < r.high_freq_factor,
+                keys.rope, ".low_freq_factor (", r.low_freq_factor, ") must be > 0 and below ",
+                keys.rope, ".high_freq_factor (", r.high_freq_factor, ")", in);
+    TORCH_CHECK(r.original_max_position_embeddings > 0, keys.rope,
+                ".original_max_position_embeddings (", r.original_max_position_embeddings,
+                ") must be > 0", in);
+  }
 }
 
 // Path renaming for hf_transformer_shape: the family's top-level paths and the components
@@ -170,21 +213,38 @@ HfConfig parse_hf_config(const std::string& text, const std::string& path) {
   }
   if (auto a = present(root, "hidden_act"))
     if (a->as_string() != "silu")
-      a->fail("hidden_act '" + a->as_string() +
+      a->fail("hidden_act '" + printable_escape(a->as_string()) +
               "' is not supported (flatshard's LLaMA MLP is SwiGLU with silu)");
-  if (auto b = present(root, "mlp_bias"))
-    if (b->as_bool())
-      b->fail("mlp_bias true is not supported (flatshard's LLaMA MLP has no biases)");
-  // Qwen2's q/k/v biases are implied by its architecture (its config has no attention_bias).
-  l.attention_bias = std::string(known->prefix) == "Qwen2";
-  if (auto b = present(root, "attention_bias")) l.attention_bias = b->as_bool();
+  // Biases as transformers 5 builds each architecture (models/<arch>/modeling_<arch>.py): only
+  // LlamaForCausalLM reads attention_bias and mlp_bias; Qwen2's q/k/v projections always have
+  // biases and Mistral's never do, and neither has MLP biases, whatever the config says (the
+  // keys are ignored there, so a Qwen2 config with "attention_bias": false still has biases).
+  l.attention_bias = l.architecture == Arch::kQwen2;
+  if (l.architecture == Arch::kLlama) {
+    if (auto b = present(root, "attention_bias")) l.attention_bias = b->as_bool();
+    if (auto b = present(root, "mlp_bias"))
+      if (b->as_bool())
+        b->fail("mlp_bias true is not supported (flatshard's LLaMA MLP has no biases)");
+  }
   // RoPE: transformers 5 writes rope_parameters {rope_type, rope_theta, factor, ...}; earlier
-  // configs rope_theta beside rope_scaling {rope_type | type, factor, ...} (null: none).
+  // configs rope_theta beside rope_scaling {rope_type | type, factor, ...} (null: none). With
+  // both, transformers 5 takes rope_scaling when it is a non-empty object
+  // (modeling_rope_utils.py: `rope_scaling or rope_parameters`); rope_theta inside the chosen
+  // object wins over the top-level one.
+  HfKeys keys;
   if (auto r = present(root, "rope_theta")) l.rope_theta = r->as_number();
-  std::optional<json::Node> rope = present(root, "rope_parameters");
-  if (!rope) rope = present(root, "rope_scaling");
+  std::optional<json::Node> rope = present(root, "rope_scaling");
+  keys.rope = "rope_scaling";
+  if (rope && rope->is_object() && rope->members().empty()) rope.reset();
+  if (!rope) {
+    rope = present(root, "rope_parameters");
+    keys.rope = "rope_parameters";
+  }
   if (rope) {
-    if (auto t = rope->find("rope_theta")) l.rope_theta = t->as_number();
+    if (auto t = rope->find("rope_theta")) {
+      l.rope_theta = t->as_number();
+      keys.rope_theta = keys.rope + ".rope_theta";
+    }
     std::optional<json::Node> type = rope->find("rope_type");
     if (!type) type = rope->find("type");
     const std::string kind = type ? type->as_string() : "default";
@@ -206,7 +266,8 @@ HfConfig parse_hf_config(const std::string& text, const std::string& path) {
       l.rope_scaling.original_max_position_embeddings = o->as_int();
     } else if (kind != "default") {
       (type ? *type : *rope)
-          .fail("rope type '" + kind + "' is not supported (supported: default, linear, llama3)");
+          .fail("rope type '" + printable_escape(kind) +
+                "' is not supported (supported: default, linear, llama3)");
     }
   }
   // Sliding-window attention (Mistral): implemented (LlamaConfig::sliding_window). Qwen2's
@@ -214,13 +275,14 @@ HfConfig parse_hf_config(const std::string& text, const std::string& path) {
   if (auto u = present(root, "use_sliding_window"))
     if (u->as_bool())
       u->fail("use_sliding_window true is not supported (per-layer windows, max_window_layers)");
-  if (std::string(known->prefix) == "Mistral")
+  if (l.architecture == Arch::kMistral)
     if (present(root, "sliding_window"))
       l.sliding_window = size_key(root, "sliding_window", int64_t{1} << 31);
+  check_in_file_terms(l, keys, path);
   try {
-    l.validate();
+    l.validate();  // the rules above, in flatshard's names: a backstop, never expected to fire
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, path, ": ", e.what_without_backtrace());
+    TORCH_CHECK(false, printable_escape(path), ": ", e.what_without_backtrace());
   }
   c.llama = l;
   return c;
@@ -385,6 +447,15 @@ std::string hf_config_json(const llama::LlamaConfig& l, at::ScalarType dtype,
     j = json::parse(text, base);
     for (const char* key : {"rope_scaling", "rope_theta", "torch_dtype", "layer_types"})
       j.erase(key);
+    // The export's weights are plain fp32 / bf16 (the `dtype` written below), not the base
+    // model's quantized storage: kept, transformers would try to load them as quantized (and
+    // fails outright without the quantizer's package). Dropped like torch_dtype, but said,
+    // since the export is then no longer a quantized model.
+    if (j.erase("quantization_config") > 0)
+      TORCH_WARN(who, ": the base config '", printable_escape(base),
+                 "' has quantization_config; it is not written (the export's weights are ",
+                 dtype == at::kFloat ? "float32" : "bfloat16",
+                 ", unquantized; quantize the export again if you need it)");
   }
   j["architectures"] = json::Json::array({k.architecture});
   j["model_type"] = k.model_type;

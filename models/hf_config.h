@@ -23,16 +23,23 @@
 //       intermediate_size -> hidden, max_position_embeddings -> seq_len (default 2048),
 //       rms_norm_eps -> norm_eps (default 1e-6), tie_word_embeddings -> tie_embeddings,
 //       head_dim -> head_size (when it is not hidden_size / num_attention_heads),
-//       attention_bias (Qwen2: true, implied by the architecture), RoPE: rope_parameters
-//       (transformers 5) or rope_theta + rope_scaling (earlier) with rope_type / type default,
+//       attention_bias (read for Llama only, as transformers 5: Qwen2 always has q/k/v biases,
+//       Mistral never, whatever the key says), RoPE: rope_parameters (transformers 5) or
+//       rope_theta + rope_scaling (earlier; a non-empty rope_scaling wins over rope_parameters,
+//       transformers' `rope_scaling or rope_parameters`) with rope_type / type default,
 //       linear (factor) or llama3 (factor, low_freq_factor, high_freq_factor,
 //       original_max_position_embeddings) -> rope_theta, rope_scaling; Mistral's sliding_window
 //       -> sliding_window (null: none).
 //     Refused, naming the key and value: another rope type (yarn, dynamic, longrope, ...),
-//     hidden_act other than silu, mlp_bias true, Qwen2's use_sliding_window true.
-//     The five sizes are required; each is bounded (hidden_size <= 2^20, intermediate_size <=
-//     2^22, heads <= 2^16, layers <= 2^16, vocab and positions <= 2^31: every closed form stays
-//     inside int64) and the result passes LlamaConfig::validate(). Errors are one line naming
+//     hidden_act other than silu, Llama's mlp_bias true (Qwen2's and Mistral's MLPs have no
+//     biases in transformers whatever the key says: ignored there), Qwen2's use_sliding_window
+//     true. The five sizes are required; each is bounded (hidden_size <= 2^20,
+//     intermediate_size <= 2^22, heads <= 2^16, layers <= 2^16, vocab and positions <= 2^31:
+//     every closed form stays inside int64) and the result passes LlamaConfig::validate()'s
+//     rules, checked in the file's own keys: "num_attention_heads (6) must divide hidden_size
+//     (256) in <path>" (num_key_value_heads divides num_attention_heads, the head size even,
+//     rope_theta > 1, rms_norm_eps > 0, <rope key>.factor > 0, llama3's low_freq_factor <
+//     high_freq_factor and original_max_position_embeddings > 0). Errors are one line naming
 //     the file and the key.
 //   * Any other architecture (or none): `llama` is unset, `unknown_reason` says why, and type
 //     names fall back to hf_naming()'s guesses.
@@ -76,7 +83,11 @@
 //     q/k/v biases on Mistral, none on Qwen2. `base` (a path, or ""): the config.json the
 //     model came from, whose other keys (token ids, generation settings, ...) are kept; it must
 //     be of the same architecture, and its rope_scaling, rope_theta, torch_dtype and
-//     layer_types are dropped (written anew, or derived by transformers).
+//     layer_types are dropped (written anew, or derived by transformers). Its
+//     quantization_config is dropped with a warning (TORCH_WARN naming it and the base): the
+//     export's weights are plain float32 / bfloat16, which transformers would otherwise try to
+//     load as quantized (and fails without the quantizer's package). Dropped rather than
+//     refused because the export is what the key would misdescribe, as torch_dtype.
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -226,13 +226,11 @@ std::string pick_in_dir(const std::string& dir, WeightsFormat* format) {
     *format = WeightsFormat::kFlatshardCheckpoint;
     return join_path(dir, kManifestName);
   }
-  if (exists("model.safetensors.index.json")) {
-    *format = WeightsFormat::kSafetensorsIndex;
-    return join_path(dir, "model.safetensors.index.json");
-  }
-  if (exists("model.safetensors")) {
-    *format = WeightsFormat::kSafetensors;
-    return join_path(dir, "model.safetensors");
+  // Note [Weights file of a directory]: the file safetensors_loader reads (transformers').
+  const WeightsDirPick pick = pick_weights_in_dir(dir);
+  if (!pick.path.empty()) {
+    *format = pick.index ? WeightsFormat::kSafetensorsIndex : WeightsFormat::kSafetensors;
+    return pick.path;
   }
   std::vector<std::string> indexes, files;
   for (const auto& name : list_dir(dir)) {

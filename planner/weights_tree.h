@@ -27,7 +27,8 @@
 //   * PATH is a safetensors file, a Hugging Face index (`*.safetensors.index.json`:
 //     {"metadata": {...}, "weight_map": {tensor: file}}), a flatshard checkpoint's manifest.json,
 //     or a directory holding one of them. A directory is tried in this order: manifest.json
-//     (flatshard checkpoint), model.safetensors.index.json, model.safetensors, then the one
+//     (flatshard checkpoint), model.safetensors, model.safetensors.index.json (transformers'
+//     order, Note [Weights file of a directory] in checkpoint/file_io.h), then the one
 //     `*.safetensors.index.json` or the one `*.safetensors` it holds; anything else is an error
 //     listing what was looked for.
 //   * Only headers are read: the 8-byte length N and N bytes of JSON of a safetensors file,
@@ -38,10 +39,10 @@
 //     and refused unless fstat calls them regular files. A symbolic link is followed only as
 //     Note [Hub snapshots] (checkpoint/file_io.h) allows: from a hub-cache snapshot
 //     (models--ORG--NAME/snapshots/REV/) to a regular file in that repository's blobs/; any
-//     other link is refused, naming it and why. Shard files an index names must be plain names (no '/', not "." or "..") and are
-//     resolved in the index's own directory; each distinct file's header is read once, and
-//     every tensor of weight_map must be in its file's header (tensors a header holds that
-//     weight_map does not list are left out and counted in `unlisted`).
+//     other link is refused, naming it and why. Shard files an index names must be plain names (no
+//     '/', not "." or "..") and are resolved in the index's own directory; each distinct file's
+//     header is read once, and every tensor of weight_map must be in its file's header (tensors a
+//     header holds that weight_map does not list are left out and counted in `unlisted`).
 //   * A flatshard checkpoint: checkpoint/manifest.h's parser (all of its checks) gives names,
 //     dtypes, shapes and tied aliases; each file it lists must exist as a regular file of the
 //     recorded size (its data is not read).

@@ -12,10 +12,13 @@
 // with nothing written.
 #include <catch2/catch.hpp>
 
+#include <c10/util/Exception.h>
+
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -29,6 +32,7 @@
 
 #include "checkpoint/export.h"
 #include "checkpoint/file_io.h"
+#include "checkpoint/load_into_shards.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
 #include "fsdp/meta_init.h"
@@ -107,9 +111,32 @@ LoadedHf load_hf(const std::string& dir, const fm::ModelConfig& cfg, Communicato
   return l;
 }
 
+// The issue-49 directories (hf_reference.py --variants): what transformers makes of each.
+const std::string& variants_dir() {
+  static flatshard_test::TempDir tmp;
+  static const bool written = [] {
+    const std::string cmd = std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " +
+                            FLATSHARD_SOURCE_DIR + "/tests/hf_reference.py --variants " +
+                            tmp.path() + " > " + (tmp / "log.txt") + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    INFO("hf_reference.py --variants:\n" << read_file(tmp / "log.txt"));
+    REQUIRE(rc == 0);
+    return true;
+  }();
+  (void)written;
+  return tmp.path();
+}
+
+void check_dir(const std::string& dir, int world);
+
 // transformers' logits and ours for `name`, sharded per layer over `world` CPU ranks.
 void check_case(const std::string& name, int world) {
-  const std::string dir = reference_dir() + "/" + name;
+  check_dir(reference_dir() + "/" + name, world);
+}
+
+// transformers' logits (dir/logits.bin) and ours for `dir`, as check_case.
+void check_dir(const std::string& dir, int world) {
+  const std::string name = dir;
   std::istringstream dims(read_file(dir + "/seq.txt"));
   int64_t seq = 0, vocab = 0;
   dims >> seq >> vocab;
@@ -644,4 +671,169 @@ TEST_CASE("hf: what flatshard cannot express is a clear error naming the field",
   CHECK(at::allclose(scaled * 4.0, plain));
   CHECK_THROWS_WITH(fm::hf_parameter_name("layers.0.attn.rope.weight"),
                     Catch::Contains("layers.0.attn.rope.weight"));
+}
+
+namespace {
+
+// Collects TORCH_WARN messages of this thread.
+struct WarningCollector : c10::WarningHandler {
+  void process(const c10::Warning& w) override { messages.push_back(w.msg()); }
+  std::string all() const {
+    std::string out;
+    for (const auto& m : messages) out += m + "\n";
+    return out;
+  }
+  std::vector<std::string> messages;
+};
+
+// hf_config(dir) and hf_loader's check of every parameter (as fully_shard plans them: a tied
+// one once), on this thread, with the warnings both give.
+std::pair<fm::ModelConfig, std::string> config_and_check_warnings(const std::string& dir) {
+  WarningCollector w;
+  c10::WarningUtils::WarningHandlerGuard guard(&w);
+  fm::ModelConfig cfg = fm::hf_config(dir);
+  std::shared_ptr<torch::nn::Module> model;
+  {
+    flatshard::MetaInit meta;
+    model = cfg.build(0);
+  }
+  std::vector<flatshard::PlannedParam> planned;
+  std::vector<const void*> seen;
+  for (const auto& p : model->named_parameters()) {
+    const void* impl = p.value().unsafeGetTensorImpl();
+    if (std::find(seen.begin(), seen.end(), impl) != seen.end()) continue;
+    seen.push_back(impl);
+    planned.push_back({p.key(), p.value().sizes().vec()});
+  }
+  fm::hf_loader(dir, cfg).check(planned);
+  return {cfg, w.all()};
+}
+
+}  // namespace
+
+// Issue 49: the same directory, another model than transformers loads. Each directory of
+// hf_reference.py --variants must give transformers' own logits (from_pretrained of it).
+TEST_CASE("hf: a directory whose files say two things loads what transformers loads",
+          "[hf][python]") {
+  const std::string v = variants_dir();
+  using flatshard::llama::LlamaConfig;
+  // tie_word_embeddings with an lm_head.weight of other values: untied, both loaded, said.
+  auto [tie, tie_warn] = config_and_check_warnings(v + "/tie_differs");
+  CHECK_FALSE(tie.as<LlamaConfig>().tie_embeddings);
+  CHECK_THAT(tie_warn, Catch::Contains("tie_word_embeddings true") &&
+                           Catch::Contains("differs from model.embed_tokens.weight"));
+  CHECK_THAT(tie_warn, !Catch::Contains("read by no parameter"));
+  // ... and with an equal one: tied, and the unread copy is no news.
+  auto [equal, equal_warn] = config_and_check_warnings(v + "/tie_equal");
+  CHECK(equal.as<LlamaConfig>().tie_embeddings);
+  CHECK(equal_warn.empty());
+  // model.safetensors beside an index over other values: model.safetensors, both named.
+  auto [both, both_warn] = config_and_check_warnings(v + "/both_files");
+  CHECK_THAT(both_warn, Catch::Contains("holds both model.safetensors and "
+                                        "model.safetensors.index.json") &&
+                            Catch::Contains(v + "/both_files/model.safetensors.index.json"));
+  // Qwen2 with "attention_bias": false keeps its q/k/v biases.
+  auto [qwen, qwen_warn] = config_and_check_warnings(v + "/qwen2_attention_bias_false");
+  CHECK(qwen.as<LlamaConfig>().attention_bias);
+  // rope_scaling wins over rope_parameters.
+  auto [rope, rope_warn] = config_and_check_warnings(v + "/rope_both");
+  CHECK(rope.as<LlamaConfig>().rope_scaling.type == flatshard::llama::RopeScaling::Type::kLinear);
+  CHECK(rope.as<LlamaConfig>().rope_scaling.factor == 4.0);
+  // A stray tensor is reported by name; the rotary inv_freq buffer is not.
+  auto [extra, extra_warn] = config_and_check_warnings(v + "/extra_tensor");
+  CHECK_THAT(extra_warn, Catch::Contains("1 tensor of") &&
+                             Catch::Contains("'model.extra.weight'") &&
+                             Catch::Contains("read by no parameter"));
+  CHECK_THAT(extra_warn, !Catch::Contains("inv_freq"));
+  for (const char* name : {"tie_differs", "tie_equal", "both_files", "qwen2_attention_bias_false",
+                           "rope_both", "extra_tensor"})
+    for (int world : {1, 2}) check_dir(v + "/" + name, world);
+}
+
+// Issue 49: "Errors about a file name the file's own keys".
+TEST_CASE("hf: config.json errors name the file's keys and the file", "[hf]") {
+  flatshard_test::TempDir tmp;
+  const std::string path = tmp / "config.json";
+  auto fails = [&](const std::string& body, const std::string& what) {
+    write_file(path, "{" + body + "}");
+    CAPTURE(body);
+    CHECK_THROWS_WITH(fm::hf_config(tmp.path()), Catch::Contains(what + " in " + path));
+  };
+  const std::string llama = R"("architectures": ["LlamaForCausalLM"], "vocab_size": 128,
+      "intermediate_size": 96, "num_hidden_layers": 2, )";
+  fails(llama + R"("hidden_size": 256, "num_attention_heads": 6)",
+        "num_attention_heads (6) must divide hidden_size (256)");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3)",
+        "num_key_value_heads (3) must divide num_attention_heads (4)");
+  fails(llama + R"("hidden_size": 60, "num_attention_heads": 4)",
+        "hidden_size / num_attention_heads (60 / 4 = 15) must be even");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "head_dim": 15)",
+        "head_dim (15) must be even");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "rms_norm_eps": 0)",
+        "rms_norm_eps (0) must be finite and > 0");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4, "rope_theta": 0.5)",
+        "rope_theta (0.5) must be finite and > 1");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4,
+        "rope_scaling": {"rope_type": "linear", "factor": 0})",
+        "rope_scaling.factor (0) must be finite and > 0");
+  fails(llama + R"("hidden_size": 64, "num_attention_heads": 4,
+        "rope_parameters": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+        "high_freq_factor": 1, "original_max_position_embeddings": 16})",
+        "rope_parameters.low_freq_factor (4) must be > 0 and below "
+        "rope_parameters.high_freq_factor (1)");
+  // Keys an architecture does not read are ignored, as transformers ignores them: Qwen2 and
+  // Mistral build their biases from the architecture alone.
+  const std::string sizes = R"("vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "mlp_bias": true, )";
+  const auto q = fm::parse_hf_config(
+      "{" + sizes + R"("architectures": ["Qwen2ForCausalLM"], "attention_bias": false})", "q");
+  CHECK(q.llama->attention_bias);
+  const auto m = fm::parse_hf_config(
+      "{" + sizes + R"("architectures": ["MistralForCausalLM"], "attention_bias": true})", "m");
+  CHECK_FALSE(m.llama->attention_bias);
+  // rope_scaling and rope_parameters both: transformers 5 takes a non-empty rope_scaling (an
+  // empty one falls back to rope_parameters); a rope_theta inside it wins over the top level.
+  const std::string l64 = "{" + llama + R"("hidden_size": 64, "num_attention_heads": 4,
+      "rope_theta": 20000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, )";
+  const auto both = fm::parse_hf_config(
+      l64 + R"("rope_scaling": {"type": "linear", "factor": 2.0, "rope_theta": 3e4}})", "b");
+  CHECK(both.llama->rope_scaling.type == flatshard::llama::RopeScaling::Type::kLinear);
+  CHECK(both.llama->rope_scaling.factor == 2.0);
+  CHECK(both.llama->rope_theta == 3e4);
+  const auto empty = fm::parse_hf_config(l64 + R"("rope_scaling": {}})", "e");
+  CHECK(empty.llama->rope_scaling.type == flatshard::llama::RopeScaling::Type::kNone);
+  CHECK(empty.llama->rope_theta == 1e4);
+}
+
+// Issue 49: save_hf with a base config.json holding quantization_config wrote an export
+// transformers cannot load (it tries to load the plain weights as quantized). The key is dropped,
+// with a warning: the export's weights are not quantized.
+TEST_CASE("hf: save_hf drops the base config's quantization_config; transformers loads the export",
+          "[hf][python]") {
+  flatshard_test::TempDir tmp;
+  std::string base = read_file(reference_dir() + "/llama2/config.json");
+  const size_t brace = base.find('{');
+  REQUIRE(brace != std::string::npos);
+  base.insert(brace + 1, R"("quantization_config": {"quant_method": "fp8",
+      "weight_block_size": [128, 128]}, )");
+  write_file(tmp / "base.json", base);
+  auto cfg = flatshard::llama::LlamaConfig::preset("tiny");
+  const std::string out = tmp / "export";
+  flatshard::run_ranks(2, [&](Communicator& comm) {
+    auto model = fm::ModelConfig::of(cfg).build(0);
+    auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), comm);
+    fm::HfSaveOptions o;
+    o.base_config = tmp / "base.json";
+    fm::save_hf(*fsdp, out, o);
+  });
+  const std::string written = read_file(out + "/config.json");
+  CHECK(written.find("quantization_config") == std::string::npos);
+  CHECK(written.find("\"bos_token_id\"") != std::string::npos);  // the base's other keys stay
+  const at::Tensor idx = at::randint(0, cfg.vocab, {2, 8}, at::kLong);
+  flatshard_test::write_bytes(tmp / "idx.bin", std::string(static_cast<const char*>(idx.data_ptr()),
+                                                           static_cast<size_t>(idx.nbytes())));
+  python_logits({{out, tmp / "idx.bin", tmp / "out.logits"}}, tmp / "python.log");
+  CHECK(at::isfinite(read_tensor(tmp / "out.logits", {2, 8, cfg.vocab}, at::kFloat))
+            .all()
+            .item<bool>());
 }

@@ -7,10 +7,16 @@ of the model against targets before each of STEPS torch.optim.AdamW steps, lr LR
 batch).
 
     hf_reference.py OUT_DIR              -> OUT_DIR/{llama2,llama31,qwen2,mistral}/
+    hf_reference.py --variants OUT_DIR   -> OUT_DIR/<variant>/ for each of VARIANTS (issue 49):
+                                            a directory where the files say more than one thing,
+                                            its idx.bin, seq.txt and logits.bin from
+                                            from_pretrained(that directory): what transformers
+                                            makes of it
     hf_reference.py --logits DIR IDX OUT [DIR IDX OUT ...]
                                          -> from_pretrained(DIR)'s fp32 logits on IDX (an int64
                                             [2, T] file) into OUT; prints each loaded dtype
 """
+import json
 import os
 import sys
 
@@ -88,6 +94,92 @@ def main(out):
     return 0
 
 
+def write_variant(d, model, edit_config=None, tensors=None, index=None):
+    """`model` saved to `d`; its config.json changed by edit_config(dict); model.safetensors
+    replaced by `tensors` when given; `index`: (weight_map tensors, file name) written beside
+    it as model.safetensors.index.json. Then transformers' own reading of `d`: its logits."""
+    from safetensors.torch import save_file
+    model.save_pretrained(d, safe_serialization=True)
+    if edit_config:
+        path = os.path.join(d, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        edit_config(config)
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+    if tensors is not None:
+        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    if index is not None:
+        other, name = index
+        save_file(other, os.path.join(d, name), metadata={"format": "pt"})
+        with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {k: name for k in other}}, f)
+    seq, vocab = 24, model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, vocab, (2, seq), generator=g, dtype=torch.int64)
+    loaded = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=idx).logits.float()
+    idx.numpy().tofile(os.path.join(d, "idx.bin"))
+    logits.contiguous().numpy().tofile(os.path.join(d, "logits.bin"))
+    with open(os.path.join(d, "seq.txt"), "w") as f:
+        f.write(f"{seq} {vocab}\n")
+
+
+def variants(out):
+    def fresh(cls, config):
+        torch.manual_seed(0)
+        config._attn_implementation = "eager"
+        model = cls(config).float().eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                if n.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+        return model
+
+    def llama():
+        return fresh(LlamaForCausalLM, LlamaConfig(**COMMON, max_position_embeddings=64))
+
+    def state(model):
+        return {k: v.contiguous().clone() for k, v in model.state_dict().items()}
+
+    def tie(config):
+        config["tie_word_embeddings"] = True
+
+    # tie_word_embeddings true, but the files hold an lm_head.weight of other values:
+    # transformers keeps both, untied (and warns).
+    write_variant(os.path.join(out, "tie_differs"), llama(), tie)
+    # The same with lm_head.weight equal to the embedding: transformers ties them.
+    m = llama()
+    t = state(m)
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    write_variant(os.path.join(out, "tie_equal"), m, tie, tensors=t)
+    # model.safetensors and an index over another file of other values: transformers reads
+    # model.safetensors.
+    m = llama()
+    write_variant(os.path.join(out, "both_files"), m,
+                  index=({k: v * 2 for k, v in state(m).items()}, "model-00001-of-00001.safetensors"))
+    # Qwen2 whose config says attention_bias false: transformers' Qwen2 has q/k/v biases anyway.
+    q = fresh(Qwen2ForCausalLM, Qwen2Config(**COMMON, max_position_embeddings=64))
+    write_variant(os.path.join(out, "qwen2_attention_bias_false"), q,
+                  lambda c: c.update(attention_bias=False))
+    # rope_parameters (plain) and rope_scaling (linear, factor 4) both: transformers takes
+    # rope_scaling.
+    write_variant(os.path.join(out, "rope_both"), llama(), lambda c: c.update(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    # Tensors no parameter reads: a stray one (transformers reports it as UNEXPECTED) and a
+    # rotary inv_freq buffer older checkpoints saved (transformers ignores it silently).
+    m = llama()
+    t = state(m)
+    t["model.extra.weight"] = torch.zeros(3)
+    t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    write_variant(os.path.join(out, "extra_tensor"), m, tensors=t)
+    return 0
+
+
 def logits_of_saved(args):
     for d, idx_path, out_path in zip(args[0::3], args[1::3], args[2::3]):
         model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
@@ -103,4 +195,6 @@ def logits_of_saved(args):
 if __name__ == "__main__":
     if sys.argv[1] == "--logits":
         sys.exit(logits_of_saved(sys.argv[2:]))
+    if sys.argv[1] == "--variants":
+        sys.exit(variants(sys.argv[2]))
     sys.exit(main(sys.argv[1]))
