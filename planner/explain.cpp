@@ -243,13 +243,15 @@ void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if
 
 // `root_owners`: the modules owning the root unit's parameters, with their numel;
 // `shard_numel_if_sharded`: see warn_replication.
-void add_warnings(Explanation& e, const std::string& unmatched_warning,
+void add_warnings(Explanation& e, const Plan& plan,
                   const std::vector<std::pair<std::string, int64_t>>& root_owners,
                   const std::vector<int64_t>& shard_numel_if_sharded) {
   const auto& units = e.units;
   const double total = static_cast<double>(std::max<int64_t>(e.total_numel, 1));
 
-  if (!unmatched_warning.empty()) e.warnings.push_back(unmatched_warning);
+  const std::string unmatched = plan.unmatched_warning();
+  if (!unmatched.empty()) e.warnings.push_back(unmatched);
+  e.warnings.insert(e.warnings.end(), plan.warnings.begin(), plan.warnings.end());
   warn_fragmentation(e);
   warn_replication(e, shard_numel_if_sharded);
   // One unit holding most of the model.
@@ -562,7 +564,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       e.fitting_prefetch = lo;
     }
   }
-  add_warnings(e, plan.unmatched_warning(), root_owners, shard_numel_if_sharded);
+  add_warnings(e, plan, root_owners, shard_numel_if_sharded);
   return e;
 }
 

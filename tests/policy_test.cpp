@@ -479,6 +479,7 @@ TEST_CASE("matching a policy of 10,000 rules is not quadratic; more than the bou
   CHECK(p.units[1].name == "blocks.0");
   CHECK(p.units[2].name == "blocks.0.fc1");
   CHECK(p.units[2].param_names == Strings{"blocks.0.fc1.weight", "blocks.0.fc1.bias"});
+  CHECK(p.warnings.empty());
   check_invariants(p, *model);
 
   // The first matching rule still wins when the index and the scanned rules mix: a glob rule
@@ -494,4 +495,22 @@ TEST_CASE("matching a policy of 10,000 rules is not quadratic; more than the bou
   REQUIRE_THROWS_WITH(make_plan(*model, huge),
                       Catch::Contains("more than the limit of 100000") &&
                           Catch::Contains("kMaxPolicyNames"));
+}
+
+TEST_CASE("a policy matching nothing names the model's types and top-level paths, escaped",
+          "[policy]") {
+  auto model = policy_test::net(2);
+  const std::string w = plan_of(*model, "type=Blok").unmatched_warning();
+  CHECK_THAT(w, Catch::Contains("the policy matched no module ('type=Blok')") &&
+                    Catch::Contains("the model's types are Embedding, ModuleList, Block, "
+                                    "LayerNorm, Linear;") &&
+                    Catch::Contains("its top-level paths are embed, blocks, norm, head"));
+  CHECK(plan_of(*model, "none").unmatched_warning().empty());
+  CHECK(plan_of(*model, "type=Block").unmatched_warning().empty());
+  // A name from a file reaches a terminal escaped.
+  torch::nn::Module odd;
+  odd.register_module("bad\x1b[2Jname", torch::nn::Linear(2, 2));
+  const std::string e = make_plan(odd, parse_policy("type=Conv2d")).unmatched_warning();
+  CHECK(e.find('\x1b') == std::string::npos);
+  CHECK_THAT(e, Catch::Contains("bad\\x1b[2Jname"));
 }

@@ -44,7 +44,9 @@
 //    module identity, so every path runs the same unit). The other names still appear in tied.
 //  - Units are ordered by the registration (pre-)order of their first module, root first. Units
 //    that end up owning no parameter are dropped (Plan::empty_units lists them).
-//  - Plan::matched_modules counts the modules the policy matched; 0 = "matches nothing".
+//  - Plan::matched_modules counts the modules the policy matched; 0 = "matches nothing"
+//    (Plan::unmatched_warning). A rule that matches nothing only because earlier rules claim
+//    its modules is a Plan::warnings entry naming both rules (Note [Shadowed rules]).
 #pragma once
 
 #include <cstdint>
