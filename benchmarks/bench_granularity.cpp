@@ -8,6 +8,7 @@
 
 #include "benchmarks/bench_options.h"
 #include "fsdp/resolve.h"
+#include "support/input_file.h"
 #include "tools/named_plans.h"
 #include "wrap_policies/spec.h"
 
@@ -98,9 +99,9 @@ Granularity resolve_granularity(const std::string& label, const torch::nn::Modul
   }
   // A rule that matches nothing is a typo; a spec without rules ('none', what the advisor
   // prints for the one-unit plan, or root options alone) asks for the root alone, as 'model'.
-  if (g.plan.matched_modules == 0 && !g.policy.rules.empty())
-    throw UsageError("--policy '" + label + "' (spec '" + g.policy.to_spec() +
-                     "') matches no module of the model; its types are " + modules.type_names);
+  // The text fully_shard fails with (Plan::unmatched_warning: the model's types and paths).
+  if (const std::string unmatched = g.plan.unmatched_warning(); !unmatched.empty())
+    throw UsageError("--policy '" + printable_escape(label) + "': " + unmatched);
   return g;
 }
 

@@ -272,7 +272,7 @@ Run train_sharded(const vit::Config& cfg, uint64_t seed, int steps, const vit::B
     auto plan = flatshard::make_plan(*model, flatshard::parse_policy(kPolicy));
     if (comm.rank() == 0) std::cout << "policy " << kPolicy << "\n" << plan.to_string();
     flatshard::ShardingOptions options;
-    options.strict_plan = true;  // a misspelt type name fails here instead of sharding nothing
+    // strict_plan (the default): a misspelt type name fails here instead of sharding nothing.
     auto fsdp = flatshard::fully_shard(model.ptr(), plan, comm, options);
     torch::optim::AdamW opt(fsdp->parameters(), adamw());
     fsdp->check_optimizer(opt);

@@ -144,10 +144,12 @@ struct ShardingOptions {
 
   TraceOptions trace;
 
-  // A plan whose policy matched no module (so the root unit holds the whole model, e.g. a
-  // misspelt type=DecoderLayr) makes fully_shard warn (TORCH_WARN, the text of
-  // Plan::unmatched_warning(), as explain() prints it); strict_plan makes it an error instead.
-  bool strict_plan = false;
+  // A plan whose policy had rules and matched no module (so the root unit would hold the whole
+  // model, e.g. a misspelt type=DecoderLayr) makes fully_shard fail with the text of
+  // Plan::unmatched_warning() (the model's type names and top-level paths); false: it warns
+  // (TORCH_WARN, once) and shards the root alone. The deliberate one-unit plan, the policy
+  // 'none', is accepted either way.
+  bool strict_plan = true;
 
   // Deferred initialization (fsdp/deferred_init.h), used when the model's parameters are on
   // the meta device: fully_shard materialises one unit at a time and calls `init` for each of

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "collectives/env.h"
-#include "wrap_policies/glob.h"
+#include "wrap_policies/match.h"
 
 namespace flatshard {
 
@@ -89,38 +89,20 @@ void check_recompute_policy(const Policy& policy, const torch::nn::Module& model
                             const Plan& plan) {
   for (const UnitSpec& u : plan.units)
     if (u.options.recompute.value_or(false)) return;  // the rule recomputes some unit: fine
-  int64_t numel = -1;  // the root's parameter count, read only if a size term asks
-  for (const Rule& rule : policy.rules) {
+  bool asks = false;
+  for (const Rule& rule : policy.rules) asks = asks || rule.options.recompute.value_or(false);
+  if (!asks) return;
+  // The root as make_plan's terms would see it (wrap_policies/match.h: one home for matching).
+  const PolicyMatcher matcher(policy);
+  MatchSubject root = match_subject(model, "", model);
+  if (matcher.needs_size())
+    for (const auto& p : model.parameters(/*recurse=*/true)) root.free_numel += p.numel();
+  for (size_t r = 0; r < policy.rules.size(); ++r) {
+    const Rule& rule = policy.rules[r];
     if (!rule.options.recompute.value_or(false)) continue;
-    bool all = true;
-    for (const Term& t : rule.terms) {
-      if (!all) break;
-      switch (t.kind) {
-        case Term::Kind::kType:
-          all = std::any_of(t.names.begin(), t.names.end(), [&](const std::string& type) {
-            return type_name_matches(model.name(), type);
-          });
-          break;
-        case Term::Kind::kSize:
-          if (numel < 0) {
-            numel = 0;
-            for (const auto& p : model.parameters(/*recurse=*/true)) numel += p.numel();
-          }
-          all = numel >= t.min_numel;
-          break;
-        case Term::Kind::kPath:
-          all = std::any_of(t.names.begin(), t.names.end(),
-                            [](const std::string& g) { return Glob(g).matches(""); });
-          break;
-        case Term::Kind::kPredicate:
-          all = t.predicate && t.predicate("", model);
-          break;
-      }
-    }
+    const bool all = matcher.rule_matches(r, root);
     if (!all) continue;
-    Policy alone;
-    alone.rules.push_back(rule);
-    TORCH_CHECK(false, "unit '<root>': the rule '", alone.to_spec(), "' asks for recompute and "
+    TORCH_CHECK(false, "unit '<root>': the rule '", to_spec(rule), "' asks for recompute and "
                 "matches the root module (", model.name(), "), but recompute is not supported "
                 "on the root unit (its forward is the whole model's) and a rule never makes the "
                 "root a unit, so nothing would be recomputed; set it on the layers' units "

@@ -44,10 +44,13 @@ void check_inputs(const std::shared_ptr<torch::nn::Module>& model, const Plan& p
   check_recompute_plan(plan);  // Note [Recompute]: no unit nested inside a recompute unit
   const std::string unmatched = plan.unmatched_warning();
   if (!unmatched.empty()) {
-    TORCH_CHECK(!options.strict_plan, "fully_shard (strict_plan): ", unmatched, " (rank ", rank,
-                ")");
+    TORCH_CHECK(!options.strict_plan, "fully_shard: ", unmatched, " (rank ", rank,
+                "); to shard the whole model as one unit on purpose use the policy 'none', or "
+                "set ShardingOptions::strict_plan = false");
     if (first_rank) TORCH_WARN("fully_shard: ", unmatched);
   }
+  if (first_rank)
+    for (const std::string& w : plan.warnings) TORCH_WARN("fully_shard: ", w);
 }
 
 // fully_shard on a model (or part of one) that is already sharded: the parameters are views

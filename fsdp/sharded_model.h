@@ -18,8 +18,9 @@
 //   buffer (storage freed while sharded; reading it then throws naming it, fsdp/call.h).
 //   Modules run unchanged; parents enter units through flatshard::call (fsdp/call.h), and the
 //   training loop enters the root the same way. A model (or part of one) already sharded is
-//   rejected before anything is built. A plan whose policy matched no module warns
-//   (ShardingOptions::strict_plan: fails).
+//   rejected before anything is built. A plan whose policy matched no module fails, naming the
+//   model's types and top-level paths (ShardingOptions::strict_plan = false: warns); a rule
+//   that matches nothing because earlier rules claim its modules warns (Plan::warnings).
 // - The optimizer must be built on parameters() (fp32 master shards: one tensor per fully
 //   trainable unit, per-parameter views for units with frozen parameters) or on
 //   named_parameters() (per-parameter views of every unit, for parameter groups). Gradients arrive

@@ -149,7 +149,59 @@ std::string rename(const std::string& path, bool top) {
   return out;
 }
 
+// flatshard's LLaMA module path -> transformers' ("layers.3.attn.q" ->
+// "model.layers.3.self_attn.q_proj"), with the tables above; nullopt for a module transformers
+// has none of (rope: the rotary table is not in a checkpoint) or a path the tables do not know.
+std::optional<std::string> hf_module_path(const std::string& path) {
+  if (path.empty()) return std::string();
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    const size_t dot = path.find('.', start);
+    parts.push_back(path.substr(start, dot == std::string::npos ? std::string::npos : dot - start));
+    if (dot == std::string::npos) break;
+    start = dot + 1;
+  }
+  auto top = top_names().find(parts[0]);
+  if (top == top_names().end() || top->second.empty()) return std::nullopt;
+  std::string out = top->second;
+  size_t i = 1;
+  if (parts[0] == "layers" && parts.size() > 1) {
+    if (!is_number(parts[1])) return std::nullopt;
+    out += "." + parts[1];
+    i = 2;
+  }
+  if (i < parts.size() && parts[0] != "layers") return std::nullopt;  // below a leaf
+  for (; i < parts.size(); ++i) {
+    auto it = inner_names().find(parts[i]);
+    if (it == inner_names().end()) return std::nullopt;
+    out += "." + it->second;
+  }
+  return out;
+}
+
+const Known& known_of(llama::LlamaConfig::Architecture a) {
+  using Arch = llama::LlamaConfig::Architecture;
+  return kKnown[a == Arch::kLlama ? 0 : a == Arch::kMistral ? 1 : 2];
+}
+
 }  // namespace
+
+ModuleAliases::Alias hf_module_alias(const llama::LlamaConfig& l, const std::string& path) {
+  ModuleAliases::Alias alias;
+  alias.path = hf_module_path(path);
+  if (!alias.path) return {};
+  // The type as flatshard-explain --weights names it: hf_module_namer on the Hugging Face path.
+  HfConfig c;
+  c.architecture = known_of(l.architecture).architecture;
+  c.type_prefix = known_of(l.architecture).prefix;
+  c.llama = l;
+  ModuleView view;
+  view.path = *alias.path;
+  view.name = view.path.substr(view.path.rfind('.') == std::string::npos ? 0
+                                                                         : view.path.rfind('.') + 1);
+  alias.type = hf_module_namer(c)(view);
+  return alias;
+}
 
 std::string HfConfig::describe() const {
   std::string name = architecture.empty() ? model_type : architecture;
@@ -425,9 +477,7 @@ std::string hf_config_json(const llama::LlamaConfig& l, at::ScalarType dtype,
                            const std::string& base) {
   using Arch = llama::LlamaConfig::Architecture;
   l.validate();
-  const Known& k = kKnown[l.architecture == Arch::kLlama     ? 0
-                          : l.architecture == Arch::kMistral ? 1
-                                                             : 2];
+  const Known& k = known_of(l.architecture);
   const std::string who = std::string("hf_config_json: ") + k.architecture;
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, who, ": dtype ", dtype,
               " is not written (float32 or bfloat16)");

@@ -58,6 +58,15 @@
 //     "self_attn" P+"Attention", "mlp" P+"MLP", "*_proj" and "lm_head" "Linear", "embed_tokens"
 //     "Embedding", "*norm" / "*layernorm" P+"RMSNorm", "rotary_emb" P+"RotaryEmbedding"; any
 //     other module hf_naming()'s module_type. Unknown architecture: hf_naming()'s module_type.
+//   * hf_module_alias(l, path): the Hugging Face path and type of flatshard's LLaMA module at
+//     `path`, what flatshard-explain --weights calls it (LlamaImpl's ModuleAliases, Note [Module
+//     aliases] in wrap_policies/match.h): "" -> "" / P+"ForCausalLM", layers -> model.layers /
+//     ModuleList, layers.3 -> model.layers.3 / P+"DecoderLayer", layers.3.attn.q ->
+//     model.layers.3.self_attn.q_proj / Linear, layers.3.input_norm ->
+//     model.layers.3.input_layernorm / P+"RMSNorm", embed_tokens -> model.embed_tokens /
+//     Embedding, norm -> model.norm, lm_head -> lm_head (P: the config's architecture's prefix;
+//     the paths from the tables hf_transformer_shape renames with, the types from
+//     hf_module_namer). {} (no alias) for rope, which transformers keeps out of checkpoints.
 //   * check_hf_weights(c, w): for a known architecture, the config must describe these
 //     tensors: the layer list model.layers has num_hidden_layers layers, and the shapes of
 //     model.embed_tokens.weight [vocab, d], and where present layer 0's q/k/v/o and
@@ -99,6 +108,7 @@
 #include "models/llama.h"
 #include "planner/model_shape.h"
 #include "planner/weights_tree.h"
+#include "wrap_policies/match.h"
 
 namespace flatshard {
 namespace models {
@@ -131,6 +141,7 @@ ModuleTypeFn hf_module_namer(const HfConfig& c);
 void check_hf_weights(const HfConfig& c, const WeightsInfo& w);
 std::optional<std::string> tie_hf_embeddings(const HfConfig& c, WeightsInfo& w);
 TransformerShape hf_transformer_shape(const HfConfig& c);
+ModuleAliases::Alias hf_module_alias(const llama::LlamaConfig& l, const std::string& path);
 std::string hf_config_json(const llama::LlamaConfig& l, at::ScalarType dtype,
                            const std::string& base = "");
 

@@ -9,6 +9,7 @@
 
 #include "fsdp/call.h"
 #include "models/family.h"
+#include "models/hf_config.h"
 #include "models/model_init.h"
 #include "models/synthetic_language.h"
 
@@ -386,6 +387,11 @@ const models::Family& LlamaConfig::family() {
       {"DecoderLayer", "Linear|RMSNorm|Embedding",
        "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding"});
   return f;
+}
+
+ModuleAliases::Alias LlamaImpl::module_alias(const std::string& path,
+                                             const torch::nn::Module& /*module*/) const {
+  return models::hf_module_alias(cfg_, path);
 }
 
 }  // namespace llama

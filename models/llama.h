@@ -72,6 +72,7 @@
 #include "fsdp/deferred_init.h"
 #include "models/transformer.h"
 #include "planner/model_shape.h"
+#include "wrap_policies/match.h"
 
 namespace flatshard {
 namespace models {
@@ -261,7 +262,13 @@ class DecoderLayerImpl : public torch::nn::Module {
 };
 TORCH_MODULE(DecoderLayer);
 
-class LlamaImpl : public torch::nn::Module, public flatshard::InitializesItself {
+// Its modules also answer to their Hugging Face names in wrap policies (Note [Module aliases],
+// wrap_policies/match.h; models/hf_config.h: hf_module_alias): a policy flatshard-explain
+// --weights prints for a checkpoint (type=LlamaDecoderLayer, path=model.layers.[0-9]) works on
+// the model hf_config(dir).build() makes.
+class LlamaImpl : public torch::nn::Module,
+                  public flatshard::InitializesItself,
+                  public flatshard::ModuleAliases {
  public:
   // Validates cfg, builds on CPU in fp32 and initializes from `seed` (see the contract above).
   explicit LlamaImpl(const LlamaConfig& cfg, uint64_t seed = 0);
@@ -288,6 +295,10 @@ class LlamaImpl : public torch::nn::Module, public flatshard::InitializesItself 
   // dtype: what construction gives it. Throws c10::Error for an unknown name or a shape that
   // is not the tensor's.
   void init_tensor(const std::string& name, const at::Tensor& values) const override;
+
+  // The Hugging Face path and type of the module at `path` (models/hf_config.h:
+  // hf_module_alias with this config's architecture).
+  Alias module_alias(const std::string& path, const torch::nn::Module& module) const override;
 
  private:
   void init_parameters();

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iomanip>
+#include <map>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -17,6 +18,8 @@
 #include "flat_param/layout.h"
 #include "fsdp/resolve.h"
 #include "support/format.h"
+#include "support/input_file.h"
+#include "wrap_policies/policy.h"
 
 namespace flatshard {
 
@@ -154,9 +157,100 @@ int64_t collective_count(const UnitCounters& c) {
          c.all_reduces * (c.replicate_bytes > 0 ? 2 : 1) + c.replicate_all_reduces;
 }
 
+// Each module's type as a policy writes it (policy_type_name), by path; iterative, so the tree's
+// depth cannot overflow the stack.
+std::unordered_map<std::string, std::string> module_types(const torch::nn::Module& model) {
+  std::unordered_map<std::string, std::string> types;
+  std::vector<std::pair<const torch::nn::Module*, std::string>> stack{{&model, ""}};
+  while (!stack.empty()) {
+    auto [m, path] = std::move(stack.back());
+    stack.pop_back();
+    if (!types.emplace(path, policy_type_name(m->name())).second) continue;
+    for (const auto& kv : m->named_children())
+      stack.emplace_back(kv.value().get(), path.empty() ? kv.key() : path + "." + kv.key());
+  }
+  return types;
+}
+
+std::string parent_of(const std::string& path) {
+  const auto dot = path.rfind('.');
+  return dot == std::string::npos ? std::string() : path.substr(0, dot);
+}
+
+// What to do about units below 1 MiB (`tiny`: gathered bytes, unit), in the model's own names
+// and the caller's language (ExplainOptions::advice): one unit per the type that encloses the
+// most tiny units (not the root, not a container; on a tie the one with fewer modules, the
+// outer), and every=k with k the units needed to reach 1 MiB but never more than the most tiny
+// units under one parent (every groups siblings: a larger k groups nothing more).
+std::string advice_for_fragmentation(
+    const Explanation& e, const torch::nn::Module& model,
+    const std::vector<std::pair<int64_t, const UnitExplanation*>>& tiny) {
+  const bool cpp = e.cost.advice == ExplainOptions::Advice::kCpp;
+  const auto types = module_types(model);
+  std::map<std::string, int64_t> encloses;     // type -> tiny units inside a module of it
+  std::map<std::string, int64_t> per_parent;   // parent path -> tiny units directly under it
+  for (const auto& t : tiny) {
+    const UnitExplanation& u = *t.second;
+    if (u.is_root || u.modules.empty()) continue;
+    const std::string& first = u.modules.front();
+    ++per_parent[parent_of(first)];
+    std::set<std::string> seen;
+    for (std::string p = parent_of(first); !p.empty(); p = parent_of(p)) {
+      auto it = types.find(p);
+      if (it == types.end()) continue;
+      const std::string& type = it->second;
+      if (type == "ModuleList" || type == "Sequential" || type == "ModuleDict") continue;
+      if (seen.insert(type).second) ++encloses[type];
+    }
+  }
+  std::map<std::string, int64_t> instances;
+  for (const auto& [path, type] : types)
+    if (encloses.count(type)) ++instances[type];
+  std::string layer;
+  for (const auto& [type, n] : encloses) {
+    if (n < 2) continue;  // one tiny unit per module of it: no grouping gained
+    if (layer.empty() || n > encloses[layer] ||
+        (n == encloses[layer] && instances[type] < instances[layer]))
+      layer = type;
+  }
+  int64_t siblings = 0;
+  for (const auto& [parent, n] : per_parent) siblings = std::max(siblings, n);
+
+  const int64_t median = tiny[tiny.size() / 2].first;
+  const int64_t needed = std::max<int64_t>(
+      2, (kTinyUnitBytes + median - 1) / std::max<int64_t>(median, 1));
+  std::vector<std::string> ways;
+  if (!layer.empty()) {
+    const std::string name = printable_escape(layer);
+    ways.push_back("one unit per " + name + " (" +
+                   (cpp ? "by_type(\"" + name + "\")" : "--policy type=" + name) + ")");
+  }
+  if (siblings >= 2) {
+    const int64_t k = std::min(needed, siblings);
+    const std::string form = cpp ? "every(" + std::to_string(k) + ", rule)"
+                                 : "every=" + std::to_string(k) + ",<terms>";
+    ways.push_back("group the matches " + std::to_string(k) + " at a time (" + form + ")" +
+                   (k == needed ? ", which reaches 1 MiB"
+                                : ": all " + std::to_string(siblings) +
+                                      " tiny siblings under one parent; 1 MiB would need " +
+                                      std::to_string(needed)));
+  }
+  if (ways.empty()) {
+    const int64_t numel =
+        kTinyUnitBytes / elem_size(e.options.mixed_precision.param_dtype);
+    ways.push_back("match larger modules (" +
+                   (cpp ? "by_size(" + std::to_string(numel) + ")"
+                        : "--policy size>=" + std::to_string(numel)) +
+                   ")");
+  }
+  std::string out = "; use fewer, larger units: " + ways[0];
+  for (size_t i = 1; i < ways.size(); ++i) out += ", or " + ways[i];
+  return out;
+}
+
 // The plan pays collective latency instead of bandwidth: many collectives per step against the
 // reference step, or units below 1 MiB (each collective costs ~latency whatever its size).
-void warn_fragmentation(Explanation& e) {
+void warn_fragmentation(Explanation& e, const torch::nn::Module& model) {
   const ExplainOptions& c = e.cost;
   const double latency_ms = e.collective_latency_ms();
   const double share = latency_ms / std::max(c.reference_step_ms, 1e-9);
@@ -192,15 +286,12 @@ void warn_fragmentation(Explanation& e) {
            " us whatever its size, so they pay latency, not bandwidth";
   }
   if (!tiny.empty()) {
-    // every=k that brings the median tiny unit to 1 MiB (per-layer plans are the usual fix).
-    const int64_t median = tiny[tiny.size() / 2].first;
-    const int64_t k = (kTinyUnitBytes + median - 1) / std::max<int64_t>(median, 1);
-    msg += "; use fewer, larger units: group leaves into layers (--policy type=Block, or "
-           "--policy layer), or group matches with every=k (k=" +
-           std::to_string(std::clamp<int64_t>(k, 2, 64)) + " reaches 1 MiB)";
+    msg += advice_for_fragmentation(e, model, tiny);
   } else {
-    msg += "; use fewer units: group matches with every=k (every=2 halves the collectives), or "
-           "give explain your measured step time";
+    const bool cpp = e.cost.advice == ExplainOptions::Advice::kCpp;
+    msg += std::string("; use fewer units: group matches with ") +
+           (cpp ? "every(2, rule)" : "every=2") +
+           " (it halves the collectives), or give explain your measured step time";
   }
   e.warnings.push_back(msg);
 }
@@ -243,14 +334,16 @@ void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if
 
 // `root_owners`: the modules owning the root unit's parameters, with their numel;
 // `shard_numel_if_sharded`: see warn_replication.
-void add_warnings(Explanation& e, const std::string& unmatched_warning,
+void add_warnings(Explanation& e, const torch::nn::Module& model, const Plan& plan,
                   const std::vector<std::pair<std::string, int64_t>>& root_owners,
                   const std::vector<int64_t>& shard_numel_if_sharded) {
   const auto& units = e.units;
   const double total = static_cast<double>(std::max<int64_t>(e.total_numel, 1));
 
-  if (!unmatched_warning.empty()) e.warnings.push_back(unmatched_warning);
-  warn_fragmentation(e);
+  const std::string unmatched = plan.unmatched_warning();
+  if (!unmatched.empty()) e.warnings.push_back(unmatched);
+  e.warnings.insert(e.warnings.end(), plan.warnings.begin(), plan.warnings.end());
+  warn_fragmentation(e, model);
   warn_replication(e, shard_numel_if_sharded);
   // One unit holding most of the model.
   for (const auto& u : units) {
@@ -562,7 +655,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       e.fitting_prefetch = lo;
     }
   }
-  add_warnings(e, plan.unmatched_warning(), root_owners, shard_numel_if_sharded);
+  add_warnings(e, model, plan, root_owners, shard_numel_if_sharded);
   return e;
 }
 

@@ -121,6 +121,12 @@ struct ExplainOptions {
   // Replication warning: NO_SHARD units' replicated state above this share of per-rank memory
   // (MemoryEstimate::total() + AdamW state).
   double replicated_share = 0.10;
+  // How the warnings' advice writes a policy, always in the model's own type names: kCpp, the
+  // builders of wrap_policies/policy.h (by_type("MixerBlock"), every(4, rule)), for C++
+  // callers; kSpec, the --policy text of wrap_policies/spec.h (--policy type=MixerBlock,
+  // every=4), which flatshard-explain sets.
+  enum class Advice { kCpp, kSpec };
+  Advice advice = Advice::kCpp;
 };
 
 // Model-state memory per rank (activations and optimizer state are not included).

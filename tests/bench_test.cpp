@@ -425,7 +425,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   const std::vector<Case> cases = {
       {{"--bogus"}, "--bogus"},
       {{"--heads", "5"}, "does not divide"},
-      {{"--policy", "type=Blok"}, "matches no module"},
+      {{"--policy", "type=Blok"}, "matched no module ('type=Blok'): the root unit would hold"},
       {{"--policy", "type=Block;sise>=1e7"}, "column 12"},
       {{"--policy", "foo"}, "unknown plan 'foo'"},
       {{"--policy", "leef"}, "unknown plan 'leef' (names: local, leaf, layer, every-K, model, "

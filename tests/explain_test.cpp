@@ -556,7 +556,7 @@ TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnos
   CHECK_THAT(frag[0], Catch::Contains("300 collectives per step x ~50.0 us latency = 15.0 ms, 15% "
                                       "of a 100.0 ms reference step"));
   CHECK_THAT(frag[0], Catch::Contains("33 of 100 units hold less than 1 MiB each (median 16.0 KiB"));
-  CHECK_THAT(frag[0], Catch::Contains("--policy type=Block"));
+  CHECK_THAT(frag[0], Catch::Contains("one unit per Block (by_type(\"Block\"))"));
   CHECK_THAT(leaf.to_string(), Catch::Contains("collective latency: 300 collectives per step"));
 
   // Per layer: the root (wte, wpe, ln_f, lm_head; kept: 1 AG + 1 RS) + 16 blocks x 3 = 50
@@ -589,6 +589,69 @@ TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnos
                               std::nullopt, 1, bad),
                       Catch::Contains("reference_step_ms > 0"));
   }
+}
+
+namespace {
+
+// A 4-layer model without a type called Block: layers of LayerNorm(16) + 2 x Linear(16, 16)
+// (32 + 272 + 272 = 576 elements, 2.25 KiB fp32 each), and a Linear(16, 4) head.
+struct MixerBlockImpl : torch::nn::Module {
+  MixerBlockImpl() {
+    register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    register_module("mix", torch::nn::Linear(16, 16));
+    register_module("out", torch::nn::Linear(16, 16));
+  }
+};
+TORCH_MODULE(MixerBlock);
+
+struct MixerImpl : torch::nn::Module {
+  MixerImpl() {
+    auto blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 4; ++i) blocks->push_back(MixerBlock());
+    register_module("head", torch::nn::Linear(16, 4));
+  }
+};
+TORCH_MODULE(Mixer);
+
+}  // namespace
+
+TEST_CASE("explain's fragmentation advice names the model's own types, in the caller's "
+          "language, and never groups more than there are",
+          "[diagnostics][explain]") {
+  // Before: "use --policy type=Block, or every=k (k=64 ...)" whatever the model and the caller.
+  auto model = Mixer();
+  const Plan leaves = make_plan(*model, parse_policy("type=Linear|LayerNorm"));
+  const auto cpp = warnings_with(explain(*model, leaves, 2, {}), "fragmented plan");
+  REQUIRE(cpp.size() == 1);
+  CAPTURE(cpp[0]);
+  // A C++ caller gets the builders (wrap_policies/policy.h) and the model's own layer type; the
+  // leaves come 3 to a layer, so grouping them goes up to 3.
+  CHECK_THAT(cpp[0], Catch::Contains("one unit per MixerBlock (by_type(\"MixerBlock\"))"));
+  CHECK_THAT(cpp[0], Catch::Contains("group the matches 3 at a time (every(3, rule)): all 3 tiny "
+                                     "siblings under one parent"));
+  CHECK_THAT(cpp[0], !Catch::Contains("--policy") && !Catch::Contains("type=Block"));
+
+  // flatshard-explain's callers get --policy text in the same names.
+  ExplainOptions cli;
+  cli.advice = ExplainOptions::Advice::kSpec;
+  const auto spec =
+      warnings_with(explain(*model, leaves, 2, {}, std::nullopt, 1, cli), "fragmented plan");
+  REQUIRE(spec.size() == 1);
+  CAPTURE(spec[0]);
+  CHECK_THAT(spec[0], Catch::Contains("one unit per MixerBlock (--policy type=MixerBlock)"));
+  CHECK_THAT(spec[0], Catch::Contains("(every=3,<terms>)"));
+  CHECK_THAT(spec[0], !Catch::Contains("by_type"));
+
+  // One unit per layer is still tiny: every=k groups the 4 layers, never more (1 MiB would
+  // need 1 MiB / 2.25 KiB = 456 of them), and no enclosing type is offered.
+  const auto layers = warnings_with(
+      explain(*model, make_plan(*model, parse_policy("type=MixerBlock")), 2, {}),
+      "fragmented plan");
+  REQUIRE(layers.size() == 1);
+  CAPTURE(layers[0]);
+  CHECK_THAT(layers[0], Catch::Contains("group the matches 4 at a time (every(4, rule)): all 4 "
+                                        "tiny siblings under one parent; 1 MiB would need 456"));
+  CHECK_THAT(layers[0], !Catch::Contains("one unit per") && !Catch::Contains("every(456"));
 }
 
 TEST_CASE("explain warns about replicated NO_SHARD state, naming units and bytes",

@@ -184,47 +184,90 @@ TEST_CASE("fully_shard twice is an error before anything is built", "[misuse]") 
                 {"module '<root>' already belongs to unit 'norm'", "applied twice"});
 }
 
-TEST_CASE("a policy that matches nothing: fully_shard warns with explain's text; strict fails",
+TEST_CASE("a policy that matches nothing: fully_shard fails listing the model's types and "
+          "paths; strict_plan = false warns with explain's text",
           "[misuse][policy]") {
+  // Before: fully_shard only warned (strict_plan defaulted to false) and the text named no
+  // type and no path of the model.
   auto net = TinyNet(5, 7, 2);
   const Policy typo = parse_policy("type=TinyBlok");
   const std::string text = make_plan(*net, typo).unmatched_warning();
-  REQUIRE(text.find("the policy matched no module") != std::string::npos);
+  REQUIRE(text.find("the policy matched no module ('type=TinyBlok')") != std::string::npos);
+  // The model's types (as a policy writes them) and its top-level paths (tiny_net.h).
+  CHECK(text.find("the model's types are Linear, ModuleList, TinyBlock, LayerNorm") !=
+        std::string::npos);
+  CHECK(text.find("its top-level paths are inp, blocks, head") != std::string::npos);
   // explain() prints the same sentence.
   const Explanation e = explain(*net, make_plan(*net, typo), 2, ShardingOptions{});
   CHECK(std::find(e.warnings.begin(), e.warnings.end(), text) != e.warnings.end());
 
+  // The default: an error on every rank, naming the rank and the way out.
+  REQUIRE_THROWS_WITH(run_ranks(2,
+                                [&](Communicator& comm) {
+                                  auto model = TinyNet(5, 7, 2);
+                                  fully_shard(model.ptr(), typo, comm);
+                                }),
+                      Catch::Contains("fully_shard: " + text) && Catch::Contains("(rank 0)") &&
+                          Catch::Contains("strict_plan = false"));
+  run_ranks(2, [&](Communicator& comm) {
+    WarningCollector collector;
+    c10::WarningUtils::WarningHandlerGuard guard(&collector);
+    // A policy that matches, and one without rules ('none', bench's 'model': the root alone
+    // on purpose): no error, no warning.
+    auto other = TinyNet(5, 7, 2);
+    auto ok = fully_shard(other.ptr(), parse_policy("type=TinyBlock"), comm);
+    auto root_only = TinyNet(5, 7, 2);
+    auto whole = fully_shard(root_only.ptr(), parse_policy("none"), comm);
+    RANK_CHECK(collector.messages.empty());
+    // The opt-out: a warning, once per run (rank 0; the other ranks have the same plan).
+    ShardingOptions lenient;
+    lenient.strict_plan = false;
+    auto model = TinyNet(5, 7, 2);
+    auto fsdp = fully_shard(model.ptr(), typo, comm, lenient);
+    const size_t warned = comm.rank() == 0 ? 1 : 0;
+    RANK_REQUIRE(collector.messages.size() == warned);
+    if (warned) RANK_CHECK(collector.messages[0] == "fully_shard: " + text);
+  });
+}
+
+TEST_CASE("a rule that matches nothing because an earlier rule claimed its modules warns, "
+          "naming both rules",
+          "[misuse][policy]") {
+  // Before: `type=TinyBlock;recompute:type=TinyBlock` trained without recompute, silently.
+  auto net = TinyNet(5, 7, 2);
+  const Policy shadowed = parse_policy("type=TinyBlock;recompute:type=TinyBlock");
+  const Plan plan = make_plan(*net, shadowed);
+  REQUIRE(plan.warnings.size() == 1);
+  const std::string& w = plan.warnings[0];
+  CHECK(w.find("policy rule 2 'recompute:type=TinyBlock' matches no module") != std::string::npos);
+  CHECK(w.find("rule 1 'type=TinyBlock' comes first and claimed it") != std::string::npos);
+  CHECK(w.find("'blocks.") != std::string::npos);
+  for (const UnitSpec& u : plan.units) CHECK_FALSE(u.options.recompute.value_or(false));
+  // explain() lists it; fully_shard warns with it once (rank 0).
+  const Explanation e = explain(*net, plan, 2, ShardingOptions{});
+  CHECK(std::find(e.warnings.begin(), e.warnings.end(), w) != e.warnings.end());
   run_ranks(2, [&](Communicator& comm) {
     WarningCollector collector;
     c10::WarningUtils::WarningHandlerGuard guard(&collector);
     auto model = TinyNet(5, 7, 2);
-    auto fsdp = fully_shard(model.ptr(), typo, comm);
-    // Once per run: rank 0 warns, the other ranks (threads here) have the same plan.
-    const size_t warned = comm.rank() == 0 ? 1 : 0;
-    RANK_REQUIRE(collector.messages.size() == warned);
-    if (warned) RANK_CHECK(collector.messages[0] == "fully_shard: " + text);
-    // A policy that matches: no warning.
-    auto other = TinyNet(5, 7, 2);
-    auto ok = fully_shard(other.ptr(), parse_policy("type=TinyBlock"), comm);
-    RANK_CHECK(collector.messages.size() == warned);
-    // A policy without rules asks for the root alone ('none', bench's 'model'): no typo.
-    auto root_only = TinyNet(5, 7, 2);
-    auto whole = fully_shard(root_only.ptr(), parse_policy("none"), comm);
-    RANK_CHECK(collector.messages.size() == warned);
+    auto fsdp = fully_shard(model.ptr(), shadowed, comm);
+    RANK_REQUIRE(collector.messages.size() == (comm.rank() == 0 ? 1u : 0u));
+    if (comm.rank() == 0) RANK_CHECK(collector.messages[0] == "fully_shard: " + w);
   });
-  ShardingOptions strict;
-  strict.strict_plan = true;
-  REQUIRE_THROWS_WITH(run_ranks(2,
-                                [&](Communicator& comm) {
-                                  auto model = TinyNet(5, 7, 2);
-                                  fully_shard(model.ptr(), typo, comm, strict);
-                                }),
-                      Catch::Contains("fully_shard (strict_plan): the policy matched no module") &&
-                          Catch::Contains("(rank 0)"));
-  run_ranks(2, [&](Communicator& comm) {  // strict accepts a policy that matches
-    auto model = TinyNet(5, 7, 2);
-    fully_shard(model.ptr(), parse_policy("type=TinyBlock"), comm, strict);
-  });
+  // Not shadowed: the later rule matches modules of its own, or its terms hold nowhere.
+  for (const std::string ok : {"path=blocks.0;recompute:type=TinyBlock",
+                               "type=TinyBlock;type=Conv2d"}) {
+    CAPTURE(ok);
+    const Plan p = make_plan(*net, parse_policy(ok));
+    CHECK(p.warnings.empty());
+  }
+  // A size term is judged on what the module had unclaimed, as when matching: a TinyBlock(7)
+  // holds 14 + 120 + 112 = 246 elements, each Linear inside it less than 200.
+  const Plan sized = make_plan(*net, parse_policy("type=TinyBlock;noshard:size>=200"));
+  REQUIRE(sized.warnings.size() == 1);
+  CHECK(sized.warnings[0].find("rule 2 'noshard:size>=200' matches no module") !=
+        std::string::npos);
+  CHECK(make_plan(*net, parse_policy("type=TinyBlock;noshard:size>=300")).warnings.empty());
 }
 
 namespace {

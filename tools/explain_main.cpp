@@ -474,7 +474,9 @@ int run(const Described& m, const Request& r) {
   std::cout << (m.model_line.empty() ? "" : m.model_line + "; ") << "policy: " << policy
             << policy_note << "\n";
   if (r.show_plan) std::cout << plan.to_string();
-  const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, r.cost);
+  flatshard::ExplainOptions cost = r.cost;
+  cost.advice = flatshard::ExplainOptions::Advice::kSpec;  // advice in --policy text
+  const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, cost);
   std::cout << e.to_string();
   if (r.batch > 0 && !m.shape) {
     std::cout << "note: --batch: " << m.no_shape << "\n";

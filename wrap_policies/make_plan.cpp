@@ -5,6 +5,7 @@
 //               marked `duplicate` (its parameters are aliases, it cannot be matched)
 //   2. match    reverse pre-order (children before parents) so size terms see what matched
 //               descendants left unclaimed; the first rule whose terms all hold wins
+//               (wrap_policies/match.h); then Note [Shadowed rules]
 //   3. group    per parent, each every-k rule's matches k at a time; units sorted by first member
 //   4. own      each TensorImpl goes to the innermost unit enclosing all its (non-alias) names
 #include <c10/core/TensorImpl.h>
@@ -15,7 +16,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "wrap_policies/glob.h"
+#include "support/input_file.h"
+#include "wrap_policies/match.h"
 #include "wrap_policies/policy.h"
 
 namespace flatshard {
@@ -77,38 +79,14 @@ class Walker {
   std::unordered_set<const torch::nn::Module*> on_path_;  // cycle guard
 };
 
-// A rule with its globs compiled once.
-struct CompiledRule {
-  const Rule* rule;
-  std::vector<std::vector<Glob>> globs;  // per term; empty for non-path terms
-};
-
-bool term_matches(const Term& t, const std::vector<Glob>& globs, const Node& n,
-                  int64_t free_numel) {
-  switch (t.kind) {
-    case Term::Kind::kType: {
-      const std::string& name = n.module->name();
-      return std::any_of(t.names.begin(), t.names.end(),
-                         [&](const std::string& type) { return type_name_matches(name, type); });
-    }
-    case Term::Kind::kSize:
-      return free_numel >= t.min_numel;
-    case Term::Kind::kPath:
-      return std::any_of(globs.begin(), globs.end(),
-                         [&](const Glob& g) { return g.matches(n.path); });
-    case Term::Kind::kPredicate:
-      return t.predicate(n.path, *n.module);
-  }
-  return false;
-}
-
-// Pass 2. Returns the index of the matching rule per node (-1: none).
-std::vector<int> match(const std::vector<Node>& nodes, const std::vector<CompiledRule>& rules) {
+// Pass 2. Returns the index of the matching rule per node (-1: none); `free_numel` gets each
+// node's unclaimed numel (what a size term compared), for the shadowed-rule check.
+std::vector<int> match(const std::vector<Node>& nodes, const PolicyMatcher& matcher,
+                       const torch::nn::Module& root, std::vector<int64_t>* free_numel_of) {
   const int n = static_cast<int>(nodes.size());
   std::vector<int> matched(n, -1);
-  bool needs_size = false;
-  for (const auto& r : rules)
-    for (const auto& t : r.rule->terms) needs_size = needs_size || t.kind == Term::Kind::kSize;
+  const bool needs_size = matcher.needs_size();
+  free_numel_of->assign(n, 0);
 
   // free[i]: distinct tensors under node i that no matched descendant claimed. A child's set is
   // moved into its parent once consumed, so memory stays O(params * depth) at worst.
@@ -133,15 +111,57 @@ std::vector<int> match(const std::vector<Node>& nodes, const std::vector<Compile
       }
     }
     if (node.duplicate) continue;
-    for (size_t r = 0; r < rules.size() && matched[i] < 0; ++r) {
-      const Rule& rule = *rules[r].rule;
-      bool all = true;
-      for (size_t t = 0; t < rule.terms.size() && all; ++t)
-        all = term_matches(rule.terms[t], rules[r].globs[t], node, free_numel);
-      if (all) matched[i] = static_cast<int>(r);
-    }
+    (*free_numel_of)[i] = free_numel;
+    MatchSubject s = match_subject(root, node.path, *node.module);
+    s.free_numel = free_numel;
+    matched[i] = matcher.first_match(s);
   }
   return matched;
+}
+
+// Note [Shadowed rules]: a rule that matches no module although its terms hold on modules an
+// earlier rule claimed (`type=X;recompute:type=X`: the first rule that matches wins, so the
+// recompute never happens). One warning per such rule, naming both rules and a module. Tried
+// children before parents, as pass 2 (a predicate sees the same order), and only on claimed
+// modules against the rules that matched nothing.
+std::vector<std::string> shadowed_rule_warnings(const std::vector<Node>& nodes,
+                                                const std::vector<int>& matched,
+                                                const std::vector<int64_t>& free_numel,
+                                                const PolicyMatcher& matcher,
+                                                const torch::nn::Module& root,
+                                                const Policy& policy) {
+  std::vector<char> unmatched(policy.rules.size(), 1);
+  for (int r : matched)
+    if (r >= 0) unmatched[static_cast<size_t>(r)] = 0;
+  if (std::none_of(unmatched.begin(), unmatched.end(), [](char u) { return u != 0; })) return {};
+  std::vector<int> shadowed_by(policy.rules.size(), -1), shadowed_at(policy.rules.size(), -1);
+  for (int i = static_cast<int>(nodes.size()) - 1; i >= 1; --i) {
+    if (matched[i] < 0) continue;
+    MatchSubject s = match_subject(root, nodes[i].path, *nodes[i].module);
+    s.free_numel = free_numel[i];
+    for (int r : matcher.candidates(s, matched[i])) {
+      if (!unmatched[r] || shadowed_by[r] >= 0) continue;
+      if (matcher.rule_matches(static_cast<size_t>(r), s)) {
+        shadowed_by[r] = matched[i];
+        shadowed_at[r] = i;
+      }
+    }
+  }
+  std::vector<std::string> out;
+  for (size_t r = 0; r < policy.rules.size(); ++r) {
+    if (shadowed_by[r] < 0) continue;
+    const Rule& first = policy.rules[static_cast<size_t>(shadowed_by[r])];
+    out.push_back("policy rule " + std::to_string(r + 1) + " '" +
+                  printable_escape(to_spec(policy.rules[r])) +
+                  "' matches no module: its terms hold on '" +
+                  printable_escape(nodes[shadowed_at[r]].path) + "', but rule " +
+                  std::to_string(shadowed_by[r] + 1) + " '" + printable_escape(to_spec(first)) +
+                  "' comes first and claimed it (a module goes to the first rule that matches), "
+                  "so rule " + std::to_string(r + 1) +
+                  "'s options never apply; put it before rule " +
+                  std::to_string(shadowed_by[r] + 1) + ", or give that rule its options");
+  }
+  return out;
 }
 
 struct Group {
@@ -187,22 +207,13 @@ std::string group_name(const std::vector<Node>& nodes, const Group& g) {
 }  // namespace
 
 Plan make_plan(const torch::nn::Module& model, const Policy& policy) {
-  validate(policy);
   Walker walker;
   walker.walk(model, "", "", -1);
   const std::vector<Node>& nodes = walker.nodes;
 
-  std::vector<CompiledRule> rules;
-  for (const Rule& r : policy.rules) {
-    CompiledRule c{&r, {}};
-    for (const Term& t : r.terms) {
-      c.globs.emplace_back();
-      if (t.kind == Term::Kind::kPath)
-        for (const auto& g : t.names) c.globs.back().emplace_back(g);
-    }
-    rules.push_back(std::move(c));
-  }
-  const std::vector<int> matched = match(nodes, rules);
+  const PolicyMatcher matcher(policy);  // validates
+  std::vector<int64_t> free_numel;
+  const std::vector<int> matched = match(nodes, matcher, model, &free_numel);
   const std::vector<Group> groups = group(nodes, matched, policy);
 
   // Unit 0 is the root; group g is unit g + 1. unit_of[i]: innermost unit enclosing node i.
@@ -274,6 +285,18 @@ Plan make_plan(const torch::nn::Module& model, const Policy& policy) {
   plan.matched_modules =
       std::count_if(matched.begin(), matched.end(), [](int r) { return r >= 0; });
   plan.policy_rules = static_cast<int64_t>(policy.rules.size());
+  plan.warnings = shadowed_rule_warnings(nodes, matched, free_numel, matcher, model, policy);
+  if (plan.matched_modules == 0 && plan.policy_rules > 0) {
+    // What Plan::unmatched_warning() lists: the names the user can write instead.
+    plan.policy_spec = policy.to_spec();
+    std::unordered_set<std::string> seen;
+    for (const Node& n : nodes) {
+      if (n.duplicate) continue;
+      const std::string type = policy_type_name(n.module->name());
+      if (n.parent >= 0 && seen.insert(type).second) plan.model_types.push_back(type);
+      if (n.parent == 0) plan.top_level_paths.push_back(n.path);
+    }
+  }
   return plan;
 }
 

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "support/format.h"
+#include "support/input_file.h"
 
 namespace flatshard {
 
@@ -20,11 +21,28 @@ const char* to_string(ShardingStrategy s) {
   return "?";
 }
 
+namespace {
+
+// "a, b, c" of at most `max` escaped names, then ", ... (N more)".
+std::string name_list(const std::vector<std::string>& names, size_t max = 16) {
+  std::string s;
+  for (size_t i = 0; i < names.size() && i < max; ++i)
+    s += (i ? ", " : "") + printable_escape(names[i]);
+  if (names.size() > max) s += ", ... (" + std::to_string(names.size() - max) + " more)";
+  return s.empty() ? "(none)" : s;
+}
+
+}  // namespace
+
 std::string Plan::unmatched_warning() const {
   if (matched_modules != 0 || units.size() != 1 || policy_rules == 0) return "";
-  return "the policy matched no module: the root unit holds the whole model, which is gathered "
-         "at once (no overlap, peak = the full model); check the type names and paths (the plan "
-         "lists none)";
+  constexpr size_t kMaxSpec = 200;
+  std::string spec = printable_escape(policy_spec.substr(0, kMaxSpec));
+  if (policy_spec.size() > kMaxSpec) spec += "...";
+  return "the policy matched no module" + (spec.empty() ? "" : " ('" + spec + "')") +
+         ": the root unit would hold the whole model, gathered at once (no overlap, peak = the "
+         "full model); check the type names and paths: the model's types are " +
+         name_list(model_types) + "; its top-level paths are " + name_list(top_level_paths);
 }
 
 namespace {

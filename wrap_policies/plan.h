@@ -80,10 +80,24 @@ struct Plan {
   std::string to_string() const;
   int64_t total_numel() const;
   int64_t match_count() const { return matched_modules; }
-  // The warning for a plan whose policy had rules and matched no module, so the root unit holds
-  // the whole model; "" otherwise (a policy without rules asks for the root alone). One text,
-  // used by explain() and by fully_shard (which warns, or fails with
-  // ShardingOptions::strict_plan).
+  // Likely mistakes in the policy found while making the plan, one sentence each: a rule that
+  // matches no module because an earlier rule claims every module it would match (Note
+  // [Shadowed rules], make_plan.cpp). fully_shard warns with them; explain() lists them.
+  std::vector<std::string> warnings;
+  // Set by make_plan only when the policy had rules and matched no module, for
+  // unmatched_warning(): the policy's spec (Policy::to_spec), the model's type names as a
+  // policy writes them (policy_type_name, each once, registration order, the root's left out)
+  // and the root's children's paths.
+  std::string policy_spec;
+  std::vector<std::string> model_types;
+  std::vector<std::string> top_level_paths;
+
+  // The message for a plan whose policy had rules and matched no module, so the root unit
+  // would hold the whole model: the policy, and the model's type names and top-level paths
+  // (what the policy could have said), escaped for a terminal; "" otherwise (a policy without
+  // rules, 'none', asks for the root alone). One text, used by fully_shard (an error unless
+  // ShardingOptions::strict_plan is false, then a warning), explain() (a warning) and
+  // flatshard-bench (an error).
   std::string unmatched_warning() const;
   // The unit named `name`, or nullptr.
   const UnitSpec* find(const std::string& name) const;

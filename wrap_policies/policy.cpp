@@ -189,6 +189,13 @@ Policy any_of(std::vector<Rule> rules) {
 Policy single(Rule rule) { return any_of({std::move(rule)}); }
 
 void validate(const Policy& policy) {
+  int64_t names = 0;
+  for (const Rule& r : policy.rules)
+    for (const Term& t : r.terms) names += 1 + static_cast<int64_t>(t.names.size());
+  TORCH_CHECK(names <= kMaxPolicyNames, "policy: ", policy.rules.size(), " rules with ", names,
+              " terms and names in all, more than the limit of ", kMaxPolicyNames,
+              " (wrap_policies/policy.h: kMaxPolicyNames); match many modules with one glob "
+              "(path=blocks.*) or a type (type=Block) instead of one term per module");
   for (size_t i = 0; i < policy.rules.size(); ++i) {
     const Rule& r = policy.rules[i];
     TORCH_CHECK(!r.terms.empty(), "policy rule ", i,
@@ -217,15 +224,17 @@ void validate(const Policy& policy) {
   }
 }
 
+std::string to_spec(const Rule& r) {
+  std::vector<std::string> terms;
+  if (r.every != 1) terms.push_back("every=" + std::to_string(r.every));
+  for (const Term& t : r.terms) terms.push_back(term_text(t));
+  const std::string prefix = prefix_text(r.options);
+  return (prefix.empty() ? "" : prefix + ":") + join(terms, ",");
+}
+
 std::string Policy::to_spec() const {
   std::vector<std::string> rule_texts;
-  for (const Rule& r : rules) {
-    std::vector<std::string> terms;
-    if (r.every != 1) terms.push_back("every=" + std::to_string(r.every));
-    for (const Term& t : r.terms) terms.push_back(term_text(t));
-    const std::string prefix = prefix_text(r.options);
-    rule_texts.push_back((prefix.empty() ? "" : prefix + ":") + join(terms, ","));
-  }
+  for (const Rule& r : rules) rule_texts.push_back(flatshard::to_spec(r));
   if (root_options != UnitOptions{}) rule_texts.push_back("root:" + prefix_text(root_options));
   return rule_texts.empty() ? "none" : join(rule_texts, ";");
 }

@@ -27,6 +27,10 @@
 // rule did not match are skipped, not run-breakers. A group's name is "<parent>.<first>-<last>"
 // ("blocks.0-1"), its module_paths lists every member.
 //
+// Matching (wrap_policies/match.h: the one place terms are tested) also accepts a model's
+// Hugging Face names where its root declares them (Note [Module aliases]): `type=LlamaDecoderLayer`
+// and `path=model.layers.[0-9]` match flatshard's LLaMA's DecoderLayer at layers.N.
+//
 // Plan semantics (make_plan):
 //  - The root module is never matched. Parameters no unit claims belong to the root unit
 //    (units[0], is_root, name "<root>", no module_paths), which gets Policy::root_options.
@@ -40,7 +44,9 @@
 //    module identity, so every path runs the same unit). The other names still appear in tied.
 //  - Units are ordered by the registration (pre-)order of their first module, root first. Units
 //    that end up owning no parameter are dropped (Plan::empty_units lists them).
-//  - Plan::matched_modules counts the modules the policy matched; 0 = "matches nothing".
+//  - Plan::matched_modules counts the modules the policy matched; 0 = "matches nothing"
+//    (Plan::unmatched_warning). A rule that matches nothing only because earlier rules claim
+//    its modules is a Plan::warnings entry naming both rules (Note [Shadowed rules]).
 #pragma once
 
 #include <cstdint>
@@ -127,7 +133,16 @@ bool type_name_matches(const std::string& module_name, const std::string& type_n
 // "::" or "Impl" ("<root>", "Norm") are returned unchanged.
 std::string policy_type_name(const std::string& module_name);
 
-// Throws c10::Error for a malformed policy (empty rule, every < 1, size < 0, bad glob, ...).
+// The text form of one rule, as Policy::to_spec() writes it ("recompute:type=Block").
+std::string to_spec(const Rule& rule);
+
+// The most terms plus type names and path globs a policy may hold in all (validate() refuses
+// more): far above any hand-written or generated per-module policy (a 10,000-layer model's
+// one glob per layer), and a bound on what matching and the plan's messages keep.
+inline constexpr int64_t kMaxPolicyNames = 100000;
+
+// Throws c10::Error for a malformed policy (empty rule, every < 1, size < 0, bad glob, more
+// than kMaxPolicyNames terms and names, ...).
 void validate(const Policy& policy);
 
 // Pure: reads the module tree and parameter identities; never changes or runs the model.
