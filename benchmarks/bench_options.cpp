@@ -6,8 +6,10 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
+#include "cli/numbers.h"
 #include "support/input_file.h"
 #include "tools/cli_exit.h"
 
@@ -16,6 +18,7 @@ namespace bench {
 
 namespace {
 
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 constexpr const char* kDefaultGranularities = "local,leaf,layer,every-2,model,noshard";
 
 const char* kFooter = R"(Policies: named plans and specs (comma list; default local,leaf,layer,every-2,model,noshard):
@@ -114,6 +117,10 @@ ParseResult parse_command_line(int argc, char** argv) {
   auto* o_batch = app.add_option("--batch", batch, "sequences per rank per step (cpu 2, cuda 4)")
                       ->group(g_model);
 
+  // Decimal only (cli/numbers.h): CLI11 alone reads "010" as 8 and "0x10" as 16.
+  for (CLI::Option* opt : {o_layers, o_dmodel, o_heads, o_seq, o_vocab, o_batch})
+    opt->transform(cli::integer(std::numeric_limits<int64_t>::min(), kInt64Max));
+
   auto* g_shard = "Sharding (applies to every run)";
   app.add_option("--policy", o.granularity_flags,
                  "named plans / policy specs, comma list (below); repeatable (old name "
@@ -130,6 +137,7 @@ ParseResult parse_command_line(int argc, char** argv) {
                  "and optimizer state in pinned host memory (optimizer on the CPU), 2 the bf16 "
                  "shard too; each level is a run of every granularity but 'local' (default 0)")
       ->delimiter(',')
+      ->transform(cli::integer())
       ->check(CLI::Range(0, 2))
       ->group(g_shard);
   app.add_option("--offload-step", offload_step,
@@ -145,6 +153,7 @@ ParseResult parse_command_line(int argc, char** argv) {
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->group(g_shard);
   app.add_option("--prefetch", prefetch, "forward and backward prefetch depth (default 1)")
+      ->transform(cli::integer())
       ->group(g_shard);
   auto* o_pdt = app.add_option("--param-dtype", param_dtype,
                                "fp32 | bf16 | fp16: gathered params and compute (cpu fp32, "
@@ -171,22 +180,16 @@ ParseResult parse_command_line(int argc, char** argv) {
                                  "ranks (old name --nproc). cpu: threads (default 2). cuda: "
                                  "processes to launch on this host (default: one per visible "
                                  "GPU; under torchrun/srun/mpirun the launcher decides)")
+                      ->transform(cli::integer())
                       ->group(g_run);
-  app.add_option("--warmup", warmup, "untimed steps per run (default 2)")->group(g_run);
+  app.add_option("--warmup", warmup, "untimed steps per run (default 2)")
+      ->transform(cli::integer())
+      ->group(g_run);
   auto* o_steps = app.add_option("--steps", steps, "timed steps per run (cpu 5, cuda 20)")
+                      ->transform(cli::integer())
                       ->group(g_run);
   app.add_option("--seed", seed, "model init and data seed (default 0)")
-      ->check(CLI::Validator(
-          [](std::string& v) -> std::string {
-            // CLI11 converts an all-digit value past 2^64 - 1 by saturating, silently.
-            if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos) return "";
-            const std::string max = "18446744073709551615";
-            const std::string digits = v.substr(std::min(v.find_first_not_of('0'), v.size()));
-            if (digits.size() < max.size() || (digits.size() == max.size() && digits <= max))
-              return "";
-            return v + " is out of range [0, " + max + "] (2^64 - 1)";
-          },
-          "UINT64"))
+      ->transform(cli::unsigned64())  // CLI11 alone saturates past 2^64 - 1 and wraps "-1"
       ->group(g_run);
   app.add_option("--optimizer", optimizer,
                  "adamw: torch::optim::AdamW (default) | fused: flatshard::FusedAdamW (one fused "
@@ -209,6 +212,7 @@ ParseResult parse_command_line(int argc, char** argv) {
       app.add_option("--kernel-profile", kernel_profile,
                      "cuda: after the measured steps, profile N more (PyTorch profiler, CUPTI) "
                      "and print rank 0's device time per step by kernel category and name")
+          ->transform(cli::integer())
           ->group(g_run);
   auto* o_sync =
       app.add_flag("--sync-debug",
@@ -220,6 +224,7 @@ ParseResult parse_command_line(int argc, char** argv) {
   auto* o_peak = app.add_option("--peak-tflops", peak_tflops,
                                 "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 "
                                 "bf16 dense; cpu: MFU is - unless given)")
+                     ->check(cli::number())
                      ->group(g_run);
 
   auto* g_out = "Output";

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "support/input_file.h"
+
 namespace flatshard {
 namespace tools {
 
@@ -91,7 +93,8 @@ inline int cli_exit(const CLI::App& app, const CLI::Error& e, const std::string&
   if (dynamic_cast<const CLI::CallForHelp*>(&e) || dynamic_cast<const CLI::CallForAllHelp*>(&e) ||
       dynamic_cast<const CLI::CallForVersion*>(&e))
     return app.exit(e);
-  std::cerr << program << ": error: " << usage_message(app, e) << std::endl;
+  // CLI11 quotes the user's values: control bytes are shown, never sent to the terminal.
+  std::cerr << program << ": error: " << printable_escape(usage_message(app, e)) << std::endl;
   return kExitUsage;
 }
 

@@ -48,6 +48,8 @@
 #include "models/hf_config.h"
 #include "planner/weights_tree.h"
 #include "wrap_policies/spec.h"
+#include "cli/numbers.h"
+#include "support/input_file.h"
 #include "tools/cli_exit.h"
 #include "tools/named_plans.h"
 #include "support/format.h"
@@ -165,19 +167,19 @@ std::vector<int> parse_int_list(const std::string& text, int lo, int hi) {
     const size_t comma = std::min(text.find(',', begin), text.size());
     const std::string item = text.substr(begin, comma - begin);
     if (item.empty())
-      throw std::invalid_argument("empty item in '" + text + "' (a comma-separated list, e.g. 1,2)");
-    size_t used = 0;
-    long v = 0;
+      throw std::invalid_argument("empty item in '" + flatshard::printable_escape(text) +
+                                  "' (a comma-separated list, e.g. 1,2)");
+    int64_t v = 0;
     try {
-      v = std::stol(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
+      v = flatshard::cli::parse_integer(item, lo, hi);  // decimal only
+    } catch (const std::invalid_argument&) {
+      throw std::invalid_argument("'" + flatshard::printable_escape(item) +
+                                  "' is not an integer in [" + std::to_string(lo) + ", " +
+                                  std::to_string(hi) + "]");
     }
-    if (used != item.size() || item[0] == '+' || v < lo || v > hi)
-      throw std::invalid_argument("'" + item + "' is not an integer in [" + std::to_string(lo) +
-                                  ", " + std::to_string(hi) + "]");
     if (std::find(out.begin(), out.end(), static_cast<int>(v)) != out.end())
-      throw std::invalid_argument(item + " is given twice in '" + text + "'");
+      throw std::invalid_argument(item + " is given twice in '" + flatshard::printable_escape(text) +
+                                  "'");
     out.push_back(static_cast<int>(v));
     if (comma == text.size()) return out;
     begin = comma + 1;
@@ -197,21 +199,12 @@ CLI::Validator int_list(int lo, int hi) {
       "INT[,INT...]");
 }
 
-// Integer options: "--world: must be >= 1, got 0" instead of CLI11's range with 300 digits.
-CLI::Validator at_least(int64_t lo) {
-  return CLI::Validator(
-      [lo](std::string& text) -> std::string {
-        try {
-          size_t used = 0;
-          const long long v = std::stoll(text, &used);
-          if (used == text.size() && v >= lo) return "";
-          if (used == text.size()) return "must be >= " + std::to_string(lo) + ", got " + text;
-        } catch (const std::exception&) {
-        }
-        return "expected an integer, got '" + text + "'";
-      },
-      "INT>=" + std::to_string(lo));
+// Integer options: decimal only (cli/numbers.h), "--world: must be >= 1, got 0" instead of
+// CLI11's range with 300 digits.
+CLI::Validator at_least(int64_t lo, int64_t hi = std::numeric_limits<int>::max()) {
+  return flatshard::cli::integer(lo, hi);
 }
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 
 // Real-valued options, same style: "--reference-step-ms: must be > 0, got 0"; at most `hi`
 // (a physical bound: 1e308 us of latency printed 300-digit warnings).
@@ -220,15 +213,14 @@ CLI::Validator number_above(double lo, bool or_equal, double hi) {
                             " and <= " + CLI::detail::to_string(hi);
   return CLI::Validator(
       [lo, or_equal, hi, bound](std::string& text) -> std::string {
+        double v = 0;
         try {
-          size_t used = 0;
-          const double v = std::stod(text, &used);
-          if (used == text.size() && std::isfinite(v) && (or_equal ? v >= lo : v > lo) && v <= hi)
-            return "";
-          if (used == text.size()) return "must be " + bound + ", got " + text;
-        } catch (const std::exception&) {
+          v = flatshard::cli::parse_number(text);  // decimal only: "0x10" is not 16
+        } catch (const std::invalid_argument& e) {
+          return e.what();
         }
-        return "expected a number, got '" + text + "'";
+        if ((or_equal ? v >= lo : v > lo) && v <= hi) return "";
+        return "must be " + bound + ", got " + text;
       },
       std::string("NUMBER") + (or_equal ? ">=" : ">") + CLI::detail::to_string(lo));
 }
@@ -442,7 +434,7 @@ int run(const Described& m, const Request& r) {
     TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
                 m.seq_len_what);
 
-  for (const auto& n : m.notes) std::cout << n << "\n";
+  for (const auto& n : m.notes) std::cout << flatshard::printable_escape(n) << "\n";
   if (r.suggest) {
     TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
     if (!m.shape) {
@@ -471,8 +463,10 @@ int run(const Described& m, const Request& r) {
     return 0;
   }
   const auto plan = flatshard::make_plan(*m.tree, flatshard::parse_policy(policy));
-  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ") << "policy: " << policy
-            << policy_note << "\n";
+  // The policy is the user's text (or a spec built from a checkpoint's names): escaped.
+  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ")
+            << "policy: " << flatshard::printable_escape(policy)
+            << flatshard::printable_escape(policy_note) << "\n";
   if (r.show_plan) std::cout << plan.to_string();
   const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, r.cost);
   std::cout << e.to_string();
@@ -520,18 +514,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   for (const char* key : {"vocab", "d-model", "heads", "layers"})
     app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
-        ->check(at_least(1));
+        ->transform(at_least(1, kInt64Max));
   app.add_flag("--tied", tied, "tie lm_head.weight to the token embedding");
   app.add_option("--policy", r.policy,
                  "a named plan (leaf, layer, every-K, model, noshard: docs/vocabulary.md) or a "
                  "wrap policy spec (wrap_policies/spec.h), e.g. \"every=2,type=Block\"; "
-                 "\"none\" = model: root only (default: layer, one unit per layer)");
+                 "\"none\" = model: root only (default: layer, one unit per layer)")
+      ->check(flatshard::cli::non_empty("a named plan or a policy spec"));
   app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
       ->required()
-      ->check(at_least(1));
+      ->transform(at_least(1));
   app.add_option("--replicate", r.replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
-      ->check(at_least(1));
+      ->transform(at_least(1));
   app.add_option("--strategy", r.strategy, "default strategy: full, grad_op, noshard")
       ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
       ->capture_default_str();
@@ -539,7 +534,7 @@ int main(int argc, char** argv) {
   app.add_option("--offload", r.offload,
                  "CPU offload level for units the policy sets none for: 0 off, 1 master, grads "
                  "and AdamW state on the host, 2 the compute-dtype shard too")
-      ->check(CLI::Range(0, 2))
+      ->transform(at_least(0, 2))
       ->capture_default_str();
   app.add_option("--offload-step", r.offload_step,
                  "when offloaded units' CPU optimizer steps: after (backward; default) | "
@@ -548,12 +543,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"after", "backward", "delayed"}))
       ->capture_default_str();
   app.add_option("--prefetch", r.prefetch, "forward and backward prefetch depth")
-      ->check(at_least(0));
+      ->transform(at_least(0));
   app.add_option("--forward-prefetch", r.fwd_prefetch, "units all-gathered ahead in forward")
-      ->check(at_least(0))
+      ->transform(at_least(0))
       ->capture_default_str();
   app.add_option("--backward-prefetch", r.bwd_prefetch, "units all-gathered ahead in backward")
-      ->check(at_least(0))
+      ->transform(at_least(0))
       ->capture_default_str();
   app.add_option("--param-dtype", r.param_dtype, "all-gather / compute dtype: fp32, bf16, fp16")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
@@ -563,12 +558,13 @@ int main(int argc, char** argv) {
   app.add_flag("--keep-low-precision-grads", r.keep_low_precision_grads,
                "master gradients stay in the reduce dtype (as flatshard-bench's flag)");
   app.add_option("--align", r.align, "alignment of parameters in a flat buffer, in elements")
-      ->check(at_least(1))
+      ->transform(at_least(1, kInt64Max))
       ->capture_default_str();
   app.add_option("--memory-limit", r.memory_limit,
                  "memory per rank, with a unit (40GiB, 40GB, 512MiB; bytes as 123B). Checked "
                  "against the model state (prefetch depth); with --batch also against the full "
-                 "predicted peak, which is what --suggest checks");
+                 "predicted peak, which is what --suggest checks")
+      ->check(flatshard::cli::non_empty("a size such as 40GiB"));
   app.add_option("--collective-latency-us", r.cost.collective_latency_us,
                  "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
       ->check(number_above(0, /*or_equal=*/true, flatshard::kMaxLatencyUs))
@@ -582,15 +578,16 @@ int main(int argc, char** argv) {
   app.add_option("--batch", r.batch,
                  "sequences per rank per step: adds the predicted peak with activations and the "
                  "step time (planner/cost_model.h)")
-      ->check(at_least(1));
+      ->transform(at_least(1, kInt64Max));
   app.add_option("--seq", r.seq,
                  "tokens per sequence (old name --seq-len); a reference model's seq_len too, as "
                  "in flatshard-bench. With --weights: the sequences of --batch / --suggest, at "
                  "most the checkpoint's max_position_embeddings")
-      ->check(at_least(1));
+      ->transform(at_least(1, kInt64Max));
   app.add_option("--profile", r.profile_path,
                  "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
-                 "default: the stated defaults (1x/2x H200 measurements)");
+                 "default: the stated defaults (1x/2x H200 measurements)")
+      ->check(flatshard::cli::non_empty("a file path"));
   app.add_flag("--suggest", r.suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
                "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
@@ -610,6 +607,7 @@ int main(int argc, char** argv) {
         "a Hugging Face *.safetensors.index.json, a flatshard checkpoint's manifest.json, or a "
         "directory holding one (with config.json: type names and the shape for --batch and "
         "--suggest; planner/weights_tree.h, models/hf_config.h)");
+    w->check(flatshard::cli::non_empty("a path"));
     for (const char* other : {"--model", "--preset", "--vocab", "--d-model", "--heads",
                               "--layers", "--tied"})
       w->excludes(app.get_option(other));
@@ -655,7 +653,8 @@ int main(int argc, char** argv) {
       try {
         m = describe_weights(weights);
       } catch (const c10::Error& e) {  // about the files: one line (names, JSON messages)
-        std::cerr << "flatshard-explain: " << one_line(e.what_without_backtrace()) << std::endl;
+        std::cerr << "flatshard-explain: "
+                  << flatshard::printable_escape(one_line(e.what_without_backtrace())) << std::endl;
         return 1;
       }
     } else {
@@ -665,7 +664,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::Error& e) {
     return flatshard::tools::cli_exit(app, e, "flatshard-explain");
   } catch (const c10::Error& e) {
-    std::cerr << "flatshard-explain: " << e.what_without_backtrace() << "\n";
+    std::cerr << "flatshard-explain: " << flatshard::cli::escape_lines(e.what_without_backtrace())
+              << "\n";
     return 1;
   }
   return 0;
