@@ -8,7 +8,7 @@
 
 #include "benchmarks/bench_options.h"
 #include "fsdp/resolve.h"
-#include "tools/named_plans.h"
+#include "cli/named_plans.h"
 #include "wrap_policies/spec.h"
 
 namespace flatshard {

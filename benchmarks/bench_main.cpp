@@ -60,7 +60,7 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
   }
   const auto& modules = o.model.family().modules();
   std::vector<fb::Granularity> out;
-  for (const auto& label : fb::split_granularities(o.granularity_flags)) {
+  for (const auto& label : fb::split_granularities(o.policies)) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
     if (o.recompute) g = fb::with_recompute(std::move(g));
     if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "support/dtype_name.h"
 #include "support/format.h"
 #include "support/json.h"
 #include "support/output_file.h"

@@ -105,7 +105,7 @@ CLI::Validator integer(int64_t lo, int64_t hi) {
           return e.what();
         }
       },
-      "INT");
+      "");  // the option's own type name (INT) says it
 }
 
 CLI::Validator unsigned64() {
@@ -118,7 +118,7 @@ CLI::Validator unsigned64() {
           return e.what();
         }
       },
-      "UINT64");
+      "");
 }
 
 CLI::Validator number() {

@@ -1,4 +1,4 @@
-// flatshard/tools/cli_exit.h — the command-line tools' one convention for CLI11's outcomes:
+// flatshard/cli/exit.h — the command-line tools' one convention for CLI11's outcomes:
 // --help prints and exits 0; a usage error prints one line "<program>: error: <message>" on
 // stderr and exits 2, as flatshard-bench does (benchmarks/bench_main.cpp). CLI11's own exit codes
 // (105, 106, ...) say nothing a script can rely on.
