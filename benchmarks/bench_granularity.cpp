@@ -8,8 +8,8 @@
 
 #include "benchmarks/bench_options.h"
 #include "fsdp/resolve.h"
+#include "cli/named_plans.h"
 #include "support/input_file.h"
-#include "tools/named_plans.h"
 #include "wrap_policies/spec.h"
 
 namespace flatshard {

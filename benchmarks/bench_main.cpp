@@ -60,7 +60,7 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
   }
   const auto& modules = o.model.family().modules();
   std::vector<fb::Granularity> out;
-  for (const auto& label : fb::split_granularities(o.granularity_flags)) {
+  for (const auto& label : fb::split_granularities(o.policies)) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
     if (o.recompute) g = fb::with_recompute(std::move(g));
     if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";
@@ -146,13 +146,14 @@ void say_trace(const std::string& label, const std::string& path, int world) {
 
 int report(const fb::BenchOptions& o, int world, const std::string& device_description,
            std::vector<std::string> notes, const std::vector<fb::Granularity>& grans,
-           std::vector<fb::RunResult> results, const fb::RunResult* host_probe = nullptr) {
+           std::vector<fb::RunResult> results, std::vector<double> reference_losses,
+           const fb::RunResult* host_probe = nullptr) {
   if (!o.profile_path.empty())  // before make_report takes the results
     flatshard::save_profile(
         fb::measure_profile(o, world, grans, results, device_description, host_probe),
         o.profile_path);
   fb::Report rep = fb::make_report(o, world, device_description, std::move(notes),
-                                   std::move(results));
+                                   std::move(results), std::move(reference_losses));
   fb::print_table(rep, std::cout);
   fb::print_kernel_profiles(rep, std::cout);
   flatshard::flush_stdout();
@@ -192,6 +193,8 @@ int run_cpu(const fb::BenchOptions& o) {
     progress.finish(results.back());
     say_trace(grans[i].label, traces[i], o.nproc);
   }
+  // The check's reference for the steps after the first (bench_report.h), untimed.
+  std::vector<double> reference = fb::reference_losses(config, o.nproc, fb::DeviceHooks{});
   return report(o, o.nproc,
                 "cpu, " + std::to_string(o.nproc) + " ranks as threads (1 compute thread each)",
                 {"local: one unsharded replica per rank thread, run concurrently without "
@@ -201,7 +204,7 @@ int run_cpu(const fb::BenchOptions& o) {
                  "peak MiB: per-rank AVERAGE = process peak of live CPU tensor bytes during the "
                  "steps (counting c10 CPU allocator, minus what was live before the run) / "
                  "ranks, since ranks are threads of one process."},
-                grans, std::move(results));
+                grans, std::move(results), std::move(reference));
 }
 
 int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
@@ -247,6 +250,9 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
     if (env.rank == 0) progress.finish(*probe);
   }
   const int world = rank.comm->world_size();
+  // The check's reference for the steps after the first (bench_report.h): rank 0 alone, untimed.
+  std::vector<double> reference;
+  if (env.rank == 0) reference = fb::reference_losses(config, world, rank.hooks);
   rank.close();
   if (env.rank != 0) return 0;
   return report(o, world,
@@ -256,7 +262,7 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
                  "CUDA-event timing of the communication streams).",
                  "peak MiB: rank 0's CUDA caching-allocator peak of allocated bytes during the "
                  "steps, minus what was live before the run."},
-                grans, std::move(results), probe ? &*probe : nullptr);
+                grans, std::move(results), std::move(reference), probe ? &*probe : nullptr);
 }
 
 int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::LaunchEnv>& env) {

@@ -27,7 +27,7 @@ std::string bytes_text(long double b) {
 }
 
 bool has_local(const BenchOptions& o) {
-  for (const auto& g : split_granularities(o.granularity_flags))
+  for (const auto& g : split_granularities(o.policies))
     if (g == "local") return true;
   return false;
 }

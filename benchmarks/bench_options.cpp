@@ -6,16 +6,21 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
+#include "cli/numbers.h"
+#include "cli/options.h"
+#include "fsdp/resolve.h"
 #include "support/input_file.h"
-#include "tools/cli_exit.h"
+#include "cli/exit.h"
 
 namespace flatshard {
 namespace bench {
 
 namespace {
 
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 constexpr const char* kDefaultGranularities = "local,leaf,layer,every-2,model,noshard";
 
 const char* kFooter = R"(Policies: named plans and specs (comma list; default local,leaf,layer,every-2,model,noshard):
@@ -36,7 +41,9 @@ const char* kFooter = R"(Policies: named plans and specs (comma list; default lo
 Defaults:  cpu: preset small with --seq 128, batch 2, 5 steps, fp32, 2 ranks as threads
            cuda: preset 1b, batch 4, 20 steps, bf16 params, one process per visible GPU
 Every run uses the same seed and data; the step-0 loss of rank 0 must match `local` (or the
-first run) within 1e-4 relative (fp32) / 2e-2 (bf16, fp16), else check=FAIL and exit code 1.
+first run) within 1e-4 relative (fp32) / 2e-2 (bf16, fp16), and a sharded run's losses after
+each optimizer step must match an unsharded fp32 reference trained on every rank's batch within
+1e-4 (fp32) / 1e-2 (bf16, fp16), else check=FAIL and exit code 1 (benchmarks/bench_report.h).
 fp16 (GPUs without bf16: V100, T4): sharded runs train with flatshard::ShardedGradScaler
 (fsdp/grad_scaler.h; a step with inf/NaN gradients on any rank is skipped on every rank).
 Old flag names, still accepted with a note (docs/vocabulary.md): --granularity = --policy,
@@ -47,17 +54,6 @@ Exit codes: 0 ok, 1 a check failed, 2 usage error (one line on stderr), 3 runtim
 // Old flag names (docs/vocabulary.md): flatshard-explain's names are the ones both tools use.
 const std::vector<tools::FlagRename> kRenames = {
     {"--granularity", "--policy", /*repeatable=*/true}, {"--nproc", "--world"}};
-
-c10::ScalarType parse_dtype(const std::string& s) {
-  if (s == "fp16") return c10::kHalf;
-  return s == "bf16" ? c10::kBFloat16 : c10::kFloat;
-}
-
-ShardingStrategy parse_strategy(const std::string& s) {
-  if (s == "grad_op") return ShardingStrategy::kShardGradOp;
-  if (s == "noshard") return ShardingStrategy::kNoShard;
-  return ShardingStrategy::kFullShard;
-}
 
 // c10::Error::what() carries a backtrace and sometimes several lines; a usage error is one line.
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
@@ -70,227 +66,154 @@ void require(bool ok, const std::string& flag, const char* what, T value) {
   throw UsageError(os.str());
 }
 
-}  // namespace
-
-const char* to_string(DeviceKind d) { return d == DeviceKind::kCuda ? "cuda" : "cpu"; }
-
-const char* dtype_name(c10::ScalarType t) {
-  if (t == c10::kHalf) return "fp16";
-  return t == c10::kBFloat16 ? "bf16" : "fp32";
-}
-
-ParseResult parse_command_line(int argc, char** argv) {
-  CLI::App app{
-      "flatshard-bench: trains a GPT (or --model llama) for a few steps at several sharding granularities and "
-      "reports collectives, bytes, step time, throughput, MFU, exposed communication and peak "
-      "memory per granularity, checking that every run computes the same loss.",
-      "flatshard-bench"};
-  app.footer(kFooter);
-
-  std::string family = "gpt", preset, device = "cpu", strategy = "full", param_dtype, reduce_dtype,
-      optimizer = "adamw", init = "deferred", offload_step = "after";
-  int64_t layers = 0, d_model = 0, heads = 0, seq = 0, vocab = 0, batch = 0;
-  int nproc = 0, prefetch = 1, warmup = 2, steps = 0, kernel_profile = 0;
+// The raw values of the flags, before the device-dependent defaults and the checks.
+struct Flags {
+  cli::ModelFlags model;        // --model, --preset, the size overrides, --seq
+  cli::ShardingFlags sharding;  // --strategy, dtypes, --prefetch, --offload-step, ...
+  std::string device = "cpu", optimizer = "adamw", init = "deferred";
+  int64_t batch = 0;
+  int nproc = 0, warmup = 2, steps = 0, kernel_profile = 0;
   uint64_t seed = 0;
   double peak_tflops = 0;
-  BenchOptions o;
+  // The options whose count() a default or a check depends on.
+  CLI::Option *preset, *batch_opt, *nproc_opt, *steps_opt, *kprof, *sync, *peak, *profile;
+};
 
-  auto* g_model = "Model";
-  app.add_option("--model", family,
-                 "model family (models/family.h; default gpt): " + models::families_help())
-      ->check(CLI::IsMember(models::family_names()))
-      ->group(g_model);
-  auto* o_preset =
-      app.add_option("--preset", preset, "the family's preset (default: see below)")
-          ->check(CLI::IsMember(models::all_preset_names()))
-          ->group(g_model);
-  auto* o_layers =
-      app.add_option("--layers", layers, "override: transformer blocks")->group(g_model);
-  auto* o_dmodel = app.add_option("--d-model", d_model, "override: model width")->group(g_model);
-  auto* o_heads = app.add_option("--heads", heads, "override: attention heads (divide d-model)")
-                      ->group(g_model);
-  auto* o_seq = app.add_option("--seq", seq, "override: sequence length")->group(g_model);
-  auto* o_vocab = app.add_option("--vocab", vocab, "override: vocabulary size")->group(g_model);
-  auto* o_batch = app.add_option("--batch", batch, "sequences per rank per step (cpu 2, cuda 4)")
-                      ->group(g_model);
+void add_model_flags(CLI::App& app, Flags& f) {
+  const char* group = "Model";
+  f.preset = cli::add_model_flags(app, f.model, group, "default: see below",
+                                  "override: sequence length")
+                 .preset;
+  f.batch_opt = app.add_option("--batch", f.batch, "sequences per rank per step (cpu 2, cuda 4)")
+                    ->transform(cli::integer(1, kInt64Max))
+                    ->group(group);
+}
 
-  auto* g_shard = "Sharding (applies to every run)";
-  app.add_option("--policy", o.granularity_flags,
+void add_sharding_flags(CLI::App& app, Flags& f, BenchOptions& o) {
+  const char* group = "Sharding (applies to every run)";
+  app.add_option("--policy", o.policies,
                  "named plans / policy specs, comma list (below); repeatable (old name "
                  "--granularity)")
       ->type_name("LIST")
       ->allow_extra_args(false)
-      ->group(g_shard);
+      ->group(group);
   app.add_flag("--recompute", o.recompute,
                "recompute every non-root unit's forward in backward (activation checkpointing; "
                "runs are labelled GRANULARITY+recompute; 'local' stays as is)")
-      ->group(g_shard);
+      ->group(group);
   app.add_option("--offload", o.offload_levels,
                  "CPU offload levels, comma list of 0 | 1 | 2: 1 keeps fp32 master, gradients "
                  "and optimizer state in pinned host memory (optimizer on the CPU), 2 the bf16 "
                  "shard too; each level is a run of every granularity but 'local' (default 0)")
       ->delimiter(',')
+      ->transform(cli::integer())
       ->check(CLI::Range(0, 2))
-      ->group(g_shard);
-  app.add_option("--offload-step", offload_step,
-                 "when offloaded units' CPU optimizer steps: after (in optimizer.step(), "
-                 "default) | backward (per unit during backward, overlapping the GPU; exact; "
-                 "runs labelled GRANULARITY+offloadN+bwdstep) | delayed (ZeRO-Offload's "
-                 "one-step-delayed update: step N's CPU update runs beside step N+1's forward "
-                 "and backward, so parameters are ONE STEP STALE; level 1 only; +delayed); "
-                 "backward and delayed need --optimizer fused")
-      ->check(CLI::IsMember({"after", "backward", "delayed"}))
-      ->group(g_shard);
-  app.add_option("--strategy", strategy, "default sharding strategy: full | grad_op | noshard")
-      ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
-      ->group(g_shard);
-  app.add_option("--prefetch", prefetch, "forward and backward prefetch depth (default 1)")
-      ->group(g_shard);
-  auto* o_pdt = app.add_option("--param-dtype", param_dtype,
-                               "fp32 | bf16 | fp16: gathered params and compute (cpu fp32, "
-                               "cuda bf16); fp16 trains with a gradient scaler")
-                    ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-                    ->group(g_shard);
-  auto* o_rdt = app.add_option("--reduce-dtype", reduce_dtype,
-                               "fp32 | bf16 | fp16: gradient reduction (default: the param dtype)")
-                    ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-                    ->group(g_shard);
-  app.add_flag("--keep-low-precision-grads",
-               o.sharding.mixed_precision.keep_low_precision_grads,
-               "master gradients stay in the reduce dtype (MixedPrecision::"
-               "keep_low_precision_grads): no upcast, half the gradient memory; runs labelled "
-               "GRANULARITY+lpgrads ('local' as is); not with --offload levels above 0 or "
-               "fp16's gradient scaler")
-      ->group(g_shard);
+      ->group(group);
+  // Runs are labelled GRANULARITY+offloadN+bwdstep / +delayed, GRANULARITY+lpgrads.
+  cli::add_sharding_flags(app, f.sharding, group, "cpu fp32, cuda bf16");
+}
 
-  auto* g_run = "Run";
-  app.add_option("--device", device, "cpu (ranks as threads) | cuda (one process per GPU)")
+void add_run_flags(CLI::App& app, Flags& f, BenchOptions& o) {
+  const char* group = "Run";
+  app.add_option("--device", f.device, "cpu (ranks as threads) | cuda (one process per GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
-      ->group(g_run);
-  auto* o_nproc = app.add_option("--world", nproc,
-                                 "ranks (old name --nproc). cpu: threads (default 2). cuda: "
-                                 "processes to launch on this host (default: one per visible "
-                                 "GPU; under torchrun/srun/mpirun the launcher decides)")
-                      ->group(g_run);
-  app.add_option("--warmup", warmup, "untimed steps per run (default 2)")->group(g_run);
-  auto* o_steps = app.add_option("--steps", steps, "timed steps per run (cpu 5, cuda 20)")
-                      ->group(g_run);
-  app.add_option("--seed", seed, "model init and data seed (default 0)")
-      ->check(CLI::Validator(
-          [](std::string& v) -> std::string {
-            // CLI11 converts an all-digit value past 2^64 - 1 by saturating, silently.
-            if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos) return "";
-            const std::string max = "18446744073709551615";
-            const std::string digits = v.substr(std::min(v.find_first_not_of('0'), v.size()));
-            if (digits.size() < max.size() || (digits.size() == max.size() && digits <= max))
-              return "";
-            return v + " is out of range [0, " + max + "] (2^64 - 1)";
-          },
-          "UINT64"))
-      ->group(g_run);
-  app.add_option("--optimizer", optimizer,
+      ->group(group);
+  f.nproc_opt = app.add_option("--world", f.nproc,
+                               "ranks (old name --nproc). cpu: threads (default 2). cuda: "
+                               "processes to launch on this host (default: one per visible "
+                               "GPU; under torchrun/srun/mpirun the launcher decides)")
+                    ->transform(cli::integer())
+                    ->group(group);
+  app.add_option("--warmup", f.warmup, "untimed steps per run (default 2)")
+      ->transform(cli::integer())
+      ->group(group);
+  f.steps_opt = app.add_option("--steps", f.steps, "timed steps per run (cpu 5, cuda 20)")
+                    ->transform(cli::integer())
+                    ->group(group);
+  app.add_option("--seed", f.seed, "model init and data seed (default 0)")
+      ->transform(cli::unsigned64())  // CLI11 alone saturates past 2^64 - 1 and wraps "-1"
+      ->group(group);
+  app.add_option("--optimizer", f.optimizer,
                  "adamw: torch::optim::AdamW (default) | fused: flatshard::FusedAdamW (one fused "
                  "ATen kernel per device and dtype); every run, local included, uses it")
       ->check(CLI::IsMember({"adamw", "fused"}))
-      ->group(g_run);
+      ->group(group);
   app.add_flag("--param-groups", o.param_groups,
                "two optimizer groups by parameter name (no weight decay on norms and biases), "
                "over ShardedModel::named_parameters(): per-parameter shard views instead of one "
                "master per unit (local: the model's parameters); measures what groups cost")
-      ->group(g_run);
-  app.add_option("--init", init,
+      ->group(group);
+  app.add_option("--init", f.init,
                  "deferred: sharded runs build the model on the meta device and fully_shard "
                  "initialises it unit by unit on the device (default) | eager: build it on the "
                  "host in fp32 first; local runs are always eager. Setup time and peak are "
                  "reported either way")
       ->check(CLI::IsMember({"eager", "deferred"}))
-      ->group(g_run);
-  auto* o_kprof =
-      app.add_option("--kernel-profile", kernel_profile,
-                     "cuda: after the measured steps, profile N more (PyTorch profiler, CUPTI) "
-                     "and print rank 0's device time per step by kernel category and name")
-          ->group(g_run);
-  auto* o_sync =
-      app.add_flag("--sync-debug",
-                   "cuda: warn at every synchronizing CUDA call while a measured step is issued "
-                   "(c10's sync debug mode; TORCH_SHOW_CPP_STACKTRACES=1 adds the caller's "
-                   "stack): what makes a step's host wait for the device (with CPU offload, "
-                   "the end of backward's one sync is expected)")
-          ->group(g_run);
-  auto* o_peak = app.add_option("--peak-tflops", peak_tflops,
-                                "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 "
-                                "bf16 dense; cpu: MFU is - unless given)")
-                     ->group(g_run);
+      ->group(group);
+  f.kprof = app.add_option("--kernel-profile", f.kernel_profile,
+                           "cuda: after the measured steps, profile N more (PyTorch profiler, "
+                           "CUPTI) and print rank 0's device time per step by kernel category "
+                           "and name")
+                ->transform(cli::integer())
+                ->group(group);
+  f.sync = app.add_flag("--sync-debug",
+                        "cuda: warn at every synchronizing CUDA call while a measured step is "
+                        "issued (c10's sync debug mode; TORCH_SHOW_CPP_STACKTRACES=1 adds the "
+                        "caller's stack): what makes a step's host wait for the device (with "
+                        "CPU offload, the end of backward's one sync is expected)")
+               ->group(group);
+  f.peak = app.add_option("--peak-tflops", f.peak_tflops,
+                          "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 bf16 "
+                          "dense; cpu: MFU is - unless given)")
+               ->check(cli::number())
+               ->group(group);
+}
 
-  auto* g_out = "Output";
+void add_output_flags(CLI::App& app, Flags& f, BenchOptions& o) {
+  const char* group = "Output";
   app.add_option("--json", o.json_path, "write the results as JSON to PATH")
       ->type_name("PATH")
-      ->group(g_out);
+      ->group(group);
   app.add_option("--csv", o.csv_path, "write the results as CSV to PATH")
       ->type_name("PATH")
-      ->group(g_out);
+      ->group(group);
   app.add_option("--plot", o.plot_path, "write an SVG bar chart (step time, peak memory) to PATH")
       ->type_name("PATH")
-      ->group(g_out);
-  auto* o_profile = app.add_option("--write-profile", o.profile_path,
-                 "write the machine profile these runs measure (planner/machine_profile.h; "
-                 "benchmarks/bench_profile.h says which numbers) to PATH, for flatshard-explain "
-                 "--profile")
-      ->type_name("PATH")
-      ->group(g_out);
+      ->group(group);
+  f.profile = app.add_option("--write-profile", o.profile_path,
+                             "write the machine profile these runs measure "
+                             "(planner/machine_profile.h; benchmarks/bench_profile.h says which "
+                             "numbers) to PATH, for flatshard-explain --profile")
+                  ->type_name("PATH")
+                  ->group(group);
+}
 
-  std::vector<std::string> notes;
-  try {
-    notes = tools::rename_old_flags(argc, argv, kRenames);
-  } catch (const std::invalid_argument& e) {
-    throw UsageError(e.what());
-  }
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    ParseResult r;
-    r.exit_now = true;
-    return r;
-  } catch (const CLI::ParseError& e) {
-    std::string msg = tools::usage_message(app, e);  // "did you mean --policy?"
-    std::replace(msg.begin(), msg.end(), '\n', ' ');
-    throw UsageError(printable_escape(msg));  // CLI11 quotes the user's value: no raw ESC
-  }
+// Values CLI11 accepted that the bench still refuses: control bytes in a policy, empty paths.
+void check_texts(const CLI::App& app, const Flags& f, const BenchOptions& o) {
   // A granularity or policy spec is printable text: one with control bytes (ESC, BEL) would be
   // echoed raw to the terminal by every later error that names it.
-  for (const auto& flag : o.granularity_flags)
+  for (const auto& flag : o.policies)
     if (printable_escape(flag) != flag)
       throw UsageError("--policy '" + printable_escape(flag) +
                        "': control characters are not part of any granularity or policy spec");
-  if (o_profile->count() && o.profile_path.empty())
+  if (f.profile->count() && o.profile_path.empty())
     throw UsageError("--write-profile needs a file path, got ''");
   for (const auto& [flag, path] : {std::pair<const char*, const std::string*>{"--json", &o.json_path},
                                    {"--csv", &o.csv_path},
                                    {"--plot", &o.plot_path}})
     if (app.count(flag) && path->empty())
       throw UsageError(std::string(flag) + " needs a file path, got ''");
+}
 
-  o.device = device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
-  const bool cuda = o.device == DeviceKind::kCuda;
-
-  o.preset = o_preset->count() ? preset : (cuda ? "1b" : "small");
+// The model: the family's preset (cpu small with seq 128, cuda 1b) and the overrides.
+void resolve_model(const Flags& f, bool cuda, BenchOptions& o) {
+  o.preset = f.preset->count() ? f.model.preset : (cuda ? "1b" : "small");
   try {
-    o.model = models::ModelConfig::preset(family, o.preset);
+    o.model = f.model.config(o.preset);
   } catch (const c10::Error& e) {
-    throw UsageError("--model " + family + ": " + first_line(e.what_without_backtrace()));
+    throw UsageError("--model " + f.model.family + ": " + first_line(e.what_without_backtrace()));
   }
-  if (!o_preset->count() && !cuda) o.model.seq_len() = 128;
-  auto override_size = [](CLI::Option* opt, int64_t value, int64_t& field) {
-    if (!opt->count()) return;
-    require(value > 0, opt->get_name(), "> 0", value);
-    field = value;
-  };
-  override_size(o_layers, layers, o.model.n_layers());
-  override_size(o_dmodel, d_model, o.model.d_model());
-  override_size(o_heads, heads, o.model.n_heads());
-  override_size(o_seq, seq, o.model.seq_len());
-  override_size(o_vocab, vocab, o.model.vocab());
+  if (!f.preset->count() && !cuda && !f.model.seq) o.model.seq_len() = 128;
   if (o.model.d_model() % o.model.n_heads() != 0) {
     std::ostringstream os;
     os << "--heads " << o.model.n_heads() << " does not divide --d-model " << o.model.d_model();
@@ -301,76 +224,114 @@ ParseResult parse_command_line(int argc, char** argv) {
   } catch (const c10::Error& e) {
     throw UsageError(first_line(e.what_without_backtrace()));
   }
-  o.batch = cuda ? 4 : 2;
-  override_size(o_batch, batch, o.batch);
+  o.batch = f.batch_opt->count() ? f.batch : (cuda ? 4 : 2);
+}
 
-  if (o.granularity_flags.empty()) o.granularity_flags.push_back(kDefaultGranularities);
-
-  o.sharding.strategy = parse_strategy(strategy);
-  require(prefetch >= 0, "--prefetch", ">= 0", prefetch);
-  o.fused_optimizer = optimizer == "fused";
-  if (offload_step != "after") {
-    if (!o.fused_optimizer)
-      throw UsageError("--offload-step " + offload_step +
-                       " steps units through flatshard::FusedAdamW: add --optimizer fused");
-    o.sharding.offload_step =
-        offload_step == "backward" ? OffloadStep::kBackward : OffloadStep::kDelayed;
-    if (o.sharding.offload_step == OffloadStep::kDelayed)
-      for (int level : o.offload_levels)
-        if (level == 2)
-          throw UsageError("--offload-step delayed runs offload level 1 only (level 2 uploads "
-                           "the master at every gather, while the delayed step writes it): "
-                           "drop 2 from --offload");
-  }
-  o.deferred_init = init == "deferred";
-  o.sharding.forward_prefetch = prefetch;
-  o.sharding.backward_prefetch = prefetch;
-  const c10::ScalarType pdt =
-      o_pdt->count() ? parse_dtype(param_dtype) : (cuda ? c10::kBFloat16 : c10::kFloat);
-  o.sharding.mixed_precision.param_dtype = pdt;
-  o.sharding.mixed_precision.reduce_dtype = o_rdt->count() ? parse_dtype(reduce_dtype) : pdt;
-  if (o.sharding.mixed_precision.keep_low_precision_grads) {
-    if (pdt == c10::kHalf)
-      throw UsageError("--keep-low-precision-grads cannot run with --param-dtype fp16: its "
-                       "gradient scaler unscales fp32 gradients only");
-    for (int level : o.offload_levels)
-      if (level > 0)
-        throw UsageError("--keep-low-precision-grads cannot run with --offload " +
-                         std::to_string(level) + ": offloaded gradients take the host path");
-  }
-  if (pdt == c10::kHalf && o.sharding.offload_step != OffloadStep::kAfterBackward)
+// The sharding options. What a unit cannot run is resolve_unit's to say (fsdp/resolve.h, one
+// home for the rule); the bench adds what its own optimizer and gradient scaler need.
+void resolve_sharding(const Flags& f, bool cuda, BenchOptions& o) {
+  if (o.policies.empty()) o.policies.push_back(kDefaultGranularities);
+  o.fused_optimizer = f.optimizer == "fused";
+  o.sharding = cli::sharding_options(f.sharding, cuda ? c10::kBFloat16 : c10::kFloat);
+  const std::string& step = f.sharding.offload_step;
+  if (o.sharding.offload_step != OffloadStep::kAfterBackward && !o.fused_optimizer)
+    throw UsageError("--offload-step " + step +
+                     " steps units through flatshard::FusedAdamW: add --optimizer fused");
+  const auto& mp = o.sharding.mixed_precision;
+  if (mp.param_dtype == c10::kHalf && mp.keep_low_precision_grads)
+    throw UsageError("--keep-low-precision-grads cannot run with --param-dtype fp16: its "
+                     "gradient scaler unscales fp32 gradients only");
+  if (mp.param_dtype == c10::kHalf && o.sharding.offload_step != OffloadStep::kAfterBackward)
     throw UsageError("--param-dtype fp16 trains with a gradient scaler, which must see the "
-                     "gradients before any step: it cannot run with --offload-step " +
-                     offload_step);
+                     "gradients before any step: it cannot run with --offload-step " + step);
+  for (int level : o.offload_levels) {
+    if (level == 0) continue;  // nothing to refuse (and resolve_unit reads FLATSHARD_DEBUG)
+    UnitSpec every_unit;
+    every_unit.name = "*";
+    every_unit.options.offload = level;
+    try {
+      resolve_unit(every_unit, o.sharding, /*shard_world_size=*/1);
+    } catch (const c10::Error& e) {
+      throw UsageError("--offload " + std::to_string(level) + " with --offload-step " + step +
+                       (mp.keep_low_precision_grads ? " --keep-low-precision-grads" : "") +
+                       ": " + first_line(e.what_without_backtrace()));
+    }
+  }
+  o.deferred_init = f.init == "deferred";
+}
 
-  o.nproc_given = o_nproc->count() > 0;
-  o.nproc = o.nproc_given ? nproc : (cuda ? 0 : 2);  // cuda 0: resolved to the GPU count later
-  if (o.nproc_given) require(nproc >= 1, "--world", ">= 1", nproc);
-  require(warmup >= 0, "--warmup", ">= 0", warmup);
-  o.warmup = warmup;
-  o.steps = o_steps->count() ? steps : (cuda ? 20 : 5);
+// Ranks, steps, seed and the cuda-only diagnostics.
+void resolve_run(const Flags& f, bool cuda, BenchOptions& o) {
+  o.nproc_given = f.nproc_opt->count() > 0;
+  o.nproc = o.nproc_given ? f.nproc : (cuda ? 0 : 2);  // cuda 0: resolved to the GPU count later
+  if (o.nproc_given) require(f.nproc >= 1, "--world", ">= 1", f.nproc);
+  require(f.warmup >= 0, "--warmup", ">= 0", f.warmup);
+  o.warmup = f.warmup;
+  o.steps = f.steps_opt->count() ? f.steps : (cuda ? 20 : 5);
   require(o.steps >= 1, "--steps", ">= 1", o.steps);
-  o.seed = seed;
-  if (o_kprof->count()) {
-    require(kernel_profile >= 1, "--kernel-profile", ">= 1", kernel_profile);
+  o.seed = f.seed;
+  if (f.kprof->count()) {
+    require(f.kernel_profile >= 1, "--kernel-profile", ">= 1", f.kernel_profile);
     if (!cuda)
       throw UsageError("--kernel-profile records GPU kernels: it needs --device cuda");
-    o.kernel_profile_steps = kernel_profile;
+    o.kernel_profile_steps = f.kernel_profile;
   }
-  if (o_sync->count()) {
+  if (f.sync->count()) {
     if (!cuda)
       throw UsageError("--sync-debug watches CUDA synchronisation: it needs --device cuda");
     o.sync_debug = true;
   }
-  if (o_peak->count()) {
-    require(peak_tflops > 0, "--peak-tflops", "> 0", peak_tflops);
-    o.peak_tflops = peak_tflops;
+  if (f.peak->count()) {
+    require(f.peak_tflops > 0, "--peak-tflops", "> 0", f.peak_tflops);
+    o.peak_tflops = f.peak_tflops;
   } else if (cuda) {
     o.peak_tflops = 989.0;
   }
+}
+
+}  // namespace
+
+const char* to_string(DeviceKind d) { return d == DeviceKind::kCuda ? "cuda" : "cpu"; }
+
+ParseResult parse_command_line(int argc, char** argv) {
+  CLI::App app{
+      "flatshard-bench: trains a GPT (or --model llama) for a few steps at several sharding "
+      "granularities and reports collectives, bytes, step time, throughput, MFU, exposed "
+      "communication and peak memory per granularity, checking that every run computes the "
+      "same losses.",
+      "flatshard-bench"};
+  app.footer(kFooter);
+  Flags f;
+  BenchOptions o;
+  add_model_flags(app, f);
+  add_sharding_flags(app, f, o);
+  add_run_flags(app, f, o);
+  add_output_flags(app, f, o);
+
   ParseResult r;
+  try {
+    r.notes = tools::rename_old_flags(argc, argv, kRenames);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(e.what());
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    r.exit_now = true;
+    return r;
+  } catch (const CLI::ParseError& e) {
+    std::string msg = tools::usage_message(app, e);  // "did you mean --policy?"
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    throw UsageError(printable_escape(msg));  // CLI11 quotes the user's value: no raw ESC
+  }
+  check_texts(app, f, o);
+  o.device = f.device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
+  const bool cuda = o.device == DeviceKind::kCuda;
+  resolve_model(f, cuda, o);
+  resolve_sharding(f, cuda, o);
+  resolve_run(f, cuda, o);
   r.options = std::move(o);
-  r.notes = std::move(notes);
   return r;
 }
 

@@ -2,9 +2,12 @@
 //
 // Contract
 // - parse_command_line() reads argv with CLI11, applies the device-dependent defaults below and
-//   validates every plain value (sizes > 0, heads divide d_model, steps >= 1, ...). It does not
+//   validates every plain value (sizes > 0, heads divide d_model, steps >= 1, ...). The model
+//   and sharding flags are the ones flatshard-explain has (cli/options.h: one definition);
+//   numbers are decimal only (cli/numbers.h). What a unit cannot run with the sharding options
+//   is resolve_unit's rule (fsdp/resolve.h), asked here for every --offload level. It does not
 //   look at the model tree: granularities are resolved into plans by bench_granularity.h.
-// - Old flag names (--granularity, --nproc) are renamed in argv first (tools/cli_exit.h), each
+// - Old flag names (--granularity, --nproc) are renamed in argv first (cli/exit.h), each
 //   giving one ParseResult::notes line; an unknown flag's error names the closest one.
 // - Every user error throws UsageError with a one-line message carrying the offending value;
 //   the caller prints "flatshard-bench: error: <message>" and exits with code 2.
@@ -44,8 +47,9 @@ struct BenchOptions {
   std::string preset;          // the preset the model starts from
   models::ModelConfig model;   // --model family, preset + overrides, validated
   int64_t batch = 0;      // sequences per rank per step
-  // --policy values as given, one entry per flag (split by bench_granularity.h).
-  std::vector<std::string> granularity_flags;
+  // --policy values as given: one comma list of named plans and specs per flag (split into
+  // runs by bench_granularity.h's split_granularities).
+  std::vector<std::string> policies;
   // --recompute: every non-root unit of every granularity but `local` recomputes its forward in
   // backward (UnitOptions::recompute; Note [Recompute] in fsdp/recompute.h).
   bool recompute = false;
@@ -84,9 +88,6 @@ struct ParseResult {
 };
 
 ParseResult parse_command_line(int argc, char** argv);
-
-// "fp32" / "bf16" / "fp16".
-const char* dtype_name(c10::ScalarType t);
 
 }  // namespace bench
 }  // namespace flatshard

@@ -8,10 +8,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
 
+#include "support/dtype_name.h"
 #include "support/format.h"
 #include "support/json.h"
 #include "support/output_file.h"
@@ -86,15 +88,38 @@ bool Report::all_ok() const {
   return std::all_of(rows.begin(), rows.end(), [](const ReportRow& r) { return r.ok; });
 }
 
+namespace {
+
+// The largest relative difference of run.losses[1..] from `reference`, or none where the steps
+// are not comparable (see bench_report.h).
+std::optional<double> steps_max_rel(const RunResult& run, const std::vector<double>& reference) {
+  const bool comparable = run.granularity != "local" && run.skipped_steps == 0 &&
+                          run.granularity.find("+delayed") == std::string::npos;
+  if (!comparable || reference.size() < 2 || run.losses.size() != reference.size())
+    return std::nullopt;
+  double worst = 0;
+  for (size_t s = 1; s < reference.size(); ++s) {
+    const double got = run.losses[s], want = reference[s];
+    if (!std::isfinite(got)) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, std::abs(got - want) / std::abs(want));
+  }
+  return worst;
+}
+
+}  // namespace
+
 Report make_report(const BenchOptions& options, int world_size, std::string device_description,
-                   std::vector<std::string> notes, std::vector<RunResult> runs) {
+                   std::vector<std::string> notes, std::vector<RunResult> runs,
+                   std::vector<double> reference_losses) {
   Report rep;
   rep.options = options;
   rep.world_size = world_size;
   rep.device_description = std::move(device_description);
   rep.notes = std::move(notes);
-  rep.tolerance =  // bf16 and fp16 alike (fp16 has more mantissa: within bf16's bound)
-      options.sharding.mixed_precision.param_dtype == c10::kFloat ? 1e-4 : 2e-2;
+  const bool fp32 = options.sharding.mixed_precision.param_dtype == c10::kFloat;
+  rep.tolerance = fp32 ? 1e-4 : 2e-2;  // bf16 and fp16 alike (fp16 has more mantissa)
+  rep.steps_tolerance = fp32 ? kStepsToleranceFp32 : kStepsToleranceLow;
+  rep.reference_losses = std::move(reference_losses);
 
   for (auto& run : runs) {
     ReportRow row;
@@ -127,6 +152,8 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     if (local) row.ratio_to_local = row.median_ms / local->median_ms;
     const double want = ref->run.loss_step0, got = row.run.loss_step0;
     row.ok = std::isfinite(got) && std::abs(got - want) <= rep.tolerance * std::abs(want);
+    row.steps_max_rel = steps_max_rel(row.run, rep.reference_losses);
+    if (row.steps_max_rel && !(*row.steps_max_rel <= rep.steps_tolerance)) row.ok = false;
     if (row.run.skipped_steps > 0)
       rep.notes.push_back("fp16: the gradient scaler skipped " +
                           std::to_string(row.run.skipped_steps) + " of " +
@@ -194,7 +221,27 @@ void print_table(const Report& rep, std::ostream& out) {
       << " (local: always eager).\n";
   for (const auto& note : rep.notes) out << wrap(note, 100);
   out << "check: step-0 loss vs '" << rep.reference << "' within " << rep.tolerance
-      << " relative: " << (rep.all_ok() ? "all ok" : "FAILED") << "\n";
+      << " relative";
+  int checked = 0;
+  double worst = 0;
+  for (const auto& r : rep.rows)
+    if (r.steps_max_rel) {
+      ++checked;
+      worst = std::max(worst, *r.steps_max_rel);
+    }
+  if (checked > 0) {
+    out << "; the losses after 1.." << rep.reference_losses.size() - 1
+        << " optimizer steps (reduction + optimizer) of " << checked
+        << (checked == 1 ? " run" : " runs")
+        << " vs an unsharded fp32 reference trained on every rank's batch, within "
+        << rep.steps_tolerance << " relative (largest difference "
+        << (worst == 0 ? std::string("0: bitwise equal") : format_fixed(worst * 1e6, 2) + "e-6")
+        << "; local runs: step 0 only)";
+  } else if (!rep.reference_losses.empty()) {
+    out << "; no run's steps after step 0 checked (local, delayed offload step, skipped fp16 "
+           "steps)";
+  }
+  out << ": " << (rep.all_ok() ? "all ok" : "FAILED") << "\n";
 }
 
 void print_kernel_profiles(const Report& rep, std::ostream& out) {
@@ -240,7 +287,7 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //   "strategy", "param_dtype", "reduce_dtype", "keep_low_precision_grads" (bool), "prefetch",
 //   "optimizer", "init" ("eager" |
 //   "deferred"), "warmup", "steps", "seed",
-//   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance",
+//   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance", "check_steps_tolerance",
 //   "all_ok",
 //   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
 //               "backward_all_gathers", "reduce_scatters", "all_reduces", "bytes_per_step",
@@ -249,7 +296,8 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //               "hook_forward_ms_median", "hook_backward_ms_median" (null for local),
 //               "ratio_to_local",
 //               "tokens_per_s_per_gpu", "mfu", "exposed_comm_share", "peak_memory_bytes",
-//               "setup_s", "setup_peak_memory_bytes", "loss_step0", "check": "ok" | "FAIL",
+//               "setup_s", "setup_peak_memory_bytes", "loss_step0",
+//               "losses_max_rel_diff" (null: steps not checked), "check": "ok" | "FAIL",
 //               "kernel_profile": null | {"steps", "span_ms", "busy_ms", "compute_ms",
 //                  "comm_ms", "overlap_ms", "categories": [G], "streams": [G],
 //                  "kernels": [G, every kernel name]} } ] }
@@ -289,6 +337,7 @@ void write_json(const Report& rep, const std::string& path) {
   j << "],\n"
     << "  \"check_reference\": " << json_string(rep.reference) << ",\n"
     << "  \"check_tolerance\": " << number(rep.tolerance) << ",\n"
+    << "  \"check_steps_tolerance\": " << number(rep.steps_tolerance) << ",\n"
     << "  \"all_ok\": " << (rep.all_ok() ? "true" : "false") << ",\n"
     << "  \"runs\": [";
   for (size_t i = 0; i < rep.rows.size(); ++i) {
@@ -317,6 +366,8 @@ void write_json(const Report& rep, const std::string& path) {
       << ", \"setup_s\": " << number(r.run.setup_s)
       << ", \"setup_peak_memory_bytes\": " << r.run.setup_peak_memory_bytes
       << ", \"loss_step0\": " << number(r.run.loss_step0)
+      << ", \"losses_max_rel_diff\": "
+      << (r.steps_max_rel ? number(*r.steps_max_rel) : std::string("null"))
       << ", \"check\": " << json_string(r.ok ? "ok" : "FAIL")
       << ",\n     \"kernel_profile\": ";
     if (!r.run.kernel_profile) {

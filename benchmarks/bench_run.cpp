@@ -25,8 +25,8 @@ namespace bench {
 
 namespace {
 
-// The optimizer is part of what a step costs, but its settings do not matter: only the step-0
-// loss is compared, and that is computed before the first update.
+// The optimizer is part of what a step costs; the check compares the losses after its steps
+// with reference_losses(), which uses the same settings.
 torch::optim::AdamWOptions adamw_options() {
   return torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
 }
@@ -65,7 +65,53 @@ std::vector<torch::optim::OptimizerParamGroup> name_groups(
   return groups;
 }
 
+// The run's optimizer over `params` (or, with --param-groups, two groups over `named`).
+std::shared_ptr<torch::optim::AdamW> make_optimizer(
+    const RunConfig& config, const std::vector<at::Tensor>& params,
+    const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  if (config.param_groups)
+    return config.fused_optimizer
+               ? std::make_shared<FusedAdamW>(name_groups(named), adamw_options())
+               : std::make_shared<torch::optim::AdamW>(name_groups(named), adamw_options());
+  return config.fused_optimizer ? std::make_shared<FusedAdamW>(params, adamw_options())
+                                : std::make_shared<torch::optim::AdamW>(params, adamw_options());
+}
+
+// Rank `rank`'s batch of step `step`, on `device` (the run's input_seq applied).
+std::pair<at::Tensor, at::Tensor> step_batch(const RunConfig& config, int rank, int step,
+                                             c10::Device device) {
+  auto b = config.model.synthetic_batch(config.batch, static_cast<int64_t>(config.seed), rank, step);
+  if (config.input_seq > 0 && config.input_seq < b.first.size(1)) {
+    b.first = b.first.narrow(1, 0, config.input_seq).contiguous();
+    b.second = b.second.narrow(1, 0, config.input_seq).contiguous();
+  }
+  return {b.first.to(device), b.second.to(device)};
+}
+
 }  // namespace
+
+std::vector<double> reference_losses(const RunConfig& config, int world_size,
+                                     const DeviceHooks& hooks) {
+  auto model = config.model.build(config.seed);
+  model->to(hooks.device, c10::kFloat);
+  const auto params = models::unique_parameters(*model);
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  if (config.param_groups) named = models::unique_named_parameters(*model);
+  auto optimizer = make_optimizer(config, params, named);
+  std::vector<double> losses;
+  for (int s = 0; s < config.warmup + config.steps; ++s) {
+    optimizer->zero_grad();
+    for (int r = 0; r < world_size; ++r) {
+      const auto batch = step_batch(config, r, s, hooks.device);
+      const at::Tensor loss = config.model.loss(*model, batch.first, batch.second);
+      (loss / world_size).backward();  // the sharded runs' gradients: the ranks' mean
+      if (r == 0) losses.push_back(loss.item<double>());
+    }
+    optimizer->step();
+  }
+  hooks.synchronize();
+  return losses;
+}
 
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
                      const DeviceHooks& hooks, const ProgressFn& progress) {
@@ -113,16 +159,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     params = fsdp->parameters();
     if (config.param_groups) named = fsdp->named_parameters();
   }
-  std::shared_ptr<torch::optim::AdamW> optimizer;
-  if (config.param_groups) {
-    optimizer = config.fused_optimizer
-                    ? std::make_shared<FusedAdamW>(name_groups(named), adamw_options())
-                    : std::make_shared<torch::optim::AdamW>(name_groups(named), adamw_options());
-  } else {
-    optimizer = config.fused_optimizer
-                    ? std::make_shared<FusedAdamW>(params, adamw_options())
-                    : std::make_shared<torch::optim::AdamW>(params, adamw_options());
-  }
+  std::shared_ptr<torch::optim::AdamW> optimizer = make_optimizer(config, params, named);
   // Note [Offload step in backward]: flatshard steps the offloaded units during backward
   // (bench_options.cpp makes this mode imply --optimizer fused); Note [Compute copy in the
   // step]: FusedAdamW writes NO_SHARD units' compute copies.
@@ -141,14 +178,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (fsdp && param_dtype == c10::kHalf) scaler = std::make_unique<ShardedGradScaler>(*fsdp);
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
-  for (int s = 0; s < total; ++s) {
-    auto b = config.model.synthetic_batch(config.batch, static_cast<int64_t>(config.seed), rank, s);
-    if (config.input_seq > 0 && config.input_seq < b.first.size(1)) {
-      b.first = b.first.narrow(1, 0, config.input_seq).contiguous();
-      b.second = b.second.narrow(1, 0, config.input_seq).contiguous();
-    }
-    batches.emplace_back(b.first.to(hooks.device), b.second.to(hooks.device));
-  }
+  for (int s = 0; s < total; ++s) batches.push_back(step_batch(config, rank, s, hooks.device));
 
   RunResult r;
   r.granularity = granularity.label;
@@ -211,7 +241,8 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     const double issue_ms = ms_since(t0);
     hooks.synchronize();
     const double ms = ms_since(t0);
-    if (s == 0) r.loss_step0 = loss.item<double>();
+    r.losses.push_back(loss.item<double>());
+    if (s == 0) r.loss_step0 = r.losses.back();
     if (s >= config.warmup) {
       r.step_ms.push_back(ms);
       r.fwd_bwd_ms.push_back(elapsed(0, 1));

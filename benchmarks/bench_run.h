@@ -111,6 +111,9 @@ struct RunResult {
   // summed over the units): forward and backward, per measured step (empty for local).
   std::vector<double> hook_forward_ms, hook_backward_ms;
   double loss_step0 = 0;        // loss of the first (warmup) step, before any update
+  // Rank 0's loss at every step, warmup included: losses[s] is computed with the parameters
+  // after s optimizer steps (losses[0] == loss_step0). The check compares them (bench_report.h).
+  std::vector<double> losses;
   // fp16 sharded runs (ShardedGradScaler): steps whose optimizer step the scaler skipped
   // (inf/NaN gradients on some rank), warmup and measured; 0 otherwise.
   int skipped_steps = 0;
@@ -136,6 +139,14 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
 RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granularity,
                              int world_size, const ProgressFn& progress,
                              std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+
+// The check's reference for the losses after the optimizer steps (bench_report.h): the model
+// built eagerly in fp32 on `hooks.device`, unsharded, trained with the run's optimizer (same
+// class, options and groups) on the mean loss over the `world_size` ranks' batches of each step
+// -- what a sharded run's averaged gradients are. Returns rank 0's batch's loss at every step
+// (warmup + steps values), as RunResult::losses. Untimed; one process, no communication.
+std::vector<double> reference_losses(const RunConfig& config, int world_size,
+                                     const DeviceHooks& hooks);
 
 // Median of step times (mean of the middle two for an even count; 0 for none).
 double median(std::vector<double> v);

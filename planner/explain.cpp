@@ -17,6 +17,7 @@
 
 #include "flat_param/layout.h"
 #include "fsdp/resolve.h"
+#include "support/dtype_name.h"
 #include "support/format.h"
 #include "support/input_file.h"
 #include "wrap_policies/policy.h"
@@ -33,19 +34,6 @@ constexpr double kRootShare = 0.10;         // the root unit holding more than t
 constexpr double kPaddingShare = 0.05;      // padding above this share of all elements
 
 int64_t elem_size(c10::ScalarType t) { return static_cast<int64_t>(c10::elementSize(t)); }
-
-std::string dtype_name(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat:
-      return "fp32";
-    case c10::kBFloat16:
-      return "bf16";
-    case c10::kHalf:
-      return "fp16";
-    default:
-      return c10::toString(t);
-  }
-}
 
 std::string parent_path(const std::string& param_name) {
   const auto dot = param_name.rfind('.');

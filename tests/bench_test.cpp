@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_report.h"
+#include "models/family.h"
 #include "profiling/kernel_profile.h"
 #include "support/input_file.h"
 #include "support/json.h"
@@ -532,4 +534,59 @@ TEST_CASE("kernel profile summary: unions, overlap, categories against hand-comp
   CHECK(flatshard::profiling::summarize_kernels({}, 1).busy_ms == 0);
   CHECK_THROWS_WITH(flatshard::profiling::summarize_kernels(recs, 0),
                     Catch::Contains("steps must be >= 1, got 0"));
+}
+
+TEST_CASE("the check covers the steps: losses after the optimizer vs an unsharded reference",
+          "[bench][check]") {
+  // Before: only the step-0 loss was compared, computed before any reduction or optimizer step.
+  // Now every sharded run's losses after 1..N optimizer steps are compared with an fp32
+  // unsharded model trained on the mean loss of every rank's batch (the ranks' averaged
+  // gradients); on CPU fp32 with 2 ranks they are bitwise equal.
+  const std::string json = scratch("steps.json");
+  const Outcome o = run_bench({"--preset", "tiny", "--policy", "local,leaf,layer,noshard",
+                               "--steps", "2", "--warmup", "1", "--json", json});
+  CAPTURE(o.out, o.err);
+  REQUIRE(o.exit_code == 0);
+  CHECK(o.out.find("the losses after 1..2 optimizer steps (reduction + optimizer) of 3 runs vs "
+                   "an unsharded fp32 reference trained on every rank's batch, within 0.0001 "
+                   "relative (largest difference 0: bitwise equal; local runs: step 0 only): "
+                   "all ok") != std::string::npos);
+  const JsonFile report(json);
+  CHECK(report.root.at("check_steps_tolerance").as_number() == 1e-4);
+  CHECK(run_named(report.root, "local").at("losses_max_rel_diff").is_null());
+  for (const char* name : {"leaf", "layer", "noshard"})
+    CHECK(run_named(report.root, name).at("losses_max_rel_diff").as_number() == 0.0);
+}
+
+TEST_CASE("the check fails a run whose losses leave the reference after step 0",
+          "[bench][check]") {
+  // A sharded run right at step 0 but wrong after its first update (a broken reduction or
+  // optimizer step) fails; local's own trajectory is not compared (its replicas train alone).
+  namespace fb = flatshard::bench;
+  fb::BenchOptions o;
+  o.model = flatshard::models::ModelConfig::preset("gpt", "tiny");
+  o.batch = 2;
+  o.steps = 2;
+  auto run = [](const std::string& label, std::vector<double> losses) {
+    fb::RunResult r;
+    r.granularity = label;
+    r.step_ms = {1.0, 1.0};
+    r.loss_step0 = losses[0];
+    r.losses = std::move(losses);
+    return r;
+  };
+  const std::vector<double> reference = {6.0, 5.5, 5.0};
+  const fb::Report rep = fb::make_report(
+      o, 2, "cpu", {},
+      {run("local", {6.0, 5.9, 5.8}), run("layer", {6.0, 5.5, 5.0}),
+       run("leaf", {6.0, 5.5 * (1 + 2e-4), 5.0})},
+      reference);
+  REQUIRE(rep.rows.size() == 3);
+  CHECK(rep.rows[0].ok);
+  CHECK_FALSE(rep.rows[0].steps_max_rel.has_value());
+  CHECK(rep.rows[1].ok);
+  CHECK(*rep.rows[1].steps_max_rel == 0.0);
+  CHECK_FALSE(rep.rows[2].ok);
+  CHECK(*rep.rows[2].steps_max_rel == Approx(2e-4));
+  CHECK_FALSE(rep.all_ok());
 }

@@ -185,7 +185,7 @@ TEST_CASE("backward twice: an autograd error without retain_graph, accumulation 
 
 TEST_CASE("flatshard-explain: bad flags and specs say what to fix: usage 2, bad input 1",
           "[reliability][cli]") {
-  // Command-line errors exit 2 with one line "flatshard-explain: error: ..." (tools/cli_exit.h,
+  // Command-line errors exit 2 with one line "flatshard-explain: error: ..." (cli/exit.h,
   // flatshard-bench's convention); a valid command line whose input is wrong (a policy that does
   // not parse) exits 1.
   struct Case {

@@ -17,8 +17,8 @@
 #include "planner/trace_summary.h"
 #include "temp_dir.h"
 #include "tool_run.h"
-#include "tools/cli_exit.h"
-#include "tools/named_plans.h"
+#include "cli/exit.h"
+#include "cli/named_plans.h"
 #include "wrap_policies/policy.h"
 
 namespace {

@@ -185,7 +185,7 @@ TEST_CASE("explain: sizes and limits are checked, stdout is checked", "[tools][s
   const Outcome limit =
       run(FLATSHARD_EXPLAIN_EXE, {"--world", "2", "--memory-limit", "1e30TiB"}, {}, 60);
   CAPTURE(limit.out, limit.err);
-  CHECK(limit.exit_code == 2);  // a command-line error (tools/cli_exit.h)
+  CHECK(limit.exit_code == 2);  // a command-line error (cli/exit.h)
   CHECK(limit.err.find("'1e30TiB' is too large: at most 9223372036854775807 bytes") !=
         std::string::npos);
   CHECK(limit.out.find("limit -") == std::string::npos);
@@ -224,7 +224,7 @@ TEST_CASE("explain --suggest / --profile and bench --write-profile: inputs are c
                                  "--offload-levels", "3"}}) {
     const Outcome o = run(FLATSHARD_EXPLAIN_EXE, args, {}, 60);
     CAPTURE(args, o.err);
-    CHECK(o.exit_code == 2);  // a usage error, one line (tools/cli_exit.h)
+    CHECK(o.exit_code == 2);  // a usage error, one line (cli/exit.h)
     CHECK(o.err.rfind("flatshard-explain: error: ", 0) == 0);
     CHECK(std::count(o.err.begin(), o.err.end(), '\n') == 1);
   }

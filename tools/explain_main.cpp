@@ -26,7 +26,7 @@
 //
 // Exit codes: 0 ok; 1 an input that is wrong (a policy that does not parse, a bad profile, a
 // model too large, standard output that cannot be written) or --suggest with no fitting plan;
-// 2 a command-line error, one line "flatshard-explain: error: ..." (tools/cli_exit.h).
+// 2 a command-line error, one line "flatshard-explain: error: ..." (cli/exit.h).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
@@ -48,8 +48,12 @@
 #include "models/hf_config.h"
 #include "planner/weights_tree.h"
 #include "wrap_policies/spec.h"
-#include "tools/cli_exit.h"
-#include "tools/named_plans.h"
+#include "cli/byte_size.h"
+#include "cli/numbers.h"
+#include "cli/options.h"
+#include "support/input_file.h"
+#include "cli/exit.h"
+#include "cli/named_plans.h"
 #include "support/format.h"
 
 namespace {
@@ -59,101 +63,6 @@ namespace {
 // models; keeps every byte count, x4 copies of fp32 state, far inside int64).
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr long double kMaxParameters = 1e15L;
-
-// "40GiB", "40G" (binary), "40GB" (decimal), "1.5TiB", "1e3MB", "123456B" (bytes): a unit is
-// required ("40" alone is an error showing how to write it). Decimal
-// digits only (std::stod alone read "0x10GiB" as 16 GiB); the result must be a whole number of
-// bytes, at least 1 ("0.5" was rounded to 1 B) and at most int64's max (8 EiB - 1 B).
-int64_t parse_bytes(const std::string& text) {
-  auto bad = [&](const std::string& why) {
-    return CLI::ValidationError("--memory-limit", "'" + text + "' " + why);
-  };
-  const std::string kSuffixes =
-      "(suffixes: K/M/G/T/P/E or KiB/MiB/GiB/TiB/PiB/EiB = binary, KB/MB/GB/TB/PB/EB = decimal)";
-  // The number: digits [. digits] [e [+-] digits], at least one mantissa digit.
-  size_t pos = 0;
-  std::string digits;  // the mantissa's digits, the point left out
-  int64_t exp10 = 0;   // the mantissa is digits x 10^exp10
-  auto is_digit = [&](size_t i) { return i < text.size() && text[i] >= '0' && text[i] <= '9'; };
-  while (is_digit(pos)) digits += text[pos++];
-  if (pos < text.size() && text[pos] == '.') {
-    ++pos;
-    while (is_digit(pos)) {
-      digits += text[pos++];
-      --exp10;
-    }
-  }
-  if (digits.empty()) throw bad("is not a size such as 40GiB (decimal digits, then a suffix)");
-  if (pos < text.size() && (text[pos] == 'x' || text[pos] == 'X'))
-    throw bad("is not a size such as 40GiB (decimal digits only: hexadecimal is not read)");
-  if (pos < text.size() && (text[pos] == 'e' || text[pos] == 'E') &&
-      (is_digit(pos + 1) || ((text[pos + 1] == '+' || text[pos + 1] == '-') && is_digit(pos + 2)))) {
-    ++pos;
-    const bool negative = text[pos] == '-';
-    if (text[pos] == '+' || text[pos] == '-') ++pos;
-    int64_t e = 0;
-    while (is_digit(pos)) e = std::min<int64_t>(e * 10 + (text[pos++] - '0'), 100000);
-    exp10 += negative ? -e : e;
-  }
-  std::string suffix = text.substr(pos);
-  for (auto& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  struct Scale {
-    int pow2, pow10;
-  };
-  static const std::map<std::string, Scale> scale = {
-      {"", {0, 0}},    {"B", {0, 0}},    {"K", {10, 0}},  {"KIB", {10, 0}}, {"KB", {0, 3}},
-      {"M", {20, 0}},  {"MIB", {20, 0}}, {"MB", {0, 6}},  {"G", {30, 0}},   {"GIB", {30, 0}},
-      {"GB", {0, 9}},  {"T", {40, 0}},   {"TIB", {40, 0}}, {"TB", {0, 12}}, {"P", {50, 0}},
-      {"PIB", {50, 0}}, {"PB", {0, 15}}, {"E", {60, 0}},  {"EIB", {60, 0}}, {"EB", {0, 18}}};
-  auto it = scale.find(suffix);
-  if (it == scale.end()) throw bad("is not a size " + kSuffixes);
-  exp10 += it->second.pow10;
-  const int pow2 = it->second.pow2;
-  // digits x 10^exp10 x 2^pow2, exactly: leading zeros and trailing zeros of the digits go.
-  digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size()));
-  while (!digits.empty() && digits.back() == '0') {
-    digits.pop_back();
-    ++exp10;
-  }
-  const std::string at_most = "at most " + std::to_string(std::numeric_limits<int64_t>::max()) +
-                              " bytes (8 EiB - 1 B, int64's max)";
-  if (digits.empty()) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
-  // Magnitude first (log10 of the value), then the exact value where it can be an int64.
-  const double log10_value = static_cast<double>(digits.size() - 1) + static_cast<double>(exp10) +
-                             pow2 * std::log10(2.0) + std::log10(std::stod("0." + digits) * 10);
-  if (log10_value >= 19) throw bad("is too large: " + at_most);
-  if (log10_value < -1e-9) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
-  // Now digits has at most ~20 + |exp10| significant digits, exp10 > -40: exact in 128 bits.
-  if (digits.size() > 36) throw bad("has more digits than a byte count can use");
-  using u128 = unsigned __int128;
-  u128 m = 0;
-  for (char c : digits) m = m * 10 + static_cast<unsigned>(c - '0');
-  for (; exp10 > 0; --exp10) m *= 10;
-  int twos = pow2;  // m x 2^twos / 10^(-exp10)
-  for (; exp10 < 0; ++exp10) {
-    if (m % 5 != 0) throw bad("is not a whole number of bytes");
-    m /= 5;
-    if (twos > 0) {
-      --twos;
-    } else if (m % 2 == 0) {
-      m /= 2;
-    } else {
-      throw bad("is not a whole number of bytes");
-    }
-  }
-  for (; twos > 0; --twos) {
-    m *= 2;
-    if (m > static_cast<u128>(std::numeric_limits<int64_t>::max())) throw bad("is too large: " + at_most);
-  }
-  if (m > static_cast<u128>(std::numeric_limits<int64_t>::max())) throw bad("is too large: " + at_most);
-  if (m < 1) throw bad("is below 1 byte: a limit is at least 1 byte, " + at_most);
-  // A bare number was read as bytes: "--memory-limit 40" meant 40 GiB, not 40 B. The unit is
-  // asked for last, so a value wrong for another reason says that first.
-  if (suffix.empty())
-    throw bad("has no unit: write " + text + "GiB (binary), " + text + "GB (decimal), or " +
-              text + "B if you mean bytes");
-  return static_cast<int64_t>(m);
-}
 
 // "--prefetch-depths 1,2": each item an integer in [lo, hi], no empty item ("1,,2"), no
 // repeat ("1,1": a repeated depth only repeated rows of the advisor's table). Throws the
@@ -165,19 +74,19 @@ std::vector<int> parse_int_list(const std::string& text, int lo, int hi) {
     const size_t comma = std::min(text.find(',', begin), text.size());
     const std::string item = text.substr(begin, comma - begin);
     if (item.empty())
-      throw std::invalid_argument("empty item in '" + text + "' (a comma-separated list, e.g. 1,2)");
-    size_t used = 0;
-    long v = 0;
+      throw std::invalid_argument("empty item in '" + flatshard::printable_escape(text) +
+                                  "' (a comma-separated list, e.g. 1,2)");
+    int64_t v = 0;
     try {
-      v = std::stol(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
+      v = flatshard::cli::parse_integer(item, lo, hi);  // decimal only
+    } catch (const std::invalid_argument&) {
+      throw std::invalid_argument("'" + flatshard::printable_escape(item) +
+                                  "' is not an integer in [" + std::to_string(lo) + ", " +
+                                  std::to_string(hi) + "]");
     }
-    if (used != item.size() || item[0] == '+' || v < lo || v > hi)
-      throw std::invalid_argument("'" + item + "' is not an integer in [" + std::to_string(lo) +
-                                  ", " + std::to_string(hi) + "]");
     if (std::find(out.begin(), out.end(), static_cast<int>(v)) != out.end())
-      throw std::invalid_argument(item + " is given twice in '" + text + "'");
+      throw std::invalid_argument(item + " is given twice in '" + flatshard::printable_escape(text) +
+                                  "'");
     out.push_back(static_cast<int>(v));
     if (comma == text.size()) return out;
     begin = comma + 1;
@@ -197,21 +106,12 @@ CLI::Validator int_list(int lo, int hi) {
       "INT[,INT...]");
 }
 
-// Integer options: "--world: must be >= 1, got 0" instead of CLI11's range with 300 digits.
-CLI::Validator at_least(int64_t lo) {
-  return CLI::Validator(
-      [lo](std::string& text) -> std::string {
-        try {
-          size_t used = 0;
-          const long long v = std::stoll(text, &used);
-          if (used == text.size() && v >= lo) return "";
-          if (used == text.size()) return "must be >= " + std::to_string(lo) + ", got " + text;
-        } catch (const std::exception&) {
-        }
-        return "expected an integer, got '" + text + "'";
-      },
-      "INT>=" + std::to_string(lo));
+// Integer options: decimal only (cli/numbers.h), "--world: must be >= 1, got 0" instead of
+// CLI11's range with 300 digits.
+CLI::Validator at_least(int64_t lo, int64_t hi = std::numeric_limits<int>::max()) {
+  return flatshard::cli::integer(lo, hi);
 }
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 
 // Real-valued options, same style: "--reference-step-ms: must be > 0, got 0"; at most `hi`
 // (a physical bound: 1e308 us of latency printed 300-digit warnings).
@@ -220,26 +120,25 @@ CLI::Validator number_above(double lo, bool or_equal, double hi) {
                             " and <= " + CLI::detail::to_string(hi);
   return CLI::Validator(
       [lo, or_equal, hi, bound](std::string& text) -> std::string {
+        double v = 0;
         try {
-          size_t used = 0;
-          const double v = std::stod(text, &used);
-          if (used == text.size() && std::isfinite(v) && (or_equal ? v >= lo : v > lo) && v <= hi)
-            return "";
-          if (used == text.size()) return "must be " + bound + ", got " + text;
-        } catch (const std::exception&) {
+          v = flatshard::cli::parse_number(text);  // decimal only: "0x10" is not 16
+        } catch (const std::invalid_argument& e) {
+          return e.what();
         }
-        return "expected a number, got '" + text + "'";
+        if ((or_equal ? v >= lo : v > lo) && v <= hi) return "";
+        return "must be " + bound + ", got " + text;
       },
       std::string("NUMBER") + (or_equal ? ">=" : ">") + CLI::detail::to_string(lo));
 }
 
 // What the command line asks of the plan, whatever the model (--model/--preset or --weights).
 struct Request {
-  std::string policy, strategy, param_dtype, reduce_dtype, memory_limit, profile_path,
-      offload_step = "after";
-  int world = 1, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
+  std::string policy, memory_limit, profile_path;
+  flatshard::cli::ShardingFlags sharding;  // --strategy, dtypes, --prefetch, --offload-step, ...
+  int world = 1, replicate = 1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
   int64_t align = 8, batch = 0, seq = 0;
-  bool keep = false, show_plan = false, suggest = false, keep_low_precision_grads = false;
+  bool keep = false, show_plan = false, suggest = false;
   std::vector<int> offload_levels, prefetch_depths;
   flatshard::ExplainOptions cost;
 };
@@ -259,7 +158,7 @@ struct Described {
   std::vector<std::string> notes;  // printed before the plan, one line each
   std::string model_line;          // "model: GPT vocab=... (N params)"; empty: none
   std::string default_policy, policy_note;
-  // The one-rule specs the named plans build on (tools/named_plans.h): one unit per layer, one
+  // The one-rule specs the named plans build on (cli/named_plans.h): one unit per layer, one
   // per leaf module; empty where the model's types are not known.
   std::string layer_rule, leaf_rule;
   std::optional<flatshard::TransformerShape> shape;
@@ -269,15 +168,8 @@ struct Described {
 };
 
 // A reference family (models/family.h) built on meta from its preset and the size flags.
-Described describe_reference(const std::string& family, const std::string& preset,
-                             std::map<std::string, int64_t>& overrides, bool tied) {
-  namespace fm = flatshard::models;
-  auto cfg = fm::ModelConfig::preset(family, preset);
-  if (overrides["vocab"]) cfg.vocab() = overrides["vocab"];
-  if (overrides["d-model"]) cfg.d_model() = overrides["d-model"];
-  if (overrides["heads"]) cfg.n_heads() = overrides["heads"];
-  if (overrides["layers"]) cfg.n_layers() = overrides["layers"];
-  if (overrides["seq"]) cfg.seq_len() = overrides["seq"];
+Described describe_reference(const flatshard::cli::ModelFlags& flags, bool tied) {
+  auto cfg = flags.config(/*default_preset=*/"small");
   cfg.tie_embeddings() = tied;
   TORCH_CHECK(cfg.n_layers() <= kMaxLayers, "--layers ", cfg.n_layers(),
               " is more than explain builds (at most ", kMaxLayers,
@@ -380,7 +272,7 @@ Described describe_weights(const std::string& path) {
   return d;
 }
 
-// --policy as given: a named plan (tools/named_plans.h: leaf, layer, every-K, model, noshard)
+// --policy as given: a named plan (cli/named_plans.h: leaf, layer, every-K, model, noshard)
 // becomes its spec for this model; anything else is a spec. A word that is neither (a mistyped
 // name) and local (no plan at all) are command-line errors.
 std::string policy_spec(const Described& m, const std::string& policy) {
@@ -414,25 +306,16 @@ int run(const Described& m, const Request& r) {
   const std::string policy_note = policy_given ? (policy != r.policy ? " (" + r.policy + ")" : "")
                                                : m.policy_note;
 
-  flatshard::ShardingOptions opts;
-  opts.strategy = r.strategy == "full"      ? flatshard::ShardingStrategy::kFullShard
-                  : r.strategy == "grad_op" ? flatshard::ShardingStrategy::kShardGradOp
-                                            : flatshard::ShardingStrategy::kNoShard;
+  flatshard::ShardingOptions opts = flatshard::cli::sharding_options(r.sharding, c10::kFloat);
   opts.reshard_after_forward = !r.keep;
   opts.offload = r.offload;
-  if (r.offload_step == "backward") opts.offload_step = flatshard::OffloadStep::kBackward;
-  if (r.offload_step == "delayed") opts.offload_step = flatshard::OffloadStep::kDelayed;
-  opts.forward_prefetch = r.prefetch >= 0 ? r.prefetch : r.fwd_prefetch;
-  opts.backward_prefetch = r.prefetch >= 0 ? r.prefetch : r.bwd_prefetch;
-  auto dtype = [](const std::string& s) {
-    return s == "bf16" ? c10::kBFloat16 : s == "fp16" ? c10::kHalf : c10::kFloat;
-  };
-  opts.mixed_precision.param_dtype = dtype(r.param_dtype);
-  if (!r.reduce_dtype.empty()) opts.mixed_precision.reduce_dtype = dtype(r.reduce_dtype);
-  opts.mixed_precision.keep_low_precision_grads = r.keep_low_precision_grads;
+  if (r.sharding.prefetch < 0) {  // else --prefetch set both depths
+    opts.forward_prefetch = r.fwd_prefetch;
+    opts.backward_prefetch = r.bwd_prefetch;
+  }
   opts.align = r.align;
   std::optional<int64_t> limit;
-  if (!r.memory_limit.empty()) limit = parse_bytes(r.memory_limit);
+  if (!r.memory_limit.empty()) limit = flatshard::cli::parse_byte_size(r.memory_limit);  // checked
   flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
   // Read only where it is used (--batch, --suggest); elsewhere main() said it is ignored.
   if (!r.profile_path.empty() && (r.batch > 0 || r.suggest))
@@ -442,7 +325,7 @@ int run(const Described& m, const Request& r) {
     TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
                 m.seq_len_what);
 
-  for (const auto& n : m.notes) std::cout << n << "\n";
+  for (const auto& n : m.notes) std::cout << flatshard::printable_escape(n) << "\n";
   if (r.suggest) {
     TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
     if (!m.shape) {
@@ -471,8 +354,10 @@ int run(const Described& m, const Request& r) {
     return 0;
   }
   const auto plan = flatshard::make_plan(*m.tree, flatshard::parse_policy(policy));
-  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ") << "policy: " << policy
-            << policy_note << "\n";
+  // The policy is the user's text (or a spec built from a checkpoint's names): escaped.
+  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ")
+            << "policy: " << flatshard::printable_escape(policy)
+            << flatshard::printable_escape(policy_note) << "\n";
   if (r.show_plan) std::cout << plan.to_string();
   flatshard::ExplainOptions cost = r.cost;
   cost.advice = flatshard::ExplainOptions::Advice::kSpec;  // advice in --policy text
@@ -501,121 +386,184 @@ int run(const Described& m, const Request& r) {
   return 0;
 }
 
+// Everything the command line says.
+struct CommandLine {
+  flatshard::cli::ModelFlags model;  // --model, --preset, the size overrides, --seq
+  bool tied = false;
+  std::string weights;  // --weights: a checkpoint instead of the reference model
+  std::string offload_levels_text = "0", prefetch_depths_text = "1,2";
+  Request r;  // what the options ask of the plan
+};
+
+// The model and the plan: what is explained.
+void add_plan_flags(CLI::App& app, CommandLine& c) {
+  Request& r = c.r;
+  const auto model = flatshard::cli::add_model_flags(
+      app, c.model, "Model", "default small",
+      "tokens per sequence (old name --seq-len); a reference model's seq_len too, as in "
+      "flatshard-bench. With --weights: the sequences of --batch / --suggest, at most the "
+      "checkpoint's max_position_embeddings");
+  auto* tied = app.add_flag("--tied", c.tied, "tie lm_head.weight to the token embedding")
+                   ->group("Model");
+  CLI::Option* w = app.add_option(
+      "--weights", c.weights,
+      "explain a checkpoint from its headers instead of a reference model: a model.safetensors, "
+      "a Hugging Face *.safetensors.index.json, a flatshard checkpoint's manifest.json, or a "
+      "directory holding one (with config.json: type names and the shape for --batch and "
+      "--suggest; planner/weights_tree.h, models/hf_config.h)");
+  w->check(flatshard::cli::non_empty("a path"))->group("Model");
+  for (CLI::Option* other :
+       {model.family, model.preset, model.vocab, model.d_model, model.heads, model.layers, tied})
+    w->excludes(other);
+
+  const char* plan = "Plan";
+  app.add_option("--policy", r.policy,
+                 "a named plan (leaf, layer, every-K, model, noshard: docs/vocabulary.md) or a "
+                 "wrap policy spec (wrap_policies/spec.h), e.g. \"every=2,type=Block\"; "
+                 "\"none\" = model: root only (default: layer, one unit per layer)")
+      ->check(flatshard::cli::non_empty("a named plan or a policy spec"))
+      ->group(plan);
+  app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
+      ->required()
+      ->transform(at_least(1))
+      ->group(plan);
+  app.add_option("--replicate", r.replicate,
+                 "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
+      ->transform(at_least(1))
+      ->group(plan);
+  flatshard::cli::add_sharding_flags(app, r.sharding, plan, "fp32");
+  app.add_flag("--keep", r.keep, "FULL_SHARD units keep parameters from forward to backward")
+      ->group(plan);
+  app.add_option("--offload", r.offload,
+                 "CPU offload level for units the policy sets none for: 0 off, 1 master, grads "
+                 "and AdamW state on the host, 2 the compute-dtype shard too")
+      ->transform(at_least(0, 2))
+      ->capture_default_str()
+      ->group(plan);
+  app.add_option("--forward-prefetch", r.fwd_prefetch, "units all-gathered ahead in forward")
+      ->transform(at_least(0))
+      ->capture_default_str()
+      ->group(plan);
+  app.add_option("--backward-prefetch", r.bwd_prefetch, "units all-gathered ahead in backward")
+      ->transform(at_least(0))
+      ->capture_default_str()
+      ->group(plan);
+  app.add_option("--align", r.align, "alignment of parameters in a flat buffer, in elements")
+      ->transform(at_least(1, kInt64Max))
+      ->capture_default_str()
+      ->group(plan);
+}
+
+// What is reported beside the plan: the memory limit, the prediction, the advisor.
+void add_report_flags(CLI::App& app, CommandLine& c) {
+  Request& r = c.r;
+  const char* report = "Report";
+  app.add_option("--memory-limit", r.memory_limit,
+                 "memory per rank, with a unit (40GiB, 40GB, 512MiB; bytes as 123B). Checked "
+                 "against the model state (prefetch depth); with --batch also against the full "
+                 "predicted peak, which is what --suggest checks")
+      ->check(flatshard::cli::non_empty("a size such as 40GiB"))
+      ->check(flatshard::cli::byte_size())
+      ->group(report);
+  app.add_option("--collective-latency-us", r.cost.collective_latency_us,
+                 "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
+      ->check(number_above(0, /*or_equal=*/true, flatshard::kMaxLatencyUs))
+      ->capture_default_str()
+      ->group(report);
+  app.add_option("--reference-step-ms", r.cost.reference_step_ms,
+                 "step time the collectives' latency is compared with (explain has no compute "
+                 "model; default: the 1B GPT at 4 seq/GPU on H200)")
+      ->check(number_above(0, /*or_equal=*/false, /*hi=*/1e9))
+      ->capture_default_str()
+      ->group(report);
+  app.add_flag("--plan", r.show_plan, "also print the plan (Plan::to_string)")->group(report);
+  app.add_option("--batch", r.batch,
+                 "sequences per rank per step: adds the predicted peak with activations and the "
+                 "step time (planner/cost_model.h)")
+      ->transform(at_least(1, kInt64Max))
+      ->group(report);
+  app.add_option("--profile", r.profile_path,
+                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
+                 "default: the stated defaults (1x/2x H200 measurements)")
+      ->check(flatshard::cli::non_empty("a file path"))
+      ->group(report);
+  app.add_flag("--suggest", r.suggest,
+               "plan advisor: the plan that fits --memory-limit at the best predicted step "
+               "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
+               "candidates)")
+      ->group(report);
+  app.add_option("--offload-levels", c.offload_levels_text,
+                 "--suggest: offload levels to try, e.g. 0,1,2 (default 0; no repeats)")
+      ->check(int_list(0, 2))
+      ->group(report);
+  app.add_option("--prefetch-depths", c.prefetch_depths_text,
+                 "--suggest: prefetch depths to try, each in [0, 64] (default 1,2; no repeats)")
+      ->check(int_list(0, 64))
+      ->group(report);
+}
+
+// An option this combination does not read is said, never dropped silently.
+void warn_ignored(const CLI::App& app, const CommandLine& c) {
+  const Request& r = c.r;
+  auto ignored = [&](const char* flag, bool unused, const std::string& why) {
+    if (unused && app.get_option(flag)->count() > 0)
+      std::cerr << "flatshard-explain: warning: " << flag << " " << why << std::endl;
+  };
+  const bool predicts = r.batch > 0 || r.suggest;
+  const bool prefetch = r.sharding.prefetch >= 0;
+  ignored("--seq", !c.weights.empty() && !predicts,
+          "with --weights sets the sequences of --batch or --suggest: ignored without them");
+  ignored("--profile", !predicts, "is read only with --batch or --suggest: ignored");
+  ignored("--prefetch-depths", !r.suggest, "is read only with --suggest: ignored");
+  ignored("--offload-levels", !r.suggest, "is read only with --suggest: ignored");
+  ignored("--prefetch", r.suggest, "is ignored by --suggest, which tries --prefetch-depths");
+  for (const char* flag : {"--forward-prefetch", "--backward-prefetch"})
+    ignored(flag, r.suggest || prefetch,
+            r.suggest ? "is ignored by --suggest, which tries --prefetch-depths"
+                      : "is overridden by --prefetch, which sets both depths");
+  ignored("--offload", r.suggest, "is ignored by --suggest, which tries --offload-levels");
+  ignored("--plan", r.suggest, "is not printed by --suggest: ignored");
+  ignored("--collective-latency-us", r.suggest,
+          "is not read by --suggest (the profile's collective costs are): ignored");
+  ignored("--reference-step-ms", r.suggest,
+          "is not read by --suggest (it predicts the step): ignored");
+}
+
+// The model described (a checkpoint's headers or the reference model), then run(); the exit
+// code.
+int explain_command(const CLI::App& app, const CommandLine& c) {
+  try {
+    Described m;
+    if (!c.weights.empty()) {  // a checkpoint's headers instead of a reference model
+      try {
+        m = describe_weights(c.weights);
+      } catch (const c10::Error& e) {  // about the files: one line (names, JSON messages)
+        std::cerr << "flatshard-explain: "
+                  << flatshard::printable_escape(one_line(e.what_without_backtrace())) << std::endl;
+        return 1;
+      }
+    } else {
+      m = describe_reference(c.model, c.tied);
+    }
+    return run(m, c.r);
+  } catch (const CLI::Error& e) {
+    return flatshard::tools::cli_exit(app, e, "flatshard-explain");
+  } catch (const c10::Error& e) {
+    std::cerr << "flatshard-explain: " << flatshard::cli::escape_lines(e.what_without_backtrace())
+              << "\n";
+    return 1;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"flatshard-explain: what a wrap policy does to a reference model at a world size "
                "(units, bytes, collectives per step, predicted peak memory, warnings). Builds "
                "nothing but shapes."};
-  std::string family = "gpt", preset = "small";
-  bool tied = false;
-  Request r;  // what the options below ask of the plan
-  r.strategy = "full";
-  r.param_dtype = "fp32";
-  std::map<std::string, int64_t> overrides;
-  app.add_option("--model", family,
-                 "model family (models/family.h): " + flatshard::models::families_help())
-      ->check(CLI::IsMember(flatshard::models::family_names()))
-      ->capture_default_str();
-  app.add_option("--preset", preset, "the family's preset")
-      ->check(CLI::IsMember(flatshard::models::all_preset_names()))
-      ->capture_default_str();
-  for (const char* key : {"vocab", "d-model", "heads", "layers"})
-    app.add_option(std::string("--") + key, overrides[key], std::string("override the preset's ") + key)
-        ->check(at_least(1));
-  app.add_flag("--tied", tied, "tie lm_head.weight to the token embedding");
-  app.add_option("--policy", r.policy,
-                 "a named plan (leaf, layer, every-K, model, noshard: docs/vocabulary.md) or a "
-                 "wrap policy spec (wrap_policies/spec.h), e.g. \"every=2,type=Block\"; "
-                 "\"none\" = model: root only (default: layer, one unit per layer)");
-  app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
-      ->required()
-      ->check(at_least(1));
-  app.add_option("--replicate", r.replicate,
-                 "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
-      ->check(at_least(1));
-  app.add_option("--strategy", r.strategy, "default strategy: full, grad_op, noshard")
-      ->check(CLI::IsMember({"full", "grad_op", "noshard"}))
-      ->capture_default_str();
-  app.add_flag("--keep", r.keep, "FULL_SHARD units keep parameters from forward to backward");
-  app.add_option("--offload", r.offload,
-                 "CPU offload level for units the policy sets none for: 0 off, 1 master, grads "
-                 "and AdamW state on the host, 2 the compute-dtype shard too")
-      ->check(CLI::Range(0, 2))
-      ->capture_default_str();
-  app.add_option("--offload-step", r.offload_step,
-                 "when offloaded units' CPU optimizer steps: after (backward; default) | "
-                 "backward (per unit during backward) | delayed (one step stale, overlapping "
-                 "the next step), as flatshard-bench --offload-step")
-      ->check(CLI::IsMember({"after", "backward", "delayed"}))
-      ->capture_default_str();
-  app.add_option("--prefetch", r.prefetch, "forward and backward prefetch depth")
-      ->check(at_least(0));
-  app.add_option("--forward-prefetch", r.fwd_prefetch, "units all-gathered ahead in forward")
-      ->check(at_least(0))
-      ->capture_default_str();
-  app.add_option("--backward-prefetch", r.bwd_prefetch, "units all-gathered ahead in backward")
-      ->check(at_least(0))
-      ->capture_default_str();
-  app.add_option("--param-dtype", r.param_dtype, "all-gather / compute dtype: fp32, bf16, fp16")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
-      ->capture_default_str();
-  app.add_option("--reduce-dtype", r.reduce_dtype, "gradient reduction dtype (default: param dtype)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_flag("--keep-low-precision-grads", r.keep_low_precision_grads,
-               "master gradients stay in the reduce dtype (as flatshard-bench's flag)");
-  app.add_option("--align", r.align, "alignment of parameters in a flat buffer, in elements")
-      ->check(at_least(1))
-      ->capture_default_str();
-  app.add_option("--memory-limit", r.memory_limit,
-                 "memory per rank, with a unit (40GiB, 40GB, 512MiB; bytes as 123B). Checked "
-                 "against the model state (prefetch depth); with --batch also against the full "
-                 "predicted peak, which is what --suggest checks");
-  app.add_option("--collective-latency-us", r.cost.collective_latency_us,
-                 "fixed cost of one collective for the fragmentation warning (NVLink: ~50)")
-      ->check(number_above(0, /*or_equal=*/true, flatshard::kMaxLatencyUs))
-      ->capture_default_str();
-  app.add_option("--reference-step-ms", r.cost.reference_step_ms,
-                 "step time the collectives' latency is compared with (explain has no compute "
-                 "model; default: the 1B GPT at 4 seq/GPU on H200)")
-      ->check(number_above(0, /*or_equal=*/false, /*hi=*/1e9))
-      ->capture_default_str();
-  app.add_flag("--plan", r.show_plan, "also print the plan (Plan::to_string)");
-  app.add_option("--batch", r.batch,
-                 "sequences per rank per step: adds the predicted peak with activations and the "
-                 "step time (planner/cost_model.h)")
-      ->check(at_least(1));
-  app.add_option("--seq", r.seq,
-                 "tokens per sequence (old name --seq-len); a reference model's seq_len too, as "
-                 "in flatshard-bench. With --weights: the sequences of --batch / --suggest, at "
-                 "most the checkpoint's max_position_embeddings")
-      ->check(at_least(1));
-  app.add_option("--profile", r.profile_path,
-                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
-                 "default: the stated defaults (1x/2x H200 measurements)");
-  app.add_flag("--suggest", r.suggest,
-               "plan advisor: the plan that fits --memory-limit at the best predicted step "
-               "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
-               "candidates)");
-  std::string offload_levels_text = "0", prefetch_depths_text = "1,2";
-  app.add_option("--offload-levels", offload_levels_text,
-                 "--suggest: offload levels to try, e.g. 0,1,2 (default 0; no repeats)")
-      ->check(int_list(0, 2));
-  app.add_option("--prefetch-depths", prefetch_depths_text,
-                 "--suggest: prefetch depths to try, each in [0, 64] (default 1,2; no repeats)")
-      ->check(int_list(0, 64));
-  std::string weights;
-  {
-    CLI::Option* w = app.add_option(
-        "--weights", weights,
-        "explain a checkpoint from its headers instead of a reference model: a model.safetensors, "
-        "a Hugging Face *.safetensors.index.json, a flatshard checkpoint's manifest.json, or a "
-        "directory holding one (with config.json: type names and the shape for --batch and "
-        "--suggest; planner/weights_tree.h, models/hf_config.h)");
-    for (const char* other : {"--model", "--preset", "--vocab", "--d-model", "--heads",
-                              "--layers", "--tied"})
-      w->excludes(app.get_option(other));
-  }
+  CommandLine c;
+  add_plan_flags(app, c);
+  add_report_flags(app, c);
   // Old names (docs/vocabulary.md): one vocabulary with flatshard-bench.
   const std::vector<flatshard::tools::FlagRename> renames = {
       {"--n-layers", "--layers"}, {"--n-heads", "--heads"}, {"--seq-len", "--seq"}};
@@ -623,52 +571,9 @@ int main(int argc, char** argv) {
   if (!flatshard::tools::parse_command_line(app, argc, argv, "flatshard-explain", renames,
                                             &parse_exit))
     return parse_exit;
-  if (weights.empty() && r.seq > 0) overrides["seq"] = r.seq;  // the model bench would build
-  // An option this combination does not read is said, never dropped silently.
-  auto ignored = [&](const char* flag, bool unused, const std::string& why) {
-    if (unused && app.get_option(flag)->count() > 0)
-      std::cerr << "flatshard-explain: warning: " << flag << " " << why << std::endl;
-  };
-  const bool predicts = r.batch > 0 || r.suggest;
-  ignored("--seq", !weights.empty() && !predicts,
-          "with --weights sets the sequences of --batch or --suggest: ignored without them");
-  ignored("--profile", !predicts, "is read only with --batch or --suggest: ignored");
-  ignored("--prefetch-depths", !r.suggest, "is read only with --suggest: ignored");
-  ignored("--offload-levels", !r.suggest, "is read only with --suggest: ignored");
-  ignored("--prefetch", r.suggest, "is ignored by --suggest, which tries --prefetch-depths");
-  ignored("--forward-prefetch", r.suggest || r.prefetch >= 0,
-          r.suggest ? "is ignored by --suggest, which tries --prefetch-depths"
-                    : "is overridden by --prefetch, which sets both depths");
-  ignored("--backward-prefetch", r.suggest || r.prefetch >= 0,
-          r.suggest ? "is ignored by --suggest, which tries --prefetch-depths"
-                    : "is overridden by --prefetch, which sets both depths");
-  ignored("--offload", r.suggest, "is ignored by --suggest, which tries --offload-levels");
-  ignored("--plan", r.suggest, "is not printed by --suggest: ignored");
-  ignored("--collective-latency-us", r.suggest,
-          "is not read by --suggest (the profile's collective costs are): ignored");
-  ignored("--reference-step-ms", r.suggest,
-          "is not read by --suggest (it predicts the step): ignored");
-
-  r.offload_levels = parse_int_list(offload_levels_text, 0, 2);  // checked by int_list
-  r.prefetch_depths = parse_int_list(prefetch_depths_text, 0, 64);
-  try {
-    Described m;
-    if (!weights.empty()) {  // a checkpoint's headers instead of a reference model
-      try {
-        m = describe_weights(weights);
-      } catch (const c10::Error& e) {  // about the files: one line (names, JSON messages)
-        std::cerr << "flatshard-explain: " << one_line(e.what_without_backtrace()) << std::endl;
-        return 1;
-      }
-    } else {
-      m = describe_reference(family, preset, overrides, tied);
-    }
-    return run(m, r);
-  } catch (const CLI::Error& e) {
-    return flatshard::tools::cli_exit(app, e, "flatshard-explain");
-  } catch (const c10::Error& e) {
-    std::cerr << "flatshard-explain: " << e.what_without_backtrace() << "\n";
-    return 1;
-  }
-  return 0;
+  warn_ignored(app, c);
+  c.r.seq = c.model.seq;
+  c.r.offload_levels = parse_int_list(c.offload_levels_text, 0, 2);  // checked by int_list
+  c.r.prefetch_depths = parse_int_list(c.prefetch_depths_text, 0, 64);
+  return explain_command(app, c);
 }

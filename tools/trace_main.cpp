@@ -13,7 +13,7 @@
 // unchanged); 2 for a command-line error (no file, a file that does not exist and is no
 // FLATSHARD_TRACE value with rank files, or one whose files belong to several flatshard-bench
 // runs: the error lists them; a --merge file
-// that is one of the inputs, under any name of it, or empty: tools/cli_exit.h).
+// that is one of the inputs, under any name of it, or empty: cli/exit.h).
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 
@@ -32,7 +32,7 @@
 #include "planner/trace_summary.h"
 #include "support/input_file.h"
 #include "support/output_file.h"
-#include "tools/cli_exit.h"
+#include "cli/exit.h"
 
 namespace {
 

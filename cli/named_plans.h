@@ -1,4 +1,4 @@
-// flatshard/tools/named_plans.h — the named plans flatshard-bench and flatshard-explain accept
+// flatshard/cli/named_plans.h — the named plans flatshard-bench and flatshard-explain accept
 // wherever a policy is (--policy; docs/vocabulary.md), as wrap-policy specs of a model's family.
 //
 //   local     no plan: flatshard-bench's unsharded floor (explain has nothing to explain)
@@ -8,7 +8,7 @@
 //   model     none                         the root alone: one unit, deliberately
 //   noshard   noshard:type=<layer type>;root:noshard   per-layer units and the root, NO_SHARD
 //
-// Header-only: both tools sit on top of the library and share nothing else but this.
+// Header-only, part of the options both tools share (cli/, docs/design.md).
 #pragma once
 
 #include <optional>
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/cli_exit.h"
+#include "cli/exit.h"
 
 namespace flatshard {
 namespace tools {

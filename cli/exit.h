@@ -1,4 +1,4 @@
-// flatshard/tools/cli_exit.h — the command-line tools' one convention for CLI11's outcomes:
+// flatshard/cli/exit.h — the command-line tools' one convention for CLI11's outcomes:
 // --help prints and exits 0; a usage error prints one line "<program>: error: <message>" on
 // stderr and exits 2, as flatshard-bench does (benchmarks/bench_main.cpp). CLI11's own exit codes
 // (105, 106, ...) say nothing a script can rely on.
@@ -18,6 +18,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "support/input_file.h"
 
 namespace flatshard {
 namespace tools {
@@ -91,7 +93,8 @@ inline int cli_exit(const CLI::App& app, const CLI::Error& e, const std::string&
   if (dynamic_cast<const CLI::CallForHelp*>(&e) || dynamic_cast<const CLI::CallForAllHelp*>(&e) ||
       dynamic_cast<const CLI::CallForVersion*>(&e))
     return app.exit(e);
-  std::cerr << program << ": error: " << usage_message(app, e) << std::endl;
+  // CLI11 quotes the user's values: control bytes are shown, never sent to the terminal.
+  std::cerr << program << ": error: " << printable_escape(usage_message(app, e)) << std::endl;
   return kExitUsage;
 }
 

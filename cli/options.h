@@ -1,0 +1,72 @@
+// flatshard/cli/options.h — the flags flatshard-bench and flatshard-explain share, defined once:
+// the reference model (--model, --preset and the size overrides) and the sharding options
+// (--strategy, --param-dtype, --reduce-dtype, --keep-low-precision-grads, --offload-step,
+// --prefetch). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
+// and a ShardingOptions with the functions below, so a flag has one name, one default, one
+// meaning and one check in both tools (docs/vocabulary.md).
+//
+// Contract
+// - add_model_flags(): --model (default gpt), --preset, --layers, --d-model, --heads, --vocab,
+//   --seq. The sizes are decimal integers >= 1 (cli/numbers.h): "--layers: must be >= 1, got 0".
+//   ModelFlags::config() is the family's preset (the given one, else the tool's default) with
+//   the given overrides applied; it does not validate (explain checks its size bounds before
+//   anything is built, bench calls ModelConfig::validate()). Throws c10::Error for an unknown
+//   family or preset (CLI11's IsMember refuses both while parsing).
+// - add_sharding_flags(): the values are checked while parsing (CLI11 IsMember, cli/numbers.h);
+//   sharding_options() maps them (support/dtype_name.h for the dtypes) onto ShardingOptions:
+//   strategy, mixed precision (an unset --param-dtype is the tool's default, an unset
+//   --reduce-dtype stays unset: the param dtype), keep_low_precision_grads, offload_step, and --prefetch as
+//   both depths when given. Cross-option rules are not repeated here: what a unit cannot run is
+//   resolve_unit's (fsdp/resolve.h), which the tools call on the options.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+
+#include "fsdp/options.h"
+#include "models/family.h"
+
+namespace flatshard {
+namespace cli {
+
+struct ModelFlags {
+  std::string family = "gpt";  // --model
+  std::string preset;          // --preset; "" when not given: config()'s default
+  // The overrides; 0 when not given (a given one is >= 1).
+  int64_t layers = 0, d_model = 0, heads = 0, vocab = 0, seq = 0;
+
+  // The preset (default_preset when none was given) with the overrides applied.
+  models::ModelConfig config(const std::string& default_preset) const;
+};
+
+// The options added, for a tool that needs one (`excludes`, count()).
+struct ModelOptions {
+  CLI::Option *family, *preset, *layers, *d_model, *heads, *vocab, *seq;
+};
+
+// `preset_help`: what the tool does without --preset; `seq_help`: what --seq means to it.
+ModelOptions add_model_flags(CLI::App& app, ModelFlags& flags, const std::string& group,
+                             const std::string& preset_help, const std::string& seq_help);
+
+struct ShardingFlags {
+  std::string strategy = "full";       // --strategy: full | grad_op | noshard
+  std::string param_dtype;             // --param-dtype; "": the tool's default
+  std::string reduce_dtype;            // --reduce-dtype; "": the param dtype
+  std::string offload_step = "after";  // --offload-step: after | backward | delayed
+  int prefetch = -1;                   // --prefetch, both depths; -1: not given
+  bool keep_low_precision_grads = false;  // --keep-low-precision-grads
+};
+
+// `param_dtype_default`: the tool's default, as its help says it ("fp32"; "cpu fp32, cuda bf16").
+void add_sharding_flags(CLI::App& app, ShardingFlags& flags, const std::string& group,
+                        const std::string& param_dtype_default);
+
+// ShardingOptions from the flags; `default_param_dtype` when --param-dtype was not given.
+// The other fields (reshard, offload level, align, ...) keep ShardingOptions' defaults.
+ShardingOptions sharding_options(const ShardingFlags& flags, c10::ScalarType default_param_dtype);
+
+}  // namespace cli
+}  // namespace flatshard
