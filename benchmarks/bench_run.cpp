@@ -13,7 +13,7 @@
 #include "benchmarks/timed_communicator.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"

@@ -1,6 +1,6 @@
 // flatshard-fused-adamw-bench: the CPU optimizer step of one offloaded unit, by path.
 //
-// Note [Host compute copy] (flat_param/collective_plan.h, fsdp/fused_adamw.h): FusedAdamW's
+// Note [Host compute copy] (flat_param/collective_plan.h, optim/fused_adamw.h): FusedAdamW's
 // step over bf16 gradients that also writes the bf16 copy, against the fp32 step it replaces,
 // on the calling thread and on a fresh thread (as the offload stepper runs it), best of 5.
 // Usage: flatshard-fused-adamw-bench [elements=50000000] [pinned=0|1 (CUDA builds)]
@@ -18,7 +18,7 @@
 #include <thread>
 
 #include "flat_param/offload.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 
 namespace {
 

@@ -219,7 +219,7 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
       const FlatParam& f = model.unit(u).flat();
       const FlatLayout& l = f.layout();
       if (l.padded_numel > 0) {
-        const at::Tensor full = gather_unit(comm, f, f.master());  // every rank
+        const at::Tensor full = f.gather_whole(f.master());  // every rank
         guarded([&] {
           const at::Tensor cpu = full.to(at::kCPU).to(o.dtype).contiguous();
           for (size_t i = 0; i < f.params().size(); ++i) {
@@ -263,17 +263,8 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
 void export_safetensors(const ShardedModel& model, const std::string& dir,
                         const ExportOptions& o) {
   model.wait_offload_steps();  // Note [Offload step in backward]: masters still being stepped
-  const ShardingMesh& mesh = model.mesh();
-  if (!mesh.hybrid()) return export_in_group(model, dir, o);
-  std::exception_ptr err;
-  if (mesh.replicate->rank() == 0) {
-    try {
-      export_in_group(model, dir, o);
-    } catch (...) {
-      err = std::current_exception();
-    }
-  }
-  agree(*mesh.replicate, err, "export_safetensors('" + dir + "') (HSDP, replicate rank 0 writes)");
+  write_from_first_replica(model.mesh(), "export_safetensors('" + dir + "')",
+                           [&] { export_in_group(model, dir, o); });
 }
 
 }  // namespace flatshard

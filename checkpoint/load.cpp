@@ -220,12 +220,11 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   const std::string dir = normalize_dir(dir_arg);
   const std::string what = "load_checkpoint('" + dir + "')";
 
-  std::exception_ptr err;
   std::vector<StagedUnit> staged(model.num_units());
   std::vector<StagedValue> buffers;
   std::optional<OptimizerRecord> want;
   std::optional<GradScalerState> scaler_state;
-  try {
+  run_agreed(comm, what, [&] {
     const Manifest m = read_manifest_at(dir);
     if (o.grad_scaler && o.grad_scaler->enabled()) {
       TORCH_CHECK(m.grad_scaler.has_value(),
@@ -295,10 +294,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
     }
     bufs.check_all_used();
     progress.finish();
-  } catch (...) {
-    err = std::current_exception();
-  }
-  agree(comm, err, what);
+  });
 
   for (size_t u = 0; u < model.num_units(); ++u) {
     FlatParam& f = model.unit(u).flat();

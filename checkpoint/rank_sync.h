@@ -10,6 +10,7 @@
 
 #include "collectives/agree.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 
 namespace flatshard {
 
@@ -19,5 +20,24 @@ namespace flatshard {
 // Every rank's `text`, in rank order (collectives/gather_bytes.h: one fp32 element per byte).
 // Each text must be shorter than 2^24 bytes (its length travels as an fp32).
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
+
+// Note [HSDP checkpoints] (checkpoint/save.cpp): replicas hold identical shards, so only the
+// shard group of replica 0 runs `write` (a collective over its shard group); the other groups
+// wait for its outcome in the agreement across the replicate group, so every rank returns after
+// `write` succeeded or throws the writing group's error. Without HSDP: `write` on every rank.
+template <class Write>
+void write_from_first_replica(const Mesh& mesh, const std::string& what, Write&& write) {
+  Communicator* replicate = mesh.replicate();
+  if (replicate == nullptr) return write();
+  std::exception_ptr err;
+  if (mesh.first_along_others(MeshDim::kShard)) {
+    try {
+      write();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  agree(*replicate, err, what + " (HSDP, replicate rank 0 writes)");
+}
 
 }  // namespace flatshard

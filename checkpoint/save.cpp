@@ -215,7 +215,7 @@ std::vector<FileRecord> write_full(const SaveSource& s, const Manifest& m,
     const FlatLayout& l = f.layout();
     for (size_t k = 0; k <= fields.size(); ++k) {
       if (l.padded_numel == 0) break;
-      const at::Tensor full = gather_unit(comm, f, k == 0 ? f.master() : s.fields[u][k - 1]);
+      const at::Tensor full = f.gather_whole(k == 0 ? f.master() : s.fields[u][k - 1]);
       guarded([&] {
         const at::Tensor cpu = to_cpu(full);
         for (size_t i = 0; i < f.params().size(); ++i) {
@@ -274,15 +274,6 @@ void check_only_checkpoint_files(const std::string& dir) {
 }
 
 }  // namespace
-
-at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local) {
-  at::Tensor src = local.defined() ? local.detach() : at::zeros_like(f.master().detach());
-  src = src.to(comm.device());  // an offloaded unit's state is on the host (Note [CPU offload])
-  if (!f.config().sharded) return src;
-  at::Tensor full = at::empty({f.layout().padded_numel}, src.options());
-  comm.all_gather(src, full, comm.current_stream());
-  return full;
-}
 
 // The save of one shard group: its ranks hold the whole model between them.
 static void save_in_group(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
@@ -359,17 +350,8 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
 void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,
                      const std::string& dir, const CheckpointOptions& o) {
   model.wait_offload_steps();  // Note [Offload step in backward]: masters still being stepped
-  const ShardingMesh& mesh = model.mesh();
-  if (!mesh.hybrid()) return save_in_group(model, optimizer, dir, o);
-  std::exception_ptr err;
-  if (mesh.replicate->rank() == 0) {
-    try {
-      save_in_group(model, optimizer, dir, o);
-    } catch (...) {
-      err = std::current_exception();
-    }
-  }
-  agree(*mesh.replicate, err, "save_checkpoint('" + dir + "') (HSDP, replicate rank 0 writes)");
+  write_from_first_replica(model.mesh(), "save_checkpoint('" + dir + "')",
+                           [&] { save_in_group(model, optimizer, dir, o); });
 }
 
 }  // namespace flatshard

@@ -37,8 +37,4 @@ inline FlatRange write_range(const FlatParam& f, int rank, int world) {
   return {std::min(n, rank * part), std::min(n, (rank + 1) * part)};
 }
 
-// The whole flat buffer of `local` (a unit's master or one of its optimizer fields; undefined:
-// zeros), on comm's device. Collective for sharded units (one all-gather); save.cpp.
-at::Tensor gather_unit(Communicator& comm, const FlatParam& f, const at::Tensor& local);
-
 }  // namespace flatshard

@@ -72,13 +72,13 @@ void agree(Communicator& comm, std::exception_ptr local_error, const std::string
               ": ", messages[ranks.front()]);
 }
 
-void agree(Communicator& comm, Communicator* then, std::exception_ptr local_error,
-           const std::string& what) {
-  if (then == nullptr || then->world_size() == 1) return agree(comm, local_error, what);
-  const std::string mine = failures(comm, local_error ? error_message(local_error) : "");
-  const std::string all = failures(*then, mine.empty() ? "" : "in its shard group, " + mine);
-  TORCH_CHECK(all.empty(), what, " failed (rank ", comm.rank(), " of its shard group, ",
-              then->rank(), " of its replicate group): replicate ", all);
+void agree(const Mesh& mesh, std::exception_ptr local_error, const std::string& what) {
+  Communicator* replicate = mesh.replicate();
+  if (replicate == nullptr) return agree(mesh.shard(), local_error, what);
+  Communicator& shard = mesh.shard();
+  const std::string mine = failures(shard, local_error ? error_message(local_error) : "");
+  const std::string all = failures(*replicate, mine.empty() ? "" : "in its shard group, " + mine);
+  TORCH_CHECK(all.empty(), what, " failed (", mesh.describe_rank(), "): replicate ", all);
 }
 
 }  // namespace flatshard

@@ -25,17 +25,32 @@
 #include <string>
 
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 
 namespace flatshard {
 
 std::string failures(Communicator& comm, const std::string& local_error);
 
 void agree(Communicator& comm, std::exception_ptr local_error, const std::string& what);
-// Over two groups (HSDP: `comm` the shard group, `then` the replicate group; null or one rank:
-// as above): failures() over `comm`, then over `then` with that answer as the local error, so
-// every rank of both learns of any failure; every rank then throws one message naming them.
-void agree(Communicator& comm, Communicator* then, std::exception_ptr local_error,
-           const std::string& what);
+// Over every group of `mesh`, innermost first (HSDP: the shard group, then the replicate group;
+// a mesh of one group: as above): failures() over the first, then over the next with that answer
+// as the local error, so every rank of the mesh learns of any failure; every rank then throws
+// one message naming them.
+void agree(const Mesh& mesh, std::exception_ptr local_error, const std::string& what);
+
+// The one way to turn a local failure into the same error on every rank: runs `fn`, catches
+// what it throws, and agrees over `group` (a Communicator or a Mesh). Returns only if no rank
+// failed.
+template <class Group, class Fn>
+void run_agreed(Group& group, const std::string& what, Fn&& fn) {
+  std::exception_ptr error;
+  try {
+    fn();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  agree(group, error, what);
+}
 
 std::string error_message(std::exception_ptr e);
 

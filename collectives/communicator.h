@@ -35,8 +35,9 @@ enum class ReduceOp { kSum, kAvg };
 const char* to_string(ReduceOp op);
 
 // Which underlying channel a collective uses. Collectives on different lanes may overlap on the
-// GPU; collectives on one lane are serialised in issue order.
-enum class Lane { kAllGather, kReduceScatter };
+// GPU; collectives on one lane are serialised in issue order. kAllGather carries the gathers
+// (and broadcasts), kReduce the gradient reductions: reduce-scatters and all-reduces.
+enum class Lane { kAllGather, kReduce };
 
 struct CommCounters {
   int64_t all_gathers = 0;
@@ -63,7 +64,7 @@ class Communicator {
                               c10::Stream stream) = 0;
   // In place: tensor = op over ranks of tensor. Runs on `lane` (default: the reduce-scatter lane).
   virtual void all_reduce(const at::Tensor& tensor, ReduceOp op, c10::Stream stream,
-                          Lane lane = Lane::kReduceScatter) = 0;
+                          Lane lane = Lane::kReduce) = 0;
   // In place: tensor = tensor of rank `root`.
   virtual void broadcast(const at::Tensor& tensor, int root, c10::Stream stream) = 0;
   // Host-blocking barrier across ranks (waits for this rank's pending work first).

@@ -67,11 +67,11 @@ inline constexpr const char* kUpcastKernel = "FLATSHARD_UPCAST_KERNEL";
 inline constexpr const char* kGroupedGradCopy = "FLATSHARD_GROUPED_GRAD_COPY";
 // FLATSHARD_STEP_COMPUTE_COPY (default 1): 0 = an attached FusedAdamW does not write the
 // compute-dtype copies units keep on the device (Note [Compute copy in the step],
-// fsdp/fused_adamw.h); their next gather recasts the master instead. For A/B measurements.
+// optim/fused_adamw.h); their next gather recasts the master instead. For A/B measurements.
 inline constexpr const char* kStepComputeCopy = "FLATSHARD_STEP_COMPUTE_COPY";
 // FLATSHARD_ADAMW_KERNEL (default 1): 0 = FusedAdamW's CUDA fp32 steps run ATen's fused AdamW
 // (then a cast where a copy is written, an upcast for a bf16 / fp16 gradient) instead of
-// flatshard's one-pass kernel (fsdp/adamw_kernel.cu), for A/B measurements.
+// flatshard's one-pass kernel (optim/adamw_kernel.cu), for A/B measurements.
 inline constexpr const char* kAdamwKernel = "FLATSHARD_ADAMW_KERNEL";
 // FLATSHARD_RANGE_COPY_KERNEL (default 1): 0 = a unit's gather cast and gradient copies run as
 // ATen ops on views (copy_, _foreach_copy_, _foreach_zero_) instead of flatshard's one-launch

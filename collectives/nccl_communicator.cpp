@@ -101,7 +101,7 @@ const char* NcclCommunicator::op_name(Op op) {
 }
 
 const char* NcclCommunicator::lane_name(Lane lane) {
-  return lane == Lane::kAllGather ? "all_gather" : "reduce_scatter";
+  return lane == Lane::kAllGather ? "all_gather" : "reduce";
 }
 
 cudaError_t NcclCommunicator::ready(cudaError_t query_result) {
@@ -378,7 +378,7 @@ void NcclCommunicator::reduce_scatter(const at::Tensor& input, const at::Tensor&
   const int64_t n = output.numel();
   if (n > 0) check_alias("reduce_scatter", rank_, "output", output, "input", input, rank_);
   const bool enqueues = world_ > 1 || input.data_ptr() != output.data_ptr();
-  launch(Op::kReduceScatter, Lane::kReduceScatter, output, input.nbytes(), s, true, enqueues,
+  launch(Op::kReduceScatter, Lane::kReduce, output, input.nbytes(), s, true, enqueues,
          [&](ncclComm* comm, cudaStream_t st) {
            if (world_ == 1) return one_rank_copy(output, input, st);  // Note [One-rank NCCL]
            FLATSHARD_NCCL_CHECK(

@@ -98,7 +98,7 @@ class NcclCommunicator final : public Communicator {
   void reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op,
                       c10::Stream stream) override;
   void all_reduce(const at::Tensor& tensor, ReduceOp op, c10::Stream stream,
-                  Lane lane = Lane::kReduceScatter) override;
+                  Lane lane = Lane::kReduce) override;
   void broadcast(const at::Tensor& tensor, int root, c10::Stream stream) override;
   // Waits for this rank's outstanding collectives, then a one-element all-reduce on the
   // all-gather lane, then blocks the host until it completes (polling, so a failure or the

@@ -27,12 +27,4 @@ int hsdp_shard_size(const LaunchEnv& env, int requested) {
   return env.local_world_size;
 }
 
-void ShardingMesh::check() const {
-  TORCH_CHECK(shard != nullptr, "ShardingMesh: the shard-group communicator is null");
-  if (replicate == nullptr) return;
-  TORCH_CHECK(replicate->device() == shard->device(), "ShardingMesh (shard rank ", shard->rank(),
-              ", replicate rank ", replicate->rank(), "): the shard group works on ",
-              shard->device(), " but the replicate group on ", replicate->device());
-}
-
 }  // namespace flatshard

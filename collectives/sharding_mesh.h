@@ -6,8 +6,8 @@
 //   consecutive ranks, so with one process per GPU and S = GPUs per node, a shard group is a
 //   node: all-gathers and reduce-scatters stay on NVLink; only the replicate all-reduce of the
 //   (1/S-sized) gradient shards crosses the network.
-// - ShardingMesh names the two communicators of one rank. `replicate == nullptr` (or a
-//   replicate group of one rank) is plain FULL_SHARD over `shard`. Neither is owned.
+// - The mesh itself (the two communicators of one rank, global ranks) is collectives/mesh.h;
+//   `replicate == nullptr` (or a replicate group of one rank) is plain FULL_SHARD over `shard`.
 // - hsdp_shard_size(): an explicit size (> 0) wins; otherwise the launcher's ranks per node
 //   (LaunchEnv::local_world_size: LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE/SLURM_TASKS_PER_NODE,
 //   OMPI_COMM_WORLD_LOCAL_SIZE). Errors name the sizes, the variables and the rank.
@@ -16,6 +16,7 @@
 
 #include "collectives/communicator.h"
 #include "collectives/launch_env.h"
+#include "collectives/mesh.h"
 
 namespace flatshard {
 
@@ -34,22 +35,8 @@ struct HsdpLayout {
 // The shard-group size for HSDP: `requested` if > 0, else env.local_world_size.
 int hsdp_shard_size(const LaunchEnv& env, int requested = 0);
 
-struct ShardingMesh {
-  Communicator* shard = nullptr;      // all-gather / reduce-scatter group (required)
-  Communicator* replicate = nullptr;  // gradient all-reduce across replicas; nullptr: none
-
-  ShardingMesh() = default;
-  explicit ShardingMesh(Communicator& shard_group, Communicator* replicate_group = nullptr)
-      : shard(&shard_group), replicate(replicate_group) {}
-  // True when gradients must also be averaged across replicas.
-  bool hybrid() const { return replicate != nullptr && replicate->world_size() > 1; }
-  int replicate_size() const { return replicate ? replicate->world_size() : 1; }
-  int replicate_rank() const { return replicate ? replicate->rank() : 0; }
-  // Rank and size over all R * S ranks.
-  int global_rank() const { return replicate_rank() * shard->world_size() + shard->rank(); }
-  int global_size() const { return replicate_size() * shard->world_size(); }
-  // Throws (naming the rank) unless `shard` is set and both groups share a device.
-  void check() const;
-};
+// The HSDP mesh is a Mesh (collectives/mesh.h) of a shard and a replicate group; the name stays
+// for callers that build it as ShardingMesh(shard, &replicate).
+using ShardingMesh = Mesh;
 
 }  // namespace flatshard

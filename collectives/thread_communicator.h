@@ -33,7 +33,7 @@ class ThreadCommunicator final : public Communicator {
   void reduce_scatter(const at::Tensor& input, const at::Tensor& output, ReduceOp op,
                       c10::Stream stream) override;
   void all_reduce(const at::Tensor& tensor, ReduceOp op, c10::Stream stream,
-                  Lane lane = Lane::kReduceScatter) override;
+                  Lane lane = Lane::kReduce) override;
   void broadcast(const at::Tensor& tensor, int root, c10::Stream stream) override;
   void barrier() override;
   std::chrono::milliseconds timeout() const override;

@@ -209,7 +209,7 @@ class UploadAllGather final : public ShardedGather {
 
 // NO_SHARD, not offloaded: recast the master into full() when it changed since full() took it
 // (nothing when full() is the master). full() persists, so it is the unit's step copy (Note
-// [Compute copy in the step], fsdp/fused_adamw.h): a step that wrote it leaves nothing to recast.
+// [Compute copy in the step], optim/fused_adamw.h): a step that wrote it leaves nothing to recast.
 class ReplicatedRecast final : public GatherPlan {
  public:
   explicit ReplicatedRecast(bool recast) : GatherPlan("ReplicatedRecast"), recast_(recast) {}
@@ -380,7 +380,7 @@ class ReplicateAllReduce final : public FlatGradReduce {
   }
   at::Tensor collective(const at::Tensor& send, c10::Stream stream) override {
     at::Tensor reduced = inner_->collective(send, stream);
-    replicate_.all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduceScatter);
+    replicate_.all_reduce(reduced, ReduceOp::kAvg, stream, Lane::kReduce);
     return reduced;
   }
 
@@ -520,17 +520,26 @@ class OneRankReduce final : public ReducePlan {
   int64_t padded_numel_;
 };
 
-void check_offload(const std::string& unit_name, const FlatParamConfig& config) {
-  TORCH_CHECK(config.offload >= 0 && config.offload <= 2, "unit '", unit_name,
-              "': offload level must be 0, 1 or 2, got ", config.offload);
-}
-
 }  // namespace
 
-std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
-                                             const FlatParamConfig& config,
-                                             const FlatLayout& layout, Communicator& comm) {
-  check_offload(unit_name, config);
+int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
+  return config.sharded ? layout.shard_numel * c10::elementSize(config.param_dtype) : 0;
+}
+
+int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
+  return layout.padded_numel * c10::elementSize(config.reduce_dtype);
+}
+
+int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid) {
+  if (!hybrid) return 0;
+  return (config.sharded ? layout.shard_numel : layout.padded_numel) *
+         c10::elementSize(config.reduce_dtype);
+}
+
+namespace {
+
+std::unique_ptr<GatherPlan> choose_gather_plan(const FlatParamConfig& config,
+                                               const FlatLayout& layout, Communicator& comm) {
   if (!config.sharded) {
     if (config.offload > 0) return std::make_unique<ReplicatedUpload>();
     return std::make_unique<ReplicatedRecast>(!full_aliases_master(config));
@@ -546,12 +555,11 @@ std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
   }
 }
 
-std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
-                                             const FlatParamConfig& config,
-                                             const FlatLayout& layout, Communicator& comm,
-                                             Communicator* replicate) {
-  check_offload(unit_name, config);
-  const bool hybrid = replicate != nullptr && replicate->world_size() > 1;
+std::unique_ptr<ReducePlan> choose_reduce_plan(const FlatParamConfig& config,
+                                               const FlatLayout& layout, const Mesh& mesh) {
+  Communicator& comm = mesh.shard();
+  Communicator* replicate = mesh.replicate();  // nullptr: no HSDP
+  const bool hybrid = replicate != nullptr;
   // Note [One-rank reduction]: the reduce dtype must round nothing.
   if (comm.world_size() == 1 && !hybrid && config.offload == 0 &&
       (config.reduce_dtype == config.param_dtype || config.reduce_dtype == at::kFloat))
@@ -565,11 +573,35 @@ std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
   if (hybrid)
     plan = std::make_unique<ReplicateAllReduce>(std::move(plan), config.reduce_dtype, layout,
                                                 config.sharded, *replicate);
-  TORCH_CHECK(!(config.keep_low_precision_grads && config.offload > 0), "unit '", unit_name,
-              "': keep_low_precision_grads cannot be combined with offload (level ",
-              config.offload, ")");
   if (config.keep_low_precision_grads) plan->keep_reduce_dtype();
   if (config.offload > 0) return std::make_unique<HostGradDelivery>(std::move(plan), comm.device());
+  return plan;
+}
+
+}  // namespace
+
+std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
+                                             const FlatParamConfig& config,
+                                             const FlatLayout& layout, const Mesh& mesh) {
+  config.validate(unit_name);
+  auto plan = choose_gather_plan(config, layout, mesh.shard());
+  TORCH_INTERNAL_ASSERT(plan->bytes() == all_gather_bytes(config, layout), "unit '", unit_name,
+                        "': ", plan->name(), " sends ", plan->bytes(), " bytes, the closed form ",
+                        all_gather_bytes(config, layout));
+  return plan;
+}
+
+std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
+                                             const FlatParamConfig& config,
+                                             const FlatLayout& layout, const Mesh& mesh) {
+  config.validate(unit_name);
+  auto plan = choose_reduce_plan(config, layout, mesh);
+  TORCH_INTERNAL_ASSERT(
+      plan->bytes() == reduce_bytes(config, layout) &&
+          plan->replicate_bytes() == replicate_bytes(config, layout, mesh.hybrid()),
+      "unit '", unit_name, "': ", plan->name(), " sends ", plan->bytes(), " + ",
+      plan->replicate_bytes(), " bytes, the closed forms ", reduce_bytes(config, layout), " + ",
+      replicate_bytes(config, layout, mesh.hybrid()));
   return plan;
 }
 

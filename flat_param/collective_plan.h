@@ -29,32 +29,17 @@
 //   name() spells the composition, e.g. "HostGradDelivery(ReplicateAllReduce(ReduceScatter))".
 // - Streams: every call enqueues on `stream`, which FlatParam has made current (StreamGuard),
 //   and returns; nothing blocks the host. The caller orders `stream` against compute (fsdp/).
-// - Numerics: the plans issue exactly the ops FlatParam issued inline before this seam, in the
-//   same order on the same stream. Per call no allocation but the buffers the collectives
+// - Numerics: a plan's ops are fixed by its choice (no branch on the data), in one order on one
+//   stream, so every rank issues the same collectives. Per call no allocation but the buffers the collectives
 //   need and no std::function: a gather is one virtual call; a reduction is reduce() and
 //   land(), plus FlatGradReduce::collective() once per layer (ReplicateAllReduce adds one).
-// - Bytes: bytes() is what one gather / one reduction sends from this rank (all_gather_bytes(),
-//   reduce_bytes() of FlatParam; the one-rank reduction counts the bytes the general path
-//   would send, as before); replicate_bytes() the HSDP all-reduce's (0 without it).
-//   planner/explain.cpp predicts the same numbers from the layout without communicators.
+// - Bytes: bytes() is what one gather / one reduction sends from this rank (the one-rank
+//   reduction counts the bytes the general path would send); replicate_bytes() the HSDP
+//   all-reduce's (0 without it). Both equal the closed forms all_gather_bytes(),
+//   reduce_bytes() and replicate_bytes() below (the factories check it), which explain counts.
 //
-// How to add a collective (say an fp8 all-gather: each rank sends its shard as fp8 with a
-// scale, receivers dequantize into full()):
-//   1. flat_param/collective_plan.cpp: a GatherPlan subclass (gather(): quantize master into a
-//      buffer it owns, all-gather it, dequantize into full(); bytes(): shard_numel * 1 plus the
-//      scales), and its choice in make_gather_plan(). A new reduction is a FlatGradReduce
-//      subclass (its collective()), composing with ReplicateAllReduce and HostGradDelivery.
-//   2. flat_param/flat_param.h: the FlatParamConfig field that asks for it (with its default
-//      and meaning); FlatParam itself does not change.
-//   3. fsdp/resolve.h / resolve.cpp: the unit setting (plan option or ShardingOptions field in
-//      fsdp/options.h, and its spec keyword in wrap_policies/ if the plan text names it) that
-//      sets the field, so the runtime and explain resolve it alike.
-//   4. planner/explain.cpp: the unit's all_gather_bytes / reduce_bytes closed form (and
-//      planner/cost_model.cpp if it changes memory or time); fsdp/unit.cpp only if the unit's
-//      counters (which collective ran) change.
-//   5. tests/collective_plan_test.cpp: the factory's choice, the byte count's closed form,
-//      and the gathered buffer / reduced gradient against an independent reference; a parity
-//      run (tests/fsdp_test.cpp style) with the option on.
+// How to add a collective (an fp8 all-gather, a new reduction): docs/design.md "How to add a
+// gather dtype" lists the files and steps; the closed-form byte functions below get its line.
 //
 // Note [Host compute copy]
 // Opt-in (FLATSHARD_OFFLOAD_HOST_COPY=1): offloaded units whose CPU step flatshard drives
@@ -62,14 +47,14 @@
 // offload]'s fp32 host path:
 // - Down: with a reduce dtype below fp32, the reduced shard goes to the host as it is (bf16: 2
 //   B per element instead of the device upcast and 4 B) and the step reads it, upcasting per
-//   block in cache (FusedAdamW, fsdp/fused_adamw.h). master's .grad then stays undefined for
+//   block in cache (FusedAdamW, optim/fused_adamw.h). master's .grad then stays undefined for
 //   those units (what the step consumed is not kept). A reduction that finds a host gradient
 //   to add to (accumulation across steps without zero_grad) takes the fp32 path.
 // - Up: the step writes the compute-dtype copy of the updated master in the same pass, into a
 //   pinned host buffer the plan keeps (host_copy(): 2 B per element); level 1's refresh (and
 //   an offloaded NO_SHARD unit's), and level 2 at every gather, upload that buffer as it is
 //   (no fp32 staging, no device cast) while it holds the master's current version; otherwise
-//   (an optimizer step after backward, a checkpoint load) the fp32 path as before. The first
+//   (an optimizer step after backward, a checkpoint load) the fp32 path. The first
 //   step, or one after the master changed otherwise, casts the master into it on the host
 //   first (prepare_host_copy()).
 // - Exact: the same kernel on the same values (bf16 -> fp32 is exact; the host cast rounds as
@@ -77,7 +62,7 @@
 //   FLATSHARD_OFFLOAD_HOST_COPY=0 as the reference).
 // - Cost: 2 B per element of pinned host memory for the copy; the fp32 host gradient buffer (4
 //   B) is then never allocated, the bf16 one (2 B) instead. And host time: the step's upcast
-//   and cast run on the host (fsdp/fused_adamw.cpp), 1.3-1.8x the fp32 step's time. On the
+//   and cast run on the host (optim/fused_adamw.cpp), 1.3-1.8x the fp32 step's time. On the
 //   H200 host (16 cores) that made the 1B step slower although the device's forward and
 //   backward got faster (benchmarks/RESULTS.md "Offload"): the CPU step is the bound there, so
 //   the path is off by default. It pays where PCIe, not the host, bounds the step; a one-pass
@@ -89,7 +74,7 @@
 // buffer) becomes the master gradient as it is, and the one-rank path copies the parameters'
 // gradients into a reduce-dtype buffer: no fp32 upcast pass, 2 B instead of 4 B per element
 // held from backward to the step, and FusedAdamW reads the bf16 gradient in its own pass
-// (Note [One-pass AdamW kernel], fsdp/adamw_kernel.h; exact, bf16 -> fp32 is). Steps that only
+// (Note [One-pass AdamW kernel], optim/adamw_kernel.h; exact, bf16 -> fp32 is). Steps that only
 // read the gradient are bit for bit the fp32 path's; what writes it first rounds in the reduce
 // dtype: clip_grad_norm_'s scaling, accumulation of synced reductions across backward passes
 // (the flat gradient of an unsynced pass is the compute dtype either way). The norm itself is
@@ -106,8 +91,8 @@
 #include <utility>
 #include <vector>
 
-#include "collectives/communicator.h"
-#include "flat_param/flat_param.h"
+#include "collectives/mesh.h"
+#include "flat_param/flat_param_config.h"
 #include "flat_param/layout.h"
 
 namespace flatshard {
@@ -160,7 +145,7 @@ class GatherPlan {
   virtual void prepare_host_copy(const GatherArgs& /*args*/) {}
   // After that step: the buffer holds the master as it is now (its new version).
   virtual void host_copy_written(const GatherArgs& /*args*/) {}
-  // Note [Compute copy in the step] (fsdp/fused_adamw.h): the device buffer (compute dtype,
+  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer (compute dtype,
   // the master's element count) that keeps the master's cast between gathers and that an
   // optimizer step may write in its pass; undefined where the plan keeps none (sharded,
   // offloaded, full() aliasing the fp32 master). step_copy_current(): it holds the master as it
@@ -230,15 +215,24 @@ class ReducePlan {
 // second copy, nothing to gather.
 bool full_aliases_master(const FlatParamConfig& config);
 
-// The plans of a unit laid out as `layout` whose collectives go through `comm` (the shard group
-// for sharded units) and, with HSDP, `replicate` (nullptr or one rank: none). Throws c10::Error
-// naming the unit for an offload level other than 0, 1 or 2.
+// The bytes one rank sends per collective of a unit configured as `config` over `layout`, in
+// closed form: what the chosen plans' bytes() / replicate_bytes() report (the factories check
+// it) and what explain (planner/explain.cpp) counts, so the two agree by construction.
+// Gather: the shard in param_dtype (0 for a replicated unit, whose gather is a local cast).
+// Reduce: the padded flat gradient in reduce_dtype. Replicate (HSDP, `hybrid`): what the
+// reduction leaves on this rank (its shard; a replicated unit's whole buffer) in reduce_dtype.
+int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
+int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout);
+int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid);
+
+// The plans of a unit laid out as `layout` whose collectives go over `mesh`: gathers and
+// reductions over its shard group, and with HSDP the replicate all-reduce over its replicate
+// group. Throws c10::Error naming the unit for an offload level other than 0, 1 or 2.
 std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
-                                             const FlatLayout& layout, Communicator& comm);
+                                             const FlatLayout& layout, const Mesh& mesh);
 std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
-                                             const FlatLayout& layout, Communicator& comm,
-                                             Communicator* replicate);
+                                             const FlatLayout& layout, const Mesh& mesh);
 
 }  // namespace flatshard

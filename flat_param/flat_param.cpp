@@ -98,13 +98,13 @@ at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device devi
 
 }  // namespace
 
-FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
-                     const FlatParamConfig& config, Communicator* replicate,
-                     const std::function<void()>& fill, const RangeFill& load_ranges)
+FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, const Mesh& mesh,
+                     const FlatParamConfig& config, const std::function<void()>& fill,
+                     const RangeFill& load_ranges)
     : unit_name_(std::move(unit_name)),
       params_(std::move(params)),
-      comm_(comm),
-      replicate_(replicate),
+      mesh_(mesh),
+      comm_(mesh_.shard()),
       config_(config) {
   at::NoGradGuard no_grad;
   make_layout(check_params(fill || load_ranges));
@@ -191,15 +191,16 @@ void FlatParam::broadcast_values(const at::Tensor& init) {
     comm_.broadcast(init, 0, comm_.current_stream());
   }
   // HSDP: every shard group now holds its rank 0's values; make them global rank 0's.
-  if (config_.sync_module_states && hybrid() && layout_.padded_numel > 0) {
-    replicate_->broadcast(init, 0, replicate_->current_stream());
+  Communicator* replicate = mesh_.replicate();
+  if (config_.sync_module_states && replicate && layout_.padded_numel > 0) {
+    replicate->broadcast(init, 0, replicate->current_stream());
   }
 }
 
 void FlatParam::choose_plans() {
   // Both throw for an offload level other than 0, 1 or 2.
-  gather_ = make_gather_plan(unit_name_, config_, layout_, comm_);
-  reduce_ = make_reduce_plan(unit_name_, config_, layout_, comm_, replicate_);
+  gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_);
+  reduce_ = make_reduce_plan(unit_name_, config_, layout_, mesh_);
 }
 
 void FlatParam::move_to_host() {
@@ -282,8 +283,9 @@ void FlatParam::attach_and_guard() {
 void FlatParam::fill_deferred(const at::Tensor& init, const std::function<void()>& fill) {
   const std::string where = "unit '" + unit_name_ + "' (rank " + std::to_string(comm_.rank()) + ")";
   std::vector<at::Tensor> values;  // what each parameter reads while fill() runs
-  std::exception_ptr error;
-  try {
+  // Before any collective of this unit: a rank that failed must not leave the others waiting
+  // in the broadcast below. HSDP: the shard group's answer, then across replicas.
+  run_agreed(mesh_, "fully_shard: initialising unit '" + unit_name_ + "'", [&] {
     for (size_t i = 0; i < params_.size(); ++i) {
       const ParamRef& p = params_[i];
       at::Tensor v = init.narrow(0, layout_.offsets[i], layout_.numels[i]).view(layout_.shapes[i]);
@@ -312,13 +314,7 @@ void FlatParam::fill_deferred(const at::Tensor& init, const std::function<void()
                   " replaced its storage; an init must write the values in place (copy_, "
                   "normal_, fill_, ...), not set_data() or resize them");
     }
-  } catch (...) {
-    error = std::current_exception();
-  }
-  // Before any collective of this unit: a rank that failed must not leave the others waiting
-  // in the broadcast below. HSDP: the shard group's answer, then across replicas.
-  agree(comm_, hybrid() ? replicate_ : nullptr, error,
-        "fully_shard: initialising unit '" + unit_name_ + "'");
+  });
   for (size_t i = 0; i < params_.size(); ++i)
     if (params_[i].param.scalar_type() != at::kFloat)
       init.narrow(0, layout_.offsets[i], layout_.numels[i]).copy_(values[i].reshape({-1}));
@@ -328,8 +324,8 @@ void FlatParam::load_master(const RangeFill& load_ranges) {
   const int64_t base = config_.sharded ? layout_.shard_begin(comm_.rank()) : 0;
   const int64_t size = config_.sharded ? layout_.shard_numel : layout_.padded_numel;
   master_ = at::zeros({size}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
-  std::exception_ptr error;
-  try {
+  // Note [Loading into shards]: the unit's agree point, as for an init; no broadcast follows.
+  run_agreed(mesh_, "fully_shard: loading unit '" + unit_name_ + "'", [&] {
     const void* data = master_.data_ptr();
     for (size_t i = 0; i < params_.size(); ++i) {
       const int64_t b = std::clamp<int64_t>(layout_.offsets[i] - base, 0, size);
@@ -342,12 +338,7 @@ void FlatParam::load_master(const RangeFill& load_ranges) {
     TORCH_CHECK(master_.data_ptr() == data && master_.numel() == size, "loading unit '",
                 unit_name_, "' (rank ", comm_.rank(), ") moved or resized its master shard; "
                 "a loader must write the slice it is given in place");
-  } catch (...) {
-    error = std::current_exception();
-  }
-  // Note [Loading into shards]: the unit's agree point, as for an init; no broadcast follows.
-  agree(comm_, hybrid() ? replicate_ : nullptr, error,
-        "fully_shard: loading unit '" + unit_name_ + "'");
+  });
 }
 
 void FlatParam::guard_params() {
@@ -565,12 +556,6 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
 
 int64_t FlatParam::master_version() const { return master_version_of(master_, views_); }
 
-int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {
-  int64_t v = static_cast<int64_t>(master._version());
-  for (const auto& view : views) v += static_cast<int64_t>(view.tensor._version());
-  return v;
-}
-
 void FlatParam::set_views_active(bool active) {
   views_active_ = active && num_trainable_ > 0;
   point_view_grads();
@@ -633,6 +618,15 @@ void FlatParam::drop_grad() {
 
 int64_t FlatParam::all_gather_bytes() const { return gather_->bytes(); }
 int64_t FlatParam::reduce_bytes() const { return reduce_->bytes(); }
+at::Tensor FlatParam::gather_whole(const at::Tensor& local) const {
+  at::Tensor src = local.defined() ? local.detach() : at::zeros_like(master_.detach());
+  src = src.to(comm_.device());  // an offloaded unit's state is on the host (Note [CPU offload])
+  if (!config_.sharded || layout_.padded_numel == 0) return src;
+  at::Tensor full = at::empty({layout_.padded_numel}, src.options());
+  comm_.all_gather(src, full, comm_.current_stream());
+  return full;
+}
+
 int64_t FlatParam::replicate_reduce_bytes() const { return reduce_->replicate_bytes(); }
 
 }  // namespace flatshard

@@ -38,9 +38,9 @@
 //   kept gradients are among the buffers reduce_grad() returns. reduce_grad() zeroes what no
 //   gradient wrote and turns the buffer into master().grad with ONE reduce-scatter (sharded) or
 //   ONE all-reduce (replicated), averaged over ranks, accumulating into an existing master grad.
-// - HSDP (collectives/sharding_mesh.h): with a `replicate` communicator of more than one rank,
-//   `comm` is the shard group; reduce_grad() then also all-reduces (average) the reduced
-//   gradient across `replicate` on the same stream, right after the reduce-scatter (or the
+// - HSDP (collectives/mesh.h): with a mesh whose replicate group has more than one rank,
+//   the shard group shards; reduce_grad() then also all-reduces (average) the reduced
+//   gradient across the replicate group on the same stream, right after the reduce-scatter (or the
 //   all-reduce of a replicated unit), so the result is the mean over all R * S ranks. At
 //   construction rank 0's values are broadcast within the shard group, then across replicas.
 // - Deferred values (Note [Deferred initialization], fsdp/deferred_init.h): built with a `fill`
@@ -49,7 +49,7 @@
 //   parameter at its region of it (materialize_meta: same TensorImpl), a parameter of another
 //   dtype at a tensor of its own; calls fill() once, which writes the values in place; checks
 //   that every parameter kept its shape, dtype, device and storage; and agrees across ranks
-//   (collectives/agree.h: `comm`, then `replicate`) before any collective of the unit, so a
+//   (collectives/agree.h, over the mesh) before any collective of the unit, so a
 //   fill that throws or breaks the layout on any rank throws on every rank, naming the unit,
 //   the rank and the cause. Then it goes on as if the values had been copied in (broadcast
 //   with sync_module_states, keep the shard). Peak: the flat fp32 buffer, the master shard
@@ -82,39 +82,11 @@
 #include <string>
 #include <vector>
 
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
+#include "flat_param/flat_param_config.h"
 #include "flat_param/layout.h"
 
 namespace flatshard {
-
-struct FlatParamConfig {
-  bool sharded = true;                          // false: replicated (NO_SHARD)
-  at::ScalarType param_dtype = at::kFloat;      // compute and all-gather dtype
-  at::ScalarType reduce_dtype = at::kFloat;     // gradient reduction dtype
-  int64_t align = 8;                            // elements; see FlatLayout
-  bool sync_module_states = true;               // broadcast rank 0's values at construction
-  // Debugging (FLATSHARD_DEBUG=1): after every unshard the padding of the gathered buffer is
-  // filled with NaN, so code that reads padding produces NaN instead of silently using zeros;
-  // a fresh flat gradient starts as NaN, so a region neither written nor zeroed shows.
-  bool poison_padding = false;
-  // CPU offload level, 0 (off), 1 or 2: Note [CPU offload] (flat_param/offload.h).
-  int offload = 0;
-  // Note [Low-precision master gradient] (collective_plan.h): master().grad keeps the reduce
-  // dtype instead of being upcast to fp32. Not with offload (fsdp/resolve.cpp refuses it).
-  bool keep_low_precision_grads = false;
-  // The dtype of master().grad.
-  at::ScalarType grad_dtype() const { return keep_low_precision_grads ? reduce_dtype : at::kFloat; }
-};
-
-// The part of one original parameter inside this rank's master shard (Note [Original-parameter
-// views]): elements [begin, end) of master(), which are elements [param_begin, param_begin +
-// end - begin) of the flattened parameter.
-struct ShardView {
-  int64_t begin = 0, end = 0;
-  int64_t param_begin = 0;
-  at::Tensor tensor;  // 1-D over master()'s storage; requires grad iff the parameter is trainable
-  int64_t numel() const { return end - begin; }
-};
 
 class GatherPlan;  // flat_param/collective_plan.h
 class ReducePlan;
@@ -133,9 +105,10 @@ class FlatParam {
 
   // `fill`: deferred values; `load_ranges`: loaded values (see the contract; at most one of
   // the two); both empty: the parameters hold their values.
-  FlatParam(std::string unit_name, std::vector<ParamRef> params, Communicator& comm,
-            const FlatParamConfig& config, Communicator* replicate = nullptr,
-            const std::function<void()>& fill = {}, const RangeFill& load_ranges = {});
+  // `mesh`: the shard group (and with HSDP the replicate group) the unit's collectives run over.
+  FlatParam(std::string unit_name, std::vector<ParamRef> params, const Mesh& mesh,
+            const FlatParamConfig& config, const std::function<void()>& fill = {},
+            const RangeFill& load_ranges = {});
   ~FlatParam();
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
@@ -249,7 +222,7 @@ class FlatParam {
   at::Tensor host_copy();
   void prepare_host_copy();
   void host_copy_written();
-  // Note [Compute copy in the step] (fsdp/fused_adamw.h): the device buffer that keeps the
+  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer that keeps the
   // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
   // optimizer step may write in its pass; undefined where the unit keeps none. Whether it holds
   // the master as it is now; after a step wrote it, step_copy_written() (the next unshard()
@@ -264,13 +237,20 @@ class FlatParam {
   // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
   int64_t resident_bytes() const;
 
+  // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
+  // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
+  // current stream, on the device (an offloaded unit's host tensor is copied there first);
+  // a replicated unit's is itself (on the device). Undefined `local`: zeros of master()'s shape.
+  // Collective over the shard group for sharded units.
+  at::Tensor gather_whole(const at::Tensor& local) const;
+
   // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
   // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP): the plans'.
   int64_t all_gather_bytes() const;
   int64_t reduce_bytes() const;
   int64_t replicate_reduce_bytes() const;
   // True when reduce_grad() also all-reduces across replicas.
-  bool hybrid() const { return replicate_ != nullptr && replicate_->world_size() > 1; }
+  bool hybrid() const { return mesh_.hybrid(); }
 
  private:
   // Construction, in this order (flat_param.cpp).
@@ -312,8 +292,8 @@ class FlatParam {
   size_t num_trainable_ = 0;
   std::vector<ShardView> views_;
   bool views_active_ = false;
-  Communicator& comm_;
-  Communicator* replicate_;  // HSDP replicate group; nullptr without HSDP
+  Mesh mesh_;            // the unit's rank layout (collectives/mesh.h)
+  Communicator& comm_;   // mesh_.shard(): the layout's world, the gather and the shard's place
   FlatParamConfig config_;
   FlatLayout layout_;
   at::Tensor master_;     // fp32 local shard (optimizer's parameter)
@@ -343,8 +323,6 @@ bool storage_is_allocated(const at::Tensor& t);
 // True when `t` reads a guard storage of a sharded parameter (Note [Guarded sharded
 // parameters]): a parameter (or a view of one) of a sharded unit that is not gathered.
 bool is_guarded_param(const at::Tensor& t);
-// Sum of the version counters of `master` and the views' tensors: FlatParam::master_version().
-int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views);
 // Gives the meta tensor `t` (a parameter or buffer of a model built on the meta device) the
 // storage, offset and strides of `data`, which must have t's shape and dtype: the same
 // TensorImpl — what modules, autograd and plans hold — now reads `data`'s storage on its

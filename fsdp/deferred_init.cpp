@@ -97,11 +97,15 @@ void DeferredInit::check_every_tensor_has_init(const torch::nn::Module& model) c
     if (item.value().defined() && item.value().is_meta()) check(item.key(), "buffer");
 }
 
-void DeferredInit::materialize_buffers(torch::nn::Module& model, Communicator& comm,
-                                       Communicator* replicate,
+void DeferredInit::materialize_buffers(torch::nn::Module& model, const Mesh& mesh,
                                        const std::function<void()>& check_first) const {
-  std::exception_ptr error;
-  try {
+  Communicator& comm = mesh.shard();
+  const std::string what =
+      check_first ? "fully_shard: loading (the loader's check of every parameter) and "
+                    "deferred initialization of the buffers"
+                  : "fully_shard: deferred initialization (the buffers; an init for every "
+                    "meta tensor)";
+  run_agreed(mesh, what, [&] {
     at::NoGradGuard no_grad;
     if (check_first) check_first();
     check_every_tensor_has_init(model);
@@ -117,14 +121,7 @@ void DeferredInit::materialize_buffers(torch::nn::Module& model, Communicator& c
                   "; an init must fill the tensor it is given in place");
       materialize_meta(b, values, "buffer '" + item.key() + "'");
     }
-  } catch (...) {
-    error = std::current_exception();
-  }
-  agree(comm, replicate, error,
-        check_first ? "fully_shard: loading (the loader's check of every parameter) and "
-                      "deferred initialization of the buffers"
-                    : "fully_shard: deferred initialization (the buffers; an init for every "
-                      "meta tensor)");
+  });
 }
 
 }  // namespace detail

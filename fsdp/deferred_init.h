@@ -75,6 +75,7 @@
 #include <utility>
 #include <vector>
 
+#include "collectives/mesh.h"
 #include "fsdp/options.h"
 
 namespace torch {
@@ -116,9 +117,9 @@ class DeferredInit {
   DeferredInit(torch::nn::Module& model, TensorInit user, bool params_loaded = false);
   // Fills tensor `name` (a parameter or buffer of the model) in place; errors name it.
   void init(const std::string& name, const at::Tensor& values) const;
-  // Step 2 of the Note: collective over `comm` (and `replicate` with HSDP, else null).
+  // Step 2 of the Note: collective over the mesh's groups (collectives/agree.h).
   // `check_first` (may be empty) runs first, inside the same agree point: the loader's check.
-  void materialize_buffers(torch::nn::Module& model, Communicator& comm, Communicator* replicate,
+  void materialize_buffers(torch::nn::Module& model, const Mesh& mesh,
                            const std::function<void()>& check_first = {}) const;
 
  private:

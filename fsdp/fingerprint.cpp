@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "collectives/gather_bytes.h"
 
 namespace flatshard {
@@ -102,10 +103,12 @@ void add_buffers(std::vector<FingerprintEntry>& fp, const torch::nn::Module& mod
 
 std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, const Plan& plan,
                                                 const ShardingOptions& options,
-                                                const Communicator& comm) {
+                                                const Mesh& mesh) {
+  const Communicator& comm = mesh.shard();
   std::vector<FingerprintEntry> fp;
   const std::string setup = "setup";
   fp.push_back({setup, "world size", str(comm.world_size())});
+  fp.push_back({setup, "mesh", mesh.shape().to_string()});
   fp.push_back({setup, "backend", comm.backend_name()});
   fp.push_back({setup, "device type", str(comm.device().type())});
   fp.push_back({setup, "option strategy", to_string(options.strategy)});
@@ -193,11 +196,15 @@ std::string describe_difference(const std::vector<FingerprintEntry>& base, int b
   return os.str();
 }
 
-void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm,
-                       const std::function<int(int)>& global_rank) {
+namespace {
+
+// Over the group of `dim`; rank r of it is global rank mesh.global_rank_at(dim, r).
+void check_group_agrees(const std::vector<FingerprintEntry>& mine, const Mesh& mesh, MeshDim dim) {
+  Communicator* group = mesh.group(dim);
+  if (group == nullptr) return;
+  Communicator& comm = *group;
   const int world = comm.world_size();
-  if (world == 1) return;
-  auto name = [&](int r) { return global_rank ? global_rank(r) : r; };
+  auto name = [&](int r) { return mesh.global_rank_at(dim, r); };
   at::NoGradGuard no_grad;
   const std::string text = serialize(mine);
   const uint64_t h = fnv1a(text);
@@ -239,6 +246,13 @@ void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& 
   }
   TORCH_CHECK(false, "fully_shard: the ranks' setup fingerprints differ (hash or length) but no "
               "entry does (rank ", name(comm.rank()), ")");
+}
+
+}  // namespace
+
+void check_ranks_agree(const std::vector<FingerprintEntry>& mine, const Mesh& mesh) {
+  check_group_agrees(mine, mesh, MeshDim::kShard);
+  check_group_agrees(mine, mesh, MeshDim::kReplicate);
 }
 
 }  // namespace flatshard

@@ -46,7 +46,7 @@ class Module;
 
 namespace flatshard {
 
-class Communicator;
+class Mesh;
 
 struct FingerprintEntry {
   std::string where;  // "setup" or "unit 3 'blocks.2'"
@@ -56,13 +56,12 @@ struct FingerprintEntry {
 
 std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, const Plan& plan,
                                                 const ShardingOptions& options,
-                                                const Communicator& comm);
+                                                const Mesh& mesh);
 
-// Throws (on every rank of `comm`) when the ranks' fingerprints differ. Collective over `comm`.
-// Messages name rank r of `comm` as global_rank(r) (default: r itself); with HSDP the check runs
-// over the shard group, then over the replicate group, whose rank i is global rank i * S + j.
-void check_ranks_agree(const std::vector<FingerprintEntry>& mine, Communicator& comm,
-                       const std::function<int(int)>& global_rank = {});
+// Throws (on every rank of the mesh) when the ranks' fingerprints differ. Collective over each
+// group of `mesh`, innermost first (the shard group, then with HSDP the replicate group);
+// messages name global ranks (Mesh::global_rank_at).
+void check_ranks_agree(const std::vector<FingerprintEntry>& mine, const Mesh& mesh);
 
 // The message for the first difference between `base` (rank `base_rank`) and `other` (rank
 // `other_rank`); "" when they are equal. Exposed for tests.

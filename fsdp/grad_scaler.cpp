@@ -102,8 +102,8 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& opt) {
     TORCH_CHECK(false, what, ": unscale_() is being called after step(); call update() first");
   }
   at::NoGradGuard no_grad;
-  const ShardingMesh& mesh = model_.mesh();
-  const c10::Device device = mesh.shard->device();
+  const Mesh& mesh = model_.mesh();
+  const c10::Device device = mesh.device();
   // [found_inf, failed]: one all-reduce answers both "did any rank overflow" and "did any rank
   // fail here", so a local fault cannot leave the other ranks waiting in the collective.
   at::Tensor flags = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(device));
@@ -154,16 +154,12 @@ void ShardedGradScaler::unscale_(torch::optim::Optimizer& opt) {
     flags.fill_(0);
     flags[1] = 1.0;
   }
-  if (mesh.global_size() > 1) {
-    const c10::Stream stream = mesh.shard->current_stream();
-    mesh.shard->all_reduce(flags, ReduceOp::kSum, stream);
-    if (mesh.hybrid()) mesh.replicate->all_reduce(flags, ReduceOp::kSum, stream);
-  }
+  all_reduce(mesh, flags, ReduceOp::kSum, mesh.shard().current_stream());
   const at::Tensor answer = flags.to(at::kCPU);
   const float* a = answer.data_ptr<float>();
   if (a[1] > 0) {
     // Some rank failed: every rank learns which and why, and throws the same way.
-    agree(*mesh.shard, mesh.hybrid() ? mesh.replicate : nullptr, err, what);
+    agree(mesh, err, what);
     TORCH_INTERNAL_ASSERT(false, what, ": a rank reported a failure that agree() did not find");
   }
   per_optimizer_[&opt] = PerOptimizer{OptState::kUnscaled, a[0] > 0};

@@ -9,7 +9,7 @@
 
 #include "collectives/env.h"
 #include "flat_param/flat_param.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/trace.h"
 
 namespace flatshard {

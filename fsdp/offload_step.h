@@ -87,7 +87,7 @@
 #include <vector>
 
 #include "collectives/env.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 
 namespace flatshard {
 

@@ -35,8 +35,7 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
   r.flat.sync_module_states = options.sync_module_states;
   r.flat.poison_padding = env::debug();
   const int offload = spec.options.offload.value_or(options.offload);
-  TORCH_CHECK(offload >= 0 && offload <= 2, "unit '", spec.name, "': offload level must be 0, 1 "
-              "or 2, got ", offload);
+  check_offload_level(offload, "unit '" + spec.name + "'");
   r.flat.offload = r.flat.sharded ? offload : std::min(offload, 1);
   // Note [Delayed offload step] (fsdp/offload_step.h): level 2 reads the master at every gather.
   TORCH_CHECK(r.flat.offload < 2 || options.offload_step != OffloadStep::kDelayed, "unit '",
@@ -45,10 +44,7 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
               "offload_step = backward");
   // Note [Low-precision master gradient] (flat_param/collective_plan.h).
   r.flat.keep_low_precision_grads = mp.keep_low_precision_grads;
-  TORCH_CHECK(!(r.flat.keep_low_precision_grads && r.flat.offload > 0), "unit '", spec.name,
-              "': MixedPrecision::keep_low_precision_grads cannot be combined with offload "
-              "(level ", r.flat.offload, "): offloaded gradients take the host path (Note [Host "
-              "compute copy]); turn one of them off");
+  r.flat.validate(spec.name);
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
 }

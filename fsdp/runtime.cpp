@@ -92,7 +92,7 @@ struct AnchorHook : public torch::autograd::FunctionPreHook {
 // the step's lease (a pre-hook it owns, LeaseHook); when the last node is destroyed — the user
 // dropped every output — and no backward began, the step closes: every unit reshards and the
 // next forward starts a new step. While a backward is possible (any output alive, or two
-// forwards summed before one backward) the step stays open, as before. A release inside a
+// forwards summed before one backward) the step stays open. A release inside a
 // flatshard::call (an output dropped mid-forward) is deferred until the outermost call
 // returns, so no unit is resharded while it runs. A forward that hooked nothing (NoGradGuard,
 // or outputs that do not require grad) closes its step when the root's call returns. The
@@ -131,7 +131,7 @@ struct LeaseHook : public torch::autograd::FunctionPreHook {
 }  // namespace
 
 Runtime::~Runtime() {
-  anchor_.reset();  // leases alive in graphs now find nothing
+  self_handle_.reset();  // leases alive in graphs now find nothing
   // The stepper's worker reads the units and writes the tracer, both destroyed before it.
   if (offload_stepper_) {
     try {
@@ -141,26 +141,26 @@ Runtime::~Runtime() {
   }
 }
 
-Runtime::Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate)
-    : comm_(comm),
-      replicate_(replicate),
+Runtime::Runtime(const Mesh& mesh, ShardingOptions options)
+    : mesh_(mesh),
+      comm_(mesh_.shard()),
       options_(std::move(options)),
-      all_gather_stream_(side_stream(comm.device())),
-      reduce_scatter_stream_(side_stream(comm.device())) {
+      all_gather_stream_(side_stream(mesh_.device())),
+      reduce_scatter_stream_(side_stream(mesh_.device())) {
   TORCH_CHECK(options_.forward_prefetch >= 0 && options_.backward_prefetch >= 0,
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
   if (options_.offload_step != OffloadStep::kAfterBackward)
     offload_stepper_ = std::make_shared<OffloadStepper>(
-        comm_.rank(), side_stream(comm.device()), options_.offload_step == OffloadStep::kDelayed,
+        comm_.rank(), side_stream(mesh_.device()), options_.offload_step == OffloadStep::kDelayed,
         tracer_.get());
-  ctx_.emplace(UnitContext{comm_, replicate_, all_gather_stream_, reduce_scatter_stream_,
+  ctx_.emplace(UnitContext{mesh_, all_gather_stream_, reduce_scatter_stream_,
                            tracer_.get(), reduce_buffers_,
                            options_.debug_sleep_before_all_gather_cycles,
                            options_.debug_sleep_before_reduce_cycles, offload_stepper_.get()});
   debug_order_ = env::debug();
-  anchor_ = std::make_shared<Runtime*>(this);
+  self_handle_ = std::make_shared<Runtime*>(this);
 }
 
 c10::Stream Runtime::compute_stream() const { return comm_.current_stream(); }
@@ -195,7 +195,7 @@ void Runtime::post_forward(Unit& unit, const torch::nn::Module* member,
   // Note [Forward without backward]: the step's graph is gone already, or there never was one.
   if (call_depth_ == 0 && !backward_active_ &&
       (release_deferred_ || (unit.is_root() && lease_.expired())))
-    close_forward_step();
+    end_step();
 }
 
 void Runtime::on_step_graph_released(uint64_t step) {
@@ -204,20 +204,23 @@ void Runtime::on_step_graph_released(uint64_t step) {
     release_deferred_ = true;
     return;
   }
-  close_forward_step();
+  end_step();
 }
 
-void Runtime::close_forward_step() {
+void Runtime::end_step() {
   for (auto& u : units_) {
     u->reshard();
     u->reset_step_state();
   }
+  // The next forward prefetches in this order; a step with no forward (a second backward over a
+  // retained graph) keeps the last one's.
   if (!forward_order_.empty()) last_forward_order_ = std::move(forward_order_);
   forward_order_.clear();
+  backward_active_ = false;
   pending_backward_ = false;
   release_deferred_ = false;
   lease_.reset();
-  step_.fetch_add(1);
+  step_.fetch_add(1);  // this step's lease, when its graph is freed, finds its step ended
 }
 
 bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
@@ -235,7 +238,7 @@ bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
   // Note [Forward without backward]: the node holds the step's lease.
   std::shared_ptr<StepLease> lease = lease_.lock();
   if (!lease) {
-    lease = std::make_shared<StepLease>(anchor_, step_.load());
+    lease = std::make_shared<StepLease>(self_handle_, step_.load());
     lease_ = lease;
   }
   wrapped.front().grad_fn()->add_pre_hook(
@@ -250,7 +253,8 @@ at::Tensor Runtime::wrap_input(Unit& unit, const at::Tensor& t) {
     return t;
   unit.on_frozen_input(/*backward=*/false);
   at::Tensor out = FrozenInput::apply(reinterpret_cast<int64_t>(&unit), t);
-  out.grad_fn()->add_pre_hook(std::make_unique<AnchorHook>(anchor_, unit.name(), comm_.rank()));
+  out.grad_fn()->add_pre_hook(
+      std::make_unique<AnchorHook>(self_handle_, unit.name(), comm_.rank()));
   return out;
 }
 
@@ -299,7 +303,7 @@ void Runtime::on_root_enter() {
   // return: it threw): close it, so this forward starts a fresh step. Two forwards before one
   // backward keep accumulating.
   if (backward_active_ || pending_backward_ || forward_order_.empty()) return;
-  close_forward_step();
+  end_step();
 }
 
 void Runtime::on_first_pre_backward(Unit& unit) {
@@ -378,17 +382,7 @@ void Runtime::finalize_backward() {
     if (compute.device_type() != c10::DeviceType::CPU) compute.synchronize();
     for (auto& u : units_) u->flat().finish_host_grad();
   }
-  for (auto& u : units_) {
-    u->reshard();
-    u->reset_step_state();
-  }
-  last_forward_order_ = std::move(forward_order_);
-  forward_order_.clear();
-  backward_active_ = false;
-  pending_backward_ = false;
-  release_deferred_ = false;
-  lease_.reset();
-  step_.fetch_add(1);  // this step's lease, when its graph is freed, finds its step ended
+  end_step();
   step_guard_.on_backward_end(units_, requires_grad_sync_,
                               offload_stepper_ && offload_stepper_->take_stepped(), comm_.rank(),
                               offload_stepper_ && offload_stepper_->delayed());

@@ -19,7 +19,7 @@
 #include <optional>
 #include <vector>
 
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "fsdp/options.h"
 #include "fsdp/reduce_buffers.h"
 #include "fsdp/step_guard.h"
@@ -49,14 +49,14 @@ void unregister_member(const torch::nn::Module* module);
 
 class Runtime {
  public:
-  // `replicate`: the HSDP replicate group (collectives/sharding_mesh.h), or nullptr.
-  Runtime(Communicator& comm, ShardingOptions options, Communicator* replicate = nullptr);
+  // `mesh`: the model's rank layout (collectives/mesh.h); copied, its groups are not owned.
+  Runtime(const Mesh& mesh, ShardingOptions options);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
-  Communicator& comm() { return comm_; }  // the shard group
-  Communicator* replicate() const { return replicate_; }
+  Communicator& comm() { return mesh_.shard(); }  // the shard group
+  const Mesh& mesh() const { return mesh_; }
   const ShardingOptions& options() const { return options_; }
   std::vector<std::unique_ptr<Unit>>& units() { return units_; }
   Tracer* tracer() const { return tracer_.get(); }  // nullptr unless tracing (fsdp/trace.h)
@@ -107,16 +107,17 @@ class Runtime {
   void on_first_forward_entry(Unit& unit);  // records the order; forward prefetch
   void on_first_pre_backward(Unit& unit);   // backward order, end-of-backward; backward prefetch
   bool hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs);  // true: some were hooked
-  // Ends a step whose forward can have no backward: reshards every unit, resets step state.
-  void close_forward_step();
+  // The one end of a step (after its backward, or a forward that can have none): reshards
+  // every unit, resets their step state and the runtime's.
+  void end_step();
   std::vector<std::string> unit_names() const;
   // Throws when a synced backward would need the offload stepper's optimizer and none is
   // attached (Note [Offload step in backward]).
   void check_offload_step() const;
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
-  Communicator& comm_;
-  Communicator* replicate_;  // HSDP: gradients are also averaged across it; nullptr: no HSDP
+  Mesh mesh_;  // the rank layout every unit's collectives run over (UnitContext::mesh)
+  Communicator& comm_;  // mesh_.shard(): the group this runtime's order checks and messages use
   ShardingOptions options_;
   c10::Stream all_gather_stream_;      // all-gathers, so they overlap compute (GPU)
   // Gradient reductions (and, with HSDP, the replicate all-reduce right after each), overlapping
@@ -144,7 +145,7 @@ class Runtime {
   int call_depth_ = 0;             // flatshard::call / enter frames of this model on the stack
   bool release_deferred_ = false;  // the lease died inside a call: close when the frames unwind
   // What leases hold instead of `this`, so a graph outliving the ShardedModel finds it gone.
-  std::shared_ptr<Runtime*> anchor_;
+  std::shared_ptr<Runtime*> self_handle_;
   StepGuard step_guard_;  // optimizer misuse checks between steps (fsdp/step_guard.h)
   bool debug_order_ = false;  // FLATSHARD_DEBUG: cross-rank unit order check (fsdp/order_check.h)
   std::unique_ptr<Tracer> tracer_;  // declared last: destroyed (and written) first

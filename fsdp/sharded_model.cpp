@@ -12,7 +12,7 @@
 #include "fsdp/call.h"
 #include "fsdp/deferred_init.h"
 #include "fsdp/fingerprint.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/offload_step.h"
 #include "fsdp/resolve.h"
 #include "fsdp/runtime.h"
@@ -20,11 +20,6 @@
 namespace flatshard {
 
 namespace {
-
-Communicator& checked_shard(const ShardingMesh& mesh) {
-  mesh.check();
-  return *mesh.shard;
-}
 
 // The model's parameters by name and modules by path: what a plan entry refers to.
 struct ModelIndex {
@@ -74,17 +69,11 @@ void check_not_sharded(torch::nn::Module& model, int rank) {
   }
 }
 
-// Before any other collective: ranks that disagree fail here, naming the difference. With
-// HSDP, also across replicas (rank j of replica i is global rank i * S + j).
+// Before any other collective: ranks that disagree fail here, naming the difference (over the
+// shard group, then with HSDP across replicas).
 void check_setup_agrees(const torch::nn::Module& model, const Plan& plan,
-                        const ShardingOptions& options, Communicator& comm,
-                        const ShardingMesh& mesh) {
-  const auto fingerprint = setup_fingerprint(model, plan, options, comm);
-  check_ranks_agree(fingerprint, comm);
-  if (mesh.hybrid()) {
-    const int S = comm.world_size(), j = comm.rank();
-    check_ranks_agree(fingerprint, *mesh.replicate, [S, j](int i) { return i * S + j; });
-  }
+                        const ShardingOptions& options, const Mesh& mesh) {
+  check_ranks_agree(setup_fingerprint(model, plan, options, mesh), mesh);
 }
 
 // Note [Deferred initialization] (fsdp/deferred_init.h), step 2: a model built on meta gets its
@@ -93,8 +82,8 @@ void check_setup_agrees(const torch::nn::Module& model, const Plan& plan,
 std::optional<detail::DeferredInit> setup_deferred_init(torch::nn::Module& model,
                                                         const Plan& plan,
                                                         const ShardingOptions& options,
-                                                        Communicator& comm,
-                                                        const ShardingMesh& mesh) {
+                                                        const Mesh& mesh) {
+  Communicator& comm = mesh.shard();
   const bool deferred = detail::uses_deferred_init(model, comm.rank());
   TORCH_CHECK(deferred || !options.load, "fully_shard: ShardingOptions::load is set but the "
               "model's parameters hold values (rank ", comm.rank(), "); build the model on the "
@@ -123,21 +112,19 @@ std::optional<detail::DeferredInit> setup_deferred_init(torch::nn::Module& model
       options.load.check(planned);
     };
   }
-  init->materialize_buffers(model, comm, mesh.hybrid() ? mesh.replicate : nullptr,
-                            check_loader);
-  if (!options.sync_module_states) check_setup_agrees(model, plan, options, comm, mesh);
+  init->materialize_buffers(model, mesh, check_loader);
+  if (!options.sync_module_states) check_setup_agrees(model, plan, options, mesh);
   return init;
 }
 
 // Buffers are not sharded (fsdp/buffers.h): after the fingerprint agreed on their names,
 // shapes and dtypes, cast them per buffer_dtype and, with sync_module_states, make them global
 // rank 0's: within the shard group, then across replicas (as flat parameters do).
-void setup_buffers(torch::nn::Module& model, const ShardingOptions& options, Communicator& comm,
-                   const ShardingMesh& mesh) {
+void setup_buffers(torch::nn::Module& model, const ShardingOptions& options, const Mesh& mesh) {
   cast_buffers(model, options.mixed_precision.buffer_dtype);
   if (!options.sync_module_states) return;
-  broadcast_buffers(model, comm);
-  if (mesh.hybrid()) broadcast_buffers(model, *mesh.replicate);
+  broadcast_buffers(model, mesh.shard());
+  if (Communicator* replicate = mesh.replicate()) broadcast_buffers(model, *replicate);
 }
 
 ModelIndex index_model(torch::nn::Module& model) {
@@ -263,16 +250,15 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
 
 ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
                            const ShardingMesh& mesh, ShardingOptions options)
-    : model_(std::move(model)), plan_(std::move(plan)), comm_(checked_shard(mesh)), mesh_(mesh) {
-  check_inputs(model_, plan_, options, comm_.rank(),
-               comm_.rank() == 0 && (!mesh_.hybrid() || mesh_.replicate->rank() == 0));
+    : model_(std::move(model)), plan_(std::move(plan)), mesh_(mesh), comm_(mesh_.shard()) {
+  mesh_.check();
+  check_inputs(model_, plan_, options, comm_.rank(), mesh_.global_rank() == 0);
   check_not_sharded(*model_, comm_.rank());
-  runtime_ = std::make_unique<Runtime>(comm_, std::move(options),
-                                       mesh_.hybrid() ? mesh_.replicate : nullptr);
-  check_setup_agrees(*model_, plan_, runtime_->options(), comm_, mesh_);
+  runtime_ = std::make_unique<Runtime>(mesh_, std::move(options));
+  check_setup_agrees(*model_, plan_, runtime_->options(), mesh_);
   const std::optional<detail::DeferredInit> init =
-      setup_deferred_init(*model_, plan_, runtime_->options(), comm_, mesh_);
-  setup_buffers(*model_, runtime_->options(), comm_, mesh_);
+      setup_deferred_init(*model_, plan_, runtime_->options(), mesh_);
+  setup_buffers(*model_, runtime_->options(), mesh_);
   const ModelIndex index = index_model(*model_);
   const Claimed claimed =
       build_units(plan_, index, model_.get(), comm_, *runtime_, init ? &*init : nullptr);
@@ -284,8 +270,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan,
     runtime_.reset();
     throw;
   }
-  comm_.reset_counters();
-  if (mesh_.replicate) mesh_.replicate->reset_counters();
+  mesh_.reset_counters();
 }
 
 ShardedModel::~ShardedModel() {
@@ -370,7 +355,7 @@ void ShardedModel::set_requires_gradient_sync(bool sync) {
 void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
   TORCH_CHECK(opt != nullptr, "attach_optimizer: the optimizer is null (rank ", comm_.rank(), ")");
   const auto& stepper = runtime_->offload_stepper();
-  // Note [Compute copy in the step] (fsdp/fused_adamw.h): per unit that keeps a device copy,
+  // Note [Compute copy in the step] (optim/fused_adamw.h): per unit that keeps a device copy,
   // its master and shard views paired with their parts of the copy.
   std::vector<FusedAdamW::ComputeCopies> copies;
   const std::weak_ptr<char> alive = alive_;
@@ -506,17 +491,12 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedModel::gather_full(bool g
     FlatParam& f = u->flat();
     if (grads) f.absorb_view_grads();  // zero_grad on the views since the reduction
     const FlatLayout& l = f.layout();
-    at::Tensor master = f.master().detach();
+    at::Tensor local = f.master();
     if (grads)
-      master = f.master().grad().defined()
-                   ? f.master().grad()
-                   : at::zeros_like(master, master.options().dtype(f.config().grad_dtype()));
-    master = master.to(comm_.device());  // Note [CPU offload]: a host master is gathered on the device
-    at::Tensor full = master;
-    if (f.config().sharded && l.padded_numel > 0) {
-      full = at::empty({l.padded_numel}, master.options());
-      comm_.all_gather(master, full, comm_.current_stream());
-    }
+      local = f.master().grad().defined()
+                  ? f.master().grad()
+                  : at::zeros_like(local, local.options().dtype(f.config().grad_dtype()));
+    const at::Tensor full = f.gather_whole(local);
     for (size_t i = 0; i < f.params().size(); ++i)
       out.emplace_back(f.params()[i].name,
                        full.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]).clone());

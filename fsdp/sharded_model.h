@@ -76,7 +76,7 @@ struct UnitInfo {
   int64_t shard_numel;   // elements of this rank's master shard
   size_t num_params;
   // Keeps a device compute copy an attached FusedAdamW writes in its step (Note [Compute copy
-  // in the step], fsdp/fused_adamw.h): NO_SHARD below fp32, not offloaded.
+  // in the step], optim/fused_adamw.h): NO_SHARD below fp32, not offloaded.
   bool step_copy;
 };
 
@@ -84,7 +84,7 @@ class ShardedModel {
  public:
   ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan, Communicator& comm,
                ShardingOptions options);
-  // HSDP: shard within mesh.shard, average gradients across mesh.replicate too.
+  // HSDP: shard within mesh.shard(), average gradients across mesh.replicate() too.
   ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan, const ShardingMesh& mesh,
                ShardingOptions options);
   ~ShardedModel();
@@ -115,7 +115,7 @@ class ShardedModel {
   //   fsdp/offload_step.h): the optimizer flatshard steps offloaded units with during backward.
   //   Its step() then steps only the rest, after waiting for those steps (kBackward; kDelayed
   //   does not wait: Note [Delayed offload step]).
-  // - NO_SHARD units below fp32 (Note [Compute copy in the step], fsdp/fused_adamw.h): its
+  // - NO_SHARD units below fp32 (Note [Compute copy in the step], optim/fused_adamw.h): its
   //   step() writes their compute-dtype copies in the same pass, so their next gather recasts
   //   nothing (any offload_step; FLATSHARD_STEP_COMPUTE_COPY=0 turns it off).
   // Throws when the model has neither. Keep using `opt` as usual (step, zero_grad, schedulers).
@@ -179,8 +179,8 @@ class ShardedModel {
 
   std::shared_ptr<torch::nn::Module> model_;
   Plan plan_;
-  Communicator& comm_;
-  ShardingMesh mesh_;
+  Mesh mesh_;           // the rank layout (collectives/mesh.h)
+  Communicator& comm_;  // mesh_.shard()
   std::unique_ptr<Runtime> runtime_;
   // Expires with this model: what attach_optimizer hands an optimizer checks it (Note [Compute
   // copy in the step]).
@@ -194,9 +194,9 @@ std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> mod
 std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,
                                           const Policy& policy, Communicator& comm,
                                           ShardingOptions options = {});
-// Hybrid sharding (HSDP, collectives/sharding_mesh.h): every unit is sharded within
-// mesh.shard (all-gather, reduce-scatter) and its gradient shard averaged across
-// mesh.replicate (one all-reduce per unit per step, on the reduce-scatter stream); NO_SHARD
+// Hybrid sharding (HSDP, collectives/mesh.h): every unit is sharded within
+// mesh.shard() (all-gather, reduce-scatter) and its gradient shard averaged across
+// mesh.replicate() (one all-reduce per unit per step, on the reduce-scatter stream); NO_SHARD
 // units all-reduce over both groups. Gradients are the mean over all R * S ranks. Collective
 // over all of them; plan and options as above.
 std::unique_ptr<ShardedModel> fully_shard(std::shared_ptr<torch::nn::Module> model,

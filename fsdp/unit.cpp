@@ -98,8 +98,8 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
       recompute_(settings.recompute),
       members_(std::move(members)),
       ctx_(context) {
-  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), ctx_.comm, settings.flat,
-                                      ctx_.replicate, fill, load_ranges);
+  flat_ = std::make_unique<FlatParam>(spec_.name, std::move(params), ctx_.mesh, settings.flat,
+                                      fill, load_ranges);
   // FlatParam derives its layout's world size from config.sharded; explain() takes it from the
   // resolver (fsdp/resolve.h). They must be the same rule.
   TORCH_INTERNAL_ASSERT(flat_->layout().world_size == settings.layout_world_size, "unit '",

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "collectives/communicator.h"
+#include "collectives/mesh.h"
 #include "fsdp/reduce_buffers.h"
 
 namespace flatshard {
@@ -21,8 +21,10 @@ class OffloadStepper;
 class Tracer;
 
 struct UnitContext {
-  Communicator& comm;      // the shard group: all-gathers, reduce-scatters, NO_SHARD all-reduces
-  Communicator* replicate; // HSDP: gradients are also averaged across it; nullptr: no HSDP
+  // The model's rank layout (collectives/mesh.h): the shard group issues all-gathers,
+  // reduce-scatters and NO_SHARD all-reduces; with HSDP gradients are also averaged across the
+  // replicate group. Owned by the runtime.
+  const Mesh& mesh;
   // Side streams, so collectives overlap compute (on CPU both are the default CPU stream).
   c10::Stream all_gather_stream;
   c10::Stream reduce_scatter_stream;
@@ -37,7 +39,7 @@ struct UnitContext {
 
   // The stream compute runs on: the communicator's current stream, read at each use because
   // callers may switch it between steps.
-  c10::Stream compute_stream() const { return comm.current_stream(); }
+  c10::Stream compute_stream() const { return mesh.shard().current_stream(); }
 };
 
 }  // namespace flatshard

@@ -103,15 +103,10 @@ void save_hf(const ShardedModel& model, const std::string& dir, const HfSaveOpti
   o.durable = options.durable;
   // The config (a base file read on each rank) may fail on some ranks only: agree before the
   // export's collectives.
-  std::exception_ptr err;
-  try {
+  run_agreed(model.mesh(), "save_hf('" + dir + "')", [&] {
     o.text_files = {{"config.json",
                      hf_config_json(llama->config(), options.dtype, options.base_config)}};
-  } catch (...) {
-    err = std::current_exception();
-  }
-  agree(model.comm(), model.mesh().replicate, err,
-        "save_hf('" + dir + "')");
+  });
   export_safetensors(model, dir, o);
 }
 

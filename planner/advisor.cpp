@@ -9,6 +9,7 @@
 #include <map>
 #include <sstream>
 
+#include "flat_param/flat_param_config.h"
 #include "support/format.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/spec.h"
@@ -158,7 +159,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
   for (int d : a.prefetch_depths)
     TORCH_CHECK(d >= 0 && d <= 64, "suggest: prefetch depth must be in [0, 64], got ", d);
   for (int l : a.offload_levels)
-    TORCH_CHECK(l >= 0 && l <= 2, "suggest: offload level must be 0, 1 or 2, got ", l);
+    check_offload_level(l, "suggest");
   TORCH_CHECK(a.memory_margin >= 0 && a.memory_margin < 1,
               "suggest: memory_margin must be in [0, 1), got ", a.memory_margin);
   const double usable = static_cast<double>(a.memory_limit_bytes) * (1 - a.memory_margin);

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <utility>
 
+#include "flat_param/flat_param_config.h"
 #include "support/format.h"
 #include "support/input_file.h"
 
@@ -71,7 +72,7 @@ std::string ms(double v) { return format_fixed(v, v < 10 ? 2 : 1); }
 OffloadTerms offload_terms(const UnitExplanation& u, int level, c10::ScalarType param_dtype) {
   OffloadTerms t;
   if (level <= 0 || u.padded_numel == 0) return t;
-  TORCH_CHECK(level <= 2, "offload level must be 0, 1 or 2, got ", level);
+  check_offload_level(level, "offload_terms");
   const int64_t trainable =
       u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
   const int64_t grad = u.frozen ? 0 : u.master_bytes;
@@ -745,8 +746,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   TORCH_CHECK(w.batch >= 1 && w.seq >= 1, "predict_cost: batch and seq must be >= 1, got batch ",
               w.batch, " seq ", w.seq);
   shape.validate();
-  TORCH_CHECK(offload_level >= 0 && offload_level <= 2,
-              "predict_cost: offload level must be 0, 1 or 2, got ", offload_level);
+  check_offload_level(offload_level, "predict_cost");
   TORCH_CHECK(prof.copy_rate_beside_compute > 0 && prof.copy_rate_beside_compute <= 1,
               "predict_cost: copy_rate_beside_compute must be in (0, 1], got ",
               prof.copy_rate_beside_compute);

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "flat_param/collective_plan.h"
 #include "flat_param/layout.h"
 #include "fsdp/resolve.h"
 #include "support/dtype_name.h"
@@ -581,13 +582,12 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.numel = layout.used_numel;
     u.padded_numel = layout.padded_numel;
     u.shard_numel = layout.shard_numel;
-    u.all_gather_bytes = sharded ? layout.shard_numel * elem_size(param_dtype) : 0;
-    u.reduce_bytes = layout.padded_numel * elem_size(reduce_dtype);
-    // A replicated fp32 unit computes on its master directly (FlatParam: full_aliases_master_),
-    // unless the master is offloaded to the host.
-    u.gathered_bytes = (!sharded && param_dtype == c10::kFloat && u.offload == 0)
-                           ? 0
-                           : layout.padded_numel * elem_size(param_dtype);
+    // The plans' own closed forms (flat_param/collective_plan.h): equal to the runtime's bytes.
+    u.all_gather_bytes = all_gather_bytes(settings.flat, layout);
+    u.reduce_bytes = reduce_bytes(settings.flat, layout);
+    // A replicated fp32 unit computes on its master directly, unless the master is offloaded.
+    u.gathered_bytes =
+        full_aliases_master(settings.flat) ? 0 : layout.padded_numel * elem_size(param_dtype);
     u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +
                           (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
     u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
@@ -605,11 +605,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     if (u.frozen) u.grad_buffer_bytes = 0;
     u.backward_reads_params = !u.frozen || any_trainable_before;
     any_trainable_before = any_trainable_before || !u.frozen;
-    const int64_t replicate_bytes =
-        replicate_size > 1 ? (sharded ? layout.shard_numel : layout.padded_numel) *
-                                 elem_size(reduce_dtype)
-                           : 0;
-    u.per_step = expected_counters(u, replicate_bytes);
+    u.per_step = expected_counters(u, replicate_bytes(settings.flat, layout, replicate_size > 1));
     shard_numel_if_sharded.push_back(
         sharded ? layout.shard_numel
                 : FlatLayout::make(shapes, world_size, settings.flat.align).shard_numel);

@@ -219,13 +219,13 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
     cfg.sync_module_states = false;  // SizeOnlyComm has no broadcast
     const FlatLayout layout = FlatLayout::make(kShapes, c.sharded ? c.world : 1, cfg.align);
     auto gather = make_gather_plan("blk", cfg, layout, comm);
-    auto reduce = make_reduce_plan("blk", cfg, layout, comm, replicate);
+    auto reduce = make_reduce_plan("blk", cfg, layout, Mesh(comm, replicate));
     CHECK(gather->name() == c.gather);
     CHECK(reduce->name() == c.reduction);
     CHECK(reduce->needs_flat_grad() == (std::string(c.reduction) != "OneRankReduce"));
     // FlatParam asks the same factories, once.
     auto ps = make_params(at::kFloat);
-    FlatParam fp("blk", refs(ps), comm, cfg, replicate);
+    FlatParam fp("blk", refs(ps), Mesh(comm, replicate), cfg);
     CHECK(fp.gather_plan().name() == c.gather);
     CHECK(fp.reduce_plan().name() == c.reduction);
     CHECK(fp.one_rank_reduce() == !reduce->needs_flat_grad());
@@ -237,7 +237,7 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
   CHECK_THROWS_WITH(
       make_gather_plan("blk", bad, layout, comm),
       Catch::Contains("unit 'blk'") && Catch::Contains("offload level must be 0, 1 or 2, got 3"));
-  CHECK_THROWS_WITH(make_reduce_plan("blk", bad, layout, comm, nullptr),
+  CHECK_THROWS_WITH(make_reduce_plan("blk", bad, layout, comm),
                     Catch::Contains("offload level must be 0, 1 or 2, got 3"));
 }
 
@@ -274,7 +274,7 @@ TEST_CASE("each plan's byte counts are the closed forms", "[flat_param][collecti
     FlatParamConfig cfg = config_of({"", c.sharded, c.offload}, c.param, c.reduce);
     cfg.sync_module_states = false;
     auto ps = make_params(at::kFloat);
-    FlatParam fp("blk", refs(ps), comm, cfg, replicate);
+    FlatParam fp("blk", refs(ps), Mesh(comm, replicate), cfg);
     REQUIRE(fp.layout().padded_numel == 60);
     CHECK(fp.gather_plan().bytes() == c.gather);
     CHECK(fp.reduce_plan().bytes() == c.reduction);
@@ -320,7 +320,7 @@ TEST_CASE("every reduce plan gives the mean of the ranks' gradients, sliced to t
         CAPTURE(s.label, param, reduce, defer, "HSDP 2x2");
         run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
           auto ps = make_params(f32);
-          FlatParam fp("unit", refs(ps), shard, cfg, &rep);
+          FlatParam fp("unit", refs(ps), Mesh(shard, &rep), cfg);
           RANK_REQUIRE(fp.hybrid());
           RANK_REQUIRE(fp.reduce_plan().name().find("ReplicateAllReduce(") != std::string::npos);
           fp.unshard(shard.current_stream());
@@ -352,7 +352,7 @@ TEST_CASE("every gather plan fills full() with the group's masters, cast to the 
       std::mutex mu;
       run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
         auto ps = make_params(at::kFloat);
-        FlatParam fp("unit", refs(ps), shard, cfg, &rep);
+        FlatParam fp("unit", refs(ps), Mesh(shard, &rep), cfg);
         const int r = rep.rank() * 2 + shard.rank();
         // The gather stays inside the shard group: its two masters.
         check_gather(fp, shard, r, rep.rank() * 2, 2, 1.0f, masters, mu);
@@ -370,7 +370,7 @@ TEST_CASE("plans work on the buffers they are given, without a FlatParam",
     cfg.align = 4;
     const FlatLayout l = FlatLayout::make(kShapes, 3, cfg.align);
     auto gather = make_gather_plan("seam", cfg, l, c);
-    auto reduce = make_reduce_plan("seam", cfg, l, c, nullptr);
+    auto reduce = make_reduce_plan("seam", cfg, l, c);
     const std::vector<ShardView> no_views;
 
     // Rank k's master: k * 100 + its element index.

@@ -16,7 +16,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "planner/explain.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "gpt_parity_spec.h"
 #include "llama_parity_spec.h"
 #include "parity_util.h"

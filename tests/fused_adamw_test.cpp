@@ -1,4 +1,4 @@
-// FusedAdamW (fsdp/fused_adamw.h) against torch::optim::AdamW: the same parameters, gradients
+// FusedAdamW (optim/fused_adamw.h) against torch::optim::AdamW: the same parameters, gradients
 // and options give the same parameters and state after several steps, including parameter
 // groups with their own options, a parameter without a gradient in some steps, and a flat
 // master shard of a sharded model. Tolerance: both compute the same formula in fp32 in a
@@ -12,7 +12,7 @@
 #include <map>
 
 #include "collectives/thread_communicator.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
@@ -241,7 +241,7 @@ TEST_CASE("FusedAdamW's captured step with bf16 gradients and a bf16 copy is bit
 
 TEST_CASE("Compute copy in the step: an attached FusedAdamW writes NO_SHARD bf16 units' copies, "
           "bit for bit what the gather's recast writes", "[fsdp][optim]") {
-  // Note [Compute copy in the step] (fsdp/fused_adamw.h). Two identical models train alike, one
+  // Note [Compute copy in the step] (optim/fused_adamw.h). Two identical models train alike, one
   // with the optimizer attached (its step writes the blocks' bf16 full() buffers, which the
   // next forward then uses without a recast), one without (the forward recasts). Losses and
   // masters must be equal bit for bit; right after each step, the attached model's NO_SHARD

@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "fsdp/call.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 #include "models/gpt.h"
 

@@ -34,12 +34,12 @@ Run reference(int world, c10::Device dev) { return flatshard_test::gpu_parity_re
 
 Run sharded(NcclMesh& m, const std::string& spec, const ShardingOptions& opts, int64_t sleep) {
   const ShardingMesh mesh = m.mesh();
-  const c10::Device dev = mesh.shard->device();
+  const c10::Device dev = mesh.shard().device();
   auto model = flatshard_test::gpu_parity_model(dev);
   auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), mesh, opts);
   auto mean_over_all_ranks = [&mesh](at::Tensor& t) {
-    mesh.shard->all_reduce(t, ReduceOp::kAvg, mesh.shard->current_stream());
-    if (mesh.replicate) mesh.replicate->all_reduce(t, ReduceOp::kAvg, mesh.replicate->current_stream());
+    mesh.shard().all_reduce(t, ReduceOp::kAvg, mesh.shard().current_stream());
+    if (Communicator* r = mesh.replicate()) r->all_reduce(t, ReduceOp::kAvg, r->current_stream());
   };
   return flatshard_test::train_sharded(model, *fsdp, mesh.global_rank(), dev, mean_over_all_ranks,
                                        sleep);

@@ -21,7 +21,7 @@
 #include "collectives/nccl_communicator.h"
 #include "flat_param/offload.h"
 #include "flat_param/upcast.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 #include "gpu_gpt_parity.h"
 #include "nccl_test_main.h"
@@ -133,7 +133,7 @@ TEST_CASE("GPU bf16 mixed precision against the fp32 reference", "[gpu][parity][
   }
 }
 
-// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): FusedAdamW (the kernel: with compute
+// Note [One-pass AdamW kernel] (optim/adamw_kernel.h): FusedAdamW (the kernel: with compute
 // copies, with bf16 / fp16 gradients, and for fp32 tensors of 1 Mi elements or more) against
 // ATen's _fused_adamw_ on the upcast gradients followed by the cast, on the device: parameters,
 // both moments and the copy bit for bit, over steps, with and without decay, fp32 / bf16 / fp16

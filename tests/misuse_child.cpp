@@ -18,7 +18,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/sharded_model.h"
 #include "parity_util.h"

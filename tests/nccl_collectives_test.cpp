@@ -167,7 +167,7 @@ TEST_CASE("all_reduce: sum and avg, in place, on both lanes", "[nccl]") {
   for (int64_t n : kCounts)
     for (auto dt : kDtypes)
       for (auto op : {ReduceOp::kSum, ReduceOp::kAvg})
-        for (auto lane : {Lane::kReduceScatter, Lane::kAllGather}) {
+        for (auto lane : {Lane::kReduce, Lane::kAllGather}) {
           CAPTURE(world, c.rank(), n, dt, flatshard::to_string(op), static_cast<int>(lane));
           auto t = rank_tensor(c.rank(), n, dt).to(c.device());
           c.all_reduce(t, op, c.current_stream(), lane);

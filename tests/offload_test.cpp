@@ -21,7 +21,7 @@
 #include "checkpoint/checkpoint.h"
 #include "collectives/env.h"
 #include "fsdp/trace.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "planner/explain.h"
 #include "planner/trace_summary.h"
 #include "gpt_parity_spec.h"

@@ -18,7 +18,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 
 namespace flatshard_test {

@@ -17,7 +17,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
-#include "fsdp/fused_adamw.h"
+#include "optim/fused_adamw.h"
 #include "fsdp/sharded_model.h"
 #include "models/gpt.h"
 #include "wrap_policies/policy.h"

@@ -1,5 +1,5 @@
-// flatshard/fsdp/fused_adamw.cpp — see fused_adamw.h for the contract.
-#include "fsdp/fused_adamw.h"
+// flatshard/optim/fused_adamw.cpp — see fused_adamw.h for the contract.
+#include "optim/fused_adamw.h"
 
 #include <ATen/ATen.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -17,7 +17,7 @@
 #if FLATSHARD_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
 
-#include "fsdp/adamw_kernel.h"
+#include "optim/adamw_kernel.h"
 #endif
 
 namespace flatshard {
@@ -54,7 +54,7 @@ constexpr int64_t kMixedBlock = int64_t{1} << 22;
 // otherwise grow with their count (Note [One-pass AdamW kernel]).
 constexpr int64_t kKernelMinNumel = int64_t{1} << 20;
 
-// Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h): whether the kernel is built and on and
+// Note [One-pass AdamW kernel] (optim/adamw_kernel.h): whether the kernel is built and on and
 // would step parameter `p` (CUDA fp32); the step of such a parameter goes through kernel_step().
 bool kernel_takes(const at::Tensor& p) {
 #if FLATSHARD_WITH_CUDA_KERNELS

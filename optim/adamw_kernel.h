@@ -1,5 +1,5 @@
-// flatshard/fsdp/adamw_kernel.h — the one-pass AdamW CUDA kernel's interface (plain C++, no
-// torch: included by fsdp/adamw_kernel.cu and fsdp/fused_adamw.cpp, which checks the tensors).
+// flatshard/optim/adamw_kernel.h — the one-pass AdamW CUDA kernel's interface (plain C++, no
+// torch: included by optim/adamw_kernel.cu and optim/fused_adamw.cpp, which checks the tensors).
 //
 // Note [One-pass AdamW kernel]: ATen's `_fused_adamw_` updates an fp32 master and its two
 // moments in one pass, but the compute-dtype copy a unit gathers from is a second pass over the
@@ -7,11 +7,11 @@
 // one H200 (benchmarks/RESULTS.md "Against PyTorch on one GPU", the 1B GPT as NO_SHARD units, 1
 // seq): ATen's fused step 7.63 ms, plus 1.5 ms for a separate cast; this kernel, copy included,
 // 7.53 ms. So this one writes it (Note [Compute copy in the step],
-// fsdp/fused_adamw.h): it reads the gradient in its own dtype (fp32, bf16 or fp16), updates the
+// optim/fused_adamw.h): it reads the gradient in its own dtype (fp32, bf16 or fp16), updates the
 // master and both moments, and writes the copy — or no copy: ATen's fused step of a sharded
 // unit's fp32 master (fp32 gradient, nothing else to write) took 7.74 ms for the 1B GPT per
 // layer at 1 seq, this kernel 6.8 (RESULTS.md "Against PyTorch on one GPU"), so FusedAdamW
-// sends every CUDA fp32 tensor of 1 Mi elements or more here (fsdp/fused_adamw.cpp). Per element it does what ATen's fused AdamW of
+// sends every CUDA fp32 tensor of 1 Mi elements or more here (optim/fused_adamw.cpp). Per element it does what ATen's fused AdamW of
 // torch 2.11 does, in its order and precision: all in float (the options rounded to float),
 // the moments as two nested fused multiply-adds, the bias corrections from the device's powf of
 // the float step count. Its results are then those of ATen's kernel followed by the cast, bit

@@ -1,4 +1,4 @@
-// flatshard/fsdp/fused_adamw.h — AdamW whose step is one fused ATen kernel per device and dtype.
+// flatshard/optim/fused_adamw.h — AdamW whose step is one fused ATen kernel per device and dtype.
 //
 // Why: torch::optim::AdamW (the C++ API) updates one parameter at a time with about ten
 // element-wise kernels each (decay, two moment updates, sqrt, divide, add, addcdiv), reading and
@@ -48,7 +48,7 @@
 //   this optimizer those copies (ShardedModel::attach_optimizer does, unless
 //   FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the same pass as its
 //   parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
-//   fsdp/adamw_kernel.h), elsewhere the fused kernel then a cast, per block on the CPU — when
+//   optim/adamw_kernel.h), elsewhere the fused kernel then a cast, per block on the CPU — when
 //   its set's current() says the copies hold the parameters as they are before the step, and
 //   calls the set's written() after; otherwise the copies are left for the gather to recast.
 //   The copy is what the gather's cast would have written: bit for bit on CPU ranks

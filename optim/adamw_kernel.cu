@@ -1,5 +1,5 @@
-// flatshard/fsdp/adamw_kernel.cu — Note [One-pass AdamW kernel] (fsdp/adamw_kernel.h).
-#include "fsdp/adamw_kernel.h"
+// flatshard/optim/adamw_kernel.cu — Note [One-pass AdamW kernel] (optim/adamw_kernel.h).
+#include "optim/adamw_kernel.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,0 +1,26 @@
+#include "flat_param/flat_param_config.h"
+
+#include <c10/util/Exception.h>
+
+namespace flatshard {
+
+void check_offload_level(int level, const std::string& who) {
+  TORCH_CHECK(level >= 0 && level <= 2, who, ": offload level must be 0, 1 or 2, got ", level);
+}
+
+void FlatParamConfig::validate(const std::string& unit) const {
+  check_offload_level(offload, "unit '" + unit + "'");
+  // Note [Low-precision master gradient] (flat_param/collective_plan.h).
+  TORCH_CHECK(!(keep_low_precision_grads && offload > 0), "unit '", unit,
+              "': MixedPrecision::keep_low_precision_grads cannot be combined with offload "
+              "(level ", offload, "): offloaded gradients take the host path (Note [Host "
+              "compute copy]); turn one of them off");
+}
+
+int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {
+  int64_t v = static_cast<int64_t>(master._version());
+  for (const auto& view : views) v += static_cast<int64_t>(view.tensor._version());
+  return v;
+}
+
+}  // namespace flatshard
