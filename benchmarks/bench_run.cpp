@@ -113,13 +113,65 @@ std::vector<double> reference_losses(const RunConfig& config, int world_size,
   return losses;
 }
 
+namespace {
+
+// What one rank trains with: the model (sharded unless local), its optimizer (attached where
+// flatshard drives it) and, for fp16 compute, the loss scaler.
+struct RankModel {
+  std::shared_ptr<torch::nn::Module> model;
+  std::unique_ptr<ShardedModel> fsdp;
+  std::shared_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<ShardedGradScaler> scaler;
+};
+
+RankModel build_rank_model(const RunConfig& config, const Granularity& granularity,
+                           Communicator* comm, const DeviceHooks& hooks) {
+  const c10::ScalarType param_dtype = config.sharding.mixed_precision.param_dtype;
+  RankModel m;
+  const bool deferred = config.deferred_init && !granularity.local;
+  if (deferred) {
+    MetaInit meta;  // shapes only: fully_shard gives each unit memory and values in turn
+    m.model = config.model.build(config.seed);
+  } else {
+    m.model = config.model.build(config.seed);
+  }
+  std::vector<at::Tensor> params;
+  std::vector<std::pair<std::string, at::Tensor>> named;  // --param-groups
+  if (granularity.local) {
+    m.model->to(hooks.device, param_dtype);
+    params = models::unique_parameters(*m.model);
+    if (config.param_groups) named = models::unique_named_parameters(*m.model);
+  } else {
+    if (!deferred) m.model->to(hooks.device);
+    m.fsdp = fully_shard(m.model, granularity.plan, *comm, config.sharding);
+    params = m.fsdp->parameters();
+    if (config.param_groups) named = m.fsdp->named_parameters();
+  }
+  m.optimizer = make_optimizer(config, params, named);
+  // Note [Offload step in backward]: flatshard steps the offloaded units during backward
+  // (bench_options.cpp makes this mode imply --optimizer fused); Note [Compute copy in the
+  // step]: FusedAdamW writes NO_SHARD units' compute copies.
+  if (m.fsdp && config.fused_optimizer) {
+    const auto units = m.fsdp->units();
+    if (config.sharding.offload_step != OffloadStep::kAfterBackward ||
+        std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
+      m.fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(m.optimizer));
+  }
+  // fp16 compute: the loss is scaled and steps with inf/NaN gradients are skipped on every rank
+  // (fsdp/grad_scaler.h). `local` has no fp32 master to unscale into: it trains as it is.
+  if (m.fsdp && param_dtype == c10::kHalf)
+    m.scaler = std::make_unique<ShardedGradScaler>(*m.fsdp);
+  return m;
+}
+
+}  // namespace
+
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
                      const DeviceHooks& hooks, const ProgressFn& progress) {
   TORCH_CHECK(granularity.local || group != nullptr, "train_rank: granularity '",
               granularity.label, "' needs a communicator");
   const int rank = group ? group->rank() : 0;
   const int total = config.warmup + config.steps;
-  const c10::ScalarType param_dtype = config.sharding.mixed_precision.param_dtype;
 
   // The communicator sharding uses: none for local, else the group (timed when asked).
   std::unique_ptr<TimedCommunicator> timed;
@@ -138,44 +190,13 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   };
   reset_peak();
   const auto setup_start = std::chrono::steady_clock::now();
-  const bool deferred = config.deferred_init && !granularity.local;
-  std::shared_ptr<torch::nn::Module> model;
-  if (deferred) {
-    MetaInit meta;  // shapes only: fully_shard gives each unit memory and values in turn
-    model = config.model.build(config.seed);
-  } else {
-    model = config.model.build(config.seed);
-  }
-  std::unique_ptr<ShardedModel> fsdp;
-  std::vector<at::Tensor> params;
-  std::vector<std::pair<std::string, at::Tensor>> named;  // --param-groups
-  if (granularity.local) {
-    model->to(hooks.device, param_dtype);
-    params = models::unique_parameters(*model);
-    if (config.param_groups) named = models::unique_named_parameters(*model);
-  } else {
-    if (!deferred) model->to(hooks.device);
-    fsdp = fully_shard(model, granularity.plan, *comm, config.sharding);
-    params = fsdp->parameters();
-    if (config.param_groups) named = fsdp->named_parameters();
-  }
-  std::shared_ptr<torch::optim::AdamW> optimizer = make_optimizer(config, params, named);
-  // Note [Offload step in backward]: flatshard steps the offloaded units during backward
-  // (bench_options.cpp makes this mode imply --optimizer fused); Note [Compute copy in the
-  // step]: FusedAdamW writes NO_SHARD units' compute copies.
-  if (fsdp && config.fused_optimizer) {
-    const auto units = fsdp->units();
-    if (config.sharding.offload_step != OffloadStep::kAfterBackward ||
-        std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
-      fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(optimizer));
-  }
+  RankModel m = build_rank_model(config, granularity, comm, hooks);
+  const std::shared_ptr<torch::nn::Module>& model = m.model;
+  ShardedModel* fsdp = m.fsdp.get();
   hooks.synchronize();
   const double setup_s = ms_since(setup_start) * 1e-3;
-  torch::optim::AdamW& opt = *optimizer;
-  // fp16 compute: the loss is scaled and steps with inf/NaN gradients are skipped on every rank
-  // (fsdp/grad_scaler.h). `local` has no fp32 master to unscale into: it trains as it is.
-  std::unique_ptr<ShardedGradScaler> scaler;
-  if (fsdp && param_dtype == c10::kHalf) scaler = std::make_unique<ShardedGradScaler>(*fsdp);
+  torch::optim::AdamW& opt = *m.optimizer;
+  ShardedGradScaler* scaler = m.scaler.get();
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
   for (int s = 0; s < total; ++s) batches.push_back(step_batch(config, rank, s, hooks.device));
