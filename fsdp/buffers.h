@@ -1,5 +1,5 @@
 // flatshard/fsdp/buffers.h — a model's buffers at setup: cast per MixedPrecision::buffer_dtype,
-// then made equal on every rank by a broadcast from rank 0 (fsdp/sharded_model.cpp calls both,
+// then made equal on every rank by a broadcast from rank 0 (fsdp/setup.cpp calls both,
 // after the setup fingerprint agreed).
 //
 // Why: buffers (module.named_buffers(): running statistics, rotary inv_freq, masks) are not

@@ -10,7 +10,7 @@
 // into flat buffers, so each rank first holds the whole model (a 6.7B GPT: 27 GB, ~140 s of
 // host init before training) and nothing larger than about a quarter of one GPU can be
 // sharded at all. FSDP2 builds on meta and initialises on the device; so does this.
-// How (fsdp/sharded_model.cpp, in setup order):
+// How (fsdp/setup.cpp, in setup order):
 //   1. The setup fingerprint runs first, on shapes and device types only (it skips the values
 //      of meta buffers), so ranks that disagree about which tensors are on meta fail there,
 //      together. Then detection, the same on every rank: deferred iff some parameter or buffer
@@ -46,7 +46,7 @@
 // every rank, reading every byte of the file world times, and then broadcast it. With
 // ShardingOptions::load (fsdp/options.h: ParamLoader; checkpoint/load_into_shards.h makes one
 // from safetensors files) each rank reads only the bytes of its own master shard.
-// How (fsdp/sharded_model.cpp, flat_param/flat_param.cpp):
+// How (fsdp/setup.cpp, flat_param/flat_param.cpp):
 //   1. Validate before reading: inside step 2's agree point, ParamLoader::check gets every
 //      parameter of the plan (plan order, a tied one once) with its shape and throws naming
 //      the tensor for a missing name, a wrong shape, a dtype it cannot convert, an unreadable

@@ -2,7 +2,7 @@
 //
 // The only place where a UnitSpec plus ShardingOptions become a unit's strategy, whether it
 // reshards after forward, its FlatParamConfig and the world size its flat buffer is laid out
-// over. fully_shard() (sharded_model.cpp) builds each Unit from it and explain() (explain.cpp)
+// over. fully_shard() (fsdp/setup.cpp) builds each Unit from it and explain() (explain.cpp)
 // predicts from it, so the two agree by construction, not by keeping copies in step.
 //
 // Rules
