@@ -436,9 +436,13 @@ std::string WeightsInfo::dtype_summary() const {
 }
 
 std::string WeightsInfo::config_path() const {
+  // Anything there is the config: a FIFO, a dangling link or a link out of the snapshot is an
+  // error of read_hf_config (read_weights_text_file), never a run without it. Only nothing
+  // there (or a path that cannot have it, ENOTDIR) means there is no config.
   const std::string p = join_path(dir, "config.json");
   struct stat st;
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? p : std::string();
+  if (::lstat(p.c_str(), &st) == 0) return p;
+  return errno == ENOENT || errno == ENOTDIR ? std::string() : p;
 }
 
 WeightsInfo read_weights(const std::string& path, const WeightsNaming& naming) {

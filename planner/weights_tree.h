@@ -134,7 +134,9 @@ struct WeightsInfo {
   int64_t num_parameters() const;  // elements of the non-buffer tensors (aliases counted once)
   // The parameters' file dtypes: "BF16", or "BF16 (722 tensors) + F32 (1)" when mixed.
   std::string dtype_summary() const;
-  // `dir`/config.json when it exists (a regular file or a link to one), else "".
+  // `dir`/config.json when anything is there, else "" (a missing config.json is optional).
+  // Whatever is there is read as the config (models/hf_config.h's read_hf_config), so a FIFO, a
+  // dangling link or a link out of a hub snapshot is an error naming it, not a silent "none".
   std::string config_path() const;
 };
 

@@ -198,3 +198,59 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
     CHECK(contains(r.out, std::to_string(kMaxTensors) + " tensors"));
   }
 }
+
+TEST_CASE("weights: a config.json that is not a readable file is an error naming it",
+          "[diagnostics][weights][cli]") {
+  TempDir tmp;
+  auto weights_dir = [&](const std::string& name) {
+    const std::string d = tmp / name;
+    make_dirs(d);
+    write_tensors(d + "/model.safetensors", {"layers.0.w.weight", "layers.1.w.weight"});
+    return d;
+  };
+  struct Case {
+    const char* what;
+    std::string dir, config, reason;
+  };
+  std::vector<Case> cases;
+  {
+    const std::string d = weights_dir("fifo");
+    REQUIRE(::mkfifo((d + "/config.json").c_str(), 0644) == 0);
+    cases.push_back({"a FIFO", d, d + "/config.json", "FIFO"});
+  }
+  {
+    const std::string d = weights_dir("dangling");
+    REQUIRE(::symlink("no-such-config.json", (d + "/config.json").c_str()) == 0);
+    cases.push_back({"a dangling link", d, d + "/config.json", "link"});
+  }
+  {
+    // A hub snapshot (Note [Hub snapshots]) whose config.json blob is missing.
+    const std::string root = tmp / "models--org--name";
+    make_dirs(root + "/blobs");
+    const std::string snap = root + "/snapshots/0123abcd";
+    make_dirs(snap);
+    write_tensors(root + "/blobs/w0", {"layers.0.w.weight", "layers.1.w.weight"});
+    REQUIRE(::symlink("../../blobs/w0", (snap + "/model.safetensors").c_str()) == 0);
+    REQUIRE(::symlink("../../blobs/c0", (snap + "/config.json").c_str()) == 0);
+    cases.push_back({"a dangling link in a hub snapshot", snap, snap + "/config.json",
+                     "symbolic link (to '../../blobs/c0') that cannot be resolved"});
+  }
+  {
+    const std::string d = weights_dir("directory");
+    make_dirs(d + "/config.json");
+    cases.push_back({"a directory", d, d + "/config.json", "directory"});
+  }
+  for (const auto& c : cases) {
+    CAPTURE(c.what);
+    const auto r = explain_tool(tmp, {"--weights", c.dir, "--world", "2"}, 30);
+    check_one_line_error(r);
+    CHECK(contains(r.err, c.config));
+    CHECK(contains(r.err, c.reason));
+  }
+  // A missing config.json stays optional.
+  const std::string d = weights_dir("none");
+  const auto r = explain_tool(tmp, {"--weights", d, "--world", "2"}, 30);
+  INFO(r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.out, "config: none (no config.json in " + d + ")"));
+}
