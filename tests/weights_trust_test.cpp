@@ -254,3 +254,73 @@ TEST_CASE("weights: a config.json that is not a readable file is an error naming
   CHECK(r.exit_code == 0);
   CHECK(contains(r.out, "config: none (no config.json in " + d + ")"));
 }
+
+TEST_CASE("weights: control bytes in names, paths and config values are printed escaped",
+          "[diagnostics][weights][cli]") {
+  TempDir tmp;
+  // ESC, BEL and CR in a directory name, in the layer list's prefix, in tensor names (a
+  // parameter and an integer buffer) and in config.json's architecture.
+  const std::string dir = tmp / "w\x1b[2Jdir\x07";
+  make_dirs(dir);
+  std::vector<std::string> names;
+  for (int i = 0; i < 2; ++i) {
+    const std::string layer = "m\\u001bPx\\u0007.layers." + std::to_string(i);
+    names.push_back(layer + ".q\\r\\u001b[31m.weight");
+    names.push_back(layer + ".norm.weight");
+  }
+  write_tensors(dir + "/model.safetensors", names);
+  flatshard_test::write_bytes(dir + "/config.json",
+                              "{\"architectures\": [\"Evil\\u001b[5mForCausalLM\\u0007\\r\"]}");
+  auto check_clean = [](const flatshard_test::ToolRun& r) {
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    for (const std::string& text : {r.out, r.err}) {
+      CHECK(text.find('\x1b') == std::string::npos);
+      CHECK(text.find('\x07') == std::string::npos);
+      CHECK(text.find('\r') == std::string::npos);
+    }
+  };
+  {
+    const auto r = explain_tool(tmp, {"--weights", dir, "--world", "2", "--plan", "--batch", "1",
+                                      "--memory-limit", "1B"},
+                                30);
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.exit_code == 0);
+    check_clean(r);
+    CHECK(contains(r.out, "weights: " + tmp.path() + "/w\\x1b[2Jdir\\x07/model.safetensors"));
+    CHECK(contains(r.out, "config: " + tmp.path() + "/w\\x1b[2Jdir\\x07/config.json: "
+                                                    "Evil\\x1b[5mForCausalLM\\x07\\x0d"));
+    CHECK(contains(r.out, "one unit per layer of m\\x1bPx\\x07.layers, 2 layers"));
+    CHECK(contains(r.out, "note: --batch: config.json: Evil\\x1b[5mForCausalLM"));
+  }
+  {
+    // One unit per leaf: the tensors' own modules in the plan, the units and the warnings.
+    const auto r = explain_tool(tmp, {"--weights", dir, "--world", "2", "--plan", "--policy",
+                                      "leaf"},
+                                30);
+    INFO("stdout: " << r.out << "\nstderr: " << r.err);
+    CHECK(r.exit_code == 0);
+    check_clean(r);
+    CHECK(contains(r.out, "m\\x1bPx\\x07.layers.0.q\\x0d\\x1b[31m"));
+  }
+  {
+    // Errors: a header whose tensor (named with ESC) breaks the offsets, and a duplicate key
+    // in config.json.
+    const std::string bad = tmp / "bad";
+    make_dirs(bad);
+    write_tensors(bad + "/model.safetensors", {"a\\u001b[31m.weight"}, /*short_by=*/1);
+    auto r = explain_tool(tmp, {"--weights", bad, "--world", "2"}, 30);
+    check_one_line_error(r);
+    check_clean(r);
+    CHECK(contains(r.err, "a\\x1b[31m.weight"));
+
+    const std::string dup = tmp / "dup";
+    make_dirs(dup);
+    write_tensors(dup + "/model.safetensors", {"a.weight"});
+    flatshard_test::write_bytes(dup + "/config.json",
+                                "{\"k\\u001b[1m\": 1, \"k\\u001b[1m\": 2}");
+    r = explain_tool(tmp, {"--weights", dup, "--world", "2"}, 30);
+    check_one_line_error(r);
+    check_clean(r);
+    CHECK(contains(r.err, "duplicate key 'k\\x1b[1m'"));
+  }
+}

@@ -51,6 +51,7 @@
 #include "tools/cli_exit.h"
 #include "tools/named_plans.h"
 #include "support/format.h"
+#include "support/input_file.h"
 
 namespace {
 
@@ -316,7 +317,10 @@ Described describe_weights(const std::string& path) {
   Described d;
   m.info = flatshard::read_weights(path, fm::hf_naming());
   const auto& w = m.info;
-  TORCH_CHECK(static_cast<long double>(w.num_parameters()) <= kMaxParameters, w.path, ": ",
+  // Paths, names and config values come from files and the command line: printed through
+  // printable_escape (support/input_file.h).
+  const auto esc = [](const std::string& s) { return flatshard::printable_escape(s); };
+  TORCH_CHECK(static_cast<long double>(w.num_parameters()) <= kMaxParameters, esc(w.path), ": ",
               w.num_parameters(), " parameters, more than the sanity bound of ",
               static_cast<double>(kMaxParameters));
   const std::string config_path = w.config_path();
@@ -326,15 +330,15 @@ Described describe_weights(const std::string& path) {
     fm::check_hf_weights(*m.config, m.info);
   }
   std::string weights =
-      w.path + " (" + flatshard::weights_format_name(w.format) + ", " +
+      esc(w.path) + " (" + flatshard::weights_format_name(w.format) + ", " +
       std::to_string(w.files.size()) + (w.files.size() == 1 ? " file, " : " files, ") +
       std::to_string(w.tensors.size()) + " tensors, " + std::to_string(w.num_parameters()) +
       " params, file dtype " + w.dtype_summary() + "; planned as fp32 masters)";
   d.notes.insert(d.notes.begin(), "weights: " + weights);
   const bool known = m.config && m.config->known();
   d.notes.insert(d.notes.begin() + 1, m.config
-                                          ? "config: " + config_path + ": " + m.config->describe()
-                                          : "config: none (no config.json in " + w.dir + ")");
+                                          ? "config: " + esc(config_path) + ": " + m.config->describe()
+                                          : "config: none (no config.json in " + esc(w.dir) + ")");
   d.notes.insert(d.notes.begin() + 2,
                  known
                      ? "types: from the architecture (" + m.config->type_prefix + "DecoderLayer, " +
@@ -349,7 +353,7 @@ Described describe_weights(const std::string& path) {
     if (t.buffer && buffers++ == 0) first_buffer = t.name;
   if (buffers > 0)
     d.notes.push_back("buffers: " + std::to_string(buffers) + " tensors not planned (" +
-                      first_buffer + (buffers > 1 ? ", ...)" : ")"));
+                      esc(first_buffer) + (buffers > 1 ? ", ...)" : ")"));
   if (w.unlisted > 0)
     d.notes.push_back("unlisted: " + std::to_string(w.unlisted) +
                       " tensors in the shard files are not in weight_map (left out)");
@@ -374,7 +378,7 @@ Described describe_weights(const std::string& path) {
   const auto spec = layers ? flatshard::layer_list_policy(*layers) : std::nullopt;
   d.default_policy = spec ? *spec : "none";
   if (!known && spec) d.layer_rule = *spec;
-  d.policy_note = spec ? " (default: one unit per layer of " + layers->prefix + ", " +
+  d.policy_note = spec ? " (default: one unit per layer of " + esc(layers->prefix) + ", " +
                              std::to_string(layers->count) + " layers)"
                        : " (default: no layer list recognised, the root only; pass --policy)";
   return d;
@@ -471,8 +475,8 @@ int run(const Described& m, const Request& r) {
     return 0;
   }
   const auto plan = flatshard::make_plan(*m.tree, flatshard::parse_policy(policy));
-  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ") << "policy: " << policy
-            << policy_note << "\n";
+  std::cout << (m.model_line.empty() ? "" : m.model_line + "; ")
+            << "policy: " << flatshard::printable_escape(policy + policy_note) << "\n";
   if (r.show_plan) std::cout << plan.to_string();
   const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, r.cost);
   std::cout << e.to_string();
@@ -481,7 +485,7 @@ int run(const Described& m, const Request& r) {
   } else if (r.batch > 0) {
     const auto p = flatshard::predict_cost(e, *m.shape, workload, profile);
     std::cout << "batch " << workload.batch << " x seq " << workload.seq
-              << "; profile: " << profile.source << "\n"
+              << "; profile: " << flatshard::printable_escape(profile.source) << "\n"
               << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
               << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
               << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
@@ -655,7 +659,8 @@ int main(int argc, char** argv) {
       try {
         m = describe_weights(weights);
       } catch (const c10::Error& e) {  // about the files: one line (names, JSON messages)
-        std::cerr << "flatshard-explain: " << one_line(e.what_without_backtrace()) << std::endl;
+        std::cerr << "flatshard-explain: "
+                  << flatshard::printable_escape(one_line(e.what_without_backtrace())) << std::endl;
         return 1;
       }
     } else {
@@ -665,7 +670,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::Error& e) {
     return flatshard::tools::cli_exit(app, e, "flatshard-explain");
   } catch (const c10::Error& e) {
-    std::cerr << "flatshard-explain: " << e.what_without_backtrace() << "\n";
+    std::cerr << "flatshard-explain: "
+              << flatshard::printable_escape(one_line(e.what_without_backtrace())) << "\n";
     return 1;
   }
   return 0;
