@@ -351,32 +351,37 @@ std::string name_for_error(std::string_view name) {
 //   its O(depth^2) path copies throw std::bad_alloc.
 // With both bounds, reading, sorting and the tree are linear in the headers' size.
 
-// Depth and empty components, then names that are both a tensor and a module.
+// Depth and empty components: one pass over each name, nothing built.
+void check_components(const WeightsInfo& w) {
+  auto check = [&](std::string_view name, const std::string& file) {
+    const int64_t components = std::count(name.begin(), name.end(), '.') + 1;
+    const std::string_view where = file.empty() ? w.path : file;
+    TORCH_CHECK(components <= kMaxNameDepth, printable_escape(where), ": tensor name '",
+                name_for_error(name), "' has ", components,
+                " dot-separated components, more than the ", kMaxNameDepth,
+                " a module path may have (Note [Weights bounds])");
+    TORCH_CHECK(!name.empty() && name.front() != '.' && name.back() != '.' &&
+                    name.find("..") == std::string_view::npos,
+                printable_escape(where), ": tensor name '", name_for_error(name),
+                "' has an empty component (a leading, trailing or doubled '.')");
+  };
+  for (const auto& t : w.tensors) check(t.name, t.file);
+  for (const auto& a : w.aliases) check(a.first, w.path);
+}
+
+// check_components, then names that are both a tensor and a module (module_tree_from_weights
+// finds those in its tree instead).
 void check_names(const WeightsInfo& w) {
+  check_components(w);
   std::unordered_map<std::string_view, const std::string*> tensors;  // name -> file
   tensors.reserve(w.tensors.size() + w.aliases.size());
   for (const auto& t : w.tensors) tensors.emplace(t.name, &t.file);
   for (const auto& a : w.aliases) tensors.emplace(a.first, &w.path);
-  auto where = [&](const std::string* file) {
-    return printable_escape(file->empty() ? w.path : *file);
-  };
-  for (const auto& [view, file] : tensors) {
-    const int64_t components = std::count(view.begin(), view.end(), '.') + 1;
-    if (components > kMaxNameDepth) {
-      TORCH_CHECK(false, where(file), ": tensor name '", name_for_error(view),
-                  "' has ", components, " dot-separated components, more than the ",
-                  kMaxNameDepth, " a module path may have (Note [Weights bounds])");
-    }
-    TORCH_CHECK(!view.empty() && view.front() != '.' && view.back() != '.' &&
-                    view.find("..") == std::string_view::npos,
-                where(file), ": tensor name '", name_for_error(view),
-                "' has an empty component (a leading, trailing or doubled '.')");
-  }
   for (const auto& [view, file] : tensors) {
     for (size_t dot = view.find('.'); dot != std::string_view::npos; dot = view.find('.', dot + 1)) {
       auto it = tensors.find(view.substr(0, dot));
-      TORCH_CHECK(it == tensors.end(), where(file), ": '", name_for_error(it->first),
-                  "' is a tensor and also a module (of tensor '",
+      TORCH_CHECK(it == tensors.end(), printable_escape(file->empty() ? w.path : *file), ": '",
+                  name_for_error(it->first), "' is a tensor and also a module (of tensor '",
                   name_for_error(view), "'); a name cannot be both");
     }
   }
@@ -536,7 +541,7 @@ std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w
 std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w,
                                                             const ModuleTypeFn& type_of) {
   TORCH_CHECK(type_of, "module_tree_from_weights: the type namer is empty");
-  check_names(w);
+  check_components(w);  // a tensor that is also a module: found in the tree below
   // Pass 1: every module path in order of first appearance, with its own tensors. A module is
   // found from its parent by its component alone, and its path is joined once, when it is
   // first seen: linear in the names (Note [Weights bounds]).
@@ -582,6 +587,22 @@ std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w
     TORCH_CHECK(!t->buffer, "module_tree_from_weights: alias '", printable_escape(alias),
                 "' names buffer '", printable_escape(target), "'; only parameters can be tied");
     module_of(alias).view.tensors.emplace_back(last(alias), t);
+  }
+
+  // A tensor that is also a module: its module has a child of the tensor's own name.
+  for (const auto& m : modules) {
+    for (const auto& [name, t] : m.view.tensors) {
+      const auto child = m.child.find(name);
+      if (child == m.child.end()) continue;
+      size_t below = child->second;  // the first tensor under that module, for the message
+      while (modules[below].view.tensors.empty()) below = modules[below].children.front();
+      const std::string both = m.view.path.empty() ? name : m.view.path + "." + name;
+      TORCH_CHECK(false, printable_escape(t->file.empty() ? w.path : t->file), ": '",
+                  name_for_error(both), "' is a tensor and also a module (of tensor '",
+                  name_for_error(modules[below].view.path + "." +
+                                 modules[below].view.tensors.front().first),
+                  "'); a name cannot be both");
+    }
   }
 
   // Pass 2: modules with their type names, tensors (one meta tensor per WeightTensor), children.
