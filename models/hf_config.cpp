@@ -205,7 +205,7 @@ ModuleAliases::Alias hf_module_alias(const llama::LlamaConfig& l, const std::str
 
 std::string HfConfig::describe() const {
   std::string name = architecture.empty() ? model_type : architecture;
-  if (name.empty()) name = "(no architecture)";
+  name = name.empty() ? "(no architecture)" : printable_escape(name);  // the file's value
   if (!known()) return name + ": " + unknown_reason;
   return name + " (flatshard's LLaMA: " + llama->to_string() + ")";
 }
@@ -213,9 +213,10 @@ std::string HfConfig::describe() const {
 HfConfig parse_hf_config(const std::string& text, const std::string& path) {
   HfConfig c;
   c.path = path;
-  const json::Json doc = json::parse(text, path);
-  const json::Node root(doc, path);
-  TORCH_CHECK(root.is_object(), path, ": config.json must be a JSON object");
+  const std::string where = printable_escape(path);  // in every error below
+  const json::Json doc = json::parse(text, where);
+  const json::Node root(doc, where);
+  TORCH_CHECK(root.is_object(), where, ": config.json must be a JSON object");
   if (auto a = present(root, "architectures")) {
     const auto items = a->items();
     if (!items.empty()) c.architecture = items.front().as_string();
@@ -334,7 +335,7 @@ HfConfig parse_hf_config(const std::string& text, const std::string& path) {
   try {
     l.validate();  // the rules above, in flatshard's names: a backstop, never expected to fire
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, printable_escape(path), ": ", e.what_without_backtrace());
+    TORCH_CHECK(false, where, ": ", e.what_without_backtrace());
   }
   c.llama = l;
   return c;
@@ -394,22 +395,25 @@ ModuleTypeFn hf_module_namer(const HfConfig& c) {
 void check_hf_weights(const HfConfig& c, const WeightsInfo& w) {
   if (!c.known()) return;
   const llama::LlamaConfig& l = *c.llama;
-  const std::string who = c.path + " (" + c.architecture + ")";
+  // Errors name the files and the tensors through printable_escape (names come from files).
+  const std::string who =
+      printable_escape(c.path) + " (" + printable_escape(c.architecture) + ")";
+  const std::string weights = printable_escape(w.path);
   std::set<int64_t> layers;
   const std::string prefix = "model.layers.";
   for (const auto& t : w.tensors) {
     if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string rest = t.name.substr(prefix.size());
     const std::string index = rest.substr(0, rest.find('.'));
-    TORCH_CHECK(is_number(index) && index.size() <= 9, who, ": tensor '", t.name,
+    TORCH_CHECK(is_number(index) && index.size() <= 9, who, ": tensor '", printable_escape(t.name),
                 "' is under model.layers but not in a numbered layer");
     layers.insert(std::stoll(index));
   }
-  TORCH_CHECK(!layers.empty(), who, ": no tensor of ", w.path,
+  TORCH_CHECK(!layers.empty(), who, ": no tensor of ", weights,
               " is under model.layers; the config does not describe these weights");
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == l.n_layers && *layers.begin() == 0 &&
                   *layers.rbegin() == l.n_layers - 1,
-              who, ": num_hidden_layers is ", l.n_layers, " but ", w.path, " holds ", layers.size(),
+              who, ": num_hidden_layers is ", l.n_layers, " but ", weights, " holds ", layers.size(),
               " layers model.layers.", *layers.begin(), " .. ", *layers.rbegin(),
               w.format == WeightsFormat::kSafetensors
                   ? " (one shard of several? pass the directory or its index)"
@@ -417,9 +421,9 @@ void check_hf_weights(const HfConfig& c, const WeightsInfo& w) {
   const int64_t d = l.d_model, hd = l.head_dim(), h = l.hidden_size();
   auto expect = [&](const std::string& name, std::vector<int64_t> shape, bool required) {
     const WeightTensor* t = w.find(name);
-    TORCH_CHECK(t != nullptr || !required, who, ": ", w.path, " has no tensor '", name, "'");
+    TORCH_CHECK(t != nullptr || !required, who, ": ", weights, " has no tensor '", name, "'");
     if (t == nullptr) return;
-    TORCH_CHECK(t->shape == shape, who, ": tensor '", name, "' in ", t->file, " has shape ",
+    TORCH_CHECK(t->shape == shape, who, ": tensor '", name, "' in ", printable_escape(t->file), " has shape ",
                 shape_string(t->shape), " but the config implies ", shape_string(shape));
   };
   expect("model.embed_tokens.weight", {l.vocab, d}, true);
@@ -457,7 +461,8 @@ std::optional<std::string> tie_hf_embeddings(const HfConfig& c, WeightsInfo& w) 
 }
 
 TransformerShape hf_transformer_shape(const HfConfig& c) {
-  TORCH_CHECK(c.known(), c.path, ": ", c.describe(), "; no shape for the cost model");
+  TORCH_CHECK(c.known(), printable_escape(c.path), ": ", c.describe(),
+              "; no shape for the cost model");
   TransformerShape s = ModelConfig::of(*c.llama).transformer_shape();
   s.layer_prefix = rename(s.layer_prefix, /*top=*/true);
   for (auto* list : {&s.input_modules, &s.head_modules}) {

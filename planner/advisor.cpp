@@ -11,6 +11,7 @@
 
 #include "flat_param/flat_param_config.h"
 #include "support/format.h"
+#include "support/input_file.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/spec.h"
 
@@ -250,11 +251,13 @@ std::string Advice::to_string() const {
   if (replicate_size > 1) os << " x " << replicate_size << " replicas";
   os << ", batch " << workload.batch << " x seq " << workload.seq << ", memory limit "
      << format_bytes(memory_limit_bytes) << " per rank (" << std::lround(100 * memory_margin)
-     << "% kept free), held against the predicted peak with activations\nprofile: " << profile.source << "\n";
+     << "% kept free), held against the predicted peak with activations\nprofile: "
+     << printable_escape(profile.source) << "\n";
   if (fits()) {
     const Candidate& b = candidates.front();
-    os << "suggested: " << b.label << " " << b.command_line() << "\n"
-       << "  spec: " << b.spec << "\n"
+    // A spec holds module paths, which may come from a file (flatshard-explain --weights).
+    os << "suggested: " << b.label << " " << printable_escape(b.command_line()) << "\n"
+       << "  spec: " << printable_escape(b.spec) << "\n"
        << "  " << b.cost.to_string();
   } else {
     os << "no candidate fits";

@@ -771,7 +771,8 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
 
 std::string CostPrediction::to_string() const {
   std::ostringstream os;
-  os << "predicted peak per rank " << format_bytes(peak_bytes) << " at " << peak_at
+  os << "predicted peak per rank " << format_bytes(peak_bytes) << " at "
+     << printable_escape(peak_at)  // a unit's name, maybe from a file
      << ": persistent " << format_bytes(persistent_bytes) << " (fp32 masters + AdamW"
      << (replicated_bytes ? " + NO_SHARD copies" : "") << "), activations "
      << format_bytes(activation_bytes) << ", master gradients " << format_bytes(gradient_bytes)

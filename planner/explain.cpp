@@ -702,7 +702,7 @@ std::string Explanation::to_string() const {
                    options.mixed_precision.param_dtype))
              : std::string("fp32"))
      << " grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
-     << " at " << (memory.peak_at.empty() ? "-" : memory.peak_at) << ", total "
+     << " at " << (memory.peak_at.empty() ? "-" : printable_escape(memory.peak_at)) << ", total "
      << format_bytes(memory.total()) << " (+ AdamW state " << format_bytes(memory.adamw_state_bytes)
      << ", + activations)";
   if (memory.host_bytes > 0)
@@ -714,7 +714,9 @@ std::string Explanation::to_string() const {
     os << "; limit " << format_bytes(*memory_limit_bytes)
        << " checked against this total (no activations; the full peak needs the batch)";
   os << "\n";
-  for (const auto& w : warnings) os << "warning: " << w << "\n";
+  // Unit and module names may come from a file (flatshard-explain --weights): escaped, as the
+  // table's cells are.
+  for (const auto& w : warnings) os << "warning: " << printable_escape(w) << "\n";
   return os.str();
 }
 

@@ -11,12 +11,13 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/manifest.h"
 #include "checkpoint/safetensors.h"
+#include "support/input_file.h"
 #include "support/json.h"
 
 namespace flatshard {
@@ -24,22 +25,6 @@ namespace flatshard {
 namespace {
 
 constexpr int64_t kMaxHeaderBytes = int64_t{100} << 20;  // the reference implementation's limit
-
-// Names come from files: control characters would break the one-line errors.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c < 0x20 || c == 0x7f) {
-      static const char* hex = "0123456789abcdef";
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
 
 std::string dirname_of(const std::string& path) {
   const size_t slash = path.find_last_of('/');
@@ -63,14 +48,14 @@ class LinkedFile {
       struct stat st;
       const bool dangling =
           err == ENOENT && ::lstat(path_.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
-      TORCH_CHECK(!dangling, printable(path_),
+      TORCH_CHECK(!dangling, printable_escape(path_),
                   ": is a symbolic link whose target does not exist (an incomplete download?)");
-      TORCH_CHECK(err != ENOENT, printable(path_), ": no such file");
-      TORCH_CHECK(false, printable(path_), ": cannot open: ", std::strerror(err));
+      TORCH_CHECK(err != ENOENT, printable_escape(path_), ": no such file");
+      TORCH_CHECK(false, printable_escape(path_), ": cannot open: ", std::strerror(err));
     }
     struct stat st;
-    TORCH_CHECK(::fstat(fd_, &st) == 0, printable(path_), ": cannot stat: ", std::strerror(errno));
-    TORCH_CHECK(S_ISREG(st.st_mode), printable(path_), ": is ",
+    TORCH_CHECK(::fstat(fd_, &st) == 0, printable_escape(path_), ": cannot stat: ", std::strerror(errno));
+    TORCH_CHECK(S_ISREG(st.st_mode), printable_escape(path_), ": is ",
                 S_ISDIR(st.st_mode)    ? "a directory"
                 : S_ISFIFO(st.st_mode) ? "a FIFO"
                 : S_ISSOCK(st.st_mode) ? "a socket"
@@ -91,9 +76,9 @@ class LinkedFile {
     while (n > 0) {
       const ssize_t got = ::pread(fd_, dst, static_cast<size_t>(n), offset);
       if (got < 0 && errno == EINTR) continue;
-      TORCH_CHECK(got >= 0, printable(path_), ": read failed at byte ", offset, ": ",
+      TORCH_CHECK(got >= 0, printable_escape(path_), ": read failed at byte ", offset, ": ",
                   std::strerror(errno));
-      TORCH_CHECK(got > 0, printable(path_), ": ends at byte ", offset,
+      TORCH_CHECK(got > 0, printable_escape(path_), ": ends at byte ", offset,
                   " while reading it (truncated while being read?)");
       dst += got;
       n -= got;
@@ -107,24 +92,71 @@ class LinkedFile {
   int64_t size_ = 0;
 };
 
-// The header of one safetensors file, validated by the checkpoint's parser.
-SafetensorsHeader read_header(const std::string& path) {
+// Members of the top-level object of JSON `text`, counted without parsing it: the commas at
+// depth 1 outside strings, plus one unless it has none. Exact for valid JSON; for invalid JSON
+// some number (the parser refuses the text afterwards). Linear and allocation-free, so a header
+// of more tensors than explain builds is refused before it is parsed (Note [Weights bounds]).
+int64_t count_top_level_members(std::string_view text) {
+  int64_t commas = 0;
+  int64_t depth = 0;
+  bool in_string = false, any = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character, '"' included
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      any = any || depth == 1;
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    } else if (c == ',' && depth == 1) {
+      ++commas;
+    }
+  }
+  return any ? commas + 1 : 0;
+}
+
+// The header of one safetensors file, validated by the checkpoint's parser. `budget`: how many
+// more tensors explain builds (kMaxTensors less those of the headers read before); a header
+// holding more is refused before its JSON is parsed (Note [Weights bounds]).
+SafetensorsHeader read_header(const std::string& path, int64_t budget) {
   LinkedFile f(path);
-  TORCH_CHECK(f.size() >= 8, printable(path), ": not a safetensors file: ", f.size(),
+  TORCH_CHECK(f.size() >= 8, printable_escape(path), ": not a safetensors file: ", f.size(),
               " bytes, fewer than the 8 of the header length (truncated?)");
   unsigned char len[8];
   f.read(0, reinterpret_cast<char*>(len), 8);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
-  TORCH_CHECK(n <= static_cast<uint64_t>(kMaxHeaderBytes), printable(path),
+  TORCH_CHECK(n <= static_cast<uint64_t>(kMaxHeaderBytes), printable_escape(path),
               ": not a safetensors file: header length ", n, " is more than ", kMaxHeaderBytes,
               " bytes");
-  TORCH_CHECK(8 + static_cast<int64_t>(n) <= f.size(), printable(path),
+  TORCH_CHECK(8 + static_cast<int64_t>(n) <= f.size(), printable_escape(path),
               ": truncated inside the safetensors header: it needs ", 8 + n,
               " bytes, the file has ", f.size());
   std::string raw(8 + n, '\0');
   f.read(0, raw.data(), static_cast<int64_t>(raw.size()));
-  return SafetensorsHeader::parse(std::move(raw), printable(path), f.size());
+  // What is left to build, for the errors.
+  const std::string limit =
+      budget == kMaxTensors
+          ? "the " + std::to_string(kMaxTensors) + " explain builds"
+          : "the " + std::to_string(budget) + " left of the " + std::to_string(kMaxTensors) +
+                " explain builds (the shards read before hold the rest)";
+  // One member may be __metadata__.
+  const int64_t members = count_top_level_members(std::string_view(raw).substr(8));
+  TORCH_CHECK(members - 1 <= budget, printable_escape(path), ": its header holds at least ",
+              members - 1, " tensors, more than ", limit, "; refused before parsing it");
+  SafetensorsHeader h = SafetensorsHeader::parse(std::move(raw), printable_escape(path), f.size());
+  TORCH_CHECK(static_cast<int64_t>(h.tensors().size()) <= budget, printable_escape(path),
+              ": its header holds ", h.tensors().size(), " tensors, more than ", limit);
+  return h;
 }
 
 WeightTensor from_entry(const TensorEntry& e, const std::string& file) {
@@ -139,24 +171,24 @@ WeightTensor from_entry(const TensorEntry& e, const std::string& file) {
 }
 
 void read_single(WeightsInfo& w) {
-  const SafetensorsHeader h = read_header(w.path);
+  const SafetensorsHeader h = read_header(w.path, kMaxTensors);
   w.files.push_back(w.path);
   for (const auto& e : h.tensors()) w.tensors.push_back(from_entry(e, w.path));
-  TORCH_CHECK(!w.tensors.empty(), printable(w.path), ": holds no tensors");
+  TORCH_CHECK(!w.tensors.empty(), printable_escape(w.path), ": holds no tensors");
 }
 
 void check_shard_name(const std::string& index, const std::string& tensor, const std::string& f) {
   TORCH_CHECK(!f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
                   f.find('\0') == std::string::npos,
-              printable(index), ": weight_map names file '", printable(f), "' for tensor '",
-              printable(tensor),
+              printable_escape(index), ": weight_map names file '", printable_escape(f), "' for tensor '",
+              printable_escape(tensor),
               "', which is not a plain file name in the index's directory (no '/', not '.' or "
               "'..'); refusing it");
 }
 
 void read_index(WeightsInfo& w) {
   const std::string text = read_weights_text_file(w.path, kMaxIndexBytes);
-  const std::string what = printable(w.path);
+  const std::string what = printable_escape(w.path);
   const json::Json doc = json::parse(text, what);
   const json::Node root(doc, what);
   TORCH_CHECK(root.is_object(), what, ": a safetensors index must be a JSON object");
@@ -174,14 +206,16 @@ void read_index(WeightsInfo& w) {
     if (fresh) order.push_back(f);
     it->second.push_back(tensor);
   }
+  int64_t in_headers = 0;  // tensors of the headers read so far, listed or not
   for (const std::string& f : order) {
     const std::string path = join_path(w.dir, f);
-    const SafetensorsHeader h = read_header(path);
+    const SafetensorsHeader h = read_header(path, kMaxTensors - in_headers);
+    in_headers += static_cast<int64_t>(h.tensors().size());
     w.files.push_back(path);
     const auto& wanted = by_file.at(f);
     for (const std::string& tensor : wanted) {
       const TensorEntry* e = h.find(tensor);
-      TORCH_CHECK(e != nullptr, printable(path), ": has no tensor '", printable(tensor),
+      TORCH_CHECK(e != nullptr, printable_escape(path), ": has no tensor '", printable_escape(tensor),
                   "', which ", what, " places in it");
       w.tensors.push_back(from_entry(*e, path));
     }
@@ -191,13 +225,13 @@ void read_index(WeightsInfo& w) {
 
 void read_flatshard(WeightsInfo& w) {
   const std::string text = read_weights_text_file(w.path, kMaxIndexBytes);
-  const Manifest m = Manifest::parse(text, printable(w.path));
+  const Manifest m = Manifest::parse(text, printable_escape(w.path));
   for (const FileRecord& f : m.files) {
     // Note [Checkpoint confinement]: plain names (parse() checked), no symlinks, regular files.
     const std::string path = join_path(w.dir, f.name);
     const InputFile in(path);
-    TORCH_CHECK(in.size() == f.bytes, printable(path), ": is ", in.size(), " bytes but ",
-                printable(w.path), " records ", f.bytes, " (an incomplete copy?)");
+    TORCH_CHECK(in.size() == f.bytes, printable_escape(path), ": is ", in.size(), " bytes but ",
+                printable_escape(w.path), " records ", f.bytes, " (an incomplete copy?)");
     w.files.push_back(path);
   }
   auto add = [&](const ValueRecord& v, bool buffer) {
@@ -213,7 +247,7 @@ void read_flatshard(WeightsInfo& w) {
   };
   for (const auto& p : m.params) add(p, false);
   for (const auto& b : m.buffers) add(b, true);
-  TORCH_CHECK(!w.tensors.empty(), printable(w.path), ": records no parameters");
+  TORCH_CHECK(!w.tensors.empty(), printable_escape(w.path), ": records no parameters");
 }
 
 // Which file of a directory to read (the order of the header's contract).
@@ -247,7 +281,7 @@ std::string pick_in_dir(const std::string& dir, WeightsFormat* format) {
     *format = WeightsFormat::kSafetensors;
     return join_path(dir, files[0]);
   }
-  TORCH_CHECK(false, printable(dir),
+  TORCH_CHECK(false, printable_escape(dir),
               ": holds no manifest.json, model.safetensors.index.json or "
               "model.safetensors",
               indexes.size() > 1 ? " and several *.safetensors.index.json; pass one of them"
@@ -257,7 +291,7 @@ std::string pick_in_dir(const std::string& dir, WeightsFormat* format) {
 
 // Module order (header contract): by component, numbers numerically; what naming.runs_last
 // accepts after the rest (read_weights sorts on that first).
-bool is_number(const std::string& s) {
+bool is_number(std::string_view s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 std::vector<std::string> split(const std::string& name) {
@@ -273,9 +307,10 @@ std::vector<std::string> split(const std::string& name) {
 bool component_less(const std::string& a, const std::string& b) {
   const bool na = is_number(a), nb = is_number(b);
   if (na && nb) {
-    const size_t za = a.find_first_not_of('0'), zb = b.find_first_not_of('0');
-    const std::string ta = za == std::string::npos ? "" : a.substr(za);
-    const std::string tb = zb == std::string::npos ? "" : b.substr(zb);
+    // Without leading zeros: the shorter is the smaller, then bytewise; "01" after "1".
+    const std::string_view va(a), vb(b);
+    const std::string_view ta = va.substr(std::min(va.find_first_not_of('0'), va.size()));
+    const std::string_view tb = vb.substr(std::min(vb.find_first_not_of('0'), vb.size()));
     if (ta.size() != tb.size()) return ta.size() < tb.size();
     if (ta != tb) return ta < tb;
     return a < b;
@@ -291,21 +326,61 @@ bool module_order_less(const std::vector<std::string>& a, const std::vector<std:
   return a.size() < b.size();
 }
 
-// Empty components and names that are both a tensor and a module.
+// At most this many bytes of a name in an error (a hostile one may be megabytes long).
+std::string name_for_error(std::string_view name) {
+  constexpr size_t kShown = 160;
+  if (name.size() <= kShown) return printable_escape(name);
+  return printable_escape(name.substr(0, kShown)) + "... (" +
+         std::to_string(name.size()) + " bytes)";
+}
+
+// Note [Weights bounds]
+// A checkpoint's names and counts come from files anyone can write, and everything built from
+// them is host memory and host time: each module is a torch::nn::Module, and the plan walker
+// (wrap_policies/make_plan.cpp), torch's named_parameters() and explain recurse once per level
+// of the tree, joining paths as they go. So read_weights bounds, before building anything:
+// - the tensors: at most kMaxTensors, counted in each safetensors header before its JSON is
+//   parsed (count_top_level_members: a header of 10^6 tensors took 6.8 s to refuse), across all
+//   the headers an index makes it read (listed or not), and in weight_map;
+// - the depth of a name: at most kMaxNameDepth dot-separated components, checked here first
+//   (one linear count per name), so every later walk (the prefix checks below, the tree's
+//   modules, the plan walker's recursion and its path strings) is bounded by that constant. A
+//   name of 30,000 components crashed the plan walker's recursion (SIGSEGV), and 200,000 made
+//   its O(depth^2) path copies throw std::bad_alloc.
+// With both bounds, reading, sorting and the tree are linear in the headers' size.
+
+// Depth and empty components: one pass over each name, nothing built.
+void check_components(const WeightsInfo& w) {
+  auto check = [&](std::string_view name, const std::string& file) {
+    const int64_t components = std::count(name.begin(), name.end(), '.') + 1;
+    const std::string_view where = file.empty() ? w.path : file;
+    TORCH_CHECK(components <= kMaxNameDepth, printable_escape(where), ": tensor name '",
+                name_for_error(name), "' has ", components,
+                " dot-separated components, more than the ", kMaxNameDepth,
+                " a module path may have (Note [Weights bounds])");
+    TORCH_CHECK(!name.empty() && name.front() != '.' && name.back() != '.' &&
+                    name.find("..") == std::string_view::npos,
+                printable_escape(where), ": tensor name '", name_for_error(name),
+                "' has an empty component (a leading, trailing or doubled '.')");
+  };
+  for (const auto& t : w.tensors) check(t.name, t.file);
+  for (const auto& a : w.aliases) check(a.first, w.path);
+}
+
+// check_components, then names that are both a tensor and a module (module_tree_from_weights
+// finds those in its tree instead).
 void check_names(const WeightsInfo& w) {
-  std::unordered_map<std::string, const std::string*> tensors;  // name -> file
+  check_components(w);
+  std::unordered_map<std::string_view, const std::string*> tensors;  // name -> file
+  tensors.reserve(w.tensors.size() + w.aliases.size());
   for (const auto& t : w.tensors) tensors.emplace(t.name, &t.file);
-  for (const auto& [alias, target] : w.aliases) tensors.emplace(alias, &w.path);
-  for (const auto& [name, file] : tensors) {
-    const std::string where = printable(file->empty() ? w.path : *file);
-    for (const auto& part : split(name))
-      TORCH_CHECK(!part.empty(), where, ": tensor name '", printable(name),
-                  "' has an empty component (a leading, trailing or doubled '.')");
-    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', dot + 1)) {
-      auto it = tensors.find(name.substr(0, dot));
-      TORCH_CHECK(it == tensors.end(), where, ": '", printable(it->first),
-                  "' is a tensor and also a module (of tensor '", printable(name),
-                  "'); a name cannot be both");
+  for (const auto& a : w.aliases) tensors.emplace(a.first, &w.path);
+  for (const auto& [view, file] : tensors) {
+    for (size_t dot = view.find('.'); dot != std::string_view::npos; dot = view.find('.', dot + 1)) {
+      auto it = tensors.find(view.substr(0, dot));
+      TORCH_CHECK(it == tensors.end(), printable_escape(file->empty() ? w.path : *file), ": '",
+                  name_for_error(it->first), "' is a tensor and also a module (of tensor '",
+                  name_for_error(view), "'); a name cannot be both");
     }
   }
 }
@@ -326,7 +401,7 @@ const char* weights_format_name(WeightsFormat f) {
 
 std::string read_weights_text_file(const std::string& path, int64_t max_bytes) {
   LinkedFile f(path);
-  TORCH_CHECK(f.size() <= max_bytes, printable(path), ": is ", f.size(), " bytes, more than the ",
+  TORCH_CHECK(f.size() <= max_bytes, printable_escape(path), ": is ", f.size(), " bytes, more than the ",
               max_bytes, " it may have; refusing to read it");
   std::string text(static_cast<size_t>(f.size()), '\0');
   f.read(0, text.data(), f.size());
@@ -364,9 +439,13 @@ std::string WeightsInfo::dtype_summary() const {
 }
 
 std::string WeightsInfo::config_path() const {
+  // Anything there is the config: a FIFO, a dangling link or a link out of the snapshot is an
+  // error of read_hf_config (read_weights_text_file), never a run without it. Only nothing
+  // there (or a path that cannot have it, ENOTDIR) means there is no config.
   const std::string p = join_path(dir, "config.json");
   struct stat st;
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? p : std::string();
+  if (::lstat(p.c_str(), &st) == 0) return p;
+  return errno == ENOENT || errno == ENOTDIR ? std::string() : p;
 }
 
 WeightsInfo read_weights(const std::string& path, const WeightsNaming& naming) {
@@ -395,12 +474,12 @@ WeightsInfo read_weights(const std::string& path, const WeightsNaming& naming) {
       read_flatshard(w);
       break;
   }
-  TORCH_CHECK(static_cast<int64_t>(w.tensors.size()) <= kMaxTensors, printable(w.path), ": ",
+  TORCH_CHECK(static_cast<int64_t>(w.tensors.size()) <= kMaxTensors, printable_escape(w.path), ": ",
               w.tensors.size(), " tensors, more than the ", kMaxTensors, " explain builds");
   int64_t total = 0;
   for (const auto& t : w.tensors)
-    TORCH_CHECK(!__builtin_add_overflow(total, t.numel, &total), printable(w.path),
-                ": the tensors' element count overflows int64 (at '", printable(t.name), "')");
+    TORCH_CHECK(!__builtin_add_overflow(total, t.numel, &total), printable_escape(w.path),
+                ": the tensors' element count overflows int64 (at '", printable_escape(t.name), "')");
   check_names(w);
   if (naming.is_buffer && w.format != WeightsFormat::kFlatshardCheckpoint)
     for (auto& t : w.tensors) t.buffer = t.buffer || naming.is_buffer(t.name);
@@ -430,10 +509,10 @@ WeightsInfo read_weights(const std::string& path, const WeightsNaming& naming) {
 }
 
 void add_alias(WeightsInfo& w, const std::string& alias, const std::string& target) {
-  TORCH_CHECK(w.find(target) != nullptr, "add_alias: no tensor '", printable(target), "'");
-  TORCH_CHECK(w.find(alias) == nullptr, "add_alias: '", printable(alias), "' is already a tensor");
+  TORCH_CHECK(w.find(target) != nullptr, "add_alias: no tensor '", printable_escape(target), "'");
+  TORCH_CHECK(w.find(alias) == nullptr, "add_alias: '", printable_escape(alias), "' is already a tensor");
   for (const auto& a : w.aliases)
-    TORCH_CHECK(a.first != alias, "add_alias: '", printable(alias), "' is already an alias");
+    TORCH_CHECK(a.first != alias, "add_alias: '", printable_escape(alias), "' is already an alias");
   w.aliases.emplace_back(alias, target);
   check_names(w);
 }
@@ -460,30 +539,33 @@ std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w
 std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w,
                                                             const ModuleTypeFn& type_of) {
   TORCH_CHECK(type_of, "module_tree_from_weights: the type namer is empty");
-  check_names(w);
-  // Pass 1: every module path in order of first appearance, with its own tensors.
+  check_components(w);  // a tensor that is also a module: found in the tree below
+  // Pass 1: every module path in order of first appearance, with its own tensors. A module is
+  // found from its parent by its component alone, and its path is joined once, when it is
+  // first seen: linear in the names (Note [Weights bounds]).
   struct Entry {
     ModuleView view;
-    std::vector<std::string> children;
+    std::vector<size_t> children;                  // indices into `modules`, in order
+    std::unordered_map<std::string, size_t> child;  // component -> index into `modules`
   };
   std::vector<Entry> modules(1);  // [0]: the root
-  std::unordered_map<std::string, size_t> index{{"", 0}};
   auto module_of = [&](const std::string& tensor_name) -> Entry& {
     size_t parent = 0;
-    std::string path;
-    const auto parts = split(tensor_name);
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      path += (i ? "." : "") + parts[i];
-      auto [it, fresh] = index.try_emplace(path, modules.size());
+    size_t start = 0;
+    for (size_t dot = tensor_name.find('.'); dot != std::string::npos;
+         start = dot + 1, dot = tensor_name.find('.', start)) {
+      std::string part = tensor_name.substr(start, dot - start);
+      const auto [it, fresh] = modules[parent].child.try_emplace(part, modules.size());
+      const size_t found = it->second;  // before push_back moves the entries
       if (fresh) {
         Entry e;
-        e.view.path = path;
-        e.view.name = parts[i];
+        e.view.path = tensor_name.substr(0, dot);
+        e.view.name = std::move(part);
         modules[parent].view.has_children = true;
-        modules[parent].children.push_back(parts[i]);
+        modules[parent].children.push_back(found);
         modules.push_back(std::move(e));
       }
-      parent = it->second;
+      parent = found;
     }
     return modules[parent];
   };
@@ -492,13 +574,33 @@ std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w
     return dot == std::string::npos ? name : name.substr(dot + 1);
   };
   for (const auto& t : w.tensors) module_of(t.name).view.tensors.emplace_back(last(t.name), &t);
+  std::unordered_map<std::string_view, const WeightTensor*> by_name;
+  if (!w.aliases.empty())
+    for (const auto& t : w.tensors) by_name.emplace(t.name, &t);
   for (const auto& [alias, target] : w.aliases) {
-    const WeightTensor* t = w.find(target);
-    TORCH_CHECK(t != nullptr, "module_tree_from_weights: alias '", printable(alias),
-                "' names no tensor '", printable(target), "'");
-    TORCH_CHECK(!t->buffer, "module_tree_from_weights: alias '", printable(alias),
-                "' names buffer '", printable(target), "'; only parameters can be tied");
+    const auto found = by_name.find(target);
+    const WeightTensor* t = found == by_name.end() ? nullptr : found->second;
+    TORCH_CHECK(t != nullptr, "module_tree_from_weights: alias '", printable_escape(alias),
+                "' names no tensor '", printable_escape(target), "'");
+    TORCH_CHECK(!t->buffer, "module_tree_from_weights: alias '", printable_escape(alias),
+                "' names buffer '", printable_escape(target), "'; only parameters can be tied");
     module_of(alias).view.tensors.emplace_back(last(alias), t);
+  }
+
+  // A tensor that is also a module: its module has a child of the tensor's own name.
+  for (const auto& m : modules) {
+    for (const auto& [name, t] : m.view.tensors) {
+      const auto child = m.child.find(name);
+      if (child == m.child.end()) continue;
+      size_t below = child->second;  // the first tensor under that module, for the message
+      while (modules[below].view.tensors.empty()) below = modules[below].children.front();
+      const std::string both = m.view.path.empty() ? name : m.view.path + "." + name;
+      TORCH_CHECK(false, printable_escape(t->file.empty() ? w.path : t->file), ": '",
+                  name_for_error(both), "' is a tensor and also a module (of tensor '",
+                  name_for_error(modules[below].view.path + "." +
+                                 modules[below].view.tensors.front().first),
+                  "'); a name cannot be both");
+    }
   }
 
   // Pass 2: modules with their type names, tensors (one meta tensor per WeightTensor), children.
@@ -520,44 +622,79 @@ std::shared_ptr<torch::nn::Module> module_tree_from_weights(const WeightsInfo& w
       else
         built[i]->register_parameter(name, it->second, /*requires_grad=*/true);
     }
-    const std::string prefix = modules[i].view.path.empty() ? "" : modules[i].view.path + ".";
-    for (const auto& child : modules[i].children)
-      built[i]->register_module(child, built[index.at(prefix + child)]);
+    for (const size_t child : modules[i].children)
+      built[i]->register_module(modules[child].view.name, built[child]);
   }
   return built[0];
 }
 
 std::optional<LayerList> find_layer_list(const WeightsInfo& w) {
-  // Children and parameter elements of every module path.
-  std::map<std::string, std::unordered_set<std::string>> children;
-  std::unordered_map<std::string, int64_t> numel;
+  // Every module, found from its parent by its component (linear in the names, Note [Weights
+  // bounds]): its children and the parameter elements below it.
+  struct Node {
+    std::string_view name;  // the component ("" for the root)
+    size_t parent = 0;
+    size_t depth = 0;
+    int64_t numel = 0;
+    std::unordered_map<std::string_view, size_t> child;
+  };
+  std::vector<Node> nodes(1);
   for (const auto& t : w.tensors) {
-    std::string path;
-    const auto parts = split(t.name);
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      children[path].insert(parts[i]);
-      if (!t.buffer) numel[path] += t.numel;
-      path += (i ? "." : "") + parts[i];
+    const std::string_view name(t.name);
+    TORCH_CHECK(std::count(name.begin(), name.end(), '.') < kMaxNameDepth,
+                "find_layer_list: tensor name '", name_for_error(name), "' has more than ",
+                kMaxNameDepth, " components");
+    size_t at = 0;
+    if (!t.buffer) nodes[0].numel += t.numel;
+    size_t start = 0;
+    for (size_t dot = name.find('.'); dot != std::string_view::npos;
+         start = dot + 1, dot = name.find('.', start)) {
+      const std::string_view part = name.substr(start, dot - start);
+      const auto [it, fresh] = nodes[at].child.try_emplace(part, nodes.size());
+      const size_t next = it->second;  // before emplace_back moves the nodes
+      if (fresh) {
+        Node n;
+        n.name = part;
+        n.parent = at;
+        n.depth = nodes[at].depth + 1;
+        nodes.push_back(std::move(n));
+      }
+      at = next;
+      if (!t.buffer) nodes[at].numel += t.numel;
     }
-    if (!t.buffer) numel[path] += t.numel;
   }
+  auto path_of = [&](size_t i) {
+    std::vector<std::string_view> parts;
+    for (; i != 0; i = nodes[i].parent) parts.push_back(nodes[i].name);
+    std::string path;
+    for (auto it = parts.rbegin(); it != parts.rend(); ++it)
+      path += (path.empty() ? "" : ".") + std::string(*it);
+    return path;
+  };
+  // The most parameter elements, then the outermost, then the first path bytewise.
   std::optional<LayerList> best;
   int64_t best_numel = -1;
   size_t best_depth = 0;
-  for (const auto& [path, kids] : children) {
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const auto& kids = nodes[i].child;
+    if (kids.empty()) continue;
     const int64_t count = static_cast<int64_t>(kids.size());
     bool list = true;
-    for (const auto& k : kids) {
+    for (const auto& kv : kids) {
+      const std::string_view k = kv.first;
       list = list && is_number(k) && (k == "0" || k[0] != '0') && k.size() <= 9 &&
-             std::stoll(k) < count;
+             std::stoll(std::string(k)) < count;
     }
     if (!list) continue;  // names are distinct, so all below `count`: exactly 0 .. count-1
-    const size_t depth = path.empty() ? 0 : split(path).size();
-    const int64_t n = numel[path];
+    const int64_t n = nodes[i].numel;
+    const size_t depth = nodes[i].depth;
     if (n > best_numel || (n == best_numel && depth < best_depth)) {
-      best = LayerList{path, count};
+      best = LayerList{path_of(i), count};
       best_numel = n;
       best_depth = depth;
+    } else if (n == best_numel && depth == best_depth) {
+      std::string path = path_of(i);
+      if (path < best->prefix) best->prefix = std::move(path), best->count = count;
     }
   }
   return best;

@@ -46,8 +46,14 @@
 //   * A flatshard checkpoint: checkpoint/manifest.h's parser (all of its checks) gives names,
 //     dtypes, shapes and tied aliases; each file it lists must exist as a regular file of the
 //     recorded size (its data is not read).
-//   * Errors throw c10::Error with one line naming the file and what is wrong. At most
-//     kMaxTensors tensors (module objects are host memory: a clear error instead of gigabytes).
+//   * Errors throw c10::Error with one line naming the file and what is wrong; names, paths and
+//     values from the files are written through printable_escape() (support/input_file.h).
+//   * Bounds (Note [Weights bounds], weights_tree.cpp): at most kMaxTensors tensors (module
+//     objects are host memory: a clear error instead of gigabytes), counted in a safetensors
+//     header before its JSON is parsed and over every header an index makes it read (listed in
+//     weight_map or not); a tensor name has at most kMaxNameDepth dot-separated components (the
+//     error names the tensor and the bound). Within them reading and the tree are linear in the
+//     headers' size, and no walk over the tree recurses deeper than kMaxNameDepth.
 //   * tensors are sorted in module order: the tensors whose top-level component
 //     naming.runs_last accepts after all others, and within each group names compared
 //     component by component, components that are numbers numerically ("layers.2" before
@@ -99,6 +105,9 @@ namespace flatshard {
 
 inline constexpr int64_t kMaxIndexBytes = int64_t{64} << 20;  // an index or manifest JSON
 inline constexpr int64_t kMaxTensors = int64_t{1} << 19;      // DeepSeek-V3 has ~91k
+// Components of a tensor name ("model.layers.0.mlp.up_proj.weight" has 6; Hugging Face
+// checkpoints stay under ~12): the depth of the module tree, which walks recurse over.
+inline constexpr int64_t kMaxNameDepth = 64;
 
 struct WeightTensor {
   std::string name;                   // "model.layers.0.self_attn.q_proj.weight"
@@ -126,7 +135,9 @@ struct WeightsInfo {
   int64_t num_parameters() const;  // elements of the non-buffer tensors (aliases counted once)
   // The parameters' file dtypes: "BF16", or "BF16 (722 tensors) + F32 (1)" when mixed.
   std::string dtype_summary() const;
-  // `dir`/config.json when it exists (a regular file or a link to one), else "".
+  // `dir`/config.json when anything is there, else "" (a missing config.json is optional).
+  // Whatever is there is read as the config (models/hf_config.h's read_hf_config), so a FIFO, a
+  // dangling link or a link out of a hub snapshot is an error naming it, not a silent "none".
   std::string config_path() const;
 };
 

@@ -1,6 +1,8 @@
 // flatshard/support/format.cpp — see format.h for the contract.
 #include "support/format.h"
 
+#include "support/input_file.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -54,6 +56,7 @@ TextTable::TextTable(std::vector<std::string> header, std::vector<Align> align)
 TextTable& TextTable::add_row(std::vector<std::string> cells) {
   TORCH_CHECK(cells.size() == rows_[0].size(), "TextTable: row ", num_rows(), " has ",
               cells.size(), " cells, the header has ", rows_[0].size());
+  for (auto& c : cells) c = printable_escape(c);  // names from files (the contract)
   rows_.push_back(std::move(cells));
   return *this;
 }

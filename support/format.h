@@ -12,8 +12,10 @@
 // - TextTable: a header row and rows of cells, all strings. Columns are as wide as their widest
 //   cell, header included, and separated by two spaces; a right-aligned column (numbers) pads
 //   on the left, a left-aligned one (names) on the right, except in the last column: no line
-//   ends in blanks. Widths count bytes (cells are ASCII). A row with another number of cells
-//   than the header throws c10::Error naming both counts.
+//   ends in blanks. Cells are written through printable_escape() (support/input_file.h): a
+//   module or tensor name from a file cannot send control bytes to the terminal. Widths count
+//   bytes of the escaped cells. A row with another number of cells than the header throws
+//   c10::Error naming both counts.
 #pragma once
 
 #include <cstdint>

@@ -55,6 +55,7 @@
 #include "cli/exit.h"
 #include "cli/named_plans.h"
 #include "support/format.h"
+#include "support/input_file.h"
 
 namespace {
 
@@ -368,7 +369,7 @@ int run(const Described& m, const Request& r) {
   } else if (r.batch > 0) {
     const auto p = flatshard::predict_cost(e, *m.shape, workload, profile);
     std::cout << "batch " << workload.batch << " x seq " << workload.seq
-              << "; profile: " << profile.source << "\n"
+              << "; profile: " << flatshard::printable_escape(profile.source) << "\n"
               << p.to_string() << "prediction: peak_bytes=" << p.peak_bytes
               << " step_ms=" << p.step_ms << " exposed_comm_ms=" << p.exposed_comm_ms
               << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)

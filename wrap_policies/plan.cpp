@@ -87,8 +87,8 @@ std::string Plan::to_string() const {
   if (!empty_units.empty()) os << ", empty units dropped: " << empty_units.size();
   os << '\n';
   for (const auto& [first, others] : tied) {
-    os << "tied: " << first;
-    for (const auto& o : others) os << " = " << o;
+    os << "tied: " << printable_escape(first);  // names may come from a file (the table's are)
+    for (const auto& o : others) os << " = " << printable_escape(o);
     os << '\n';
   }
   return os.str();
