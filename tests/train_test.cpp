@@ -24,7 +24,6 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/file_io.h"
 #include "models/hf.h"
-#include "models/llama.h"
 #include "support/json.h"
 #include "temp_dir.h"
 #include "tool_run.h"
@@ -76,6 +75,7 @@ std::vector<std::string> with(std::vector<std::string> args, const std::string& 
 
 struct Metrics {
   std::map<int64_t, double> loss;  // after the last start/resume line
+  std::map<int64_t, double> lr;
   int64_t resumed_at = -1;         // the last resume line's step, -1 for none
 };
 
@@ -87,9 +87,11 @@ Metrics read_metrics(const std::string& path) {
     const auto j = flatshard::json::parse(line, path);
     if (j.contains("event")) {
       m.loss.clear();
+      m.lr.clear();
       m.resumed_at = j["event"] == "resume" ? j["step"].get<int64_t>() : -1;
     } else if (j.contains("loss")) {
       m.loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
+      m.lr[j["step"].get<int64_t>()] = j["lr"].get<double>();
     }
   }
   return m;
@@ -151,6 +153,15 @@ TEST_CASE("flatshard-train: SIGKILL mid-run, --resume continues bit for bit", "[
   CHECK(first > 5.0);  // about ln(256) = 5.55 for a fresh model
   CHECK(last < first - 1.0);
   CHECK(flatshard::path_exists(tmp / "full/loss.svg"));
+  // The schedule's closed form: 3 warmup steps to 3e-3, then cosine to 3e-4 at step 18.
+  for (const auto& [step, lr] : a.lr) {
+    const int64_t s = step - 1;  // 0-based step the optimizer took
+    const double want =
+        s < 3 ? 3e-3 * static_cast<double>(s + 1) / 3
+              : 3e-4 + (3e-3 - 3e-4) * 0.5 * (1 + std::cos(M_PI * static_cast<double>(s - 3) / 15));
+    INFO("step " << step);
+    CHECK(lr == Approx(want).epsilon(1e-12));
+  }
   // --keep 2: only the newest two checkpoints are left.
   CHECK(flatshard::path_exists(tmp / "full/checkpoints/step-00000018"));
   CHECK(flatshard::path_exists(tmp / "full/checkpoints/step-00000015"));
@@ -246,6 +257,10 @@ TEST_CASE("flatshard-train: bad inputs are one-line errors naming the file and t
     f.push_back("--resume");
     fails(f, 1, "trained model '");
     CHECK(flatshard_test::read_bytes(tmp / "o5/checkpoints/step-00000003/manifest.json") == before);
+    // A fresh run into a folder that holds an earlier run's checkpoints: refused, untouched.
+    fails(flags(data, tmp / "o5", 2, 3), 1,
+          "already holds 1 checkpoint(s) of an earlier run (newest step-00000003)");
+    CHECK(flatshard_test::read_bytes(tmp / "o5/checkpoints/step-00000003/manifest.json") == before);
   }
 }
 
@@ -266,15 +281,22 @@ TEST_CASE("flatshard-train: a Hugging Face directory, resumed, saved back for tr
   TempDir tmp;
   const std::string data = tmp / "data";
   prepare(tmp.path(), data);  // GPL-3 is ASCII: every byte is below the model's vocabulary 128
-  // transformers' tiny random LLaMA (tests/hf_reference.py: vocab 128, d 64, 2 layers, GQA).
-  const std::string refs = tmp / "refs";
+  // transformers' own tiny random LLaMA (the sizes of tests/hf_reference.py's llama2 case:
+  // vocab 128, d 64, 2 layers, 4 heads, 2 key/value heads), written by save_pretrained.
+  const std::string hf = tmp / "llama";
+  const std::string script =
+      "import sys, torch\n"
+      "from transformers import LlamaConfig, LlamaForCausalLM\n"
+      "torch.manual_seed(0)\n"
+      "c = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,"
+      " num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)\n"
+      "LlamaForCausalLM(c).save_pretrained(sys.argv[1])\n";
+  flatshard_test::write_bytes(tmp / "make_llama.py", script);
   const int rc = std::system((std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " +
-                              FLATSHARD_SOURCE_DIR + "/tests/hf_reference.py " + refs + " > " +
-                              tmp / "ref.log" + " 2>&1")
+                              tmp / "make_llama.py" + " " + hf + " > " + tmp / "ref.log" + " 2>&1")
                                  .c_str());
   INFO(flatshard_test::slurp(tmp / "ref.log"));
   REQUIRE(rc == 0);
-  const std::string hf = refs + "/llama2";
   auto hf_flags = [&](const std::string& out, int world) {
     return std::vector<std::string>{
         "--hf", hf, "--data", data + "/train.bin", "--out", out, "--world",
@@ -307,15 +329,13 @@ TEST_CASE("flatshard-train: a Hugging Face directory, resumed, saved back for tr
   const flatshard::models::ModelConfig cfg = flatshard::models::hf_config(tmp / "exported");
   auto model = cfg.build(0);
   flatshard::load_full_into_module(*model, tmp / "a/checkpoints/step-00000006");
-  auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
-  REQUIRE(llama != nullptr);
   const at::Tensor idx = at::arange(2 * 16, at::kLong).remainder(cfg.vocab()).reshape({2, 16});
   flatshard_test::write_bytes(tmp / "idx.bin",
                               std::string(static_cast<const char*>(idx.data_ptr()), idx.nbytes()));
   at::Tensor mine;
   {
     at::NoGradGuard no_grad;
-    mine = llama->forward(idx);
+    mine = cfg.logits(*model, idx);  // the family's typed accessor: no cast to LlamaImpl
   }
   const std::string cmd = std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " +
                           FLATSHARD_SOURCE_DIR + "/tests/hf_reference.py --logits " +

@@ -21,6 +21,7 @@
 #include "fsdp/call.h"
 #include "fsdp/fused_adamw.h"
 #include "fsdp/meta_init.h"
+#include "fsdp/resolve.h"
 #include "fsdp/sharded_model.h"
 #include "models/family.h"
 #include "models/hf.h"
@@ -207,6 +208,15 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
                 c.steps, "]");
   }
 
+  if (resume_dir.empty()) {
+    // A fresh run never mixes its checkpoints with an earlier run's: --resume latest would
+    // otherwise pick whichever is newest, and the earlier run's would be pruned by --keep.
+    const auto earlier = checkpoint_names(c.out + "/checkpoints");
+    TORCH_CHECK(earlier.empty(), "--out '", printable_escape(c.out), "' already holds ",
+                earlier.size(), " checkpoint(s) of an earlier run (newest ", earlier.back(),
+                "): pass --resume to continue it, or another --out");
+  }
+
   std::shared_ptr<torch::nn::Module> model;
   ShardingOptions so;
   so.mixed_precision.param_dtype = c.param_dtype == "bf16" ? c10::kBFloat16 : c10::kFloat;
@@ -217,7 +227,12 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
   } else {
     model = cfg.build(c.seed);
   }
-  const Plan plan = make_train_plan(c, *model, cfg.family().modules());
+  Plan plan = make_train_plan(c, *model, cfg.family().modules());
+  if (c.recompute && plan.units.size() > 1) {
+    for (UnitSpec& u : plan.units)
+      if (!u.is_root) u.options.recompute = true;
+  }
+  so.offload = c.offload;
   std::unique_ptr<ShardedModel> fsdp = fully_shard(model, plan, comm, so);
   auto adamw = torch::optim::AdamWOptions(c.schedule.lr)
                    .betas({c.beta1, c.beta2})

@@ -20,7 +20,9 @@
 //   newest `keep` checkpoints of that folder. Resume (config.resume): "latest" picks the newest
 //   complete checkpoint of <out>/checkpoints, anything else is a checkpoint directory. The saved
 //   model, sequence length and global batch must equal this run's (errors name both values);
-//   the world size, policy and micro-batch may differ.
+//   the world size, policy and micro-batch may differ. A fresh run (no resume) refuses an
+//   <out>/checkpoints that already holds checkpoints (an earlier run's would be resumed or
+//   pruned in its place).
 // - Output on rank 0: a progress line every log_every steps on stdout; <out>/metrics.jsonl gets
 //   one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s_per_rank",
 //   "peak_memory_bytes", "elapsed_s"}), per evaluation ({"step", "val_loss"}) and per start
@@ -69,6 +71,8 @@ struct TrainConfig {
   // Sharding.
   std::string policy = "layer";  // a named plan (tools/named_plans.h) or a policy spec
   std::string param_dtype = "fp32";  // fp32 | bf16
+  bool recompute = false;  // every non-root unit recomputes its forward in backward
+  int offload = 0;         // ShardingOptions::offload level (0, 1, 2) of every unit
   // Optimizer.
   std::string optimizer = "adamw";  // adamw | fused
   Schedule schedule;

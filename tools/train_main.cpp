@@ -121,6 +121,14 @@ int main(int argc, char** argv) {
   app.add_option("--param-dtype", param_dtype, "fp32 (default) | bf16: gathered params, compute")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->group(g_shard);
+  app.add_flag("--recompute", c.recompute,
+               "recompute every non-root unit's forward in backward (activation checkpointing)")
+      ->group(g_shard);
+  app.add_option("--offload", c.offload,
+                 "CPU offload level of every unit: 0 (default) | 1 fp32 master, gradients and "
+                 "optimizer state in host memory | 2 the low-precision shard too")
+      ->check(CLI::Range(0, 2))
+      ->group(g_shard);
 
   const char* g_out = "Output";
   app.add_option("--out", c.out, "run folder: checkpoints/, metrics.jsonl, loss.svg")
