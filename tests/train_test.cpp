@@ -73,6 +73,14 @@ std::vector<std::string> with(std::vector<std::string> args, const std::string& 
   return args;
 }
 
+// `args` without `flag` and its value.
+std::vector<std::string> without(std::vector<std::string> args, const std::string& flag) {
+  auto it = std::find(args.begin(), args.end(), flag);
+  REQUIRE(it != args.end());
+  args.erase(it, it + 2);
+  return args;
+}
+
 struct Metrics {
   std::map<int64_t, double> loss;  // after the last start/resume line
   std::map<int64_t, double> lr;
@@ -244,6 +252,35 @@ TEST_CASE("flatshard-train: bad inputs are one-line errors naming the file and t
     f.push_back("--config");
     f.push_back(tmp / "run.toml");
     fails(f, 2, "config file '" + tmp / "run.toml" + "': INI was not able to parse learning_rate");
+  }
+  fails(with(flags(data, tmp / "o6", 2, 3), "--lr", "nan"), 1, "--lr nan: expected a finite");
+  // A config file sets flags by name; the command line wins (--lr 3e-3 over the file's 1e-3).
+  flatshard_test::write_bytes(tmp / "good.toml", "steps = 2\nglobal-batch = 4\nlr = 1e-3\n");
+  {
+    auto f = without(without(with(flags(data, tmp / "o7", 2), "--warmup", "0"), "--steps"),
+                     "--global-batch");
+    f.push_back("--config");
+    f.push_back(tmp / "good.toml");
+    const ToolRun r = run_tool(tmp.path(), kExe, f, within(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.out.find("steps 0..2, global batch 4 x 32") != std::string::npos);
+    CHECK(read_metrics(tmp / "o7/metrics.jsonl").lr.at(1) == 3e-3);
+  }
+  // A run that diverges (an absurd learning rate, no clipping) logs its NaN/inf values as null
+  // and finishes: metrics.jsonl stays valid JSON.
+  {
+    auto f = with(with(flags(data, tmp / "o8", 2, 4), "--lr", "1e30"), "--min-lr", "1e29");
+    f.push_back("--clip");
+    f.push_back("0");
+    const ToolRun r = run_tool(tmp.path(), kExe, f, within(120));
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 0);
+    const std::string text = flatshard_test::slurp(tmp / "o8/metrics.jsonl");
+    CHECK(text.find("\"loss\": null") != std::string::npos);
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) CHECK_NOTHROW(flatshard::json::parse(line));
   }
   // A resume directory from another model: names both; the checkpoint is untouched.
   {

@@ -114,6 +114,10 @@ std::string format_eta(double s) {
   return buf;
 }
 
+// A measured value for metrics.jsonl: JSON has no NaN or infinity, and a diverged step (a NaN
+// loss or gradient norm) must be logged, not end the run at the write: those are null.
+std::string metric(double v) { return std::isfinite(v) ? json::number(v) : "null"; }
+
 std::string format_lr(double lr) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.3g", lr);
@@ -275,7 +279,7 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     const double val = mean_over_ranks(comm, sum / static_cast<double>(c.eval_batches));
     if (lead) {
       metrics->line("{\"step\": " + std::to_string(step) + ", \"val_loss\": " +
-                    json::number(val) + "}");
+                    metric(val) + "}");
       std::cout << "step " << step << "/" << c.steps << " | val loss " << format_fixed(val, 4)
                 << std::endl;
     }
@@ -341,11 +345,11 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
       const double tps = tokens_per_step / secs / world;
       const int64_t peak = mem.peak_bytes();
       std::ostringstream s;
-      s << "{\"step\": " << step + 1 << ", \"loss\": " << json::number(loss)
-        << ", \"lr\": " << json::number(lr) << ", \"grad_norm\": " << json::number(grad_norm)
-        << ", \"tokens_per_s_per_rank\": " << json::number(tps)
+      s << "{\"step\": " << step + 1 << ", \"loss\": " << metric(loss)
+        << ", \"lr\": " << metric(lr) << ", \"grad_norm\": " << metric(grad_norm)
+        << ", \"tokens_per_s_per_rank\": " << metric(tps)
         << ", \"peak_memory_bytes\": " << peak << ", \"elapsed_s\": "
-        << json::number(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start)
+        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start)
                             .count())
         << "}";
       metrics->line(s.str());

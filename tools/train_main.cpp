@@ -12,6 +12,8 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
+#include <utility>
 #include <iostream>
 #include <string>
 
@@ -195,6 +197,12 @@ int main(int argc, char** argv) {
                        : decay == "linear" ? ft::Decay::kLinear
                                            : ft::Decay::kConstant;
     c.schedule.steps = c.steps;
+    for (const auto& [name, v] : {std::pair<const char*, double>{"--lr", c.schedule.lr},
+                                  {"--min-lr", c.schedule.min_lr}, {"--weight-decay", c.weight_decay},
+                                  {"--beta1", c.beta1}, {"--beta2", c.beta2}, {"--clip", c.clip}})
+      TORCH_CHECK(std::isfinite(v) && v >= 0, name, " ", v, ": expected a finite number >= 0");
+    TORCH_CHECK(c.beta1 < 1 && c.beta2 < 1, "--beta1 ", c.beta1, " / --beta2 ", c.beta2,
+                ": expected values below 1");
     TORCH_CHECK(c.schedule.lr > 0 && c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr,
                 "--lr ", c.schedule.lr, " / --min-lr ", c.schedule.min_lr,
                 ": expected 0 <= min-lr <= lr and lr > 0");
