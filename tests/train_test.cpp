@@ -197,6 +197,12 @@ TEST_CASE("flatshard-train: SIGKILL mid-run, --resume continues bit for bit", "[
     INFO("step " << step);
     CHECK(loss == a.loss.at(step));  // bit for bit
   }
+  // The resumed run's loss curve covers the whole run: a point per step, 18 in all.
+  const std::string svg = flatshard_test::slurp(out + "/loss.svg");
+  const size_t at = svg.find("points=\"");
+  REQUIRE(at != std::string::npos);
+  const std::string pts = svg.substr(at, svg.find('"', at + 8) - at);
+  CHECK(std::count(pts.begin(), pts.end(), ',') == 18);
 
   // A resume at world 1 from the uninterrupted run's step-15 checkpoint: the same global batch
   // in another summation order, within the fp32 parity tolerance.

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <vector>
@@ -146,6 +147,29 @@ class Metrics {
   std::string path_;
   FILE* f_ = nullptr;
 };
+
+// The whole run's loss curve from metrics.jsonl: every step's last logged loss since the last
+// fresh start (a resumed run re-logs the steps after its checkpoint; the later value is the
+// one the run continued from). `fallback` (this process's steps) when the file is too large to
+// read or unreadable: the curve is a convenience, never a reason to fail a finished run.
+std::vector<std::pair<int64_t, double>> run_curve(
+    const std::string& path, const std::vector<std::pair<int64_t, double>>& fallback) {
+  std::map<int64_t, double> by_step;
+  try {
+    const std::string text = read_input_file(path, int64_t{256} << 20, "metrics file");
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      const json::Json j = json::parse(line, path);
+      if (j.contains("event") && j["event"] == "start") by_step.clear();
+      if (j.contains("loss") && j["loss"].is_number())
+        by_step[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    }
+  } catch (const std::exception&) {
+    return fallback;
+  }
+  return {by_step.begin(), by_step.end()};
+}
 
 }  // namespace
 
@@ -374,7 +398,7 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     if (lead) std::cout << "saved Hugging Face model to " << printable_escape(c.save_hf) << std::endl;
   }
   if (lead && !curve.empty() && !c.out.empty())
-    write_loss_svg(curve, c.out + "/loss.svg");
+    write_loss_svg(run_curve(c.out + "/metrics.jsonl", curve), c.out + "/loss.svg");
 }
 
 }  // namespace train

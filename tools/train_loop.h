@@ -27,7 +27,8 @@
 //   one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s_per_rank",
 //   "peak_memory_bytes", "elapsed_s"}), per evaluation ({"step", "val_loss"}) and per start
 //   ({"event": "start" | "resume", "step"}), each line flushed as written; a resumed run
-//   appends. <out>/loss.svg: the loss curve of the steps this run trained.
+//   appends. <out>/loss.svg: the loss curve of the whole run (read back from metrics.jsonl:
+//   each step's last loss since the last fresh start, so a resumed run draws every step).
 #pragma once
 
 #include <cstdint>
