@@ -16,9 +16,7 @@ namespace data {
 
 namespace {
 
-std::string where(const std::string& path) {
-  return "token file '" + printable_escape(path) + "'";
-}
+std::string where(const std::string& path) { return "token file '" + printable_escape(path) + "'"; }
 
 // splitmix64's finaliser (Steele, Lea, Flood 2014): a well-mixed 64-bit hash.
 uint64_t mix(uint64_t z) {
@@ -56,12 +54,12 @@ int64_t BatchLayout::accumulation() const {
 }
 
 void BatchLayout::check() const {
-  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "batch layout: rank ", rank,
-              " of world ", world);
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "batch layout: rank ", rank, " of world ",
+              world);
   TORCH_CHECK(micro_batch >= 1, "micro-batch: expected at least 1 sample, got ", micro_batch);
-  TORCH_CHECK(global_batch >= 1 && global_batch % (micro_batch * world) == 0,
-              "global batch ", global_batch, ": expected a positive multiple of micro-batch ",
-              micro_batch, " x world ", world, " = ", micro_batch * world,
+  TORCH_CHECK(global_batch >= 1 && global_batch % (micro_batch * world) == 0, "global batch ",
+              global_batch, ": expected a positive multiple of micro-batch ", micro_batch,
+              " x world ", world, " = ", micro_batch * world,
               " (each rank runs global / (micro x world) micro-batches per step)");
 }
 
@@ -117,9 +115,8 @@ void TokenDataset::add_file(const std::string& path) {
     s.tokens = count;
   } else {
     const int64_t width = s.dtype == TokenDtype::kUint16 ? 2 : 4;
-    TORCH_CHECK(bytes % width == 0, where(path), ": ", bytes, " bytes, not a multiple of ",
-                width, " (", token_dtype_name(s.dtype),
-                " tokens; truncated, or another token dtype)");
+    TORCH_CHECK(bytes % width == 0, where(path), ": ", bytes, " bytes, not a multiple of ", width,
+                " (", token_dtype_name(s.dtype), " tokens; truncated, or another token dtype)");
     s.tokens = bytes / width;
   }
   const int64_t need = options_.seq_len + 1;
@@ -193,7 +190,8 @@ std::pair<at::Tensor, at::Tensor> TokenDataset::eval_batch(int64_t first, int64_
   const int64_t n = options_.seq_len + 1;
   for (int64_t k = first; k < first + count; ++k) rows.push_back(window((k * n) % windows_));
   at::Tensor b = at::stack(rows);
-  return {b.narrow(1, 0, options_.seq_len).contiguous(), b.narrow(1, 1, options_.seq_len).contiguous()};
+  return {b.narrow(1, 0, options_.seq_len).contiguous(),
+          b.narrow(1, 1, options_.seq_len).contiguous()};
 }
 
 }  // namespace data

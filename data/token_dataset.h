@@ -2,8 +2,9 @@
 // nanoGPT and llm.c write), memory-mapped, cut into next-token batches that every rank reads its
 // own slice of, deterministically from (seed, step).
 //
-//   flatshard::data::TokenDataset ds("train.bin", {/*dtype=*/kUint16, /*vocab=*/50304, /*seq=*/256});
-//   flatshard::data::BatchLayout layout{/*global_batch=*/16, /*micro_batch=*/2, world, rank};
+//   using namespace flatshard::data;
+//   TokenDataset ds("train.bin", {TokenDtype::kUint16, /*vocab=*/50304, /*seq_len=*/256});
+//   BatchLayout layout{/*global_batch=*/16, /*micro_batch=*/2, world, rank};
 //   for (int64_t m = 0; m < layout.accumulation(); ++m) {
 //     auto [idx, targets] = ds.micro_batch(seed, step, layout, m);   // int64 [micro, seq]
 //   }

@@ -125,8 +125,9 @@ TEST_CASE("token batches: deterministic, shifted by one, sliced per rank", "[dat
   CHECK(ds.micro_batch(7, 5, one, 0).first[1][0].item<int64_t>() ==
         (ds.sample_window(7, 5, 1) * 7) % vocab);
 
-  CHECK(error_of([&] { BatchLayout{6, 4, 1, 0}.check(); }).find("global batch 6") !=
-        std::string::npos);
+  CHECK(error_of([&] {
+          BatchLayout{6, 4, 1, 0}.check();
+        }).find("global batch 6") != std::string::npos);
 }
 
 TEST_CASE("token files: untrusted input is a one-line error naming the file and value", "[data]") {

@@ -45,9 +45,9 @@ const std::string kText = "/usr/share/common-licenses/GPL-3";
 
 // Prepares kText byte-level into `dir` with the build's python; train.bin and val.bin.
 void prepare(const std::string& scratch, const std::string& dir) {
-  const ToolRun r = run_tool(scratch, FLATSHARD_PYTHON_EXE,
-                             {std::string(FLATSHARD_SOURCE_DIR) + "/tools/prepare_tokens.py",
-                              "--byte-level", kText, dir});
+  const ToolRun r = run_tool(
+      scratch, FLATSHARD_PYTHON_EXE,
+      {std::string(FLATSHARD_SOURCE_DIR) + "/tools/prepare_tokens.py", "--byte-level", kText, dir});
   INFO(r.err);
   REQUIRE(r.exit_code == 0);
 }
@@ -56,12 +56,42 @@ void prepare(const std::string& scratch, const std::string& dir) {
 // step over 2 ranks (accumulation 2), warmup 3 then cosine, a checkpoint every 3 steps.
 std::vector<std::string> flags(const std::string& data, const std::string& out, int world,
                                int steps = 18) {
-  return {"--data",       data + "/train.bin", "--val",  data + "/val.bin", "--out", out,
-          "--world",      std::to_string(world), "--d-model", "32", "--heads", "2",
-          "--seq",        "32", "--vocab", "256", "--global-batch", "8", "--micro-batch",
-          "2",            "--steps", std::to_string(steps), "--warmup", "3", "--lr", "3e-3",
-          "--min-lr",     "3e-4", "--checkpoint-every", "3", "--keep", "2", "--log-every", "6",
-          "--eval-every", "9"};
+  return {"--data",
+          data + "/train.bin",
+          "--val",
+          data + "/val.bin",
+          "--out",
+          out,
+          "--world",
+          std::to_string(world),
+          "--d-model",
+          "32",
+          "--heads",
+          "2",
+          "--seq",
+          "32",
+          "--vocab",
+          "256",
+          "--global-batch",
+          "8",
+          "--micro-batch",
+          "2",
+          "--steps",
+          std::to_string(steps),
+          "--warmup",
+          "3",
+          "--lr",
+          "3e-3",
+          "--min-lr",
+          "3e-4",
+          "--checkpoint-every",
+          "3",
+          "--keep",
+          "2",
+          "--log-every",
+          "6",
+          "--eval-every",
+          "9"};
 }
 
 // `args` with flag's value replaced by `value`.
@@ -84,7 +114,7 @@ std::vector<std::string> without(std::vector<std::string> args, const std::strin
 struct Metrics {
   std::map<int64_t, double> loss;  // after the last start/resume line
   std::map<int64_t, double> lr;
-  int64_t resumed_at = -1;         // the last resume line's step, -1 for none
+  int64_t resumed_at = -1;  // the last resume line's step, -1 for none
 };
 
 Metrics read_metrics(const std::string& path) {
@@ -148,8 +178,7 @@ TEST_CASE("flatshard-train: SIGKILL mid-run, --resume continues bit for bit", "[
   prepare(tmp.path(), data);
 
   // The uninterrupted run.
-  const ToolRun full = run_tool(tmp.path(), kExe, flags(data, tmp / "full", 2),
-                                within(300));
+  const ToolRun full = run_tool(tmp.path(), kExe, flags(data, tmp / "full", 2), within(300));
   INFO(full.out << full.err);
   REQUIRE(full.exit_code == 0);
   const Metrics a = read_metrics(tmp / "full/metrics.jsonl");
@@ -177,9 +206,8 @@ TEST_CASE("flatshard-train: SIGKILL mid-run, --resume continues bit for bit", "[
 
   // The same run, SIGKILLed once step 6's checkpoint is published, then resumed.
   const std::string out = tmp / "killed";
-  const bool killed = run_and_kill(flags(data, out, 2),
-                                   out + "/checkpoints/step-00000006/manifest.json",
-                                   tmp / "killed.log");
+  const bool killed = run_and_kill(
+      flags(data, out, 2), out + "/checkpoints/step-00000006/manifest.json", tmp / "killed.log");
   REQUIRE(killed);
   const ToolRun resumed = [&] {
     auto args = flags(data, out, 2);
@@ -235,8 +263,8 @@ TEST_CASE("flatshard-train: bad inputs are one-line errors naming the file and t
   fails(with(flags(data, tmp / "o1", 2, 3), "--vocab", "100"), 1,
         "not below the model's vocabulary size 100");
   {
-    const ToolRun r = run_tool(tmp.path(), kExe, with(flags(data, tmp / "o1", 2, 3), "--vocab",
-                                                      "100"), within(120));
+    const ToolRun r = run_tool(tmp.path(), kExe,
+                               with(flags(data, tmp / "o1", 2, 3), "--vocab", "100"), within(120));
     CHECK(r.err.find("token file '" + data + "/train.bin': token ") != std::string::npos);
   }
   // A truncated file (odd size for uint16).
@@ -294,7 +322,8 @@ TEST_CASE("flatshard-train: bad inputs are one-line errors naming the file and t
     const ToolRun r = run_tool(tmp.path(), kExe, f, within(120));
     INFO(r.err);
     REQUIRE(r.exit_code == 0);
-    const std::string before = flatshard_test::read_bytes(tmp / "o5/checkpoints/step-00000003/manifest.json");
+    const std::string before =
+        flatshard_test::read_bytes(tmp / "o5/checkpoints/step-00000003/manifest.json");
     f.push_back("--layers");
     f.push_back("3");
     f.push_back("--resume");
@@ -341,10 +370,28 @@ TEST_CASE("flatshard-train: a Hugging Face directory, resumed, saved back for tr
   INFO(flatshard_test::slurp(tmp / "ref.log"));
   REQUIRE(rc == 0);
   auto hf_flags = [&](const std::string& out, int world) {
-    return std::vector<std::string>{
-        "--hf", hf, "--data", data + "/train.bin", "--out", out, "--world",
-        std::to_string(world), "--global-batch", "4", "--micro-batch", "1", "--steps", "6",
-        "--warmup", "2", "--lr", "3e-3", "--checkpoint-every", "3", "--log-every", "3"};
+    return std::vector<std::string>{"--hf",
+                                    hf,
+                                    "--data",
+                                    data + "/train.bin",
+                                    "--out",
+                                    out,
+                                    "--world",
+                                    std::to_string(world),
+                                    "--global-batch",
+                                    "4",
+                                    "--micro-batch",
+                                    "1",
+                                    "--steps",
+                                    "6",
+                                    "--warmup",
+                                    "2",
+                                    "--lr",
+                                    "3e-3",
+                                    "--checkpoint-every",
+                                    "3",
+                                    "--log-every",
+                                    "3"};
   };
   auto a_flags = hf_flags(tmp / "a", 2);
   a_flags.push_back("--save-hf");
@@ -380,10 +427,10 @@ TEST_CASE("flatshard-train: a Hugging Face directory, resumed, saved back for tr
     at::NoGradGuard no_grad;
     mine = cfg.logits(*model, idx);  // the family's typed accessor: no cast to LlamaImpl
   }
-  const std::string cmd = std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " +
-                          FLATSHARD_SOURCE_DIR + "/tests/hf_reference.py --logits " +
-                          tmp / "exported" + " " + tmp / "idx.bin" + " " + tmp / "logits.bin" +
-                          " > " + tmp / "logits.log" + " 2>&1";
+  const std::string cmd = std::string(FLATSHARD_PYTHON_EXE) + " -W ignore " + FLATSHARD_SOURCE_DIR +
+                          "/tests/hf_reference.py --logits " + tmp / "exported" + " " +
+                          tmp / "idx.bin" + " " + tmp / "logits.bin" + " > " + tmp / "logits.log" +
+                          " 2>&1";
   INFO(flatshard_test::slurp(tmp / "logits.log"));
   REQUIRE(std::system(cmd.c_str()) == 0);
   const at::Tensor want = read_raw(tmp / "logits.bin", {2, 16, cfg.vocab()}, at::kFloat);

@@ -14,10 +14,10 @@
 #include "checkpoint/manifest.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/sharded_model.h"
-#include "wrap_policies/policy.h"
 #include "support/json.h"
 #include "temp_dir.h"
 #include "tiny_net.h"
+#include "wrap_policies/policy.h"
 
 namespace {
 

@@ -6,14 +6,14 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
-#include <optional>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -138,9 +138,8 @@ class Metrics {
     if (f_) std::fclose(f_);
   }
   void line(const std::string& s) {
-    TORCH_CHECK(std::fputs((s + "\n").c_str(), f_) >= 0 && std::fflush(f_) == 0,
-                "metrics file '", printable_escape(path_), "': write failed: ",
-                std::strerror(errno));
+    TORCH_CHECK(std::fputs((s + "\n").c_str(), f_) >= 0 && std::fflush(f_) == 0, "metrics file '",
+                printable_escape(path_), "': write failed: ", std::strerror(errno));
   }
 
  private:
@@ -302,8 +301,7 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     }
     const double val = mean_over_ranks(comm, sum / static_cast<double>(c.eval_batches));
     if (lead) {
-      metrics->line("{\"step\": " + std::to_string(step) + ", \"val_loss\": " +
-                    metric(val) + "}");
+      metrics->line("{\"step\": " + std::to_string(step) + ", \"val_loss\": " + metric(val) + "}");
       std::cout << "step " << step << "/" << c.steps << " | val loss " << format_fixed(val, 4)
                 << std::endl;
     }
@@ -316,17 +314,18 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     comm.barrier();
     std::ostringstream st;
     st << "{\"step\": " << step << ", \"tokens\": " << step * c.global_batch * cfg.seq_len()
-       << ", \"model\": " << json::quote(cfg.to_string())
-       << ", \"data\": {\"seed\": " << c.seed << ", \"position\": " << step
-       << ", \"global_batch\": " << c.global_batch << ", \"seq_len\": " << cfg.seq_len()
-       << ", \"num_tokens\": " << train_data.num_tokens() << "}"
+       << ", \"model\": " << json::quote(cfg.to_string()) << ", \"data\": {\"seed\": " << c.seed
+       << ", \"position\": " << step << ", \"global_batch\": " << c.global_batch
+       << ", \"seq_len\": " << cfg.seq_len() << ", \"num_tokens\": " << train_data.num_tokens()
+       << "}"
        << ", \"schedule\": {\"lr\": " << json::number(c.schedule.lr)
        << ", \"min_lr\": " << json::number(c.schedule.min_lr)
        << ", \"warmup\": " << c.schedule.warmup
        << ", \"decay\": " << json::quote(decay_name(c.schedule.decay))
        << ", \"steps\": " << c.schedule.steps << "}"
        << ", \"rng\": {\"note\": \"batches are a pure function of (data.seed, step); the model "
-          "has no dropout\"}, \"world\": " << world << "}";
+          "has no dropout\"}, \"world\": "
+       << world << "}";
     CheckpointOptions o;
     o.training_state = st.str();
     const std::string dir = folder + "/" + checkpoint_name(step);
@@ -369,19 +368,18 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
       const double tps = tokens_per_step / secs / world;
       const int64_t peak = mem.peak_bytes();
       std::ostringstream s;
-      s << "{\"step\": " << step + 1 << ", \"loss\": " << metric(loss)
-        << ", \"lr\": " << metric(lr) << ", \"grad_norm\": " << metric(grad_norm)
-        << ", \"tokens_per_s_per_rank\": " << metric(tps)
-        << ", \"peak_memory_bytes\": " << peak << ", \"elapsed_s\": "
-        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start)
-                            .count())
+      s << "{\"step\": " << step + 1 << ", \"loss\": " << metric(loss) << ", \"lr\": " << metric(lr)
+        << ", \"grad_norm\": " << metric(grad_norm)
+        << ", \"tokens_per_s_per_rank\": " << metric(tps) << ", \"peak_memory_bytes\": " << peak
+        << ", \"elapsed_s\": "
+        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count())
         << "}";
       metrics->line(s.str());
       const int64_t done = step + 1 - start;
       if ((step + 1) % std::max<int64_t>(c.log_every, 1) == 0 || step + 1 == c.steps ||
           step == start) {
-        const double eta = train_seconds / static_cast<double>(done) *
-                           static_cast<double>(c.steps - step - 1);
+        const double eta =
+            train_seconds / static_cast<double>(done) * static_cast<double>(c.steps - step - 1);
         std::cout << "step " << step + 1 << "/" << c.steps << " | loss " << format_fixed(loss, 4)
                   << " | lr " << format_lr(lr) << " | grad norm " << format_fixed(grad_norm, 3)
                   << " | " << format_fixed(tps, 0) << " tok/s/rank | peak mem "
@@ -395,7 +393,8 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
   evaluate(c.steps);
   if (!c.save_hf.empty()) {
     models::save_hf(*fsdp, c.save_hf);
-    if (lead) std::cout << "saved Hugging Face model to " << printable_escape(c.save_hf) << std::endl;
+    if (lead)
+      std::cout << "saved Hugging Face model to " << printable_escape(c.save_hf) << std::endl;
   }
   if (lead && !curve.empty() && !c.out.empty())
     write_loss_svg(run_curve(c.out + "/metrics.jsonl", curve), c.out + "/loss.svg");

@@ -48,7 +48,7 @@ struct Schedule {
   double min_lr = 3e-5;  // the decay ends here
   int64_t warmup = 0;    // steps of linear warmup from lr / warmup to lr
   Decay decay = Decay::kCosine;
-  int64_t steps = 1;     // the decay reaches min_lr at this step
+  int64_t steps = 1;  // the decay reaches min_lr at this step
 };
 
 // The learning rate of (0-based) step `step`: warmup lr * (step + 1) / warmup for step <
@@ -70,10 +70,10 @@ struct TrainConfig {
   int64_t global_batch = 8, micro_batch = 2;
   uint64_t seed = 0;
   // Sharding.
-  std::string policy = "layer";  // a named plan (tools/named_plans.h) or a policy spec
+  std::string policy = "layer";      // a named plan (tools/named_plans.h) or a policy spec
   std::string param_dtype = "fp32";  // fp32 | bf16
-  bool recompute = false;  // every non-root unit recomputes its forward in backward
-  int offload = 0;         // ShardingOptions::offload level (0, 1, 2) of every unit
+  bool recompute = false;            // every non-root unit recomputes its forward in backward
+  int offload = 0;                   // ShardingOptions::offload level (0, 1, 2) of every unit
   // Optimizer.
   std::string optimizer = "adamw";  // adamw | fused
   Schedule schedule;
@@ -84,7 +84,7 @@ struct TrainConfig {
   // eval_batches x micro_batch samples per rank of `val`.
   int64_t eval_every = 0, eval_batches = 2;
   // Output.
-  std::string out;  // folder for checkpoints/, metrics.jsonl and loss.svg
+  std::string out;               // folder for checkpoints/, metrics.jsonl and loss.svg
   int64_t checkpoint_every = 0;  // 0: only after the last step
   int64_t keep = 3;
   std::string resume;  // "": fresh; "latest" or a checkpoint directory

@@ -13,9 +13,9 @@
 
 #include <chrono>
 #include <cmath>
-#include <utility>
 #include <iostream>
 #include <string>
+#include <utility>
 
 #include "collectives/thread_communicator.h"
 #include "models/family.h"
@@ -66,8 +66,7 @@ int main(int argc, char** argv) {
   app.add_option("--layers", c.n_layers, "override: transformer blocks")->group(g_model);
   app.add_option("--d-model", c.d_model, "override: model width")->group(g_model);
   app.add_option("--heads", c.n_heads, "override: attention heads")->group(g_model);
-  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")
-      ->group(g_model);
+  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")->group(g_model);
   app.add_option("--vocab", c.vocab, "override: vocabulary size (every token must be below it)")
       ->group(g_model);
 
@@ -109,8 +108,7 @@ int main(int argc, char** argv) {
       ->group(g_opt);
   app.add_option("--beta1", c.beta1, "AdamW beta1 (default 0.9)")->group(g_opt);
   app.add_option("--beta2", c.beta2, "AdamW beta2 (default 0.95)")->group(g_opt);
-  app.add_option("--clip", c.clip, "max global gradient norm; 0: off (default 1.0)")
-      ->group(g_opt);
+  app.add_option("--clip", c.clip, "max global gradient norm; 0: off (default 1.0)")->group(g_opt);
 
   const char* g_shard = "Sharding";
   app.add_option("--world", world, "ranks, as threads on this CPU (default 2)")
@@ -173,7 +171,8 @@ int main(int argc, char** argv) {
   try {
     // CLI11 reads the file itself; this checks it first the way every tool input is checked
     // (a regular file of bounded size: a FIFO would block CLI11's read forever).
-    if (!config_path.empty()) flatshard::read_input_file(config_path, kMaxConfigBytes, "config file");
+    if (!config_path.empty())
+      flatshard::read_input_file(config_path, kMaxConfigBytes, "config file");
   } catch (const c10::Error& e) {
     std::cerr << kProgram << ": error: " << e.what_without_backtrace() << std::endl;
     return flatshard::tools::kExitUsage;
@@ -198,8 +197,11 @@ int main(int argc, char** argv) {
                                            : ft::Decay::kConstant;
     c.schedule.steps = c.steps;
     for (const auto& [name, v] : {std::pair<const char*, double>{"--lr", c.schedule.lr},
-                                  {"--min-lr", c.schedule.min_lr}, {"--weight-decay", c.weight_decay},
-                                  {"--beta1", c.beta1}, {"--beta2", c.beta2}, {"--clip", c.clip}})
+                                  {"--min-lr", c.schedule.min_lr},
+                                  {"--weight-decay", c.weight_decay},
+                                  {"--beta1", c.beta1},
+                                  {"--beta2", c.beta2},
+                                  {"--clip", c.clip}})
       TORCH_CHECK(std::isfinite(v) && v >= 0, name, " ", v, ": expected a finite number >= 0");
     TORCH_CHECK(c.beta1 < 1 && c.beta2 < 1, "--beta1 ", c.beta1, " / --beta2 ", c.beta2,
                 ": expected values below 1");
@@ -210,8 +212,9 @@ int main(int argc, char** argv) {
                 " is more than --steps ", c.steps);
     TORCH_CHECK(c.hf_dir.empty() || c.family == "llama", "--hf loads the llama family; --model ",
                 c.family, " cannot");
-    flatshard::run_ranks(world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
-                         std::chrono::minutes(10));
+    flatshard::run_ranks(
+        world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
+        std::chrono::minutes(10));
     flatshard::flush_stdout();
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();

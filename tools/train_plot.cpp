@@ -17,8 +17,8 @@ std::string render_loss_svg(const std::vector<std::pair<int64_t, double>>& curve
   for (const auto& p : curve)
     if (std::isfinite(p.second)) pts.push_back(p);
   std::ostringstream os;
-  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" << kW
-     << "\" height=\"" << kH << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+  os << "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" << kW << "\" height=\""
+     << kH << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
      << "<text x=\"" << kW / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">"
      << "Training loss</text>\n";
@@ -46,17 +46,15 @@ std::string render_loss_svg(const std::vector<std::pair<int64_t, double>>& curve
     os << "\"/>\n";
     os << "<text x=\"" << x0 << "\" y=\"" << y0 + 16 << "\" text-anchor=\"middle\">" << smin
        << "</text>\n<text x=\"" << x1 << "\" y=\"" << y0 + 16 << "\" text-anchor=\"middle\">"
-       << smax << "</text>\n<text x=\"" << x0 - 6 << "\" y=\"" << y0
-       << "\" text-anchor=\"end\">" << format_fixed(lmin, 3) << "</text>\n<text x=\"" << x0 - 6
-       << "\" y=\"" << y1 + 4 << "\" text-anchor=\"end\">" << format_fixed(lmax, 3)
-       << "</text>\n";
+       << smax << "</text>\n<text x=\"" << x0 - 6 << "\" y=\"" << y0 << "\" text-anchor=\"end\">"
+       << format_fixed(lmin, 3) << "</text>\n<text x=\"" << x0 - 6 << "\" y=\"" << y1 + 4
+       << "\" text-anchor=\"end\">" << format_fixed(lmax, 3) << "</text>\n";
   }
   os << "</svg>\n";
   return os.str();
 }
 
-void write_loss_svg(const std::vector<std::pair<int64_t, double>>& curve,
-                    const std::string& path) {
+void write_loss_svg(const std::vector<std::pair<int64_t, double>>& curve, const std::string& path) {
   write_file(path, render_loss_svg(curve), "loss curve");
 }
 
