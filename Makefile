@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh Debian 12 machine (each installs what it needs):
 #   make test    build flatshard and run the whole CPU test suite (ctest)
 #   make bench   run flatshard-bench on a small model on CPU (ranks as threads)
+#   make train   train a tiny LLaMA on a shipped text on CPU with flatshard-train (~1 minute)
 BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CTEST_ARGS ?=
@@ -11,7 +12,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime,locale
 
-.PHONY: all setup configure build test bench clean test-asan test-tsan
+.PHONY: all setup configure build test bench train clean test-asan test-tsan
 
 all: build
 
@@ -39,6 +40,20 @@ test: build
 bench: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target flatshard-bench
 	$(BUILD_DIR)/benchmarks/flatshard-bench $(BENCH_ARGS)
+
+# Builds only flatshard-train, prepares a license text byte-level (tools/prepare_tokens.py) and
+# trains a tiny LLaMA on it at world 2 (docs/training.md). Each run starts afresh in
+# $(BUILD_DIR)/train-run unless TRAIN_ARGS has --resume (e.g. TRAIN_ARGS="--resume --steps 2000").
+TRAIN_TEXT ?= /usr/share/common-licenses/GPL-3
+TRAIN_ARGS ?=
+train: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target flatshard-train
+	$(if $(findstring --resume,$(TRAIN_ARGS)),,rm -rf $(BUILD_DIR)/train-run)
+	"$$(cat $(BUILD_DIR)/.python)" tools/prepare_tokens.py --byte-level $(TRAIN_TEXT) $(BUILD_DIR)/train-data
+	$(BUILD_DIR)/tools/flatshard-train --data $(BUILD_DIR)/train-data/train.bin \
+	  --val $(BUILD_DIR)/train-data/val.bin --vocab 256 --seq 64 --global-batch 8 --micro-batch 2 \
+	  --steps 1000 --warmup 50 --lr 3e-3 --min-lr 3e-4 --checkpoint-every 250 --eval-every 250 \
+	  --log-every 50 --out $(BUILD_DIR)/train-run $(TRAIN_ARGS)
 
 # Sanitizer runs of the CPU suite (docs/reliability.md "Sanitizers"): separate build folders, LibTorch itself
 # uninstrumented; tools/sanitizers/ holds the options and suppressions, each with its reason.

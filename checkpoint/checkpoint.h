@@ -42,6 +42,12 @@
 //   scale is an error naming it). Loading into an enabled scaler from a checkpoint without that
 //   state is an error; a disabled scaler neither saves nor loads. Save between steps (after
 //   update()).
+// - Training state: CheckpointOptions::training_state, a JSON object the caller fills (step,
+//   data position, schedule, RNG, anything else), is checked on every rank before anything is
+//   written (valid JSON, an object, at most kMaxTrainingStateBytes) and rank 0's is stored in
+//   the manifest, so it is published atomically with the tensors; LoadOptions::training_state
+//   gets it back (compact JSON text; "" when the checkpoint has none), as does
+//   read_manifest(dir).training_state without a model. Untrusted on load like the manifest.
 // - Buffers (module.named_buffers()) are saved from rank 0 and loaded on every rank.
 // - HSDP (fully_shard with a ShardingMesh): collective over all R * S ranks. The shard group
 //   of replicate rank 0 writes a checkpoint of S shards; the other groups only join the final
@@ -98,6 +104,8 @@ struct CheckpointOptions {
   bool use_rename_exchange = true;
   // fp16 training: the scaler whose state the checkpoint carries (nullptr: none). Not owned.
   const ShardedGradScaler* grad_scaler = nullptr;
+  // The caller's training state, a JSON object as text ("": none). See the contract.
+  std::string training_state;
 };
 
 struct LoadOptions {
@@ -106,6 +114,9 @@ struct LoadOptions {
   // fp16 training: the scaler the checkpoint's scaler state is restored into (nullptr: none,
   // and any saved state is ignored). Not owned.
   ShardedGradScaler* grad_scaler = nullptr;
+  // Set: receives the checkpoint's training state (compact JSON text; "" when it has none).
+  // Not owned.
+  std::string* training_state = nullptr;
 };
 
 void save_checkpoint(const ShardedModel& model, const torch::optim::Optimizer* optimizer,

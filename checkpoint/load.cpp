@@ -224,8 +224,10 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   std::vector<StagedValue> buffers;
   std::optional<OptimizerRecord> want;
   std::optional<GradScalerState> scaler_state;
+  std::string training_state;
   run_agreed(comm, what, [&] {
     const Manifest m = read_manifest_at(dir);
+    training_state = m.training_state.value_or("");
     if (o.grad_scaler && o.grad_scaler->enabled()) {
       TORCH_CHECK(m.grad_scaler.has_value(),
                   "the checkpoint was saved without grad scaler state (no "
@@ -308,6 +310,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   }
   for (auto& b : buffers) b.target.copy_(b.value);
   if (scaler_state) o.grad_scaler->load_state_dict(*scaler_state);
+  if (o.training_state) *o.training_state = training_state;
 }
 
 void load_full_into_module(torch::nn::Module& module, const std::string& dir_arg,

@@ -311,6 +311,7 @@ std::string Manifest::to_json() const {
        << ", \"growth_interval\": " << g.growth_interval
        << ", \"growth_tracker\": " << g.growth_tracker << "}";
   }
+  if (training_state) os << ",\n\"training_state\": " << *training_state;
   os << ",\n\"units\": [";
   for (size_t i = 0; i < units.size(); ++i)
     os << (i ? "," : "") << "\n {\"name\": " << json::quote(units[i].name)
@@ -351,7 +352,8 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   TORCH_CHECK(got == want, path, ": manifest checksum mismatch (stored ", crc32_hex(got),
               ", computed ", crc32_hex(want), "): the manifest is corrupt");
   only(doc, {"format", "version", "kind", "world_size", "crc_chunk_bytes", "optimizer",
-             "grad_scaler", "units", "params", "buffers", "files", "manifest_crc32"});
+             "grad_scaler", "training_state", "units", "params", "buffers", "files",
+             "manifest_crc32"});
   Manifest m;
   const json::Node format = doc.at("format");
   if (format.as_string() != kFormatName)
@@ -397,6 +399,14 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
     r.growth_tracker = g->at("growth_tracker").as_int();
     m.grad_scaler = r;
   }
+  if (const auto t = doc.find("training_state")) {
+    if (!t->is_object()) t->fail("training_state must be a JSON object");
+    std::string compact = t->json().dump();
+    if (static_cast<int64_t>(compact.size()) > kMaxTrainingStateBytes)
+      t->fail("training_state is " + std::to_string(compact.size()) + " bytes, more than " +
+              std::to_string(kMaxTrainingStateBytes));
+    m.training_state = std::move(compact);
+  }
   for (const auto& u : doc.at("units").items()) {
     only(u, {"name", "strategy", "numel", "padded_numel"});
     m.units.push_back(UnitRecord{u.at("name").as_string(), u.at("strategy").as_string(),
@@ -407,6 +417,17 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   for (const auto& f : doc.at("files").items()) m.files.push_back(parse_file_record(f));
   validate(m, path);
   return m;
+}
+
+std::string check_training_state(const std::string& text, const std::string& what) {
+  TORCH_CHECK(static_cast<int64_t>(text.size()) <= kMaxTrainingStateBytes, what, ": ",
+              text.size(), " bytes, more than the limit of ", kMaxTrainingStateBytes, " bytes");
+  const json::Json doc = json::parse(text, what);
+  TORCH_CHECK(doc.is_object(), what, ": expected a JSON object, got ", doc.type_name());
+  std::string compact = doc.dump();
+  TORCH_CHECK(static_cast<int64_t>(compact.size()) <= kMaxTrainingStateBytes, what, ": ",
+              compact.size(), " bytes, more than the limit of ", kMaxTrainingStateBytes, " bytes");
+  return compact;
 }
 
 }  // namespace flatshard

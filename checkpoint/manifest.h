@@ -16,6 +16,11 @@
 // - optionally (only when a save was given an enabled ShardedGradScaler) the scaler's state:
 //   `grad_scaler` {scale, growth_factor, backoff_factor, growth_interval, growth_tracker}, checked
 //   by GradScalerState::check (fsdp/grad_scaler.h). Manifests without it are unchanged.
+// - optionally (only when a save was given one, CheckpointOptions::training_state) the user's
+//   training state: `training_state`, one JSON object (step, data position, schedule, RNG, ...)
+//   of at most kMaxTrainingStateBytes, kept as compact JSON text; flatshard does not interpret
+//   it. It is inside the manifest, so it is published atomically with the checkpoint and covered
+//   by the manifest's CRC.
 // The manifest carries its own CRC-32 (`manifest_crc32`, over the text before it); parse()
 // checks it and every field, throwing with the path and the field at fault (a JSON Pointer,
 // e.g. "manifest.json: /params/3/step: expected an integer, got 1.5 (entry 'wte.weight')").
@@ -45,6 +50,9 @@ class Node;  // support/json.h
 
 inline constexpr const char* kManifestName = "manifest.json";
 inline constexpr int kCheckpointFormatVersion = 1;
+// The largest training state (compact JSON text) a checkpoint carries: far more than a step, a
+// data position, a schedule and RNG states need; a bound so that a manifest stays small.
+inline constexpr int64_t kMaxTrainingStateBytes = int64_t{1} << 20;
 
 struct Piece {
   std::string file;
@@ -101,6 +109,7 @@ struct Manifest {
   std::vector<ValueRecord> buffers;
   std::optional<OptimizerRecord> optimizer;
   std::optional<GradScalerState> grad_scaler;  // fp16 loss scaling (fsdp/grad_scaler.h)
+  std::optional<std::string> training_state;   // compact JSON text of an object (see above)
   std::vector<FileRecord> files;
 
   std::string to_json() const;
@@ -108,6 +117,10 @@ struct Manifest {
 
   const FileRecord* file(const std::string& name) const;
 };
+
+// `text` (a JSON object of at most kMaxTrainingStateBytes) in compact form; c10::Error naming
+// `what` otherwise (invalid JSON, not an object, too large).
+std::string check_training_state(const std::string& text, const std::string& what);
 
 // One file's entry as JSON text and back (ranks send theirs to rank 0 as text).
 std::string file_record_json(const FileRecord& f);

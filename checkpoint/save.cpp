@@ -294,6 +294,9 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
     manifest = describe(*source, o.kind, world, o.crc_chunk_bytes);
     if (o.grad_scaler && o.grad_scaler->enabled())
       manifest.grad_scaler = o.grad_scaler->state_dict();
+    if (!o.training_state.empty())
+      manifest.training_state =
+          check_training_state(o.training_state, "CheckpointOptions::training_state");
     if (rank == 0) {
       dir = resolve_save_dir(dir);  // a symlink is followed (Note [Checkpoint publication])
       staging = begin_save(dir, kManifestName, o.durable, check_only_checkpoint_files);

@@ -22,7 +22,7 @@ if(TARGET flatshard_models)
 endif()
 # Public headers keep their repository paths under include/flatshard/, so both
 # #include "fsdp/call.h" and #include <flatshard/fsdp/call.h> work for consumers.
-foreach(dir support collectives flat_param optim wrap_policies fsdp checkpoint planner)
+foreach(dir support collectives flat_param optim wrap_policies fsdp checkpoint data planner)
   install(DIRECTORY ${dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard/${dir}
           FILES_MATCHING PATTERN "*.h")
 endforeach()

@@ -23,6 +23,9 @@
 //                              under flatshard::MetaInit: shapes only
 //       loss(model, idx, tgt)  the model's own fp32 next-token loss; `model` must come from
 //                              build() of this family (else c10::Error)
+//       logits(model, idx)     its forward: [B, T] token ids -> [B, T, vocab] logits, the
+//                              same typed access (no cast to the family's module type); under
+//                              fully_shard call it through flatshard::enter like loss
 //       shape(cfg)             the planner's description (planner/model_shape.h)
 //     FamilyOf<Config, Model> implements it from the config's and the model's own members and
 //     the family's free functions, so a family is one file pair (docs/design.md "How to add a
@@ -80,6 +83,7 @@ class Family {
                                                    uint64_t seed) const = 0;
   virtual at::Tensor loss(torch::nn::Module& model, const at::Tensor& idx,
                           const at::Tensor& targets) const = 0;
+  virtual at::Tensor logits(torch::nn::Module& model, const at::Tensor& idx) const = 0;
   virtual TransformerShape shape(const TransformerConfig& c) const = 0;
 };
 
@@ -172,6 +176,11 @@ class FamilyOf final : public Family {
     TORCH_CHECK(m != nullptr, "the model is a ", model.name(), ", not a ", display_name());
     return m->loss(idx, targets);
   }
+  at::Tensor logits(torch::nn::Module& model, const at::Tensor& idx) const override {
+    auto* m = dynamic_cast<Model*>(&model);
+    TORCH_CHECK(m != nullptr, "the model is a ", model.name(), ", not a ", display_name());
+    return m->forward(idx);
+  }
 
  private:
   const char* name_;
@@ -233,6 +242,9 @@ class ModelConfig {
   at::Tensor loss(torch::nn::Module& model, const at::Tensor& idx,
                   const at::Tensor& targets) const {
     return family_->loss(model, idx, targets);
+  }
+  at::Tensor logits(torch::nn::Module& model, const at::Tensor& idx) const {
+    return family_->logits(model, idx);
   }
   // The planner's description (planner/model_shape.h, Family::shape).
   TransformerShape transformer_shape() const { return family_->shape(*config_); }

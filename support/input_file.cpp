@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -95,6 +96,26 @@ json::Json read_json_file(const std::string& path, int64_t max_bytes, const std:
                           const std::string& limit_name) {
   const std::string text = read_input_file(path, max_bytes, what, limit_name);
   return json::parse(text, what + " '" + printable_escape(path) + "'");
+}
+
+MappedInputFile::MappedInputFile(const std::string& path, const std::string& what) {
+  const std::string where = what + " '" + printable_escape(path) + "'";
+  Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+  TORCH_CHECK(f.fd >= 0, where, ": cannot open: ", std::strerror(errno));
+  struct stat st {};
+  TORCH_CHECK(::fstat(f.fd, &st) == 0, where, ": cannot stat: ", std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), where, ": is ", file_type(st.st_mode),
+              ", not a regular file (refusing to read it)");
+  size_ = static_cast<int64_t>(st.st_size);
+  if (size_ == 0) return;
+  void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, f.fd, 0);
+  TORCH_CHECK(p != MAP_FAILED, where, ": cannot map ", size_, " bytes: ", std::strerror(errno));
+  data_ = static_cast<const unsigned char*>(p);
+}
+
+MappedInputFile::~MappedInputFile() {
+  // munmap of a mapping we made cannot fail in a way a caller could act on.
+  if (data_ != nullptr) ::munmap(const_cast<unsigned char*>(data_), static_cast<size_t>(size_));
 }
 
 }  // namespace flatshard

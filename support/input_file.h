@@ -16,6 +16,11 @@
 // - Errors throw c10::Error, one line, starting "<what> '<path>': " (the path through
 //   printable_escape): "cannot open: <strerror>", "is a FIFO, not a regular file",
 //   "<n> bytes, more than <limit_name> of <max> bytes", "invalid JSON at byte ...".
+// - MappedInputFile(path, what): the same open and checks (regular file, never blocking), then
+//   the whole file mapped read-only (MAP_PRIVATE) for inputs too large to read whole (token
+//   files, data/token_dataset.h). No size limit: nothing is allocated. An empty file maps to
+//   data() == nullptr, size() == 0. A file truncated by someone else while mapped makes a read
+//   past its new end fault (SIGBUS), as with any mmap; the mapping stays valid otherwise.
 // - printable_escape(s): `s` with every control byte (< 0x20 and 0x7f) and the two-byte UTF-8
 //   C1 controls (U+0080..U+009F, which some terminals act on like ESC) written as \xNN; every
 //   other byte, UTF-8 included, as is. Use it wherever a user-supplied string (a file's field, a
@@ -39,5 +44,19 @@ json::Json read_json_file(const std::string& path, int64_t max_bytes, const std:
                           const std::string& limit_name = "the limit");
 
 std::string printable_escape(std::string_view s);
+
+class MappedInputFile {
+ public:
+  MappedInputFile(const std::string& path, const std::string& what);
+  ~MappedInputFile();
+  MappedInputFile(const MappedInputFile&) = delete;
+  MappedInputFile& operator=(const MappedInputFile&) = delete;
+  const unsigned char* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  const unsigned char* data_ = nullptr;
+  int64_t size_ = 0;
+};
 
 }  // namespace flatshard

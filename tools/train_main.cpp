@@ -1,0 +1,229 @@
+// flatshard-train — train a family preset or a Hugging Face directory on token files
+// (docs/training.md):
+//   python tools/prepare_tokens.py --byte-level input.txt data/       # data/train.bin, val.bin
+//   flatshard-train --data data/train.bin --val data/val.bin --out run/ --steps 200
+//   flatshard-train ... --resume                                      # from run/'s latest
+//   flatshard-train --config run.toml                                 # the same flags in a file
+//
+// Exit codes: 0 done; 1 the run failed (one line "flatshard-train: error: ..." on stderr);
+// 2 usage error (tools/cli_exit.h). The loop is tools/train_loop.h's; only flags live here.
+#include <c10/util/Exception.h>
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <string>
+#include <utility>
+
+#include "collectives/thread_communicator.h"
+#include "models/family.h"
+#include "support/input_file.h"
+#include "support/output_file.h"
+#include "tools/cli_exit.h"
+#include "tools/train_loop.h"
+
+namespace ft = flatshard::train;
+
+namespace {
+
+constexpr const char* kProgram = "flatshard-train";
+constexpr int64_t kMaxConfigBytes = int64_t{1} << 20;  // a config file of flags
+
+constexpr const char* kFooter = R"(
+Data: --data / --val name a token file (raw uint16 or uint32 tokens, nanoGPT's train.bin, or
+llm.c's headered .bin) or a directory of *.bin shards; tools/prepare_tokens.py makes them.
+Batches: each step trains on --global-batch sequences of --seq tokens, drawn from
+(--seed, step) alone; each rank runs global / (micro x world) micro-batches of --micro-batch.
+--resume continues bit for bit from the latest checkpoint in --out (or the one named), at any
+--world. A --config file (TOML or INI) holds the same names as the flags (without --).)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ft::TrainConfig c;
+  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as threads)",
+               kProgram);
+  app.footer(kFooter);
+  app.set_config("--config", "", "read flags from this TOML/INI file (unknown keys are errors)");
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  int world = 2;
+  std::string param_dtype = "fp32", decay = "cosine", token_dtype = "uint16";
+
+  const char* g_model = "Model";
+  app.add_option("--model", c.family,
+                 "model family (default llama): " + flatshard::models::families_help())
+      ->check(CLI::IsMember(flatshard::models::family_names()))
+      ->group(g_model);
+  app.add_option("--preset", c.preset, "the family's preset (default tiny)")
+      ->check(CLI::IsMember(flatshard::models::all_preset_names()))
+      ->group(g_model);
+  app.add_option("--hf", c.hf_dir,
+                 "a Hugging Face model directory (LLaMA, Mistral, Qwen2): its config and weights "
+                 "instead of --model/--preset")
+      ->group(g_model);
+  app.add_option("--layers", c.n_layers, "override: transformer blocks")->group(g_model);
+  app.add_option("--d-model", c.d_model, "override: model width")->group(g_model);
+  app.add_option("--heads", c.n_heads, "override: attention heads")->group(g_model);
+  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")->group(g_model);
+  app.add_option("--vocab", c.vocab, "override: vocabulary size (every token must be below it)")
+      ->group(g_model);
+
+  const char* g_data = "Data";
+  app.add_option("--data", c.data, "training tokens: a .bin file or a directory of them")
+      ->required()
+      ->group(g_data);
+  app.add_option("--val", c.val, "validation tokens (evaluated every --eval-every steps)")
+      ->group(g_data);
+  app.add_option("--token-dtype", token_dtype, "uint16 (default) | uint32: raw files' tokens")
+      ->check(CLI::IsMember({"uint16", "uint32"}))
+      ->group(g_data);
+  app.add_option("--global-batch", c.global_batch, "sequences per optimizer step (default 8)")
+      ->check(CLI::PositiveNumber)
+      ->group(g_data);
+  app.add_option("--micro-batch", c.micro_batch,
+                 "sequences per rank per forward/backward (default 2)")
+      ->check(CLI::PositiveNumber)
+      ->group(g_data);
+  app.add_option("--seed", c.seed, "model init and data order (default 0)")->group(g_data);
+
+  const char* g_opt = "Optimizer";
+  app.add_option("--steps", c.steps, "optimizer steps (default 100)")
+      ->check(CLI::PositiveNumber)
+      ->group(g_opt);
+  app.add_option("--optimizer", c.optimizer, "adamw (default) | fused (flatshard::FusedAdamW)")
+      ->check(CLI::IsMember({"adamw", "fused"}))
+      ->group(g_opt);
+  app.add_option("--lr", c.schedule.lr, "peak learning rate (default 3e-4)")->group(g_opt);
+  app.add_option("--min-lr", c.schedule.min_lr, "learning rate at the end (default 3e-5)")
+      ->group(g_opt);
+  app.add_option("--warmup", c.schedule.warmup, "linear warmup steps (default 0)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(g_opt);
+  app.add_option("--decay", decay, "cosine (default) | linear | constant, after the warmup")
+      ->check(CLI::IsMember({"cosine", "linear", "constant"}))
+      ->group(g_opt);
+  app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay (default 0.1)")
+      ->group(g_opt);
+  app.add_option("--beta1", c.beta1, "AdamW beta1 (default 0.9)")->group(g_opt);
+  app.add_option("--beta2", c.beta2, "AdamW beta2 (default 0.95)")->group(g_opt);
+  app.add_option("--clip", c.clip, "max global gradient norm; 0: off (default 1.0)")->group(g_opt);
+
+  const char* g_shard = "Sharding";
+  app.add_option("--world", world, "ranks, as threads on this CPU (default 2)")
+      ->check(CLI::Range(1, 64))
+      ->group(g_shard);
+  app.add_option("--policy", c.policy,
+                 "a named plan (layer, leaf, every-K, model, noshard) or a policy spec "
+                 "(docs/vocabulary.md; default layer)")
+      ->group(g_shard);
+  app.add_option("--param-dtype", param_dtype, "fp32 (default) | bf16: gathered params, compute")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->group(g_shard);
+  app.add_flag("--recompute", c.recompute,
+               "recompute every non-root unit's forward in backward (activation checkpointing)")
+      ->group(g_shard);
+  app.add_option("--offload", c.offload,
+                 "CPU offload level of every unit: 0 (default) | 1 fp32 master, gradients and "
+                 "optimizer state in host memory | 2 the low-precision shard too")
+      ->check(CLI::Range(0, 2))
+      ->group(g_shard);
+
+  const char* g_out = "Output";
+  app.add_option("--out", c.out, "run folder: checkpoints/, metrics.jsonl, loss.svg")
+      ->required()
+      ->group(g_out);
+  app.add_option("--checkpoint-every", c.checkpoint_every,
+                 "steps between checkpoints (default 0: only after the last)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(g_out);
+  app.add_option("--keep", c.keep, "checkpoints kept, newest first (default 3)")
+      ->check(CLI::PositiveNumber)
+      ->group(g_out);
+  app.add_option("--resume", c.resume,
+                 "continue from a checkpoint: 'latest' (the default when given without a value) "
+                 "in --out/checkpoints, or a checkpoint directory")
+      ->expected(0, 1)
+      ->default_str("latest")
+      ->group(g_out);
+  app.add_option("--log-every", c.log_every, "steps between progress lines (default 10)")
+      ->check(CLI::PositiveNumber)
+      ->group(g_out);
+  app.add_option("--eval-every", c.eval_every,
+                 "steps between evaluations on --val (default 0: after the last step only)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(g_out);
+  app.add_option("--eval-batches", c.eval_batches,
+                 "micro-batches per rank per evaluation (default 2)")
+      ->check(CLI::PositiveNumber)
+      ->group(g_out);
+  app.add_option("--save-hf", c.save_hf,
+                 "after the last step, write the model in Hugging Face's layout (LLaMA family)")
+      ->group(g_out);
+
+  std::string config_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--config" && i + 1 < argc) config_path = argv[i + 1];
+    if (a.rfind("--config=", 0) == 0) config_path = a.substr(9);
+  }
+  try {
+    // CLI11 reads the file itself; this checks it first the way every tool input is checked
+    // (a regular file of bounded size: a FIFO would block CLI11's read forever).
+    if (!config_path.empty())
+      flatshard::read_input_file(config_path, kMaxConfigBytes, "config file");
+  } catch (const c10::Error& e) {
+    std::cerr << kProgram << ": error: " << e.what_without_backtrace() << std::endl;
+    return flatshard::tools::kExitUsage;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ConfigError& e) {
+    // CLI11 names the key but not the file: say which file it was.
+    const std::string& path = config_path;
+    std::cerr << kProgram << ": error: config file '" << flatshard::printable_escape(path)
+              << "': " << flatshard::printable_escape(e.what()) << std::endl;
+    return flatshard::tools::kExitUsage;
+  } catch (const CLI::ParseError& e) {
+    return flatshard::tools::cli_exit(app, e, kProgram);
+  }
+  try {
+    if (app.count("--resume") > 0 && c.resume.empty()) c.resume = "latest";
+    c.token_dtype = flatshard::data::parse_token_dtype(token_dtype);
+    c.param_dtype = param_dtype;
+    c.schedule.decay = decay == "cosine"   ? ft::Decay::kCosine
+                       : decay == "linear" ? ft::Decay::kLinear
+                                           : ft::Decay::kConstant;
+    c.schedule.steps = c.steps;
+    for (const auto& [name, v] : {std::pair<const char*, double>{"--lr", c.schedule.lr},
+                                  {"--min-lr", c.schedule.min_lr},
+                                  {"--weight-decay", c.weight_decay},
+                                  {"--beta1", c.beta1},
+                                  {"--beta2", c.beta2},
+                                  {"--clip", c.clip}})
+      TORCH_CHECK(std::isfinite(v) && v >= 0, name, " ", v, ": expected a finite number >= 0");
+    TORCH_CHECK(c.beta1 < 1 && c.beta2 < 1, "--beta1 ", c.beta1, " / --beta2 ", c.beta2,
+                ": expected values below 1");
+    TORCH_CHECK(c.schedule.lr > 0 && c.schedule.min_lr >= 0 && c.schedule.min_lr <= c.schedule.lr,
+                "--lr ", c.schedule.lr, " / --min-lr ", c.schedule.min_lr,
+                ": expected 0 <= min-lr <= lr and lr > 0");
+    TORCH_CHECK(c.schedule.warmup <= c.steps, "--warmup ", c.schedule.warmup,
+                " is more than --steps ", c.steps);
+    TORCH_CHECK(c.hf_dir.empty() || c.family == "llama", "--hf loads the llama family; --model ",
+                c.family, " cannot");
+    flatshard::run_ranks(
+        world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
+        std::chrono::minutes(10));
+    flatshard::flush_stdout();
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    msg = msg.substr(0, msg.find('\n'));
+    std::cerr << kProgram << ": error: " << msg << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << kProgram << ": error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
