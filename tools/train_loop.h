@@ -70,7 +70,7 @@ struct TrainConfig {
   int64_t global_batch = 8, micro_batch = 2;
   uint64_t seed = 0;
   // Sharding.
-  std::string policy = "layer";      // a named plan (tools/named_plans.h) or a policy spec
+  std::string policy = "layer";      // a named plan (cli/named_plans.h) or a policy spec
   std::string param_dtype = "fp32";  // fp32 | bf16
   bool recompute = false;            // every non-root unit recomputes its forward in backward
   int offload = 0;                   // ShardingOptions::offload level (0, 1, 2) of every unit

@@ -6,7 +6,7 @@
 //   flatshard-train --config run.toml                                 # the same flags in a file
 //
 // Exit codes: 0 done; 1 the run failed (one line "flatshard-train: error: ..." on stderr);
-// 2 usage error (tools/cli_exit.h). The loop is tools/train_loop.h's; only flags live here.
+// 2 usage error (cli/exit.h). The loop is tools/train_loop.h's; only flags live here.
 #include <c10/util/Exception.h>
 
 #include <CLI/CLI.hpp>
@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -21,7 +22,8 @@
 #include "models/family.h"
 #include "support/input_file.h"
 #include "support/output_file.h"
-#include "tools/cli_exit.h"
+#include "cli/exit.h"
+#include "cli/numbers.h"
 #include "tools/train_loop.h"
 
 namespace ft = flatshard::train;
@@ -40,6 +42,8 @@ Batches: each step trains on --global-batch sequences of --seq tokens, drawn fro
 --world. A --config file (TOML or INI) holds the same names as the flags (without --).)";
 
 }  // namespace
+
+namespace fcli = flatshard::cli;
 
 int main(int argc, char** argv) {
   ft::TrainConfig c;
@@ -63,11 +67,16 @@ int main(int argc, char** argv) {
                  "a Hugging Face model directory (LLaMA, Mistral, Qwen2): its config and weights "
                  "instead of --model/--preset")
       ->group(g_model);
-  app.add_option("--layers", c.n_layers, "override: transformer blocks")->group(g_model);
-  app.add_option("--d-model", c.d_model, "override: model width")->group(g_model);
-  app.add_option("--heads", c.n_heads, "override: attention heads")->group(g_model);
-  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")->group(g_model);
+  app.add_option("--layers", c.n_layers, "override: transformer blocks")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
+  app.add_option("--d-model", c.d_model, "override: model width")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
+  app.add_option("--heads", c.n_heads, "override: attention heads")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
+  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
   app.add_option("--vocab", c.vocab, "override: vocabulary size (every token must be below it)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->group(g_model);
 
   const char* g_data = "Data";
@@ -80,38 +89,50 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"uint16", "uint32"}))
       ->group(g_data);
   app.add_option("--global-batch", c.global_batch, "sequences per optimizer step (default 8)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::PositiveNumber)
       ->group(g_data);
   app.add_option("--micro-batch", c.micro_batch,
                  "sequences per rank per forward/backward (default 2)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::PositiveNumber)
       ->group(g_data);
-  app.add_option("--seed", c.seed, "model init and data order (default 0)")->group(g_data);
+  app.add_option("--seed", c.seed, "model init and data order (default 0)")
+      ->transform(fcli::unsigned64())->group(g_data);
 
   const char* g_opt = "Optimizer";
   app.add_option("--steps", c.steps, "optimizer steps (default 100)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::PositiveNumber)
       ->group(g_opt);
   app.add_option("--optimizer", c.optimizer, "adamw (default) | fused (flatshard::FusedAdamW)")
       ->check(CLI::IsMember({"adamw", "fused"}))
       ->group(g_opt);
-  app.add_option("--lr", c.schedule.lr, "peak learning rate (default 3e-4)")->group(g_opt);
+  app.add_option("--lr", c.schedule.lr, "peak learning rate (default 3e-4)")
+      ->check(fcli::number())->group(g_opt);
   app.add_option("--min-lr", c.schedule.min_lr, "learning rate at the end (default 3e-5)")
+      ->check(fcli::number())
       ->group(g_opt);
   app.add_option("--warmup", c.schedule.warmup, "linear warmup steps (default 0)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::NonNegativeNumber)
       ->group(g_opt);
   app.add_option("--decay", decay, "cosine (default) | linear | constant, after the warmup")
       ->check(CLI::IsMember({"cosine", "linear", "constant"}))
       ->group(g_opt);
   app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay (default 0.1)")
+      ->check(fcli::number())
       ->group(g_opt);
-  app.add_option("--beta1", c.beta1, "AdamW beta1 (default 0.9)")->group(g_opt);
-  app.add_option("--beta2", c.beta2, "AdamW beta2 (default 0.95)")->group(g_opt);
-  app.add_option("--clip", c.clip, "max global gradient norm; 0: off (default 1.0)")->group(g_opt);
+  app.add_option("--beta1", c.beta1, "AdamW beta1 (default 0.9)")
+      ->check(fcli::number())->group(g_opt);
+  app.add_option("--beta2", c.beta2, "AdamW beta2 (default 0.95)")
+      ->check(fcli::number())->group(g_opt);
+  app.add_option("--clip", c.clip, "max global gradient norm
+      ->check(fcli::number()); 0: off (default 1.0)")->group(g_opt);
 
   const char* g_shard = "Sharding";
   app.add_option("--world", world, "ranks, as threads on this CPU (default 2)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::Range(1, 64))
       ->group(g_shard);
   app.add_option("--policy", c.policy,
@@ -127,6 +148,7 @@ int main(int argc, char** argv) {
   app.add_option("--offload", c.offload,
                  "CPU offload level of every unit: 0 (default) | 1 fp32 master, gradients and "
                  "optimizer state in host memory | 2 the low-precision shard too")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::Range(0, 2))
       ->group(g_shard);
 
@@ -136,9 +158,11 @@ int main(int argc, char** argv) {
       ->group(g_out);
   app.add_option("--checkpoint-every", c.checkpoint_every,
                  "steps between checkpoints (default 0: only after the last)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::NonNegativeNumber)
       ->group(g_out);
   app.add_option("--keep", c.keep, "checkpoints kept, newest first (default 3)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::PositiveNumber)
       ->group(g_out);
   app.add_option("--resume", c.resume,
@@ -148,14 +172,17 @@ int main(int argc, char** argv) {
       ->default_str("latest")
       ->group(g_out);
   app.add_option("--log-every", c.log_every, "steps between progress lines (default 10)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::PositiveNumber)
       ->group(g_out);
   app.add_option("--eval-every", c.eval_every,
                  "steps between evaluations on --val (default 0: after the last step only)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::NonNegativeNumber)
       ->group(g_out);
   app.add_option("--eval-batches", c.eval_batches,
                  "micro-batches per rank per evaluation (default 2)")
+      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::PositiveNumber)
       ->group(g_out);
   app.add_option("--save-hf", c.save_hf,
