@@ -774,6 +774,19 @@ double CostPrediction::mfu(double peak_tflops) const {
   return peak_tflops > 0 && step_ms > 0 ? model_flops / (step_ms * 1e9) / peak_tflops : 0;
 }
 
+std::string CostPrediction::throughput(const MachineProfile& profile) const {
+  std::ostringstream os;
+  os << "predicted throughput: " << format_fixed(tokens_per_s(), 0) << " tokens/s per GPU, ";
+  if (profile.peak_tflops > 0)
+    os << "MFU " << format_fixed(100 * mfu(profile.peak_tflops), 1) << "% of "
+       << profile.peak_tflops << " TFLOP/s";
+  else
+    os << "MFU unknown (the profile has no peak_tflops)";
+  os << " (" << format_fixed(tokens > 0 ? model_flops / tokens / 1e9 : 0, 2)
+     << " GFLOP per token, recompute not counted)";
+  return os.str();
+}
+
 std::string CostPrediction::to_string() const {
   std::ostringstream os;
   os << "predicted peak per rank " << format_bytes(peak_bytes) << " at " << peak_at

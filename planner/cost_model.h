@@ -130,6 +130,9 @@ struct CostPrediction {
   double model_flops = 0, tokens = 0;
   double tokens_per_s() const;              // per rank (GPU): tokens / step
   double mfu(double peak_tflops) const;     // model FLOPs / step / peak; 0 if the peak is unknown
+  // "predicted throughput: N tokens/s per GPU, MFU x% of <peak> TFLOP/s (<F> GFLOP per token)";
+  // without the profile's peak_tflops, MFU is said to be unknown.
+  std::string throughput(const MachineProfile& profile) const;
 
   std::string to_string() const;  // a few lines: memory breakdown, time breakdown
 };

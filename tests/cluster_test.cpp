@@ -7,6 +7,8 @@
 // node), and the named profiles' own JSON files read by the test.
 #include <catch2/catch.hpp>
 
+#include <chrono>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -15,6 +17,9 @@
 #include <vector>
 
 #include "fsdp/meta_init.h"
+#include "planner/advisor.h"
+#include "temp_dir.h"
+#include "tool_run.h"
 #include "models/family.h"
 #include "planner/cost_model.h"
 #include "planner/explain.h"
@@ -310,3 +315,102 @@ TEST_CASE("machine profile: topology keys, sources, named profiles; old profiles
   CHECK(unknown.find("neither a named profile (a100-ib200, h100-ib400, h200-ib400)") !=
         std::string::npos);
 }
+
+TEST_CASE("advisor: HSDP shard sizes searched over a cluster's meshes", "[advisor][cluster]") {
+  CHECK(cluster_shard_sizes(64, 8) == std::vector<int>{1, 2, 4, 8, 16, 32, 64});
+  // 48 GPUs on nodes of 8: 3, 6 and 12 straddle nodes; 24 and 48 fill whole nodes.
+  CHECK(cluster_shard_sizes(48, 8) == std::vector<int>{1, 2, 4, 8, 16, 24, 48});
+  CHECK(cluster_shard_sizes(6, 0) == std::vector<int>{1, 2, 3, 6});
+
+  auto cfg = models::ModelConfig::preset("gpt", "small");
+  std::shared_ptr<torch::nn::Module> model;
+  {
+    MetaInit meta;
+    model = cfg.build(0);
+  }
+  AdvisorOptions a;
+  a.memory_limit_bytes = int64_t{8} << 30;
+  a.workload = {1, cfg.seq_len()};
+  a.shape = cfg.transformer_shape();
+  a.profile = cluster_profile();
+  a.prefetch_depths = {1};
+  a.shard_sizes = cluster_shard_sizes(32, 8);
+  const Advice advice = suggest(*model, 32, 1, ShardingOptions{}, a);
+  std::set<std::pair<int, int>> meshes;
+  for (const auto& c : advice.candidates) {
+    meshes.insert({c.shard, c.replicate});
+    CHECK(c.shard * c.replicate == 32);
+    CHECK(c.command_line().find("--world " + std::to_string(c.shard) + " --replicate " +
+                                std::to_string(c.replicate)) != std::string::npos);
+  }
+  CHECK(meshes.size() == 6);  // 1, 2, 4, 8, 16, 32
+  // Each candidate is exactly predict_cost at its own mesh.
+  const Candidate& best = advice.best();
+  ShardingOptions o;
+  o.forward_prefetch = o.backward_prefetch = best.prefetch;
+  const Explanation e = explain(*model, make_plan(*model, parse_policy(best.spec)), best.shard, o,
+                                std::nullopt, best.replicate);
+  CHECK(predict_cost(e, a.shape, a.workload, a.profile).step_ms == best.cost.step_ms);
+  const std::string table = advice.to_string();
+  CHECK(table.find(" mesh ") != std::string::npos);
+  CHECK(table.find("tok/s/GPU") != std::string::npos);
+  a.shard_sizes = {3};
+  CHECK(error_of([&] { suggest(*model, 32, 1, ShardingOptions{}, a); })
+            .find("shard size 3 does not divide the 32 ranks") != std::string::npos);
+}
+
+#ifdef FLATSHARD_EXPLAIN_EXE
+TEST_CASE("flatshard-explain: --gpus-per-node, --nodes, --profile by name, tokens/s and MFU",
+          "[advisor][cluster][cli]") {
+  flatshard_test::TempDir dir;
+  auto run = [&](const std::vector<std::string>& args) {
+    return flatshard_test::run_tool(dir.path(), FLATSHARD_EXPLAIN_EXE, args);
+  };
+  // Issue 52's command: the cluster search with the H100 profile's 80 GB as the budget.
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = run({"--preset", "1b", "--world", "64", "--gpus-per-node", "8", "--profile",
+                      "h100-ib400", "--batch", "2", "--suggest"});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CAPTURE(r.out, r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("memory limit: the profile's device memory, 80 GB") != std::string::npos);
+  CHECK(r.out.find("tokens/s per GPU, MFU ") != std::string::npos);
+  CHECK(r.out.find("cluster: 64 GPUs on 8 node(s) of 8") != std::string::npos);
+  CHECK(r.out.find("16x4") != std::string::npos);  // an HSDP mesh of the search
+  CHECK(seconds < 10);  // ~0.3 s of CPU; generous for loaded CI cores
+
+  // --nodes sets --world; the throughput lines with --batch.
+  const auto n = run({"--preset", "small", "--nodes", "2", "--gpus-per-node", "4", "--profile",
+                      "h100-ib400", "--batch", "1"});
+  CAPTURE(n.out, n.err);
+  CHECK(n.exit_code == 0);
+  CHECK(n.out.find("cluster: 8 GPUs on 2 node(s) of 4; shard group 8 ranks on 2 nodes") !=
+        std::string::npos);
+  CHECK(n.out.find("throughput: tokens_per_s_per_gpu=") != std::string::npos);
+
+  struct Bad {
+    std::vector<std::string> args;
+    int code;
+    std::string says;
+  };
+  const std::vector<Bad> bad = {
+      {{"--preset", "small"}, 2, "--world (or --nodes with --gpus-per-node) is required"},
+      {{"--preset", "small", "--nodes", "2"}, 2, "needs --gpus-per-node"},
+      {{"--preset", "small", "--nodes", "2", "--gpus-per-node", "8", "--world", "8"}, 2,
+       "16 GPUs is not --world 8 x --replicate 1"},
+      {{"--preset", "small", "--nodes", "4000000000", "--gpus-per-node", "8"}, 2,
+       "more ranks than an int holds"},
+      {{"--preset", "small", "--world", "12", "--gpus-per-node", "8", "--batch", "1"}, 1,
+       "12 GPUs do not fill whole nodes of 8"},
+      {{"--preset", "small", "--world", "2", "--profile", "h100-ib800", "--batch", "1"}, 1,
+       "neither a named profile (a100-ib200, h100-ib400, h200-ib400)"},
+  };
+  for (const auto& b : bad) {
+    const auto o = run(b.args);
+    CAPTURE(b.args, o.out, o.err);
+    CHECK(o.exit_code == b.code);
+    CHECK(o.err.find(b.says) != std::string::npos);
+  }
+}
+#endif

@@ -42,6 +42,7 @@
 #include "planner/cost_model.h"
 #include "planner/explain.h"
 #include "planner/machine_profile.h"
+#include "planner/topology.h"
 #include "support/output_file.h"
 #include "fsdp/meta_init.h"
 #include "models/family.h"
@@ -240,6 +241,7 @@ struct Request {
   int world = 1, replicate = 1, prefetch = -1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
   int64_t align = 8, batch = 0, seq = 0;
   bool keep = false, show_plan = false, suggest = false, keep_low_precision_grads = false;
+  int64_t gpus_per_node = -1, nodes = 0;  // --gpus-per-node (-1: the profile's), --nodes
   std::vector<int> offload_levels, prefetch_depths;
   flatshard::ExplainOptions cost;
 };
@@ -406,6 +408,27 @@ std::string policy_spec(const Described& m, const std::string& policy) {
   return policy;
 }
 
+// --- Issue 52: the cluster (--gpus-per-node, --nodes). Sets the profile's gpus_per_node from
+// the flag and returns the line that says where the groups sit ("" without a topology). The
+// GPUs must fill whole nodes when they span more than one.
+std::string cluster_line(const Request& r, flatshard::MachineProfile* profile) {
+  if (r.gpus_per_node >= 0) profile->gpus_per_node = static_cast<double>(r.gpus_per_node);
+  const auto g = static_cast<int64_t>(profile->gpus_per_node);
+  if (g == 0) return "";
+  const int64_t gpus = static_cast<int64_t>(r.world) * r.replicate;
+  TORCH_CHECK(gpus <= g || gpus % g == 0, "--world ", r.world, " x --replicate ", r.replicate,
+              " = ", gpus, " GPUs do not fill whole nodes of ", g,
+              " GPUs (--gpus-per-node or the profile's gpus_per_node)");
+  const auto shard = flatshard::shard_group_span(r.world, g);
+  std::string s = "cluster: " + std::to_string(gpus) + " GPUs on " +
+                  std::to_string(std::max<int64_t>(1, gpus / g)) + " node(s) of " +
+                  std::to_string(g) + "; shard group " + shard.to_string();
+  if (r.replicate > 1)
+    s += ", replicate group " +
+         flatshard::replicate_group_span(r.replicate, r.world, g).to_string();
+  return s;
+}
+
 // The plan, its explanation and (with --batch) the prediction, or (--suggest) the advisor's
 // choice, for any described model.
 int run(const Described& m, const Request& r) {
@@ -436,7 +459,8 @@ int run(const Described& m, const Request& r) {
   flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
   // Read only where it is used (--batch, --suggest); elsewhere main() said it is ignored.
   if (!r.profile_path.empty() && (r.batch > 0 || r.suggest))
-    profile = flatshard::load_profile(r.profile_path);
+    profile = flatshard::load_profile_named(r.profile_path);  // a name or a file
+  const std::string cluster = cluster_line(r, &profile);
   const flatshard::Workload workload{r.batch > 0 ? r.batch : 1, r.seq > 0 ? r.seq : m.seq_len};
   if (m.shape)
     TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
@@ -444,7 +468,13 @@ int run(const Described& m, const Request& r) {
 
   for (const auto& n : m.notes) std::cout << n << "\n";
   if (r.suggest) {
-    TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
+    if (!limit && profile.device_memory_gb > 0) {  // the device's memory (issue 52)
+      limit = static_cast<int64_t>(profile.device_memory_gb * 1e9);
+      std::cout << "memory limit: the profile's device memory, " << profile.device_memory_gb
+                << " GB (--memory-limit to set another)\n";
+    }
+    TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB) or a profile "
+                "with device_memory_gb (--profile h100-ib400)");
     if (!m.shape) {
       flatshard::flush_stdout();
       std::cerr << "flatshard-explain: --suggest: " << m.no_shape << std::endl;
@@ -458,7 +488,11 @@ int run(const Described& m, const Request& r) {
     a.offload_levels = r.offload_levels;
     a.prefetch_depths = r.prefetch_depths;
     if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
+    if (profile.gpus_per_node > 0)  // a cluster: every HSDP shard size aligned with its nodes
+      a.shard_sizes = flatshard::cluster_shard_sizes(
+          static_cast<int64_t>(r.world) * r.replicate, static_cast<int64_t>(profile.gpus_per_node));
     if (!m.model_line.empty()) std::cout << m.model_line << "\n";
+    if (!cluster.empty()) std::cout << cluster << "\n";
     const auto advice = flatshard::suggest(*m.tree, r.world, r.replicate, opts, a);
     std::cout << advice.to_string();
     flatshard::flush_stdout();
@@ -487,6 +521,10 @@ int run(const Described& m, const Request& r) {
               << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
               << " host_bytes=" << p.host_bytes
               << " optimizer_ms=" << p.optimizer_ms + p.cpu_optimizer_ms << "\n";
+    if (!cluster.empty()) std::cout << cluster << "\n";
+    std::cout << p.throughput(profile) << "\n"
+              << "throughput: tokens_per_s_per_gpu=" << p.tokens_per_s()
+              << " mfu=" << p.mfu(profile.peak_tflops) << "\n";
     // The limit above was checked against the model state; with --batch the full peak is
     // known, the number --suggest checks the same flag against.
     if (limit)
@@ -527,7 +565,6 @@ int main(int argc, char** argv) {
                  "wrap policy spec (wrap_policies/spec.h), e.g. \"every=2,type=Block\"; "
                  "\"none\" = model: root only (default: layer, one unit per layer)");
   app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
-      ->required()
       ->check(at_least(1));
   app.add_option("--replicate", r.replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
@@ -589,7 +626,8 @@ int main(int argc, char** argv) {
                  "most the checkpoint's max_position_embeddings")
       ->check(at_least(1));
   app.add_option("--profile", r.profile_path,
-                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
+                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile) "
+                 "or a named one (planner/profiles/: h100-ib400, h200-ib400, a100-ib200); "
                  "default: the stated defaults (1x/2x H200 measurements)");
   app.add_flag("--suggest", r.suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
@@ -602,6 +640,16 @@ int main(int argc, char** argv) {
   app.add_option("--prefetch-depths", prefetch_depths_text,
                  "--suggest: prefetch depths to try, each in [0, 64] (default 1,2; no repeats)")
       ->check(int_list(0, 64));
+  // Issue 52: the cluster. --profile also takes a name (planner/profiles/).
+  app.add_option("--gpus-per-node", r.gpus_per_node,
+                 "GPUs per node: collectives of groups that span nodes run at the network's "
+                 "speed (planner/topology.h); --suggest then also searches HSDP shard sizes. "
+                 "Default: the profile's gpus_per_node (0: one node)")
+      ->check(at_least(0));
+  app.add_option("--nodes", r.nodes,
+                 "nodes of --gpus-per-node GPUs: sets --world to nodes x GPUs per node "
+                 "(/ --replicate)")
+      ->check(at_least(1));
   std::string weights;
   {
     CLI::Option* w = app.add_option(
@@ -647,6 +695,45 @@ int main(int argc, char** argv) {
   ignored("--reference-step-ms", r.suggest,
           "is not read by --suggest (it predicts the step): ignored");
 
+  // Issue 52: --world from --nodes, or --world alone.
+  {
+    const bool world_given = app.get_option("--world")->count() > 0;
+    if (r.gpus_per_node > 1000000)  // the profile key's bound (planner/machine_profile.h)
+      return flatshard::tools::cli_exit(
+          app, CLI::ValidationError("--gpus-per-node", "must be at most 1000000, got " +
+                                                           std::to_string(r.gpus_per_node)),
+          "flatshard-explain");
+    if (r.nodes > 0 && r.gpus_per_node > 0 &&
+        r.nodes > std::numeric_limits<int>::max() / r.gpus_per_node)
+      return flatshard::tools::cli_exit(
+          app, CLI::ValidationError("--nodes", std::to_string(r.nodes) + " nodes of " +
+                                                   std::to_string(r.gpus_per_node) +
+                                                   " GPUs are more ranks than an int holds"),
+          "flatshard-explain");
+    if (r.nodes > 0) {
+      if (r.gpus_per_node <= 0)
+        return flatshard::tools::cli_exit(
+            app, CLI::ValidationError("--nodes", "needs --gpus-per-node (GPUs per node, >= 1)"),
+            "flatshard-explain");
+      const int64_t gpus = r.nodes * r.gpus_per_node;
+      if (gpus % r.replicate != 0 || gpus / r.replicate > std::numeric_limits<int>::max() ||
+          (world_given && gpus != static_cast<int64_t>(r.world) * r.replicate))
+        return flatshard::tools::cli_exit(
+            app,
+            CLI::ValidationError("--nodes", std::to_string(r.nodes) + " x " +
+                                                std::to_string(r.gpus_per_node) + " = " +
+                                                std::to_string(gpus) + " GPUs is not --world " +
+                                                std::to_string(r.world) + " x --replicate " +
+                                                std::to_string(r.replicate)),
+            "flatshard-explain");
+      r.world = static_cast<int>(gpus / r.replicate);
+    } else if (!world_given) {
+      return flatshard::tools::cli_exit(
+          app, CLI::RequiredError("--world (or --nodes with --gpus-per-node)"),
+          "flatshard-explain");
+    }
+  }
+  ignored("--gpus-per-node", !predicts, "is read only with --batch or --suggest: ignored");
   r.offload_levels = parse_int_list(offload_levels_text, 0, 2);  // checked by int_list
   r.prefetch_depths = parse_int_list(prefetch_depths_text, 0, 64);
   try {
