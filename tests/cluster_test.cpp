@@ -395,7 +395,7 @@ TEST_CASE("flatshard-explain: --gpus-per-node, --nodes, --profile by name, token
     std::string says;
   };
   const std::vector<Bad> bad = {
-      {{"--preset", "small"}, 2, "--world (or --nodes with --gpus-per-node) is required"},
+      {{"--preset", "small"}, 2, "--world is required (or --nodes with --gpus-per-node)"},
       {{"--preset", "small", "--nodes", "2"}, 2, "needs --gpus-per-node"},
       {{"--preset", "small", "--nodes", "2", "--gpus-per-node", "8", "--world", "8"}, 2,
        "16 GPUs is not --world 8 x --replicate 1"},

@@ -729,7 +729,9 @@ int main(int argc, char** argv) {
       r.world = static_cast<int>(gpus / r.replicate);
     } else if (!world_given) {
       return flatshard::tools::cli_exit(
-          app, CLI::RequiredError("--world (or --nodes with --gpus-per-node)"),
+          app,
+          CLI::RequiredError("--world is required (or --nodes with --gpus-per-node)",
+                             CLI::ExitCodes::RequiredError),
           "flatshard-explain");
     }
   }
