@@ -26,7 +26,8 @@
 //   flatshard-bench never writes a profile that explain would refuse.
 // - Times: t(collective) = latency + bytes / bandwidth, with bytes as nccl-tests' bus bytes of
 //   this rank (all-gather and reduce-scatter: bytes sent x (W-1)/W; all-reduce: 2 (W-1)/W x
-//   bytes). World 1 collectives are device copies (Note [One-rank NCCL]): memory_gbps.
+//   bytes). World 1 collectives are device copies (Note [One-rank NCCL]): memory_gbps. With the
+//   topology keys, latency and bandwidth are those of the group's links (planner/topology.h).
 // - defaults(): every number says in its comment where it comes from (benchmarks/RESULTS.md,
 //   docs/design.md) or that it is a stated guess; source is "defaults".
 // - flatshard-bench --write-profile FILE writes one measured on the machine the bench runs on
