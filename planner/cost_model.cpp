@@ -580,7 +580,9 @@ void CostWalk::passes_and_collectives() {
   const double rs_bus = W_ > 1 ? static_cast<double>(W_ - 1) / W_ : 0;
   // Each group's own links (planner/topology.h): the shard group's all-gathers and
   // reductions, the replicate group's all-reduce.
-  const auto nodes = static_cast<int64_t>(prof_.gpus_per_node);
+  // All ranks inside one node (W x R <= gpus per node): every group is, aligned or not.
+  const auto per_node = static_cast<int64_t>(prof_.gpus_per_node);
+  const int64_t nodes = static_cast<int64_t>(W_) * R_ <= per_node ? 0 : per_node;
   const GroupSpan shard = shard_group_span(W_, nodes);
   const GroupSpan replicate = replicate_group_span(R_, W_, nodes);
   auto cost = [&](Collective c, const GroupSpan& g, double bus, int64_t bytes) {

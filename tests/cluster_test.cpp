@@ -233,6 +233,13 @@ TEST_CASE("cost model: HSDP's intra-node gathers and cross-node all-reduce are c
   CHECK(full.comm_ms == Approx(gathers + reductions).epsilon(1e-9));
   CHECK(full.comm_ms > hsdp.comm_ms);
 
+  // Every rank inside one node (3 of 8 GPUs: a misaligned shard group, but only one): costed
+  // as one node, exactly as without the topology.
+  const Explanation three = explain(*model, plan, 3, o);
+  MachineProfile eight = p, none = p;
+  none.gpus_per_node = 0;
+  CHECK(predict_cost(three, shape, w, eight).comm_ms == predict_cost(three, shape, w, none).comm_ms);
+
   // Throughput: tokens and model FLOPs of the step (the family's closed form, recompute left
   // out), MFU against the peak.
   CHECK(hsdp.tokens == w.tokens());

@@ -419,13 +419,13 @@ std::string cluster_line(const Request& r, flatshard::MachineProfile* profile) {
   TORCH_CHECK(gpus <= g || gpus % g == 0, "--world ", r.world, " x --replicate ", r.replicate,
               " = ", gpus, " GPUs do not fill whole nodes of ", g,
               " GPUs (--gpus-per-node or the profile's gpus_per_node)");
-  const auto shard = flatshard::shard_group_span(r.world, g);
+  const auto shard = flatshard::shard_group_span(r.world, gpus <= g ? 0 : g);
   std::string s = "cluster: " + std::to_string(gpus) + " GPUs on " +
                   std::to_string(std::max<int64_t>(1, gpus / g)) + " node(s) of " +
                   std::to_string(g) + "; shard group " + shard.to_string();
   if (r.replicate > 1)
     s += ", replicate group " +
-         flatshard::replicate_group_span(r.replicate, r.world, g).to_string();
+         flatshard::replicate_group_span(r.replicate, r.world, gpus <= g ? 0 : g).to_string();
   return s;
 }
 
