@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -137,7 +138,27 @@ const char* to_string(LossReason r) {
 std::string Candidate::command_line() const {
   std::string s = "--policy '" + spec + "' --prefetch " + std::to_string(prefetch);
   if (offload) s += " --offload " + std::to_string(offload);
+  if (mesh_searched)
+    s += " --world " + std::to_string(shard) + " --replicate " + std::to_string(replicate);
   return s;
+}
+
+std::vector<int> cluster_shard_sizes(int64_t gpus, int64_t gpus_per_node) {
+  TORCH_CHECK(gpus >= 1 && gpus <= std::numeric_limits<int>::max() && gpus_per_node >= 0,
+              "cluster_shard_sizes: ", gpus, " GPUs and ", gpus_per_node,
+              " per node: expected at least 1 GPU (at most int's max) and >= 0 per node");
+  std::vector<int> out;
+  for (int64_t s = 1; s * s <= gpus; ++s) {
+    if (gpus % s) continue;
+    for (int64_t d : {s, gpus / s}) {
+      const bool aligned =
+          gpus_per_node == 0 || gpus_per_node % d == 0 || d % gpus_per_node == 0;
+      if (aligned && std::find(out.begin(), out.end(), d) == out.end())
+        out.push_back(static_cast<int>(d));
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 const Candidate& Advice::best() const {
@@ -171,6 +192,17 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
   advice.replicate_size = replicate_size;
   advice.workload = a.workload;
   advice.profile = a.profile;
+  // The meshes: the given one, or every shard size asked for (issue 52).
+  const int64_t gpus = static_cast<int64_t>(world_size) * replicate_size;
+  std::vector<std::pair<int, int>> meshes;
+  for (int s : a.shard_sizes) {
+    TORCH_CHECK(s >= 1 && gpus % s == 0, "suggest: shard size ", s, " does not divide the ",
+                gpus, " ranks (world ", world_size, " x replicate ", replicate_size, ")");
+    meshes.emplace_back(s, static_cast<int>(gpus / s));
+  }
+  const bool searched = !meshes.empty();
+  if (!searched) meshes.emplace_back(world_size, replicate_size);
+  advice.mesh_searched = searched;
   for (const Shape& g : granularities(a)) {
     Plan plan;
     try {
@@ -183,6 +215,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
     const bool extra =
         std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
     if (g.label != "model" && !extra && plan.matched_modules == 0) continue;
+    for (const auto& [shard, replicas] : meshes) {
     std::map<int, Explanation> explained;  // per offload level
     for (int depth : a.prefetch_depths) {
       for (int level : a.offload_levels) {
@@ -195,7 +228,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
           ShardingOptions o = options;
           o.forward_prefetch = o.backward_prefetch = depth;
           o.offload = level;
-          base = explain(model, plan, world_size, o, std::nullopt, replicate_size);
+          base = explain(model, plan, shard, o, std::nullopt, replicas);
         }
         Explanation e = base;
         e.options.forward_prefetch = e.options.backward_prefetch = depth;
@@ -209,9 +242,13 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
         c.units = static_cast<int64_t>(e.units.size());
         c.cost = predict_cost(e, a.shape, a.workload, a.profile);
         c.fits = static_cast<double>(c.cost.peak_bytes) <= usable;
+        c.shard = shard;
+        c.replicate = replicas;
+        c.mesh_searched = searched;
         advice.candidates.push_back(std::move(c));
       }
     }
+    }  // meshes
   }
   auto& cs = advice.candidates;
   std::stable_sort(cs.begin(), cs.end(), [](const Candidate& x, const Candidate& y) {
@@ -249,6 +286,9 @@ std::string Advice::to_string() const {
   std::ostringstream os;
   os << "advisor: world " << world_size;
   if (replicate_size > 1) os << " x " << replicate_size << " replicas";
+  if (mesh_searched)
+    os << " (" << static_cast<int64_t>(world_size) * replicate_size
+       << " GPUs; mesh = shard group x replicas, each searched)";
   os << ", batch " << workload.batch << " x seq " << workload.seq << ", memory limit "
      << format_bytes(memory_limit_bytes) << " per rank (" << std::lround(100 * memory_margin)
      << "% kept free), held against the predicted peak with activations\nprofile: "
@@ -259,6 +299,7 @@ std::string Advice::to_string() const {
     os << "suggested: " << b.label << " " << printable_escape(b.command_line()) << "\n"
        << "  spec: " << printable_escape(b.spec) << "\n"
        << "  " << b.cost.to_string();
+    if (mesh_searched || profile.peak_tflops > 0) os << "  " << b.cost.throughput(profile) << "\n";
   } else {
     os << "no candidate fits";
     if (!candidates.empty())
@@ -267,11 +308,19 @@ std::string Advice::to_string() const {
          << format_bytes(candidates.front().cost.peak_bytes);
     os << "\n";
   }
-  TextTable t({"plan", "prefetch", "offload", "units", "peak", "step ms", "exposed ms", "host ms",
-               "verdict"},
-              {TextTable::Align::kLeft, TextTable::Align::kRight, TextTable::Align::kRight,
-               TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kRight,
-               TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kLeft});
+  std::vector<std::string> heads = {"plan",    "prefetch",   "offload", "units", "peak",
+                                    "step ms", "exposed ms", "host ms", "verdict"};
+  std::vector<TextTable::Align> aligns = {
+      TextTable::Align::kLeft,  TextTable::Align::kRight, TextTable::Align::kRight,
+      TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kRight,
+      TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kLeft};
+  if (mesh_searched) {  // shard group x replicas; tokens/s per GPU and MFU beside the step
+    heads.insert(heads.begin() + 1, "mesh");
+    aligns.insert(aligns.begin() + 1, TextTable::Align::kRight);
+    heads.insert(heads.end() - 1, {"tok/s/GPU", "MFU"});
+    aligns.insert(aligns.end() - 1, {TextTable::Align::kRight, TextTable::Align::kRight});
+  }
+  TextTable t(heads, aligns);
   // One row per distinct prediction: candidates that differ only in the prefetch depth and
   // predict the same peak and times share the first one's row and verdict, their depths
   // joined ("1,2"): the depth made no difference there (the best's twin is the best too).
@@ -279,6 +328,7 @@ std::string Advice::to_string() const {
     std::vector<std::string> cells;  // plan, offload, units, peak, step, exposed, host, verdict
     int64_t peak_bytes = 0;
     std::string prefetch;
+    std::string tokens, mfu, mesh;  // with a mesh search
   };
   std::vector<Row> rows;
   for (const auto& c : candidates) {
@@ -287,10 +337,14 @@ std::string Advice::to_string() const {
              format_fixed(c.cost.exposed_comm_ms, 2), format_fixed(c.cost.host_ms, 2),
              std::string(flatshard::to_string(c.reason)) + (c.why.empty() ? "" : ": " + c.why)},
             c.cost.peak_bytes,
-            std::to_string(c.prefetch)};
+            std::to_string(c.prefetch),
+            format_fixed(c.cost.tokens_per_s(), 0),
+            profile.peak_tflops > 0 ? format_fixed(100 * c.cost.mfu(profile.peak_tflops), 1) + "%"
+                                    : "-",
+            std::to_string(c.shard) + "x" + std::to_string(c.replicate)};
     // Times as printed (10 us), the peak to the byte.
     auto same = std::find_if(rows.begin(), rows.end(), [&](const Row& r) {
-      return r.peak_bytes == row.peak_bytes &&
+      return r.peak_bytes == row.peak_bytes && r.mesh == row.mesh &&
              std::equal(r.cells.begin(), r.cells.begin() + 7, row.cells.begin());
     });
     if (same != rows.end()) {
@@ -299,9 +353,16 @@ std::string Advice::to_string() const {
       rows.push_back(std::move(row));
     }
   }
-  for (const auto& r : rows)
-    t.add_row({r.cells[0], r.prefetch, r.cells[1], r.cells[2], r.cells[3], r.cells[4], r.cells[5],
-               r.cells[6], r.cells[7]});
+  for (const auto& r : rows) {
+    if (!mesh_searched) {
+      t.add_row({r.cells[0], r.prefetch, r.cells[1], r.cells[2], r.cells[3], r.cells[4],
+                 r.cells[5], r.cells[6], r.cells[7]});
+      continue;
+    }
+    t.add_row({r.cells[0], r.mesh, r.prefetch, r.cells[1],
+               r.cells[2], r.cells[3], r.cells[4], r.cells[5], r.cells[6], r.tokens, r.mfu,
+               r.cells[7]});
+  }
   os << t;
   return os.str();
 }

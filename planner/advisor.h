@@ -42,7 +42,11 @@
 //   with the largest excess over the best; NO_SHARD candidates whose largest excess is
 //   communication or parameter passes report kReplication. A loser slower by less than
 //   noise_share of the best's step says that its margin is within the prediction's error.
-// - Throws c10::Error for a budget <= 0, world or replicate < 1, an empty prefetch_depths, a
+// - With AdvisorOptions::shard_sizes, the product above is taken at every HSDP mesh too (shard
+//   group S, replicas world x replicate / S), each costed on its groups' links (the profile's
+//   topology); the table gains a mesh column and the losers' reasons compare across meshes.
+// - Throws c10::Error for a budget <= 0, world or replicate < 1, a shard size that does not
+//   divide world x replicate, an empty prefetch_depths, a
 //   prefetch depth or offload level out of range, or an extra spec parse_policy() rejects
 //   (naming it). No fitting candidate is not an error: Advice::fits() is false and to_string()
 //   says what the smallest candidate needs.
@@ -90,6 +94,11 @@ struct AdvisorOptions {
   std::vector<int64_t> every_k = {2, 4};
   bool include_leaf = true, include_grad_op = true, include_noshard = true, include_model = true;
   std::vector<std::string> extra_specs;
+  // HSDP shard sizes to search (issue 52): each S must divide world x replicate, and every
+  // candidate is tried at each mesh (S ranks per shard group, world x replicate / S replicas).
+  // Empty: only the world and replicate suggest() is given. cluster_shard_sizes() lists the
+  // ones that fit a cluster's nodes.
+  std::vector<int> shard_sizes;
   double tie_share = 0.005;  // steps within 0.5% are a tie; the smaller peak wins
   // Margins below this share of the best's step are within the cost model's error: its steps
   // are held within 10% of measured runs (tools/advisor_check.py, benchmarks/RESULTS.md), so
@@ -113,7 +122,12 @@ struct Candidate {
   bool fits = false;
   LossReason reason = LossReason::kNone;
   std::string why;  // the reason with its numbers
-  // "--policy '<spec>' --prefetch N [--offload L]" (flatshard-bench and flatshard-explain)
+  // The mesh it was costed at: ranks per shard group and replicas (AdvisorOptions::
+  // shard_sizes; otherwise suggest()'s world and replicate).
+  int shard = 1, replicate = 1;
+  bool mesh_searched = false;  // command_line() then gives --world and --replicate too
+  // "--policy '<spec>' --prefetch N [--offload L] [--world S --replicate R]" (flatshard-bench
+  // and flatshard-explain; the mesh when shard sizes were searched)
   std::string command_line() const;
 };
 
@@ -121,6 +135,7 @@ struct Advice {
   int64_t memory_limit_bytes = 0;
   double memory_margin = 0;
   int world_size = 1, replicate_size = 1;
+  bool mesh_searched = false;  // AdvisorOptions::shard_sizes was given
   Workload workload;
   MachineProfile profile;
   // Sorted: the best first, then fitting ones by predicted step, then the ones that do not fit
@@ -135,5 +150,10 @@ struct Advice {
 
 Advice suggest(const torch::nn::Module& model, int world_size, int replicate_size,
                const ShardingOptions& options, const AdvisorOptions& advisor);
+
+// The shard sizes of `gpus` ranks that keep every group aligned with nodes of `gpus_per_node`
+// (planner/topology.h): each S divides `gpus` and either divides gpus_per_node (a shard group
+// inside one node) or is a whole number of nodes. gpus_per_node 0: every divisor. Ascending.
+std::vector<int> cluster_shard_sizes(int64_t gpus, int64_t gpus_per_node);
 
 }  // namespace flatshard

@@ -11,6 +11,7 @@
 #include "flat_param/flat_param_config.h"
 #include "support/format.h"
 #include "support/input_file.h"
+#include "planner/topology.h"
 
 namespace flatshard {
 
@@ -56,13 +57,6 @@ bool under_any(const std::string& m, const std::vector<std::string>& roots) {
     if (m == r || (m.size() > r.size() && m.compare(0, r.size(), r) == 0 && m[r.size()] == '.'))
       return true;
   return false;
-}
-
-// Time of one collective of `bytes` (what this rank sends, explain's convention) over `world`
-// ranks: latency + bus bytes / bandwidth (machine_profile.h).
-double collective_ms(double latency_us, double gbps, double bus_factor, int64_t bytes) {
-  if (bytes <= 0) return 0;
-  return latency_us / 1e3 + bus_factor * static_cast<double>(bytes) / (gbps * 1e6);
 }
 
 std::string ms(double v) { return format_fixed(v, v < 10 ? 2 : 1); }
@@ -547,6 +541,7 @@ void CostWalk::time_walk() {
 }
 
 void CostWalk::unit_compute() {
+  p_.tokens = tokens_;
   const double rate = prof_.compute_tflops * 1e9;  // FLOP per ms
   const double attn_flops_layer = shape_.attention_flops_per_token_per_position * seq_ * tokens_;
   const double layer_flops =
@@ -570,6 +565,7 @@ void CostWalk::unit_compute() {
     if (u.is_root)  // layers no other unit touches (model granularity)
       for (int64_t i = 0; i < L_; ++i)
         if (layer_units_[i] == 0) f += layer_flops;
+    p_.model_flops += f;
     fwd_ms_[k] = f / 3 / rate;
     bwd_ms_[k] = (2 * f / 3 + rc) / rate;
     p_.compute_ms += (f + rc) / rate;
@@ -583,6 +579,16 @@ void CostWalk::passes_and_collectives() {
   red_ms_.assign(n_, 0);
   const double ag_bus = W_ > 1 ? static_cast<double>(W_ - 1) : 0;  // x shard bytes
   const double rs_bus = W_ > 1 ? static_cast<double>(W_ - 1) / W_ : 0;
+  // Each group's own links (planner/topology.h): the shard group's all-gathers and
+  // reductions, the replicate group's all-reduce.
+  // All ranks inside one node (W x R <= gpus per node): every group is, aligned or not.
+  const auto per_node = static_cast<int64_t>(prof_.gpus_per_node);
+  const int64_t nodes = static_cast<int64_t>(W_) * R_ <= per_node ? 0 : per_node;
+  const GroupSpan shard = shard_group_span(W_, nodes);
+  const GroupSpan replicate = replicate_group_span(R_, W_, nodes);
+  auto cost = [&](Collective c, const GroupSpan& g, double bus, int64_t bytes) {
+    return bytes > 0 ? collective_ms(prof_, c, g, bus * static_cast<double>(bytes)) : 0.0;
+  };
   for (int k = 0; k < n_; ++k) {
     const auto& u = e_.units[k];
     const auto& c = u.per_step;
@@ -600,18 +606,13 @@ void CostWalk::passes_and_collectives() {
       continue;
     }
     if (W_ > 1 && c.forward_all_gathers + c.backward_all_gathers > 0)
-      ag_ms_[k] = collective_ms(prof_.all_gather_latency_us, prof_.all_gather_gbps, ag_bus,
-                                u.all_gather_bytes);
+      ag_ms_[k] = cost(Collective::kAllGather, shard, ag_bus, u.all_gather_bytes);
     double r = 0;
     if (c.reduce_scatters && W_ > 1)
-      r += collective_ms(prof_.reduce_scatter_latency_us, prof_.reduce_scatter_gbps, rs_bus,
-                         u.reduce_bytes);
-    if (c.all_reduces && W_ > 1)
-      r += collective_ms(prof_.all_reduce_latency_us, prof_.all_reduce_gbps, 2 * rs_bus,
-                         u.reduce_bytes);
+      r += cost(Collective::kReduceScatter, shard, rs_bus, u.reduce_bytes);
+    if (c.all_reduces && W_ > 1) r += cost(Collective::kAllReduce, shard, 2 * rs_bus, u.reduce_bytes);
     if (R_ > 1 && c.replicate_bytes > 0)
-      r += collective_ms(prof_.all_reduce_latency_us, prof_.all_reduce_gbps, 2.0 * (R_ - 1) / R_,
-                         c.replicate_bytes);
+      r += cost(Collective::kAllReduce, replicate, 2.0 * (R_ - 1) / R_, c.replicate_bytes);
     red_ms_[k] = r;
     p_.comm_ms += gathers * ag_ms_[k] + r;
   }
@@ -767,6 +768,25 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
                 " ms; the machine profile (", printable_escape(prof.source),
                 ") holds a value outside its bounds (planner/machine_profile.h: check_profile)");
   return p;
+}
+
+double CostPrediction::tokens_per_s() const { return step_ms > 0 ? tokens * 1e3 / step_ms : 0; }
+
+double CostPrediction::mfu(double peak_tflops) const {
+  return peak_tflops > 0 && step_ms > 0 ? model_flops / (step_ms * 1e9) / peak_tflops : 0;
+}
+
+std::string CostPrediction::throughput(const MachineProfile& profile) const {
+  std::ostringstream os;
+  os << "predicted throughput: " << format_fixed(tokens_per_s(), 0) << " tokens/s per GPU, ";
+  if (profile.peak_tflops > 0)
+    os << "MFU " << format_fixed(100 * mfu(profile.peak_tflops), 1) << "% of "
+       << profile.peak_tflops << " TFLOP/s";
+  else
+    os << "MFU unknown (the profile has no peak_tflops)";
+  os << " (" << format_fixed(tokens > 0 ? model_flops / tokens / 1e9 : 0, 2)
+     << " GFLOP per token, recompute not counted)";
+  return os.str();
 }
 
 std::string CostPrediction::to_string() const {

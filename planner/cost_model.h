@@ -50,7 +50,10 @@
 //               upcast ((e + 4) B, when the reduce dtype is not fp32), and AdamW
 //               (optimizer_bytes_per_param per trainable shard element, on the device unless the
 //               unit is offloaded).
-//   collectives latency + bus bytes / bandwidth (machine_profile.h); world 1: device copies
+//   collectives latency + bus bytes / bandwidth of the group each runs over (planner/
+//               topology.h: the shard group's all-gathers and reductions, the replicate group's
+//               all-reduce, each on its own links: NVLink inside a node, the NICs across);
+//               world 1: device copies
 //               (2 x bytes at memory_gbps). Overlap: a unit's forward all-gather is issued
 //               `forward_prefetch` units ahead and hides behind their forward compute; a
 //               backward all-gather behind the backward compute of the `backward_prefetch` units
@@ -122,6 +125,14 @@ struct CostPrediction {
   double cpu_optimizer_ms = 0;  // the CPU optimizer of offloaded units (a part of offload_ms)
   bool host_bound = false;
   int64_t replicated_bytes = 0;  // NO_SHARD units' master + gradient + AdamW state per rank
+  // Throughput: the model's FLOPs of one step on this rank (forward + backward, recompute left
+  // out: what MFU counts, as the compute term's 6 N + attention per token) and its tokens.
+  double model_flops = 0, tokens = 0;
+  double tokens_per_s() const;              // per rank (GPU): tokens / step
+  double mfu(double peak_tflops) const;     // model FLOPs / step / peak; 0 if the peak is unknown
+  // "predicted throughput: N tokens/s per GPU, MFU x% of <peak> TFLOP/s (<F> GFLOP per token)";
+  // without the profile's peak_tflops, MFU is said to be unknown.
+  std::string throughput(const MachineProfile& profile) const;
 
   std::string to_string() const;  // a few lines: memory breakdown, time breakdown
 };

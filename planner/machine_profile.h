@@ -19,18 +19,24 @@
 //   refused, not waited on) of at most 1 MiB.
 // - "source" is any string; control bytes in it (ESC, BEL, newlines) are kept as "\xNN" text
 //   (support/input_file.h's printable_escape), since tools print it to a terminal.
+// - "sources" (optional): an object from numeric keys to strings saying where each number comes
+//   from, each starting "spec:", "measured:" or "estimate:" (the named profiles, planner/
+//   profiles/*.json, state one per number). Unknown keys and other prefixes are errors.
 // - check_profile() applies the bounds to a profile built in code; save_profile() calls it, so
 //   flatshard-bench never writes a profile that explain would refuse.
 // - Times: t(collective) = latency + bytes / bandwidth, with bytes as nccl-tests' bus bytes of
 //   this rank (all-gather and reduce-scatter: bytes sent x (W-1)/W; all-reduce: 2 (W-1)/W x
-//   bytes). World 1 collectives are device copies (Note [One-rank NCCL]): memory_gbps.
+//   bytes). World 1 collectives are device copies (Note [One-rank NCCL]): memory_gbps. With the
+//   topology keys, latency and bandwidth are those of the group's links (planner/topology.h).
 // - defaults(): every number says in its comment where it comes from (benchmarks/RESULTS.md,
 //   docs/design.md) or that it is a stated guess; source is "defaults".
 // - flatshard-bench --write-profile FILE writes one measured on the machine the bench runs on
 //   (benchmarks/bench_profile.h says which numbers it measures and which it keeps).
 #pragma once
 
+#include <map>
 #include <string>
+#include <vector>
 
 namespace flatshard {
 
@@ -116,6 +122,32 @@ struct MachineProfile {
   // says; 0: they are synchronous on the issuing thread (the CPU threads backend), all exposed.
   double comm_overlap = 1.0;               // 0 or 1
 
+  // Topology (planner/topology.h says how a group's collective is costed from these). The
+  // collective keys above are the numbers inside one node (NVLink / NVSwitch); these add the
+  // nodes. gpus_per_node 0: no topology, every group inside one node (profiles written before
+  // these keys, and the CPU backend). flatshard-explain --gpus-per-node overrides it.
+  double gpus_per_node = 0;                // [0, 1e6], a whole number
+  // Latency of each ring step beyond the 2-rank ring the *_latency_us keys were measured on:
+  // inside a node (NVLink) and across nodes (NIC + switch). Defaults: 0 inside a node (the
+  // fixed cost alone, as before these keys); 9.6 us across nodes, NCCL's own model of a ring
+  // step over the network (src/graph/tuning.cc hwLat, Ring/Simple; an estimate, not measured
+  // here). The named profiles (planner/profiles/) set both.
+  double intra_node_hop_latency_us = 0;    // [0, 1e6] us
+  double inter_node_hop_latency_us = 9.6;  // [0, 1e6] us
+  // Network bandwidth per GPU, one NIC each (rail-aligned): ConnectX-7 at 400 Gb/s = 50 GB/s
+  // per direction (NVIDIA spec; nccl-tests reach less than the line rate).
+  double inter_node_gbps = 50;             // [1e-4, 1e5] GB/s
+  // For tokens/s and MFU, and --suggest's default budget: the device's peak dense matmul rate
+  // in the compute dtype (spec sheet) and its memory. 0: unknown (MFU and the default budget are
+  // not given).
+  double peak_tflops = 0;                  // [0, 1e5] TFLOP/s
+  double device_memory_gb = 0;             // [0, 1e6] GB (1e9 bytes)
+
+  // Where each number comes from, by key: "spec: ...", "measured: ..." or "estimate: ..."
+  // (the JSON object "sources"; keys must be numeric keys of the profile). The named profiles
+  // carry one per number; flatshard-bench's profiles have none (their "source" says the run).
+  std::map<std::string, std::string> sources;
+
   static MachineProfile defaults() { return MachineProfile{}; }
 
   // The JSON object save_profile() writes (every key, in the order above).
@@ -133,6 +165,13 @@ MachineProfile parse_profile(const std::string& text, const std::string& origin)
 // Reads and parses a file: a regular file of at most 1 MiB (missing, unreadable, not regular or
 // larger files are errors naming the path).
 MachineProfile load_profile(const std::string& path);
+// The profiles of published machines shipped with flatshard (planner/profiles/*.json, compiled
+// in): their names ("h100-ib400", ...), sorted.
+std::vector<std::string> named_profiles();
+// A named profile when `name_or_path` is one of named_profiles(), else load_profile() of the
+// path (write ./h100-ib400 for a file of that name). Unknown names that are not files: the error
+// lists the names.
+MachineProfile load_profile_named(const std::string& name_or_path);
 // Throws c10::Error "<origin>: '<key>' = <value> is outside its bounds [lo, hi] ..." for the
 // first number outside the bounds above (NaN included).
 void check_profile(const MachineProfile& profile, const std::string& origin);

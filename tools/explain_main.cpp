@@ -42,6 +42,7 @@
 #include "planner/cost_model.h"
 #include "planner/explain.h"
 #include "planner/machine_profile.h"
+#include "planner/topology.h"
 #include "support/output_file.h"
 #include "fsdp/meta_init.h"
 #include "models/family.h"
@@ -140,6 +141,7 @@ struct Request {
   int world = 1, replicate = 1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
   int64_t align = 8, batch = 0, seq = 0;
   bool keep = false, show_plan = false, suggest = false;
+  int64_t gpus_per_node = -1, nodes = 0;  // --gpus-per-node (-1: the profile's), --nodes
   std::vector<int> offload_levels, prefetch_depths;
   flatshard::ExplainOptions cost;
 };
@@ -299,6 +301,27 @@ std::string policy_spec(const Described& m, const std::string& policy) {
   return policy;
 }
 
+// --- Issue 52: the cluster (--gpus-per-node, --nodes). Sets the profile's gpus_per_node from
+// the flag and returns the line that says where the groups sit ("" without a topology). The
+// GPUs must fill whole nodes when they span more than one.
+std::string cluster_line(const Request& r, flatshard::MachineProfile* profile) {
+  if (r.gpus_per_node >= 0) profile->gpus_per_node = static_cast<double>(r.gpus_per_node);
+  const auto g = static_cast<int64_t>(profile->gpus_per_node);
+  if (g == 0) return "";
+  const int64_t gpus = static_cast<int64_t>(r.world) * r.replicate;
+  TORCH_CHECK(gpus <= g || gpus % g == 0, "--world ", r.world, " x --replicate ", r.replicate,
+              " = ", gpus, " GPUs do not fill whole nodes of ", g,
+              " GPUs (--gpus-per-node or the profile's gpus_per_node)");
+  const auto shard = flatshard::shard_group_span(r.world, gpus <= g ? 0 : g);
+  std::string s = "cluster: " + std::to_string(gpus) + " GPUs on " +
+                  std::to_string(std::max<int64_t>(1, gpus / g)) + " node(s) of " +
+                  std::to_string(g) + "; shard group " + shard.to_string();
+  if (r.replicate > 1)
+    s += ", replicate group " +
+         flatshard::replicate_group_span(r.replicate, r.world, gpus <= g ? 0 : g).to_string();
+  return s;
+}
+
 // The plan, its explanation and (with --batch) the prediction, or (--suggest) the advisor's
 // choice, for any described model.
 int run(const Described& m, const Request& r) {
@@ -320,7 +343,8 @@ int run(const Described& m, const Request& r) {
   flatshard::MachineProfile profile = flatshard::MachineProfile::defaults();
   // Read only where it is used (--batch, --suggest); elsewhere main() said it is ignored.
   if (!r.profile_path.empty() && (r.batch > 0 || r.suggest))
-    profile = flatshard::load_profile(r.profile_path);
+    profile = flatshard::load_profile_named(r.profile_path);  // a name or a file
+  const std::string cluster = cluster_line(r, &profile);
   const flatshard::Workload workload{r.batch > 0 ? r.batch : 1, r.seq > 0 ? r.seq : m.seq_len};
   if (m.shape)
     TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
@@ -328,7 +352,13 @@ int run(const Described& m, const Request& r) {
 
   for (const auto& n : m.notes) std::cout << flatshard::printable_escape(n) << "\n";
   if (r.suggest) {
-    TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB)");
+    if (!limit && profile.device_memory_gb > 0) {  // the device's memory (issue 52)
+      limit = static_cast<int64_t>(profile.device_memory_gb * 1e9);
+      std::cout << "memory limit: the profile's device memory, " << profile.device_memory_gb
+                << " GB (--memory-limit to set another)\n";
+    }
+    TORCH_CHECK(limit.has_value(), "--suggest needs --memory-limit (e.g. 40GiB) or a profile "
+                "with device_memory_gb (--profile h100-ib400)");
     if (!m.shape) {
       flatshard::flush_stdout();
       std::cerr << "flatshard-explain: --suggest: " << m.no_shape << std::endl;
@@ -342,7 +372,11 @@ int run(const Described& m, const Request& r) {
     a.offload_levels = r.offload_levels;
     a.prefetch_depths = r.prefetch_depths;
     if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
+    if (profile.gpus_per_node > 0)  // a cluster: every HSDP shard size aligned with its nodes
+      a.shard_sizes = flatshard::cluster_shard_sizes(
+          static_cast<int64_t>(r.world) * r.replicate, static_cast<int64_t>(profile.gpus_per_node));
     if (!m.model_line.empty()) std::cout << m.model_line << "\n";
+    if (!cluster.empty()) std::cout << cluster << "\n";
     const auto advice = flatshard::suggest(*m.tree, r.world, r.replicate, opts, a);
     std::cout << advice.to_string();
     flatshard::flush_stdout();
@@ -375,6 +409,10 @@ int run(const Described& m, const Request& r) {
               << " host_ms=" << p.host_ms << " host_bound=" << (p.host_bound ? 1 : 0)
               << " host_bytes=" << p.host_bytes
               << " optimizer_ms=" << p.optimizer_ms + p.cpu_optimizer_ms << "\n";
+    if (!cluster.empty()) std::cout << cluster << "\n";
+    std::cout << p.throughput(profile) << "\n"
+              << "throughput: tokens_per_s_per_gpu=" << p.tokens_per_s()
+              << " mfu=" << p.mfu(profile.peak_tflops) << "\n";
     // The limit above was checked against the model state; with --batch the full peak is
     // known, the number --suggest checks the same flag against.
     if (limit)
@@ -424,8 +462,8 @@ void add_plan_flags(CLI::App& app, CommandLine& c) {
                  "\"none\" = model: root only (default: layer, one unit per layer)")
       ->check(flatshard::cli::non_empty("a named plan or a policy spec"))
       ->group(plan);
+  // Required unless --nodes gives it (resolve_world()).
   app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
-      ->required()
       ->transform(at_least(1))
       ->group(plan);
   app.add_option("--replicate", r.replicate,
@@ -484,7 +522,8 @@ void add_report_flags(CLI::App& app, CommandLine& c) {
       ->transform(at_least(1, kInt64Max))
       ->group(report);
   app.add_option("--profile", r.profile_path,
-                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile); "
+                 "machine profile JSON (planner/machine_profile.h; flatshard-bench --write-profile) "
+                 "or a named one (planner/profiles/: h100-ib400, h200-ib400, a100-ib200); "
                  "default: the stated defaults (1x/2x H200 measurements)")
       ->check(flatshard::cli::non_empty("a file path"))
       ->group(report);
@@ -501,6 +540,46 @@ void add_report_flags(CLI::App& app, CommandLine& c) {
                  "--suggest: prefetch depths to try, each in [0, 64] (default 1,2; no repeats)")
       ->check(int_list(0, 64))
       ->group(report);
+  // Issue 52: the cluster (planner/topology.h).
+  app.add_option("--gpus-per-node", r.gpus_per_node,
+                 "GPUs per node: collectives of groups that span nodes run at the network's "
+                 "speed (planner/topology.h); --suggest then also searches HSDP shard sizes. "
+                 "Default: the profile's gpus_per_node (0: one node)")
+      ->transform(at_least(0, 1000000))  // the profile key's bound (planner/machine_profile.h)
+      ->group(report);
+  app.add_option("--nodes", r.nodes,
+                 "nodes of --gpus-per-node GPUs: sets --world to nodes x GPUs per node "
+                 "(/ --replicate)")
+      ->transform(at_least(1, kInt64Max))
+      ->group(report);
+}
+
+// --world from --nodes x --gpus-per-node (/ --replicate), or --world alone; a usage error (exit
+// code) otherwise, 0 when the world is set.
+int resolve_world(const CLI::App& app, Request& r) {
+  const bool world_given = app.get_option("--world")->count() > 0;
+  auto usage = [&](const CLI::Error& e) {
+    return flatshard::tools::cli_exit(app, e, "flatshard-explain");
+  };
+  if (r.nodes == 0) {
+    if (world_given) return 0;
+    return usage(CLI::RequiredError("--world is required (or --nodes with --gpus-per-node)",
+                                    CLI::ExitCodes::RequiredError));
+  }
+  if (r.gpus_per_node <= 0)
+    return usage(CLI::ValidationError("--nodes", "needs --gpus-per-node (GPUs per node, >= 1)"));
+  if (r.nodes > std::numeric_limits<int>::max() / r.gpus_per_node)
+    return usage(CLI::ValidationError("--nodes", std::to_string(r.nodes) + " nodes of " +
+                                                     std::to_string(r.gpus_per_node) +
+                                                     " GPUs are more ranks than an int holds"));
+  const int64_t gpus = r.nodes * r.gpus_per_node;
+  if (gpus % r.replicate != 0 || (world_given && gpus != int64_t{r.world} * r.replicate))
+    return usage(CLI::ValidationError(
+        "--nodes", std::to_string(r.nodes) + " x " + std::to_string(r.gpus_per_node) + " = " +
+                       std::to_string(gpus) + " GPUs is not --world " + std::to_string(r.world) +
+                       " x --replicate " + std::to_string(r.replicate)));
+  r.world = static_cast<int>(gpus / r.replicate);
+  return 0;
 }
 
 // An option this combination does not read is said, never dropped silently.
@@ -528,6 +607,7 @@ void warn_ignored(const CLI::App& app, const CommandLine& c) {
           "is not read by --suggest (the profile's collective costs are): ignored");
   ignored("--reference-step-ms", r.suggest,
           "is not read by --suggest (it predicts the step): ignored");
+  ignored("--gpus-per-node", !predicts, "is read only with --batch or --suggest: ignored");
 }
 
 // The model described (a checkpoint's headers or the reference model), then run(); the exit
@@ -573,6 +653,7 @@ int main(int argc, char** argv) {
                                             &parse_exit))
     return parse_exit;
   warn_ignored(app, c);
+  if (const int code = resolve_world(app, c.r)) return code;
   c.r.seq = c.model.seq;
   c.r.offload_levels = parse_int_list(c.offload_levels_text, 0, 2);  // checked by int_list
   c.r.prefetch_depths = parse_int_list(c.prefetch_depths_text, 0, 64);
