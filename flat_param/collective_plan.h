@@ -97,65 +97,72 @@
 
 namespace flatshard {
 
-// What one gather reads and writes (references into FlatParam).
+// What a gather plan reads and writes: FlatParam's buffers, built once, after the constructor
+// has made them (handles: the same tensors, so full()'s storage coming and going and the
+// master's version moving are what the plan sees). FlatParam never reassigns master() or full()
+// after construction.
 struct GatherArgs {
-  const at::Tensor& master;             // fp32 shard, detached; host memory when offloaded
-  const at::Tensor& full;               // unsharded buffer (param dtype); sharded: with storage
-  const std::vector<ShardView>& views;  // with `master`: what master_version() sums
+  at::Tensor master;             // fp32 shard, detached (master()'s storage and version counter)
+  at::Tensor full;               // unsharded buffer (param dtype); sharded: with storage when gathered
+  std::vector<ShardView> views;  // with `master`: what master_version() sums
   // Sum of the version counters of master and the views (FlatParam::master_version()).
   int64_t master_version() const;
 };
 
+class OffloadCopy;  // flat_param/offload_state.h
+
+// Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer (compute dtype, the
+// master's element count) that keeps the master's cast between gathers and that an optimizer
+// step may write in its pass (a NO_SHARD unit below fp32, not offloaded: its full()), and which
+// master version it holds. The gather recasts only when it is not current.
+class StepCopy {
+ public:
+  explicit StepCopy(const GatherArgs& args) : args_(args) {}
+  const at::Tensor& tensor() const { return args_.full; }
+  // It holds the master as it is now (written by a step, or cast by the last gather).
+  bool current() const { return version_ == args_.master_version(); }
+  // A step (or the gather's cast) just wrote it with the master's current values.
+  void mark_current() { version_ = args_.master_version(); }
+
+ private:
+  const GatherArgs& args_;  // the owning plan's
+  int64_t version_ = -1;    // master_version() the copy last took
+};
+
+// What some plans keep beside the gather (STYLE.md 17: a member that is null when unused, not
+// a virtual no-op on every plan): null where the plan has none.
+struct GatherExtras {
+  OffloadCopy* offload = nullptr;  // Note [CPU offload]: offloaded plans (the stepper's side)
+  StepCopy* step = nullptr;        // Note [Compute copy in the step]
+};
+
 class GatherPlan {
  public:
-  explicit GatherPlan(std::string name) : name_(std::move(name)) {}
+  // `args`: FlatParam's buffers, which the plan keeps (its constructor does what is due once:
+  // a replicated plan fills full(), offload 1 allocates its resident shard).
+  GatherPlan(std::string name, GatherArgs args)
+      : name_(std::move(name)), args_(std::move(args)) {}
   virtual ~GatherPlan() = default;
   GatherPlan(const GatherPlan&) = delete;
   GatherPlan& operator=(const GatherPlan&) = delete;
 
   const std::string& name() const { return name_; }
-  // Bytes one gather sends from this rank (FlatParam::all_gather_bytes()).
+  const GatherArgs& args() const { return args_; }
+  // Bytes one gather sends from this rank (the closed form all_gather_bytes()).
   virtual int64_t bytes() const = 0;
-  // Device bytes the plan holds between gathers (offload 1's resident shard).
-  virtual int64_t resident_bytes() const { return 0; }
-  // Once, at construction, when full() exists: a replicated plan fills it, offload 1 allocates
-  // its resident shard.
-  virtual void prepare(const GatherArgs&) {}
   // full() from the masters, on `stream`.
-  virtual void gather(const GatherArgs& args, c10::Stream stream) = 0;
+  virtual void gather(c10::Stream stream) = 0;
   // True when gather() would write nothing and wait for nothing: a NO_SHARD full() that is the
   // master or holds its current cast. The unit then skips the gather and its stream events.
-  virtual bool gather_is_noop(const GatherArgs& /*args*/) const { return false; }
-  // Right after an optimizer step wrote the master (Note [Offload step in backward],
-  // fsdp/offload_step.h: on the stepper's thread, once the unit's backward is done): brings the
-  // device copy the plan keeps up to date now, on `stream`, so the next gather() finds it current
-  // and only waits for `stream`'s work instead of uploading. A no-op where the plan keeps none.
-  // `hold` (Note [Delayed offload step]: on the main thread, before the step): from now on the
-  // copy changes only by refresh(), not when the master's version moves (the step writing the
-  // master next must not reach the device before the unit's next refresh), until release_hold().
-  virtual void refresh(const GatherArgs& /*args*/, c10::Stream /*stream*/, bool /*hold*/) {}
-  // Ends a hold: the next gather() uploads the master if it changed since the copy was taken.
-  virtual void release_hold() {}
-  // Note [Host compute copy]: the host buffer (compute dtype, master's element count) a CPU
-  // step writes the updated master into; allocated at the first call; undefined where the plan
-  // uploads nothing or the compute dtype is fp32.
-  virtual at::Tensor host_copy(const GatherArgs& /*args*/) { return {}; }
-  // Before a step writes host_copy() (on the stepper's thread, the previous upload of it
-  // done): casts the master into it unless it already holds the master as it is now.
-  virtual void prepare_host_copy(const GatherArgs& /*args*/) {}
-  // After that step: the buffer holds the master as it is now (its new version).
-  virtual void host_copy_written(const GatherArgs& /*args*/) {}
-  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer (compute dtype,
-  // the master's element count) that keeps the master's cast between gathers and that an
-  // optimizer step may write in its pass; undefined where the plan keeps none (sharded,
-  // offloaded, full() aliasing the fp32 master). step_copy_current(): it holds the master as it
-  // is now; step_copy_written(): a step just wrote it with the master's new values.
-  virtual at::Tensor step_copy(const GatherArgs& /*args*/) const { return {}; }
-  virtual bool step_copy_current(const GatherArgs& /*args*/) const { return false; }
-  virtual void step_copy_written(const GatherArgs& /*args*/) {}
+  virtual bool gather_is_noop() const { return false; }
+  // The plan's optional parts; the same pointers for the plan's life.
+  virtual GatherExtras extras() { return {}; }
 
  private:
   std::string name_;
+
+ protected:
+  GatherArgs args_;
 };
 
 // A reduction's result (FlatGradReduce plans; empty for the one-rank reduction).
@@ -228,9 +235,11 @@ int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout,
 // The plans of a unit laid out as `layout` whose collectives go over `mesh`: gathers and
 // reductions over its shard group, and with HSDP the replicate all-reduce over its replicate
 // group. Throws c10::Error naming the unit for an offload level other than 0, 1 or 2.
+// The gather plan keeps `args` (FlatParam's buffers, or a test's).
 std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
-                                             const FlatLayout& layout, const Mesh& mesh);
+                                             const FlatLayout& layout, const Mesh& mesh,
+                                             GatherArgs args);
 std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
                                              const FlatLayout& layout, const Mesh& mesh);

@@ -198,8 +198,7 @@ void FlatParam::broadcast_values(const at::Tensor& init) {
 }
 
 void FlatParam::choose_plans() {
-  // Both throw for an offload level other than 0, 1 or 2.
-  gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_);
+  // Throws for an offload level other than 0, 1 or 2 (before anything is moved to the host).
   reduce_ = make_reduce_plan(unit_name_, config_, layout_, mesh_);
 }
 
@@ -239,10 +238,14 @@ void FlatParam::make_full_buffer() {
   } else {
     full_ = resizable_empty(layout_.padded_numel, config_.param_dtype, comm_.device());
   }
-  // Replicated: full_ gets the master's values; offload 1: the resident shard (uploaded at the
-  // first unshard()).
-  const at::Tensor master = master_.detach();
-  gather_->prepare(GatherArgs{master, full_, views_});
+  // The gather plan keeps the buffers from now on: master_ and full_ are never reassigned after
+  // this. Replicated: full_ gets the master's values; offload 1: the resident shard (uploaded at
+  // the first unshard()).
+  gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_,
+                             GatherArgs{master_.detach(), full_, views_});
+  const GatherExtras extras = gather_->extras();
+  offload_copy_ = extras.offload;
+  step_copy_ = extras.step;
 }
 
 void FlatParam::attach_and_guard() {
@@ -368,12 +371,11 @@ bool FlatParam::has_full_grad() const { return full_grad_.defined(); }
 void FlatParam::unshard(c10::Stream stream, bool attach) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
-  const at::Tensor master = master_.detach();
   if (config_.sharded) {  // Note [Unsharded buffer lifetime]: full()'s storage comes back
     resize_tensor_storage(full_, layout_.padded_numel);
     if (attach) attach_params();
   }
-  gather_->gather(GatherArgs{master, full_, views_}, stream);
+  gather_->gather(stream);
   // (Not for the replicated fp32 buffer: it is the optimizer's master, whose padding must stay 0.)
   if (config_.poison_padding && !full_aliases_master_)
     for (const auto& [b, e] : padding_) full_.narrow(0, b, e - b).fill_(NAN);
@@ -383,42 +385,9 @@ void FlatParam::finish_host_grad() { reduce_->finish_host_grad(master_); }
 
 bool FlatParam::has_staged_host_grad() const { return reduce_->has_staged_host_grad(); }
 
-void FlatParam::refresh_compute_copy(c10::Stream stream, bool hold) {
-  at::NoGradGuard no_grad;
-  c10::StreamGuard guard(stream);
-  gather_->refresh(GatherArgs{master_.detach(), full_, views_}, stream, hold);
-}
-
-void FlatParam::release_held_copy() { gather_->release_hold(); }
-
-at::Tensor FlatParam::host_copy() {
-  return gather_->host_copy(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::prepare_host_copy() {
-  at::NoGradGuard no_grad;
-  gather_->prepare_host_copy(GatherArgs{master_.detach(), full_, views_});
-}
-
-at::Tensor FlatParam::step_copy() const {
-  return gather_->step_copy(GatherArgs{master_.detach(), full_, views_});
-}
-
 bool FlatParam::gather_is_noop() const {
   if (config_.poison_padding && !full_aliases_master_) return false;  // unshard() poisons
-  return gather_->gather_is_noop(GatherArgs{master_.detach(), full_, views_});
-}
-
-bool FlatParam::step_copy_current() const {
-  return gather_->step_copy_current(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::step_copy_written() {
-  gather_->step_copy_written(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::host_copy_written() {
-  gather_->host_copy_written(GatherArgs{master_.detach(), full_, views_});
+  return gather_->gather_is_noop();
 }
 
 void FlatParam::keep_reduce_dtype_on_host(bool keep) { reduce_->keep_reduce_dtype_on_host(keep); }
@@ -430,8 +399,6 @@ void FlatParam::drop_master_grad() {
   for (size_t i = 0; i < views_.size(); ++i)
     if (trainable_[i]) views_[i].tensor.mutable_grad() = at::Tensor();
 }
-
-int64_t FlatParam::resident_bytes() const { return gather_->resident_bytes(); }
 
 void FlatParam::reshard() {
   if (!config_.sharded) return;

@@ -90,6 +90,8 @@ namespace flatshard {
 
 class GatherPlan;  // flat_param/collective_plan.h
 class ReducePlan;
+class StepCopy;
+class OffloadCopy;  // flat_param/offload_state.h
 
 struct ParamRef {
   std::string name;  // fully qualified, for messages
@@ -203,39 +205,25 @@ class FlatParam {
   void finish_host_grad();
   // Whether a reduction was staged beside an existing host gradient (finish_host_grad() adds it).
   bool has_staged_host_grad() const;
-  // Offloaded units, right after an optimizer step wrote master() (Note [Offload step in
-  // backward], fsdp/offload_step.h): level 1 (and an offloaded NO_SHARD unit) uploads the
-  // compute-dtype copy now, on `stream`, and its next unshard() waits for `stream` instead of
-  // uploading. No-op otherwise. May run on another thread than the rest of this unit's calls,
-  // when none of them runs. `hold` (Note [Delayed offload step]): the device copy keeps what
-  // this took until the next refresh, whatever writes the master after (release_held_copy()).
-  void refresh_compute_copy(c10::Stream stream, bool hold = false);
-  // Ends refresh_compute_copy's hold: the next unshard() uploads the master if it changed.
-  void release_held_copy();
   // Sets master().grad and the shard views' .grad to undefined (the caller holds them).
   void drop_master_grad();
-  // Note [Host compute copy] (flat_param/collective_plan.h), for the stepper of offloaded units:
-  // the host buffer a CPU step writes the compute-dtype master into (undefined: none); before
-  // that step, prepare_host_copy() (the master cast into it unless it holds it already); after,
-  // host_copy_written(). keep_reduce_dtype_on_host(true): reductions below fp32 come to the
-  // host as they are, for take_reduced_host_grad() (master().grad stays undefined).
-  at::Tensor host_copy();
-  void prepare_host_copy();
-  void host_copy_written();
-  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer that keeps the
-  // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
-  // optimizer step may write in its pass; undefined where the unit keeps none. Whether it holds
-  // the master as it is now; after a step wrote it, step_copy_written() (the next unshard()
-  // then recasts nothing).
-  at::Tensor step_copy() const;
-  bool step_copy_current() const;
-  // Whether unshard() would write and wait for nothing (GatherPlan::gather_is_noop).
-  bool gather_is_noop() const;
-  void step_copy_written();
+  // Note [Host compute copy] (flat_param/collective_plan.h): keep_reduce_dtype_on_host(true):
+  // reductions below fp32 come to the host as they are, for take_reduced_host_grad()
+  // (master().grad stays undefined).
   void keep_reduce_dtype_on_host(bool keep);
   at::Tensor take_reduced_host_grad();
-  // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
-  int64_t resident_bytes() const;
+  // Whether unshard() would write and wait for nothing (GatherPlan::gather_is_noop).
+  bool gather_is_noop() const;
+  // Note [CPU offload]: what the stepper of an offloaded unit drives (the device copy's refresh
+  // and hold, Note [Host compute copy]'s host buffer: flat_param/offload_state.h); null when
+  // the unit is not offloaded. Its refresh() may run on another thread than the rest of this
+  // unit's calls, when none of them runs.
+  OffloadCopy* offload_copy() const { return offload_copy_; }
+  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer that keeps the
+  // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
+  // optimizer step may write in its pass (then StepCopy::mark_current(): the next unshard()
+  // recasts nothing); null where the unit keeps none.
+  StepCopy* step_copy() const { return step_copy_; }
 
   // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
   // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
@@ -268,13 +256,14 @@ class FlatParam {
   void load_master(const RangeFill& load_ranges);
   // sync_module_states: rank 0's values within the shard group, then across replicas.
   void broadcast_values(const at::Tensor& init);
-  // gather_ and reduce_ (flat_param/collective_plan.h), once.
+  // reduce_ (flat_param/collective_plan.h), once; it validates the config.
   void choose_plans();
   // Note [CPU offload]: master_ moves to (pinned) host memory.
   void move_to_host();
   // master_ becomes the optimizer's leaf; views_ (Note [Original-parameter views]).
   void make_views();
-  // full_ (the master itself for replicated fp32) and the gather plan's own buffers.
+  // full_ (the master itself for replicated fp32), then gather_ over master_ and full_ (its
+  // own buffers with it) and its extras.
   void make_full_buffer();
   // The parameters become views of full_; sharded units: guards made, full_ freed, guarded.
   void attach_and_guard();
@@ -314,6 +303,8 @@ class FlatParam {
   // They own what only they need (offload's resident shard, the host gradient buffers).
   std::unique_ptr<GatherPlan> gather_;
   std::unique_ptr<ReducePlan> reduce_;
+  OffloadCopy* offload_copy_ = nullptr;  // gather_'s (GatherExtras), null when not offloaded
+  StepCopy* step_copy_ = nullptr;        // gather_'s (GatherExtras), null when none
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold

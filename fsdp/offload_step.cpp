@@ -9,6 +9,7 @@
 
 #include "collectives/env.h"
 #include "flat_param/flat_param.h"
+#include "flat_param/offload_state.h"
 #include "optim/fused_adamw.h"
 #include "fsdp/trace.h"
 
@@ -53,7 +54,8 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
     auto it = entries_.find(flats[i]);
     if (it == entries_.end()) continue;
     flats[i]->keep_reduce_dtype_on_host(host_copy);
-    if (host_copy) it->second.host_copy = flats[i]->host_copy();
+    if (host_copy && flats[i]->offload_copy())
+      it->second.host_copy = flats[i]->offload_copy()->host_copy();
     if (i < trace_units.size()) it->second.trace_unit = trace_units[i];
   }
 }
@@ -128,7 +130,7 @@ void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Strea
     flat.finish_host_grad();
   }
   if (device) e.done->block(upload_stream_);  // the unit's backward read the copy before this
-  flat.refresh_compute_copy(upload_stream_, /*hold=*/true);
+  if (OffloadCopy* c = flat.offload_copy()) c->refresh(upload_stream_, /*hold=*/true);
   if (device) {
     if (!e.uploaded) e.uploaded.emplace(stream.device_type());
     e.uploaded->record(upload_stream_);  // the worker's step writes the master the upload reads
@@ -182,23 +184,25 @@ void OffloadStepper::run_job(Job& job) {
       if (t1 > 0) tracer->record_worker(TraceKind::kOffloadStep, unit, step, t1, t2);
     }
   } spans{tracer_, job.entry->trace_unit, job.trace_step, t0, t1};
-  const bool copy = job.entry->host_copy.defined();  // Note [Host compute copy]
+  OffloadCopy* offload = job.flat->offload_copy();
+  // Note [Host compute copy]: a host buffer was taken at attach only from an offload copy.
+  OffloadCopy* copy = job.entry->host_copy.defined() ? offload : nullptr;
   if (delayed_) {  // Note [Delayed offload step]
     if (job.wait_event) job.entry->uploaded->synchronize();  // after the gradient's copy too
     if (tracer_) t1 = Tracer::now_us();
-    if (copy) job.flat->prepare_host_copy();  // the upload that read it is done
+    if (copy) copy->prepare_host_copy();  // the upload that read it is done
     opt_->run_step(*job.captured);
-    if (copy) job.flat->host_copy_written();
+    if (copy) copy->host_copy_written();
     return;
   }
   if (job.wait_event) job.entry->done->synchronize();
   if (tracer_) t1 = Tracer::now_us();
   job.flat->finish_host_grad();  // one in-place add to the captured gradient when staged
-  if (copy) job.flat->prepare_host_copy();  // its last upload came before this unit's forward
+  if (copy) copy->prepare_host_copy();  // its last upload came before this unit's forward
   opt_->run_step(*job.captured);
-  if (copy) job.flat->host_copy_written();
+  if (copy) copy->host_copy_written();
   opt_->mark_stepped_early(*job.captured, job.staged ? 1 : 0);
-  job.flat->refresh_compute_copy(upload_stream_);
+  if (offload) offload->refresh(upload_stream_);
 }
 
 void OffloadStepper::run() {
