@@ -1,10 +1,5 @@
 #include "flat_param/collective_plan.h"
 
-#include <c10/core/Event.h>
-
-#include <atomic>
-#include <optional>
-
 #include "flat_param/offload.h"
 #include "flat_param/offload_state.h"
 #include "flat_param/upcast.h"
@@ -142,15 +137,16 @@ class ReplicatedUpload final : public GatherPlan {
 // --- reductions ------------------------------------------------------------------------------
 
 // Reductions through the flat gradient: cast to the reduce dtype, collective(), upcast to
-// fp32 (or not: Note [Low-precision master gradient]); land() sets or adds the result to the
-// device master gradient.
+// fp32 (or not: Note [Low-precision master gradient]); accumulate_master_grad() sets or adds
+// the result to the device master gradient.
 class FlatGradReduce : public ReducePlan {
  public:
   FlatGradReduce(std::string name, at::ScalarType reduce_dtype, int64_t padded_numel)
       : ReducePlan(std::move(name)), reduce_dtype_(reduce_dtype), padded_numel_(padded_numel) {}
   bool needs_flat_grad() const final { return true; }
   int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
-  // Note [Low-precision master gradient]: land() then takes the reduced buffer as it is.
+  // Note [Low-precision master gradient]: accumulate_master_grad() then takes the reduced
+  // buffer as it is.
   void keep_reduce_dtype() { upcast_ = false; }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) final {
     return reduce_as(flat_grad, stream, upcast_);
@@ -163,14 +159,13 @@ class FlatGradReduce : public ReducePlan {
     at::Tensor grad = upcast ? to_float(reduced) : at::Tensor();
     return {std::move(grad), std::move(send), std::move(reduced)};
   }
-  void land(const ReduceResult& r, GradState& s) override {
-    at::Tensor& mg = s.master.mutable_grad();
+  at::Tensor accumulate_master_grad(const ReduceResult& r, const BackwardGrads&,
+                                    const at::Tensor& current) override {
     const at::Tensor& g = upcast_ ? r.grad : r.reduced;
-    if (mg.defined()) {
-      mg.add_(g);
-    } else {
-      mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
-    }
+    // Sharded: a fresh shard-sized buffer; replicated: the flat gradient itself.
+    if (!current.defined()) return g;
+    current.add_(g);
+    return current;
   }
   // `send` (reduce dtype, the whole flat buffer) to this rank's mean over ranks, reduce dtype,
   // on `stream`: a fresh buffer allocated on `stream`, or `send` itself.
@@ -242,71 +237,30 @@ class ReplicateAllReduce final : public FlatGradReduce {
   Communicator& replicate_;
 };
 
-// Note [CPU offload]: the wrapped reduction runs as without offload; its fp32 result goes to
-// the host gradient on the same stream, without blocking the host.
+// Note [CPU offload]: the wrapped reduction runs as without offload; its result goes to the host
+// (HostGrad, flat_param/offload_state.h) on the same stream, without blocking the host.
 class HostGradDelivery final : public ReducePlan {
  public:
   HostGradDelivery(std::unique_ptr<FlatGradReduce> inner, c10::Device device)
       : ReducePlan("HostGradDelivery(" + inner->name() + ")"),
         inner_(std::move(inner)),
-        device_(device) {}
+        host_(device) {}
   bool needs_flat_grad() const override { return true; }
   int64_t bytes() const override { return inner_->bytes(); }
   int64_t replicate_bytes() const override { return inner_->replicate_bytes(); }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) override {
-    return inner_->reduce_as(flat_grad, stream, /*upcast=*/!keep_);
+    return inner_->reduce_as(flat_grad, stream, /*upcast=*/!host_.keeps_reduce_dtype());
   }
   // r.grad was allocated on this stream (or is upcast here, on it).
-  void land(const ReduceResult& r, GradState& s) override {
-    at::Tensor& mg = s.master.mutable_grad();
-    if (keep_ && !mg.defined() && r.reduced.scalar_type() != at::kFloat) {
-      // Note [Host compute copy]: the reduce dtype's bytes go down; the step upcasts them.
-      if (!reduced_host_.defined() || reduced_host_.use_count() > 1 ||
-          reduced_host_.storage().use_count() > 1)
-        reduced_host_ = host_empty(r.reduced.numel(), r.reduced.scalar_type(), device_);
-      download_to_host(reduced_host_, r.reduced);
-      reduced_ready_ = true;
-      return;
-    }
-    const at::Tensor g = r.grad.defined() ? r.grad : to_float(r.reduced);
-    if (!mg.defined()) {
-      // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
-      // someone still holds it (a tensor or a view of its storage) — pinning pages per step
-      // would cost more than the copy.
-      if (!host_grad_.defined() || host_grad_.use_count() > 1 ||
-          host_grad_.storage().use_count() > 1)
-        host_grad_ = host_empty(g.numel(), at::kFloat, device_);
-      mg = host_grad_;
-      download_to_host(mg, g);
-      return;
-    }
-    if (!host_grad_stage_.defined()) host_grad_stage_ = host_empty(g.numel(), at::kFloat, device_);
-    download_to_host(host_grad_stage_, g);
-    host_grad_staged_ = true;
+  at::Tensor accumulate_master_grad(const ReduceResult& r, const BackwardGrads&,
+                                    const at::Tensor& current) override {
+    return host_.deliver(r, current);
   }
-  void finish_host_grad(const at::Tensor& master) override {
-    if (!host_grad_staged_) return;
-    at::NoGradGuard no_grad;
-    master.mutable_grad().add_(host_grad_stage_);
-    host_grad_staged_ = false;
-  }
-  bool has_staged_host_grad() const override { return host_grad_staged_; }
-  void keep_reduce_dtype_on_host(bool keep) override { keep_ = keep; }
-  at::Tensor take_reduced_host_grad() override {
-    if (!reduced_ready_) return {};
-    reduced_ready_ = false;
-    return reduced_host_;
-  }
+  HostGrad* host_grad() override { return &host_; }
 
  private:
   std::unique_ptr<FlatGradReduce> inner_;
-  bool keep_ = false;              // Note [Host compute copy]
-  at::Tensor reduced_host_;        // pinned; a reduction in the reduce dtype, reused when free
-  bool reduced_ready_ = false;     // reduced_host_ holds the last reduction, not yet taken
-  c10::Device device_;             // the communicator's: pinned host memory when CUDA
-  at::Tensor host_grad_;           // pinned; the host gradient's buffer, reused when free
-  at::Tensor host_grad_stage_;     // pinned; a reduction beside an existing host gradient
-  bool host_grad_staged_ = false;  // host_grad_stage_ holds one to add
+  HostGrad host_;
 };
 
 // Note [One-rank reduction]
@@ -331,10 +285,10 @@ class OneRankReduce final : public ReducePlan {
   // What the general path would send (the unit's counters count it the same).
   int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
   ReduceResult reduce(const at::Tensor&, c10::Stream) override { return {}; }  // no collective
-  void land(const ReduceResult&, GradState& s) override {
-    at::Tensor& mg = s.master.mutable_grad();
+  at::Tensor accumulate_master_grad(const ReduceResult&, const BackwardGrads& s,
+                                    const at::Tensor& current) override {
     const FlatLayout& l = s.layout;
-    if (mg.defined()) {  // accumulating into an existing gradient: adds per parameter
+    if (current.defined()) {  // accumulating into an existing gradient: adds per parameter
       for (size_t i = 0; i < s.pending.size(); ++i) {
         at::Tensor src;
         if (s.pending[i].defined()) {
@@ -342,20 +296,18 @@ class OneRankReduce final : public ReducePlan {
         } else if (s.flat_grad.defined() && s.written[i]) {
           src = s.flat_grad.narrow(0, l.offsets[i], l.numels[i]);
         }
-        if (src.defined()) mg.narrow(0, l.offsets[i], l.numels[i]).add_(src);
-        if (s.pending[i].defined()) s.in_use.push_back(std::move(s.pending[i]));
+        if (src.defined()) current.narrow(0, l.offsets[i], l.numels[i]).add_(src);
       }
-      return;
+      return current;
     }
     // A fresh gradient: Note [Range copies] (range_copy_kernel.h), one launch for the copies
     // (upcasts) and the zeros, or Note [Grouped gradient copies]'s two.
-    mg = at::empty({s.master.numel()},
-                   s.master.options().dtype(grad_dtype_).requires_grad(false));
+    at::Tensor mg = at::empty({s.master.numel()},
+                              s.master.options().dtype(grad_dtype_).requires_grad(false));
     RangeCopies copies(mg);
     for (size_t i = 0; i < s.pending.size(); ++i) {
       if (s.pending[i].defined()) {
         copies.copy(l.offsets[i], s.pending[i]);
-        s.in_use.push_back(std::move(s.pending[i]));
       } else if (s.flat_grad.defined() && s.written[i]) {
         copies.copy(l.offsets[i], s.flat_grad, l.offsets[i], l.numels[i]);
       } else {
@@ -364,6 +316,7 @@ class OneRankReduce final : public ReducePlan {
     }
     for (const auto& [b, e] : s.padding) copies.zero(b, e - b);
     copies.run();
+    return mg;
   }
 
  private:

@@ -14,6 +14,7 @@
 #include "collectives/agree.h"
 #include "flat_param/collective_plan.h"
 #include "flat_param/offload.h"
+#include "flat_param/offload_state.h"
 #include "flat_param/upcast.h"
 
 namespace flatshard {
@@ -200,6 +201,7 @@ void FlatParam::broadcast_values(const at::Tensor& init) {
 void FlatParam::choose_plans() {
   // Throws for an offload level other than 0, 1 or 2 (before anything is moved to the host).
   reduce_ = make_reduce_plan(unit_name_, config_, layout_, mesh_);
+  host_grad_ = reduce_->host_grad();
 }
 
 void FlatParam::move_to_host() {
@@ -366,7 +368,6 @@ bool is_guarded_param(const at::Tensor& t) {
 }
 
 bool FlatParam::is_unsharded() const { return storage_is_allocated(full_) || layout_.padded_numel == 0; }
-bool FlatParam::has_full_grad() const { return full_grad_.defined(); }
 
 void FlatParam::unshard(c10::Stream stream, bool attach) {
   at::NoGradGuard no_grad;
@@ -381,18 +382,18 @@ void FlatParam::unshard(c10::Stream stream, bool attach) {
     for (const auto& [b, e] : padding_) full_.narrow(0, b, e - b).fill_(NAN);
 }
 
-void FlatParam::finish_host_grad() { reduce_->finish_host_grad(master_); }
-
-bool FlatParam::has_staged_host_grad() const { return reduce_->has_staged_host_grad(); }
+void FlatParam::finish_host_grad() {
+  if (host_grad_ == nullptr) return;
+  const at::Tensor staged = host_grad_->take_staged();
+  if (!staged.defined()) return;
+  at::NoGradGuard no_grad;
+  master_.mutable_grad().add_(staged);
+}
 
 bool FlatParam::gather_is_noop() const {
   if (config_.poison_padding && !full_aliases_master_) return false;  // unshard() poisons
   return gather_->gather_is_noop();
 }
-
-void FlatParam::keep_reduce_dtype_on_host(bool keep) { reduce_->keep_reduce_dtype_on_host(keep); }
-
-at::Tensor FlatParam::take_reduced_host_grad() { return reduce_->take_reduced_host_grad(); }
 
 void FlatParam::drop_master_grad() {
   master_.mutable_grad() = at::Tensor();
@@ -481,8 +482,6 @@ void FlatParam::accept_grad(size_t i) {
   g = region.view(layout_.shapes[i]);
 }
 
-bool FlatParam::one_rank_reduce() const { return !reduce_->needs_flat_grad(); }
-
 void FlatParam::complete_flat_grad(std::vector<at::Tensor>& in_use) {
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
   // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
@@ -512,8 +511,11 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
     r = reduce_->reduce(full_grad_, stream);
   }
   for (auto& t : absorb_view_grads()) in_use.push_back(std::move(t));
-  GradState s{layout_, padding_, full_grad_, grad_written_, pending_, master_, in_use};
-  reduce_->land(r, s);
+  // The plan computes the master gradient; FlatParam sets it.
+  const BackwardGrads grads{layout_, padding_, full_grad_, grad_written_, pending_, master_};
+  master_.mutable_grad() = reduce_->accumulate_master_grad(r, grads, master_.grad());
+  for (auto& g : pending_)  // the one-rank reduction read them on `stream`
+    if (g.defined()) in_use.push_back(std::move(g));
   point_view_grads();
   if (full_grad_.defined()) in_use.push_back(full_grad_);
   if (r.sent.defined()) in_use.push_back(std::move(r.sent));
@@ -583,8 +585,6 @@ void FlatParam::drop_grad() {
   full_grad_ = at::Tensor();
 }
 
-int64_t FlatParam::all_gather_bytes() const { return gather_->bytes(); }
-int64_t FlatParam::reduce_bytes() const { return reduce_->bytes(); }
 at::Tensor FlatParam::gather_whole(const at::Tensor& local) const {
   at::Tensor src = local.defined() ? local.detach() : at::zeros_like(master_.detach());
   src = src.to(comm_.device());  // an offloaded unit's state is on the host (Note [CPU offload])
@@ -593,7 +593,5 @@ at::Tensor FlatParam::gather_whole(const at::Tensor& local) const {
   comm_.all_gather(src, full, comm_.current_stream());
   return full;
 }
-
-int64_t FlatParam::replicate_reduce_bytes() const { return reduce_->replicate_bytes(); }
 
 }  // namespace flatshard

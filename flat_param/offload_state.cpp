@@ -3,6 +3,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include "flat_param/offload.h"
+#include "flat_param/upcast.h"
 
 namespace flatshard {
 
@@ -101,6 +102,52 @@ void OffloadCopy::prepare_host_copy() {
 
 void OffloadCopy::host_copy_written() {
   if (host_.defined()) host_version_ = args_.master_version();
+}
+
+
+namespace {
+
+// Whether the pinned buffer `t` can take the next copy: allocated, and nobody else holds it (a
+// tensor or a view of its storage).
+bool reusable(const at::Tensor& t) {
+  return t.defined() && t.use_count() == 1 && t.storage().use_count() == 1;
+}
+
+}  // namespace
+
+at::Tensor HostGrad::deliver(const ReduceResult& r, const at::Tensor& current) {
+  if (keep_ && !current.defined() && r.reduced.scalar_type() != at::kFloat) {
+    // Note [Host compute copy]: the reduce dtype's bytes go down; the step upcasts them.
+    if (!reusable(reduced_host_))
+      reduced_host_ = host_empty(r.reduced.numel(), r.reduced.scalar_type(), device_);
+    download_to_host(reduced_host_, r.reduced);
+    reduced_ready_ = true;
+    return current;
+  }
+  const at::Tensor g = r.grad.defined() ? r.grad : to_float(r.reduced);
+  if (!current.defined()) {
+    // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
+    // someone still holds it.
+    if (!reusable(host_grad_)) host_grad_ = host_empty(g.numel(), at::kFloat, device_);
+    download_to_host(host_grad_, g);
+    return host_grad_;
+  }
+  if (!stage_.defined()) stage_ = host_empty(g.numel(), at::kFloat, device_);
+  download_to_host(stage_, g);
+  staged_ = true;
+  return current;
+}
+
+at::Tensor HostGrad::take_reduced() {
+  if (!reduced_ready_) return {};
+  reduced_ready_ = false;
+  return reduced_host_;
+}
+
+at::Tensor HostGrad::take_staged() {
+  if (!staged_) return {};
+  staged_ = false;
+  return stage_;
 }
 
 }  // namespace flatshard

@@ -93,4 +93,50 @@ class OffloadCopy {
   std::atomic<int64_t> host_version_{-1};
 };
 
+// Note [CPU offload]'s gradient side: the pinned host buffers an offloaded reduction is copied
+// into without blocking the host (the host gradient, a staging buffer beside an existing one,
+// Note [Host compute copy]'s reduce-dtype buffer), each reused while nobody else holds it (Note
+// [Exact pinned allocations], offload.cpp: pinning pages per step would cost more than the
+// copy). HostGradDelivery (collective_plan.cpp) delivers into it; FlatParam::host_grad() hands
+// it to the stepper; FlatParam::finish_host_grad() adds what it staged.
+class HostGrad {
+ public:
+  // `device`: the communicator's (pinned host memory when CUDA).
+  explicit HostGrad(c10::Device device) : device_(device) {}
+  HostGrad(const HostGrad&) = delete;
+  HostGrad& operator=(const HostGrad&) = delete;
+
+  // --- the plan's side, on the reduce stream (current), which allocated r.grad ---
+  // The reduction `r` to the host. `current`: master's .grad now. Undefined: into the host
+  // gradient, which is returned (master's .grad to be); defined: into the staging buffer
+  // (take_staged()), and `current` is returned. Keeping the reduce dtype (keep_reduce_dtype())
+  // with `current` undefined and `r` below fp32: into the reduce-dtype buffer (take_reduced()),
+  // and the undefined `current` is returned.
+  at::Tensor deliver(const ReduceResult& r, const at::Tensor& current);
+  bool keeps_reduce_dtype() const { return keep_; }
+
+  // --- the stepper's side ---
+  // Note [Host compute copy]: from now on a reduction in a dtype below fp32 that finds no host
+  // gradient to add to comes to the host as it is, for take_reduced(), and master's .grad stays
+  // undefined.
+  void keep_reduce_dtype(bool keep) { keep_ = keep; }
+  // The last reduction's host gradient in the reduce dtype (then forgotten here), or undefined
+  // when it went to master's .grad.
+  at::Tensor take_reduced();
+  // Whether a reduction waits in the staging buffer (FlatParam::finish_host_grad() adds it).
+  bool staged() const { return staged_; }
+  // After the host waited for the reduction's stream: the staged reduction, to add to master's
+  // .grad (then no longer staged here); undefined when none.
+  at::Tensor take_staged();
+
+ private:
+  c10::Device device_;           // the communicator's: pinned host memory when CUDA
+  bool keep_ = false;            // Note [Host compute copy]
+  at::Tensor reduced_host_;      // pinned; a reduction in the reduce dtype, reused when free
+  bool reduced_ready_ = false;   // reduced_host_ holds the last reduction, not yet taken
+  at::Tensor host_grad_;         // pinned; the host gradient's buffer, reused when free
+  at::Tensor stage_;             // pinned; a reduction beside an existing host gradient
+  bool staged_ = false;          // stage_ holds one to add
+};
+
 }  // namespace flatshard

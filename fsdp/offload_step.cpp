@@ -15,6 +15,21 @@
 
 namespace flatshard {
 
+namespace {
+
+// Whether the unit's last reduction was staged beside an existing host gradient
+// (FlatParam::finish_host_grad() adds it).
+bool host_grad_staged(const FlatParam& flat) {
+  return flat.host_grad() != nullptr && flat.host_grad()->staged();
+}
+
+// Note [Host compute copy]: reductions below fp32 come to the host as they are (offloaded units).
+void keep_reduce_dtype(const FlatParam& flat, bool keep) {
+  if (HostGrad* h = flat.host_grad()) h->keep_reduce_dtype(keep);
+}
+
+}  // namespace
+
 OffloadStepper::~OffloadStepper() {
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -34,7 +49,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
                   "attach_optimizer (rank ", rank_, "): amsgrad has no fused step; flatshard "
                   "steps offloaded units with FusedAdamW's fused kernel only");
   entries_.clear();
-  for (FlatParam* f : flats) f->keep_reduce_dtype_on_host(false);
+  for (FlatParam* f : flats) keep_reduce_dtype(*f, false);
   opt_ = std::move(opt);
   if (!opt_) return;
   std::unordered_map<const c10::StorageImpl*, FlatParam*> by_storage;
@@ -53,7 +68,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
   for (size_t i = 0; i < flats.size(); ++i) {
     auto it = entries_.find(flats[i]);
     if (it == entries_.end()) continue;
-    flats[i]->keep_reduce_dtype_on_host(host_copy);
+    keep_reduce_dtype(*flats[i], host_copy);
     if (host_copy && flats[i]->offload_copy())
       it->second.host_copy = flats[i]->offload_copy()->host_copy();
     if (i < trace_units.size()) it->second.trace_unit = trace_units[i];
@@ -63,7 +78,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
 FusedAdamW::CapturedStep OffloadStepper::capture(FlatParam& flat, const Entry& e) {
   // Note [Host compute copy]: the gradient in the reduce dtype and the copy to write, as the
   // slices of the unit's buffers that line up with each tensor (the master or a shard view).
-  const at::Tensor reduced = flat.take_reduced_host_grad();
+  const at::Tensor reduced = flat.host_grad() ? flat.host_grad()->take_reduced() : at::Tensor();
   const at::Tensor& copy = e.host_copy;
   if (!reduced.defined() && !copy.defined()) return opt_->capture_located(e.params);
   const at::Tensor& master = flat.master();
@@ -106,7 +121,7 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
   } else {
     // Captured here, so a gradient written after the reduction (hand-written clipping) is
     // caught by the next opt.step() whenever the worker gets to it.
-    job.staged = flat.has_staged_host_grad();
+    job.staged = host_grad_staged(flat);
     job.captured = capture(flat, e);
   }
   {
@@ -125,7 +140,7 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
 void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Stream& stream,
                                      Job& job) {
   const bool device = stream.device_type() != c10::DeviceType::CPU;
-  if (flat.has_staged_host_grad()) {  // added to a gradient left from before: rare, synchronous
+  if (host_grad_staged(flat)) {  // added to a gradient left from before: rare, synchronous
     if (device) e.done->synchronize();
     flat.finish_host_grad();
   }

@@ -119,7 +119,8 @@ at::Tensor my_part(const at::Tensor& full, const FlatLayout& l, bool sharded, in
 void backward_and_reduce(FlatParam& fp, std::vector<at::Tensor>& ps, Communicator& comm, int r,
                          int world, bool defer) {
   fp.set_defer_grad_copies(defer);
-  if (!(defer && fp.one_rank_reduce())) fp.prepare_grad();  // what Unit::pre_backward does
+  // What Unit::pre_backward does.
+  if (!(defer && !fp.reduce_plan().needs_flat_grad())) fp.prepare_grad();
   for (size_t i = 0; i < ps.size(); ++i) {
     if (i == kNoGrad) continue;
     ps[i].mutable_grad() = rank_grad(ps[i], i, r, world, fp.config().param_dtype);
@@ -144,7 +145,7 @@ void check_reductions(FlatParam& fp, std::vector<at::Tensor>& ps, Communicator& 
   // A second backward accumulates into the master gradient; offloaded, the staged copy is
   // added by finish_host_grad().
   backward_and_reduce(fp, ps, comm, r, world, defer);
-  if (fp.offload() > 0) RANK_REQUIRE(at::equal(fp.master().grad(), expect));
+  if (fp.config().offload > 0) RANK_REQUIRE(at::equal(fp.master().grad(), expect));
   fp.finish_host_grad();
   RANK_REQUIRE(at::equal(fp.master().grad(), expect * 2));
 }
@@ -233,7 +234,13 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
     FlatParam fp("blk", refs(ps), Mesh(comm, replicate), cfg);
     CHECK(fp.gather_plan().name() == c.gather);
     CHECK(fp.reduce_plan().name() == c.reduction);
-    CHECK(fp.one_rank_reduce() == !reduce->needs_flat_grad());
+    CHECK(fp.reduce_plan().needs_flat_grad() == reduce->needs_flat_grad());
+    // The optional parts exist only where the unit uses them (STYLE.md 17): the offload copy
+    // and the host gradient when offloaded, the step copy for a NO_SHARD recast below fp32.
+    CHECK((fp.offload_copy() != nullptr) == (c.offload > 0));
+    CHECK((fp.host_grad() != nullptr) == (c.offload > 0));
+    CHECK((fp.step_copy() != nullptr) ==
+          (std::string(c.gather) == "ReplicatedRecast" && c.param != at::kFloat));
   }
   SizeOnlyComm comm(2);
   FlatParamConfig bad;
@@ -284,10 +291,7 @@ TEST_CASE("each plan's byte counts are the closed forms", "[flat_param][collecti
     CHECK(fp.gather_plan().bytes() == c.gather);
     CHECK(fp.reduce_plan().bytes() == c.reduction);
     CHECK(fp.reduce_plan().replicate_bytes() == c.replicate);
-    // FlatParam's public counts are the plans'.
-    CHECK(fp.all_gather_bytes() == c.gather);
-    CHECK(fp.reduce_bytes() == c.reduction);
-    CHECK(fp.replicate_reduce_bytes() == c.replicate);
+    // What the unit keeps on the device between gathers is the offload copy's.
     CHECK((fp.offload_copy() ? fp.offload_copy()->resident_bytes() : 0) == c.resident);
   }
 }
@@ -396,12 +400,13 @@ TEST_CASE("plans work on the buffers they are given, without a FlatParam",
     at::Tensor master_param = at::zeros({l.shard_numel}).requires_grad_(true);
     std::vector<std::pair<int64_t, int64_t>> padding;
     std::vector<bool> written(kShapes.size(), true);
-    std::vector<at::Tensor> pending(kShapes.size()), in_use;
-    GradState s{l, padding, flat, written, pending, master_param, in_use};
+    std::vector<at::Tensor> pending(kShapes.size());
+    const BackwardGrads grads{l, padding, flat, written, pending, master_param};
     for (int pass = 1; pass <= 2; ++pass) {  // set, then add
       ReduceResult r = reduce->reduce(flat, c.current_stream());
       RANK_REQUIRE(r.sent.scalar_type() == at::kFloat);  // reduce dtype fp32: a cast copy
-      reduce->land(r, s);
+      master_param.mutable_grad() =
+          reduce->accumulate_master_grad(r, grads, master_param.grad());
       RANK_REQUIRE(at::equal(master_param.grad(),
                              mean.narrow(0, l.shard_begin(c.rank()), l.shard_numel) * pass));
     }

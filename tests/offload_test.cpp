@@ -309,7 +309,7 @@ TEST_CASE("offload_step backward: offloaded masters change in backward, the rest
       for (size_t u = 0; u < fsdp->num_units(); ++u) {
         const Unit& unit = fsdp->unit(u);
         if (unit.flat().master().numel() == 0) continue;
-        const bool offloaded = unit.flat().offload() > 0;
+        const bool offloaded = unit.flat().config().offload > 0;
         if (offloaded != !at::equal(before[u], after_backward[u]) ||
             offloaded != at::equal(after_backward[u], after_step[u]))
           wrong.push_back("step " + std::to_string(step) + " unit " + unit.name());
@@ -452,7 +452,7 @@ TEST_CASE("offload: a unit's spec level overrides the default; explain counts ho
       const Unit& unit = fsdp->unit(u);
       const UnitExplanation& x = e.units[u];
       const int want = unit.name() == "blocks.0" ? 2 : unit.name() == "blocks.1" ? 0 : 1;
-      RANK_REQUIRE(unit.flat().offload() == want);
+      RANK_REQUIRE(unit.flat().config().offload == want);
       RANK_REQUIRE(x.offload == want);
       RANK_REQUIRE(x.resident_bytes == resident_bytes_of(unit.flat()));
       if (want > 0) {
