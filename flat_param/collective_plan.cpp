@@ -1,11 +1,7 @@
 #include "flat_param/collective_plan.h"
 
-#include <c10/core/Event.h>
-
-#include <atomic>
-#include <optional>
-
 #include "flat_param/offload.h"
+#include "flat_param/offload_state.h"
 #include "flat_param/upcast.h"
 
 namespace flatshard {
@@ -24,187 +20,75 @@ namespace {
 // its gather() whole, so a gather costs one virtual call.
 class ShardedGather : public GatherPlan {
  public:
-  ShardedGather(std::string name, const FlatLayout& layout, at::ScalarType param_dtype,
-                Communicator& comm)
-      : GatherPlan(std::move(name)),
+  ShardedGather(std::string name, GatherArgs args, const FlatLayout& layout,
+                at::ScalarType param_dtype, Communicator& comm)
+      : GatherPlan(std::move(name), std::move(args)),
         begin_(layout.shard_begin(comm.rank())),
         shard_numel_(layout.shard_numel),
         padded_numel_(layout.padded_numel),
         param_dtype_(param_dtype),
-        comm_(comm) {}
+        comm_(comm),
+        // A view shares full()'s storage, whose bytes come back at each gather (Note
+        // [Unsharded buffer lifetime]).
+        slot_(args_.full.narrow(0, begin_, shard_numel_)) {}
   int64_t bytes() const final { return shard_numel_ * c10::elementSize(param_dtype_); }
 
  protected:
-  // This rank's slot of `full` (always the unit's FlatParam::full()), built once: a view shares
-  // full()'s storage, whose bytes come back at each gather (Note [Unsharded buffer lifetime]).
-  const at::Tensor& slot(const at::Tensor& full) {
-    if (slot_base_ != full.unsafeGetTensorImpl()) {
-      slot_ = full.narrow(0, begin_, shard_numel_);
-      slot_base_ = full.unsafeGetTensorImpl();
-    }
-    return slot_;
-  }
-
   int64_t begin_, shard_numel_, padded_numel_;
   at::ScalarType param_dtype_;
   Communicator& comm_;
-
- private:
-  at::Tensor slot_;
-  const c10::TensorImpl* slot_base_ = nullptr;
+  const at::Tensor slot_;  // this rank's slot of full()
 };
 
 // Offload 0: cast the master into the slot (Note [Range copies]), gather in place.
 class AllGather final : public ShardedGather {
  public:
   using ShardedGather::ShardedGather;
-  void gather(const GatherArgs& a, c10::Stream stream) override {
+  void gather(c10::Stream stream) override {
     if (padded_numel_ == 0) return;
-    RangeCopies cast(a.full);
-    cast.copy(begin_, a.master);
+    RangeCopies cast(args_.full);
+    cast.copy(begin_, args_.master);
     cast.run();
-    comm_.all_gather(slot(a.full), a.full, stream);
+    comm_.all_gather(slot_, args_.full, stream);
   }
 };
 
-// The copy of the master an offloaded plan keeps on the device (level 1's shard, an offloaded
-// NO_SHARD unit's full()): which master version it holds, the refresh() a gather must wait for,
-// and Note [Delayed offload step]'s hold (the copy then changes only by refresh()).
-class KeptCopy {
- public:
-  // Before a gather on `stream`: orders it after the last refresh's upload; true when the copy
-  // must be uploaded from the master now.
-  bool stale(const GatherArgs& a, c10::Stream stream) {
-    if (refreshed_) {  // refresh() uploaded on its own stream: the gather reads after it
-      refreshed_->block(stream);
-      refreshed_.reset();
-    }
-    return !held_ && changed(a);
-  }
-  bool changed(const GatherArgs& a) const { return a.master_version() != version_; }
-  void taken(const GatherArgs& a) { version_ = a.master_version(); }
-  // taken() by an upload on `stream`, which the next gather waits for.
-  void refreshed(const GatherArgs& a, c10::Stream stream) {
-    taken(a);
-    if (stream.device_type() == c10::DeviceType::CPU) return;
-    refreshed_.emplace(stream.device_type());
-    refreshed_->record(stream);
-  }
-  void hold(bool h) { held_ = h; }
-
- private:
-  int64_t version_ = -1;                 // master_version() the copy last took
-  std::optional<c10::Event> refreshed_;  // recorded by refreshed(); the next gather waits
-  bool held_ = false;
-};
-
-// Note [Host compute copy] (collective_plan.h): the compute-dtype copy of the master a CPU step
-// writes, kept in host memory with the master version it holds; allocated when the stepper asks
-// for it (attach, FLATSHARD_OFFLOAD_HOST_COPY=1), unused until then. Its version is read by the
-// gathers on the main thread and written by the stepper's thread, never at once for a unit
-// (Note [Offload step in backward]'s waits); atomic so that holds without reasoning.
-class HostCopy {
- public:
-  at::Tensor buffer(const GatherArgs& a) {
-    if (a.full.scalar_type() == at::kFloat) return {};
-    if (!host_.defined()) host_ = host_empty(a.master.numel(), a.full.scalar_type(), a.full.device());
-    return host_;
-  }
-  bool current(const GatherArgs& a) const {
-    return host_.defined() && version_.load() == a.master_version();
-  }
-  void prepare(const GatherArgs& a) {
-    if (!host_.defined() || current(a)) return;
-    host_.copy_(a.master);  // a host pass, rare: the first step, or after a load
-    version_ = a.master_version();
-  }
-  void written(const GatherArgs& a) {
-    if (host_.defined()) version_ = a.master_version();
-  }
-  // `dst` (compute dtype, the device) from the copy, on the current stream, without blocking
-  // the host (pinned on CUDA: an asynchronous DMA of the bytes as they are).
-  void upload(const at::Tensor& dst) const {
-    dst.copy_(host_, /*non_blocking=*/dst.device() != host_.device());
-  }
-
- private:
-  at::Tensor host_;  // pinned on CUDA; undefined until the stepper asks for it
-  std::atomic<int64_t> version_{-1};
-};
-
-// Beside backward, whose peak a refresh must not raise: 64 MiB of fp32 staging at a time.
-constexpr int64_t kRefreshChunk = int64_t{16} << 20;
-
-// Note [CPU offload], level 1: the device keeps the shard in the compute dtype, refreshed from
-// the host master when its version changed; the all-gather reads it (no cast per gather).
+// Note [CPU offload], level 1: the device keeps the shard in the compute dtype (the offload
+// copy's resident shard), refreshed from the host master when its version changed; the
+// all-gather reads it (no cast per gather).
 class ResidentAllGather final : public ShardedGather {
  public:
-  using ShardedGather::ShardedGather;
-  int64_t resident_bytes() const override {
-    return resident_.defined() ? static_cast<int64_t>(resident_.nbytes()) : 0;
-  }
-  void prepare(const GatherArgs&) override {  // uploaded at the first gather
-    resident_ =
-        at::empty({shard_numel_}, at::TensorOptions().dtype(param_dtype_).device(comm_.device()));
-  }
-  void gather(const GatherArgs& a, c10::Stream stream) override {
+  ResidentAllGather(GatherArgs args, const FlatLayout& layout, at::ScalarType param_dtype,
+                    Communicator& comm)
+      : ShardedGather("ResidentAllGather", std::move(args), layout, param_dtype, comm),
+        copy_(args_, OffloadCopy::Kept::kResident) {}
+  void gather(c10::Stream stream) override {
     if (padded_numel_ == 0) return;
-    if (copy_.stale(a, stream)) {
-      if (host_.current(a)) {
-        host_.upload(resident_);
-      } else {
-        upload_to_device(resident_, a.master);
-      }
-      copy_.taken(a);
-    }
-    comm_.all_gather(resident_, a.full, stream);
+    comm_.all_gather(copy_.update(stream), args_.full, stream);
   }
-  // The upload the next gather would do, done now on `stream` (`stream` is current: FlatParam).
-  // Writing resident_ here is safe: this unit's last gather read it before the unit's backward,
-  // which came before the reduction the caller waited for.
-  void refresh(const GatherArgs& a, c10::Stream stream, bool hold) override {
-    if (padded_numel_ == 0) return;
-    copy_.hold(hold);
-    if (!copy_.changed(a)) return;
-    if (host_.current(a)) {
-      host_.upload(resident_);
-    } else {
-      upload_to_device_chunked(resident_, a.master, kRefreshChunk);
-    }
-    copy_.refreshed(a, stream);
-  }
-  void release_hold() override { copy_.hold(false); }
-  at::Tensor host_copy(const GatherArgs& a) override { return host_.buffer(a); }
-  void prepare_host_copy(const GatherArgs& a) override { host_.prepare(a); }
-  void host_copy_written(const GatherArgs& a) override { host_.written(a); }
+  GatherExtras extras() override { return {&copy_, nullptr}; }
 
  private:
-  at::Tensor resident_;  // compute-dtype shard on the device
-  KeptCopy copy_;
-  HostCopy host_;
+  OffloadCopy copy_;
 };
 
 // Note [CPU offload], level 2: nothing stays on the device; every gather uploads the master
 // into the slot.
 class UploadAllGather final : public ShardedGather {
  public:
-  using ShardedGather::ShardedGather;
-  void gather(const GatherArgs& a, c10::Stream stream) override {
+  UploadAllGather(GatherArgs args, const FlatLayout& layout, at::ScalarType param_dtype,
+                  Communicator& comm)
+      : ShardedGather("UploadAllGather", std::move(args), layout, param_dtype, comm),
+        copy_(args_, OffloadCopy::Kept::kNone) {}
+  void gather(c10::Stream stream) override {
     if (padded_numel_ == 0) return;
-    const at::Tensor& mine = slot(a.full);
-    if (host_.current(a)) {
-      host_.upload(mine);
-    } else {
-      upload_to_device(mine, a.master);
-    }
-    comm_.all_gather(mine, a.full, stream);
+    copy_.upload(slot_);
+    comm_.all_gather(slot_, args_.full, stream);
   }
-  at::Tensor host_copy(const GatherArgs& a) override { return host_.buffer(a); }
-  void prepare_host_copy(const GatherArgs& a) override { host_.prepare(a); }
-  void host_copy_written(const GatherArgs& a) override { host_.written(a); }
+  GatherExtras extras() override { return {&copy_, nullptr}; }
 
  private:
-  HostCopy host_;
+  OffloadCopy copy_;
 };
 
 // NO_SHARD, not offloaded: recast the master into full() when it changed since full() took it
@@ -212,93 +96,57 @@ class UploadAllGather final : public ShardedGather {
 // [Compute copy in the step], optim/fused_adamw.h): a step that wrote it leaves nothing to recast.
 class ReplicatedRecast final : public GatherPlan {
  public:
-  explicit ReplicatedRecast(bool recast) : GatherPlan("ReplicatedRecast"), recast_(recast) {}
+  // `recast` false: full() aliases the master (no step copy, nothing to do).
+  ReplicatedRecast(GatherArgs args, bool recast)
+      : GatherPlan("ReplicatedRecast", std::move(args)) {
+    if (!recast) return;
+    step_ = std::make_unique<StepCopy>(args_);
+    upload_to_device(args_.full, args_.master);  // same device: a plain copy_
+    step_->mark_current();
+  }
   int64_t bytes() const override { return 0; }
-  void prepare(const GatherArgs& a) override {
-    if (!recast_) return;
-    upload_to_device(a.full, a.master);  // same device: a plain copy_
-    version_ = a.master_version();
-  }
-  void gather(const GatherArgs& a, c10::Stream) override {
-    if (!recast_) return;
-    const int64_t version = a.master_version();
-    if (version == version_) return;
-    RangeCopies cast(a.full);  // Note [Range copies]
-    cast.copy(0, a.master);
+  void gather(c10::Stream) override {
+    if (!step_ || step_->current()) return;
+    RangeCopies cast(args_.full);  // Note [Range copies]
+    cast.copy(0, args_.master);
     cast.run();
-    version_ = version;
+    step_->mark_current();
   }
-  bool gather_is_noop(const GatherArgs& a) const override {
-    return !recast_ || version_ == a.master_version();
-  }
-  at::Tensor step_copy(const GatherArgs& a) const override {
-    return recast_ ? a.full : at::Tensor();
-  }
-  bool step_copy_current(const GatherArgs& a) const override {
-    return recast_ && version_ == a.master_version();
-  }
-  void step_copy_written(const GatherArgs& a) override {
-    if (recast_) version_ = a.master_version();
-  }
+  bool gather_is_noop() const override { return !step_ || step_->current(); }
+  GatherExtras extras() override { return {nullptr, step_.get()}; }
 
  private:
-  bool recast_;            // false: full() aliases the master
-  int64_t version_ = -1;   // master_version() full() last took
+  std::unique_ptr<StepCopy> step_;  // null: full() aliases the master
 };
 
 // NO_SHARD, offloaded (level 2 acts as level 1, fsdp/resolve.h): full() stays on the device,
-// uploaded from the host master when its version changed (or by refresh(), as level 1).
+// uploaded from the host master when its version changed (or by the offload copy's refresh(),
+// as level 1).
 class ReplicatedUpload final : public GatherPlan {
  public:
-  ReplicatedUpload() : GatherPlan("ReplicatedUpload") {}
+  explicit ReplicatedUpload(GatherArgs args)
+      : GatherPlan("ReplicatedUpload", std::move(args)), copy_(args_, OffloadCopy::Kept::kFull) {}
   int64_t bytes() const override { return 0; }
-  void prepare(const GatherArgs& a) override {
-    upload_to_device(a.full, a.master);
-    copy_.taken(a);
-  }
-  void gather(const GatherArgs& a, c10::Stream stream) override {
-    if (copy_.stale(a, stream)) {  // Note [CPU offload]
-      if (host_.current(a)) {
-        host_.upload(a.full);
-      } else {
-        upload_to_device(a.full, a.master);
-      }
-      copy_.taken(a);
-    }
-  }
-  // As ResidentAllGather::refresh: full() was last read by the unit's backward.
-  void refresh(const GatherArgs& a, c10::Stream stream, bool hold) override {
-    copy_.hold(hold);
-    if (!copy_.changed(a)) return;
-    if (host_.current(a)) {
-      host_.upload(a.full);
-    } else {
-      upload_to_device_chunked(a.full, a.master, kRefreshChunk);
-    }
-    copy_.refreshed(a, stream);
-  }
-  void release_hold() override { copy_.hold(false); }
-  at::Tensor host_copy(const GatherArgs& a) override { return host_.buffer(a); }
-  void prepare_host_copy(const GatherArgs& a) override { host_.prepare(a); }
-  void host_copy_written(const GatherArgs& a) override { host_.written(a); }
+  void gather(c10::Stream stream) override { copy_.update(stream); }
+  GatherExtras extras() override { return {&copy_, nullptr}; }
 
  private:
-  KeptCopy copy_;
-  HostCopy host_;
+  OffloadCopy copy_;
 };
 
 // --- reductions ------------------------------------------------------------------------------
 
 // Reductions through the flat gradient: cast to the reduce dtype, collective(), upcast to
-// fp32 (or not: Note [Low-precision master gradient]); land() sets or adds the result to the
-// device master gradient.
+// fp32 (or not: Note [Low-precision master gradient]); accumulate_master_grad() sets or adds
+// the result to the device master gradient.
 class FlatGradReduce : public ReducePlan {
  public:
   FlatGradReduce(std::string name, at::ScalarType reduce_dtype, int64_t padded_numel)
       : ReducePlan(std::move(name)), reduce_dtype_(reduce_dtype), padded_numel_(padded_numel) {}
   bool needs_flat_grad() const final { return true; }
   int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
-  // Note [Low-precision master gradient]: land() then takes the reduced buffer as it is.
+  // Note [Low-precision master gradient]: accumulate_master_grad() then takes the reduced
+  // buffer as it is.
   void keep_reduce_dtype() { upcast_ = false; }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) final {
     return reduce_as(flat_grad, stream, upcast_);
@@ -311,14 +159,13 @@ class FlatGradReduce : public ReducePlan {
     at::Tensor grad = upcast ? to_float(reduced) : at::Tensor();
     return {std::move(grad), std::move(send), std::move(reduced)};
   }
-  void land(const ReduceResult& r, GradState& s) override {
-    at::Tensor& mg = s.master.mutable_grad();
+  at::Tensor accumulate_master_grad(const ReduceResult& r, const BackwardGrads&,
+                                    const at::Tensor& current) override {
     const at::Tensor& g = upcast_ ? r.grad : r.reduced;
-    if (mg.defined()) {
-      mg.add_(g);
-    } else {
-      mg = g;  // sharded: a fresh shard-sized buffer; replicated: the flat gradient itself
-    }
+    // Sharded: a fresh shard-sized buffer; replicated: the flat gradient itself.
+    if (!current.defined()) return g;
+    current.add_(g);
+    return current;
   }
   // `send` (reduce dtype, the whole flat buffer) to this rank's mean over ranks, reduce dtype,
   // on `stream`: a fresh buffer allocated on `stream`, or `send` itself.
@@ -390,71 +237,30 @@ class ReplicateAllReduce final : public FlatGradReduce {
   Communicator& replicate_;
 };
 
-// Note [CPU offload]: the wrapped reduction runs as without offload; its fp32 result goes to
-// the host gradient on the same stream, without blocking the host.
+// Note [CPU offload]: the wrapped reduction runs as without offload; its result goes to the host
+// (HostGrad, flat_param/offload_state.h) on the same stream, without blocking the host.
 class HostGradDelivery final : public ReducePlan {
  public:
   HostGradDelivery(std::unique_ptr<FlatGradReduce> inner, c10::Device device)
       : ReducePlan("HostGradDelivery(" + inner->name() + ")"),
         inner_(std::move(inner)),
-        device_(device) {}
+        host_(device) {}
   bool needs_flat_grad() const override { return true; }
   int64_t bytes() const override { return inner_->bytes(); }
   int64_t replicate_bytes() const override { return inner_->replicate_bytes(); }
   ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) override {
-    return inner_->reduce_as(flat_grad, stream, /*upcast=*/!keep_);
+    return inner_->reduce_as(flat_grad, stream, /*upcast=*/!host_.keeps_reduce_dtype());
   }
   // r.grad was allocated on this stream (or is upcast here, on it).
-  void land(const ReduceResult& r, GradState& s) override {
-    at::Tensor& mg = s.master.mutable_grad();
-    if (keep_ && !mg.defined() && r.reduced.scalar_type() != at::kFloat) {
-      // Note [Host compute copy]: the reduce dtype's bytes go down; the step upcasts them.
-      if (!reduced_host_.defined() || reduced_host_.use_count() > 1 ||
-          reduced_host_.storage().use_count() > 1)
-        reduced_host_ = host_empty(r.reduced.numel(), r.reduced.scalar_type(), device_);
-      download_to_host(reduced_host_, r.reduced);
-      reduced_ready_ = true;
-      return;
-    }
-    const at::Tensor g = r.grad.defined() ? r.grad : to_float(r.reduced);
-    if (!mg.defined()) {
-      // Note [Exact pinned allocations] (offload.cpp): the last gradient's buffer again, unless
-      // someone still holds it (a tensor or a view of its storage) — pinning pages per step
-      // would cost more than the copy.
-      if (!host_grad_.defined() || host_grad_.use_count() > 1 ||
-          host_grad_.storage().use_count() > 1)
-        host_grad_ = host_empty(g.numel(), at::kFloat, device_);
-      mg = host_grad_;
-      download_to_host(mg, g);
-      return;
-    }
-    if (!host_grad_stage_.defined()) host_grad_stage_ = host_empty(g.numel(), at::kFloat, device_);
-    download_to_host(host_grad_stage_, g);
-    host_grad_staged_ = true;
+  at::Tensor accumulate_master_grad(const ReduceResult& r, const BackwardGrads&,
+                                    const at::Tensor& current) override {
+    return host_.deliver(r, current);
   }
-  void finish_host_grad(const at::Tensor& master) override {
-    if (!host_grad_staged_) return;
-    at::NoGradGuard no_grad;
-    master.mutable_grad().add_(host_grad_stage_);
-    host_grad_staged_ = false;
-  }
-  bool has_staged_host_grad() const override { return host_grad_staged_; }
-  void keep_reduce_dtype_on_host(bool keep) override { keep_ = keep; }
-  at::Tensor take_reduced_host_grad() override {
-    if (!reduced_ready_) return {};
-    reduced_ready_ = false;
-    return reduced_host_;
-  }
+  HostGrad* host_grad() override { return &host_; }
 
  private:
   std::unique_ptr<FlatGradReduce> inner_;
-  bool keep_ = false;              // Note [Host compute copy]
-  at::Tensor reduced_host_;        // pinned; a reduction in the reduce dtype, reused when free
-  bool reduced_ready_ = false;     // reduced_host_ holds the last reduction, not yet taken
-  c10::Device device_;             // the communicator's: pinned host memory when CUDA
-  at::Tensor host_grad_;           // pinned; the host gradient's buffer, reused when free
-  at::Tensor host_grad_stage_;     // pinned; a reduction beside an existing host gradient
-  bool host_grad_staged_ = false;  // host_grad_stage_ holds one to add
+  HostGrad host_;
 };
 
 // Note [One-rank reduction]
@@ -479,10 +285,10 @@ class OneRankReduce final : public ReducePlan {
   // What the general path would send (the unit's counters count it the same).
   int64_t bytes() const override { return padded_numel_ * c10::elementSize(reduce_dtype_); }
   ReduceResult reduce(const at::Tensor&, c10::Stream) override { return {}; }  // no collective
-  void land(const ReduceResult&, GradState& s) override {
-    at::Tensor& mg = s.master.mutable_grad();
+  at::Tensor accumulate_master_grad(const ReduceResult&, const BackwardGrads& s,
+                                    const at::Tensor& current) override {
     const FlatLayout& l = s.layout;
-    if (mg.defined()) {  // accumulating into an existing gradient: adds per parameter
+    if (current.defined()) {  // accumulating into an existing gradient: adds per parameter
       for (size_t i = 0; i < s.pending.size(); ++i) {
         at::Tensor src;
         if (s.pending[i].defined()) {
@@ -490,20 +296,18 @@ class OneRankReduce final : public ReducePlan {
         } else if (s.flat_grad.defined() && s.written[i]) {
           src = s.flat_grad.narrow(0, l.offsets[i], l.numels[i]);
         }
-        if (src.defined()) mg.narrow(0, l.offsets[i], l.numels[i]).add_(src);
-        if (s.pending[i].defined()) s.in_use.push_back(std::move(s.pending[i]));
+        if (src.defined()) current.narrow(0, l.offsets[i], l.numels[i]).add_(src);
       }
-      return;
+      return current;
     }
     // A fresh gradient: Note [Range copies] (range_copy_kernel.h), one launch for the copies
     // (upcasts) and the zeros, or Note [Grouped gradient copies]'s two.
-    mg = at::empty({s.master.numel()},
-                   s.master.options().dtype(grad_dtype_).requires_grad(false));
+    at::Tensor mg = at::empty({s.master.numel()},
+                              s.master.options().dtype(grad_dtype_).requires_grad(false));
     RangeCopies copies(mg);
     for (size_t i = 0; i < s.pending.size(); ++i) {
       if (s.pending[i].defined()) {
         copies.copy(l.offsets[i], s.pending[i]);
-        s.in_use.push_back(std::move(s.pending[i]));
       } else if (s.flat_grad.defined() && s.written[i]) {
         copies.copy(l.offsets[i], s.flat_grad, l.offsets[i], l.numels[i]);
       } else {
@@ -512,6 +316,7 @@ class OneRankReduce final : public ReducePlan {
     }
     for (const auto& [b, e] : s.padding) copies.zero(b, e - b);
     copies.run();
+    return mg;
   }
 
  private:
@@ -539,19 +344,21 @@ int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout,
 namespace {
 
 std::unique_ptr<GatherPlan> choose_gather_plan(const FlatParamConfig& config,
-                                               const FlatLayout& layout, Communicator& comm) {
+                                               const FlatLayout& layout, Communicator& comm,
+                                               GatherArgs args) {
   if (!config.sharded) {
-    if (config.offload > 0) return std::make_unique<ReplicatedUpload>();
-    return std::make_unique<ReplicatedRecast>(!full_aliases_master(config));
+    if (config.offload > 0) return std::make_unique<ReplicatedUpload>(std::move(args));
+    return std::make_unique<ReplicatedRecast>(std::move(args), !full_aliases_master(config));
   }
   switch (config.offload) {
     case 1:
-      return std::make_unique<ResidentAllGather>("ResidentAllGather", layout, config.param_dtype,
+      return std::make_unique<ResidentAllGather>(std::move(args), layout, config.param_dtype,
                                                  comm);
     case 2:
-      return std::make_unique<UploadAllGather>("UploadAllGather", layout, config.param_dtype, comm);
+      return std::make_unique<UploadAllGather>(std::move(args), layout, config.param_dtype, comm);
     default:
-      return std::make_unique<AllGather>("AllGather", layout, config.param_dtype, comm);
+      return std::make_unique<AllGather>("AllGather", std::move(args), layout, config.param_dtype,
+                                         comm);
   }
 }
 
@@ -582,9 +389,10 @@ std::unique_ptr<ReducePlan> choose_reduce_plan(const FlatParamConfig& config,
 
 std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
-                                             const FlatLayout& layout, const Mesh& mesh) {
+                                             const FlatLayout& layout, const Mesh& mesh,
+                                             GatherArgs args) {
   config.validate(unit_name);
-  auto plan = choose_gather_plan(config, layout, mesh.shard());
+  auto plan = choose_gather_plan(config, layout, mesh.shard(), std::move(args));
   TORCH_INTERNAL_ASSERT(plan->bytes() == all_gather_bytes(config, layout), "unit '", unit_name,
                         "': ", plan->name(), " sends ", plan->bytes(), " bytes, the closed form ",
                         all_gather_bytes(config, layout));

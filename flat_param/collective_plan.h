@@ -3,14 +3,23 @@
 // Contract
 // - A GatherPlan fills the unsharded buffer full() from the fp32 master; a ReducePlan turns the
 //   unit's gradient into master().grad. FlatParam owns every buffer and view (master, full(),
-//   the flat gradient, the parameters' views and guards) and hands the plans references to
-//   them per call (GatherArgs, GradState: on the stack, nothing allocated); the plans own the
-//   collectives, the casts around them, and the state only they need (offload's resident shard
-//   and host gradient buffers).
+//   the flat gradient, the parameters' views and guards). It hands the gather plan its buffers
+//   once, at construction (GatherArgs, which the plan keeps), and the reduce plan what backward
+//   left per call (BackwardGrads: read-only references on the stack, nothing allocated). A plan
+//   writes the buffers' contents (full(), the reduced gradient) but never FlatParam's members:
+//   accumulate_master_grad() returns master's .grad to be and FlatParam sets it. The plans own
+//   the collectives, the casts around them, and the state only they need.
+// - Optional parts (STYLE.md 17: a member that is null when unused, not a virtual no-op on
+//   every plan): a gather plan's GatherExtras (OffloadCopy for the offloaded gathers,
+//   flat_param/offload_state.h; StepCopy for ReplicatedRecast) and ReducePlan::host_grad()
+//   (HostGradDelivery's HostGrad). FlatParam hands them out as offload_copy(), step_copy() and
+//   host_grad(), null where the unit has none. A new plan implements bytes() and gather() (and
+//   gather_is_noop() if it can skip) or needs_flat_grad(), bytes(), reduce() and
+//   accumulate_master_grad(), nothing more.
 // - Chosen ONCE, in FlatParam's constructor, by make_gather_plan() / make_reduce_plan() from
 //   the FlatParamConfig, the layout and the communicators; after that FlatParam never branches
 //   on the strategy to issue a collective: unshard() calls gather(), reduce_grad() calls
-//   reduce() then land(). The choice, in the factories' order:
+//   reduce() then accumulate_master_grad(). The choice, in the factories' order:
 //     gather  NO_SHARD: ReplicatedRecast (offload 0: recast master into full() when the master
 //                       changed since full() took it — or an optimizer step wrote full() in
 //                       its pass: Note [Compute copy in the step] —, or nothing when full()
@@ -18,8 +27,8 @@
 //                       ReplicatedUpload (offload 1 or 2: upload when master_version changed);
 //             sharded:  AllGather (offload 0: cast master into this rank's slot, all-gather),
 //                       ResidentAllGather (offload 1: the device's compute-dtype shard, uploaded
-//                       when master_version changed, or by refresh() right after a step, is
-//                       the all-gather's input),
+//                       when master_version changed, or by its OffloadCopy's refresh() right
+//                       after a step, is the all-gather's input),
 //                       UploadAllGather (offload 2: upload into the slot at every gather).
 //     reduce  OneRankReduce when one rank, no replicas, no offload and a reduce dtype that
 //             rounds nothing (Note [One-rank reduction], collective_plan.cpp); else
@@ -30,9 +39,10 @@
 // - Streams: every call enqueues on `stream`, which FlatParam has made current (StreamGuard),
 //   and returns; nothing blocks the host. The caller orders `stream` against compute (fsdp/).
 // - Numerics: a plan's ops are fixed by its choice (no branch on the data), in one order on one
-//   stream, so every rank issues the same collectives. Per call no allocation but the buffers the collectives
-//   need and no std::function: a gather is one virtual call; a reduction is reduce() and
-//   land(), plus FlatGradReduce::collective() once per layer (ReplicateAllReduce adds one).
+//   stream, so every rank issues the same collectives. Per call no allocation but the buffers
+//   the collectives need and no std::function: a gather is one virtual call; a reduction is
+//   reduce() and accumulate_master_grad(), plus FlatGradReduce::collective() once per layer
+//   (ReplicateAllReduce adds one).
 // - Bytes: bytes() is what one gather / one reduction sends from this rank (the one-rank
 //   reduction counts the bytes the general path would send); replicate_bytes() the HSDP
 //   all-reduce's (0 without it). Both equal the closed forms all_gather_bytes(),
@@ -51,12 +61,14 @@
 //   those units (what the step consumed is not kept). A reduction that finds a host gradient
 //   to add to (accumulation across steps without zero_grad) takes the fp32 path.
 // - Up: the step writes the compute-dtype copy of the updated master in the same pass, into a
-//   pinned host buffer the plan keeps (host_copy(): 2 B per element); level 1's refresh (and
+//   pinned host buffer the offload copy keeps (OffloadCopy::host_copy(),
+//   flat_param/offload_state.h: 2 B per element); level 1's refresh (and
 //   an offloaded NO_SHARD unit's), and level 2 at every gather, upload that buffer as it is
 //   (no fp32 staging, no device cast) while it holds the master's current version; otherwise
 //   (an optimizer step after backward, a checkpoint load) the fp32 path. The first
 //   step, or one after the master changed otherwise, casts the master into it on the host
-//   first (prepare_host_copy()).
+//   first (OffloadCopy::prepare_host_copy()). The gradient's side is HostGrad's
+//   (keep_reduce_dtype(), take_reduced()).
 // - Exact: the same kernel on the same values (bf16 -> fp32 is exact; the host cast rounds as
 //   the device cast does): the fp32 path's result bit for bit (tests/offload_test.cpp, with
 //   FLATSHARD_OFFLOAD_HOST_COPY=0 as the reference).
@@ -97,65 +109,72 @@
 
 namespace flatshard {
 
-// What one gather reads and writes (references into FlatParam).
+// What a gather plan reads and writes: FlatParam's buffers, built once, after the constructor
+// has made them (handles: the same tensors, so full()'s storage coming and going and the
+// master's version moving are what the plan sees). FlatParam never reassigns master() or full()
+// after construction.
 struct GatherArgs {
-  const at::Tensor& master;             // fp32 shard, detached; host memory when offloaded
-  const at::Tensor& full;               // unsharded buffer (param dtype); sharded: with storage
-  const std::vector<ShardView>& views;  // with `master`: what master_version() sums
+  at::Tensor master;             // fp32 shard, detached (master()'s storage and version counter)
+  at::Tensor full;               // unsharded buffer (param dtype); sharded: storage when gathered
+  std::vector<ShardView> views;  // with `master`: what master_version() sums
   // Sum of the version counters of master and the views (FlatParam::master_version()).
   int64_t master_version() const;
 };
 
+class OffloadCopy;  // flat_param/offload_state.h
+
+// Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer (compute dtype, the
+// master's element count) that keeps the master's cast between gathers and that an optimizer
+// step may write in its pass (a NO_SHARD unit below fp32, not offloaded: its full()), and which
+// master version it holds. The gather recasts only when it is not current.
+class StepCopy {
+ public:
+  explicit StepCopy(const GatherArgs& args) : args_(args) {}
+  const at::Tensor& tensor() const { return args_.full; }
+  // It holds the master as it is now (written by a step, or cast by the last gather).
+  bool current() const { return version_ == args_.master_version(); }
+  // A step (or the gather's cast) just wrote it with the master's current values.
+  void mark_current() { version_ = args_.master_version(); }
+
+ private:
+  const GatherArgs& args_;  // the owning plan's
+  int64_t version_ = -1;    // master_version() the copy last took
+};
+
+// What some plans keep beside the gather (STYLE.md 17: a member that is null when unused, not
+// a virtual no-op on every plan): null where the plan has none.
+struct GatherExtras {
+  OffloadCopy* offload = nullptr;  // Note [CPU offload]: offloaded plans (the stepper's side)
+  StepCopy* step = nullptr;        // Note [Compute copy in the step]
+};
+
 class GatherPlan {
  public:
-  explicit GatherPlan(std::string name) : name_(std::move(name)) {}
+  // `args`: FlatParam's buffers, which the plan keeps (its constructor does what is due once:
+  // a replicated plan fills full(), offload 1 allocates its resident shard).
+  GatherPlan(std::string name, GatherArgs args)
+      : name_(std::move(name)), args_(std::move(args)) {}
   virtual ~GatherPlan() = default;
   GatherPlan(const GatherPlan&) = delete;
   GatherPlan& operator=(const GatherPlan&) = delete;
 
   const std::string& name() const { return name_; }
-  // Bytes one gather sends from this rank (FlatParam::all_gather_bytes()).
+  const GatherArgs& args() const { return args_; }
+  // Bytes one gather sends from this rank (the closed form all_gather_bytes()).
   virtual int64_t bytes() const = 0;
-  // Device bytes the plan holds between gathers (offload 1's resident shard).
-  virtual int64_t resident_bytes() const { return 0; }
-  // Once, at construction, when full() exists: a replicated plan fills it, offload 1 allocates
-  // its resident shard.
-  virtual void prepare(const GatherArgs&) {}
   // full() from the masters, on `stream`.
-  virtual void gather(const GatherArgs& args, c10::Stream stream) = 0;
+  virtual void gather(c10::Stream stream) = 0;
   // True when gather() would write nothing and wait for nothing: a NO_SHARD full() that is the
   // master or holds its current cast. The unit then skips the gather and its stream events.
-  virtual bool gather_is_noop(const GatherArgs& /*args*/) const { return false; }
-  // Right after an optimizer step wrote the master (Note [Offload step in backward],
-  // fsdp/offload_step.h: on the stepper's thread, once the unit's backward is done): brings the
-  // device copy the plan keeps up to date now, on `stream`, so the next gather() finds it current
-  // and only waits for `stream`'s work instead of uploading. A no-op where the plan keeps none.
-  // `hold` (Note [Delayed offload step]: on the main thread, before the step): from now on the
-  // copy changes only by refresh(), not when the master's version moves (the step writing the
-  // master next must not reach the device before the unit's next refresh), until release_hold().
-  virtual void refresh(const GatherArgs& /*args*/, c10::Stream /*stream*/, bool /*hold*/) {}
-  // Ends a hold: the next gather() uploads the master if it changed since the copy was taken.
-  virtual void release_hold() {}
-  // Note [Host compute copy]: the host buffer (compute dtype, master's element count) a CPU
-  // step writes the updated master into; allocated at the first call; undefined where the plan
-  // uploads nothing or the compute dtype is fp32.
-  virtual at::Tensor host_copy(const GatherArgs& /*args*/) { return {}; }
-  // Before a step writes host_copy() (on the stepper's thread, the previous upload of it
-  // done): casts the master into it unless it already holds the master as it is now.
-  virtual void prepare_host_copy(const GatherArgs& /*args*/) {}
-  // After that step: the buffer holds the master as it is now (its new version).
-  virtual void host_copy_written(const GatherArgs& /*args*/) {}
-  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer (compute dtype,
-  // the master's element count) that keeps the master's cast between gathers and that an
-  // optimizer step may write in its pass; undefined where the plan keeps none (sharded,
-  // offloaded, full() aliasing the fp32 master). step_copy_current(): it holds the master as it
-  // is now; step_copy_written(): a step just wrote it with the master's new values.
-  virtual at::Tensor step_copy(const GatherArgs& /*args*/) const { return {}; }
-  virtual bool step_copy_current(const GatherArgs& /*args*/) const { return false; }
-  virtual void step_copy_written(const GatherArgs& /*args*/) {}
+  virtual bool gather_is_noop() const { return false; }
+  // The plan's optional parts; the same pointers for the plan's life.
+  virtual GatherExtras extras() { return {}; }
 
  private:
   std::string name_;
+
+ protected:
+  GatherArgs args_;
 };
 
 // A reduction's result (FlatGradReduce plans; empty for the one-rank reduction).
@@ -165,16 +184,20 @@ struct ReduceResult {
   at::Tensor reduced;  // the collective's output (reduce dtype); freed when reduce_grad() returns
 };
 
-// FlatParam's gradient state as land() reads and writes it (references into FlatParam).
-struct GradState {
+// What the backward passes left for one reduction, as FlatParam hands it to
+// accumulate_master_grad() (read-only references into FlatParam, on the stack).
+struct BackwardGrads {
   const FlatLayout& layout;
   const std::vector<std::pair<int64_t, int64_t>>& padding;  // [begin, end) gaps
   const at::Tensor& flat_grad;  // full_grad(): complete iff needs_flat_grad(); may be undefined
   const std::vector<bool>& written;  // per parameter: its region of flat_grad holds a gradient
-  std::vector<at::Tensor>& pending;  // per parameter: a deferred gradient, or undefined
-  const at::Tensor& master;          // master(): land() sets or adds to its .grad
-  std::vector<at::Tensor>& in_use;   // buffers the stream still reads (reduce_grad() returns)
+  // Per parameter: a deferred gradient (Note [Flat gradient without zero-fill]), or undefined;
+  // FlatParam keeps the ones read alive until the stream is done with them.
+  const std::vector<at::Tensor>& pending;
+  const at::Tensor& master;  // master(): its element count and options
 };
+
+class HostGrad;  // flat_param/offload_state.h
 
 class ReducePlan {
  public:
@@ -185,7 +208,7 @@ class ReducePlan {
 
   const std::string& name() const { return name_; }
   // False for the one-rank reduction, which reads the gradients where they are: no flat
-  // gradient, no collective (FlatParam::one_rank_reduce() is the negation).
+  // gradient, no collective.
   virtual bool needs_flat_grad() const = 0;
   // Bytes one reduction sends from this rank, without / of the HSDP replicate all-reduce.
   virtual int64_t bytes() const = 0;
@@ -194,18 +217,15 @@ class ReducePlan {
   // padded_numel: every region written or zeroed) to this rank's fp32 reduced gradient.
   virtual ReduceResult reduce(const at::Tensor& flat_grad, c10::Stream stream) = 0;
   // Step 2, once FlatParam has absorbed the shard views' gradients into master's .grad (Note
-  // [Original-parameter views]): `r` into master's .grad (set, or added to an existing one).
-  virtual void land(const ReduceResult& r, GradState& s) = 0;
-  // Offload: after the host waited for the last reduction's stream, adds a staged gradient.
-  virtual void finish_host_grad(const at::Tensor& /*master*/) {}
-  virtual bool has_staged_host_grad() const { return false; }
-  // Note [Host compute copy]: from now on (offloaded plans; a no-op elsewhere) a reduction in a
-  // dtype below fp32 that finds no host gradient to add to goes to the host as it is, into a
-  // buffer take_reduced_host_grad() hands out, and master's .grad stays undefined.
-  virtual void keep_reduce_dtype_on_host(bool /*keep*/) {}
-  // The last reduction's host gradient in the reduce dtype (then forgotten here), or undefined
-  // when it landed in master's .grad.
-  virtual at::Tensor take_reduced_host_grad() { return {}; }
+  // [Original-parameter views]): the reduction `r` (or, for the one-rank reduction, `grads`)
+  // added to `current`, master's .grad now, in place, or, where that is undefined, a new
+  // gradient. Returns what master's .grad is to be (FlatParam sets it): `current`, the new
+  // gradient, or undefined where the reduction went elsewhere (HostGrad::take_reduced()).
+  virtual at::Tensor accumulate_master_grad(const ReduceResult& r, const BackwardGrads& grads,
+                                            const at::Tensor& current) = 0;
+  // Note [CPU offload]: where offloaded plans deliver the gradient on the host; null elsewhere.
+  // The same pointer for the plan's life.
+  virtual HostGrad* host_grad() { return nullptr; }
 
  private:
   std::string name_;
@@ -228,9 +248,11 @@ int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout,
 // The plans of a unit laid out as `layout` whose collectives go over `mesh`: gathers and
 // reductions over its shard group, and with HSDP the replicate all-reduce over its replicate
 // group. Throws c10::Error naming the unit for an offload level other than 0, 1 or 2.
+// The gather plan keeps `args` (FlatParam's buffers, or a test's).
 std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
-                                             const FlatLayout& layout, const Mesh& mesh);
+                                             const FlatLayout& layout, const Mesh& mesh,
+                                             GatherArgs args);
 std::unique_ptr<ReducePlan> make_reduce_plan(const std::string& unit_name,
                                              const FlatParamConfig& config,
                                              const FlatLayout& layout, const Mesh& mesh);

@@ -14,6 +14,7 @@
 #include "collectives/agree.h"
 #include "flat_param/collective_plan.h"
 #include "flat_param/offload.h"
+#include "flat_param/offload_state.h"
 #include "flat_param/upcast.h"
 
 namespace flatshard {
@@ -198,9 +199,9 @@ void FlatParam::broadcast_values(const at::Tensor& init) {
 }
 
 void FlatParam::choose_plans() {
-  // Both throw for an offload level other than 0, 1 or 2.
-  gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_);
+  // Throws for an offload level other than 0, 1 or 2 (before anything is moved to the host).
   reduce_ = make_reduce_plan(unit_name_, config_, layout_, mesh_);
+  host_grad_ = reduce_->host_grad();
 }
 
 void FlatParam::move_to_host() {
@@ -239,10 +240,14 @@ void FlatParam::make_full_buffer() {
   } else {
     full_ = resizable_empty(layout_.padded_numel, config_.param_dtype, comm_.device());
   }
-  // Replicated: full_ gets the master's values; offload 1: the resident shard (uploaded at the
-  // first unshard()).
-  const at::Tensor master = master_.detach();
-  gather_->prepare(GatherArgs{master, full_, views_});
+  // The gather plan keeps the buffers from now on: master_ and full_ are never reassigned after
+  // this. Replicated: full_ gets the master's values; offload 1: the resident shard (uploaded at
+  // the first unshard()).
+  gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_,
+                             GatherArgs{master_.detach(), full_, views_});
+  const GatherExtras extras = gather_->extras();
+  offload_copy_ = extras.offload;
+  step_copy_ = extras.step;
 }
 
 void FlatParam::attach_and_guard() {
@@ -363,75 +368,38 @@ bool is_guarded_param(const at::Tensor& t) {
 }
 
 bool FlatParam::is_unsharded() const { return storage_is_allocated(full_) || layout_.padded_numel == 0; }
-bool FlatParam::has_full_grad() const { return full_grad_.defined(); }
 
 void FlatParam::unshard(c10::Stream stream, bool attach) {
   at::NoGradGuard no_grad;
   c10::StreamGuard guard(stream);
-  const at::Tensor master = master_.detach();
   if (config_.sharded) {  // Note [Unsharded buffer lifetime]: full()'s storage comes back
     resize_tensor_storage(full_, layout_.padded_numel);
     if (attach) attach_params();
   }
-  gather_->gather(GatherArgs{master, full_, views_}, stream);
+  gather_->gather(stream);
   // (Not for the replicated fp32 buffer: it is the optimizer's master, whose padding must stay 0.)
   if (config_.poison_padding && !full_aliases_master_)
     for (const auto& [b, e] : padding_) full_.narrow(0, b, e - b).fill_(NAN);
 }
 
-void FlatParam::finish_host_grad() { reduce_->finish_host_grad(master_); }
-
-bool FlatParam::has_staged_host_grad() const { return reduce_->has_staged_host_grad(); }
-
-void FlatParam::refresh_compute_copy(c10::Stream stream, bool hold) {
+void FlatParam::finish_host_grad() {
+  if (host_grad_ == nullptr) return;
+  const at::Tensor staged = host_grad_->take_staged();
+  if (!staged.defined()) return;
   at::NoGradGuard no_grad;
-  c10::StreamGuard guard(stream);
-  gather_->refresh(GatherArgs{master_.detach(), full_, views_}, stream, hold);
-}
-
-void FlatParam::release_held_copy() { gather_->release_hold(); }
-
-at::Tensor FlatParam::host_copy() {
-  return gather_->host_copy(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::prepare_host_copy() {
-  at::NoGradGuard no_grad;
-  gather_->prepare_host_copy(GatherArgs{master_.detach(), full_, views_});
-}
-
-at::Tensor FlatParam::step_copy() const {
-  return gather_->step_copy(GatherArgs{master_.detach(), full_, views_});
+  master_.mutable_grad().add_(staged);
 }
 
 bool FlatParam::gather_is_noop() const {
   if (config_.poison_padding && !full_aliases_master_) return false;  // unshard() poisons
-  return gather_->gather_is_noop(GatherArgs{master_.detach(), full_, views_});
+  return gather_->gather_is_noop();
 }
-
-bool FlatParam::step_copy_current() const {
-  return gather_->step_copy_current(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::step_copy_written() {
-  gather_->step_copy_written(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::host_copy_written() {
-  gather_->host_copy_written(GatherArgs{master_.detach(), full_, views_});
-}
-
-void FlatParam::keep_reduce_dtype_on_host(bool keep) { reduce_->keep_reduce_dtype_on_host(keep); }
-
-at::Tensor FlatParam::take_reduced_host_grad() { return reduce_->take_reduced_host_grad(); }
 
 void FlatParam::drop_master_grad() {
   master_.mutable_grad() = at::Tensor();
   for (size_t i = 0; i < views_.size(); ++i)
     if (trainable_[i]) views_[i].tensor.mutable_grad() = at::Tensor();
 }
-
-int64_t FlatParam::resident_bytes() const { return gather_->resident_bytes(); }
 
 void FlatParam::reshard() {
   if (!config_.sharded) return;
@@ -514,8 +482,6 @@ void FlatParam::accept_grad(size_t i) {
   g = region.view(layout_.shapes[i]);
 }
 
-bool FlatParam::one_rank_reduce() const { return !reduce_->needs_flat_grad(); }
-
 void FlatParam::complete_flat_grad(std::vector<at::Tensor>& in_use) {
   prepare_grad();  // a unit whose parameters got no gradient reduces zeros (all ranks agree)
   // Note [Flat gradient without zero-fill]: the deferred copies, then zero what no gradient
@@ -545,8 +511,11 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
     r = reduce_->reduce(full_grad_, stream);
   }
   for (auto& t : absorb_view_grads()) in_use.push_back(std::move(t));
-  GradState s{layout_, padding_, full_grad_, grad_written_, pending_, master_, in_use};
-  reduce_->land(r, s);
+  // The plan computes the master gradient; FlatParam sets it.
+  const BackwardGrads grads{layout_, padding_, full_grad_, grad_written_, pending_, master_};
+  master_.mutable_grad() = reduce_->accumulate_master_grad(r, grads, master_.grad());
+  for (auto& g : pending_)  // the one-rank reduction read them on `stream`
+    if (g.defined()) in_use.push_back(std::move(g));
   point_view_grads();
   if (full_grad_.defined()) in_use.push_back(full_grad_);
   if (r.sent.defined()) in_use.push_back(std::move(r.sent));
@@ -616,8 +585,6 @@ void FlatParam::drop_grad() {
   full_grad_ = at::Tensor();
 }
 
-int64_t FlatParam::all_gather_bytes() const { return gather_->bytes(); }
-int64_t FlatParam::reduce_bytes() const { return reduce_->bytes(); }
 at::Tensor FlatParam::gather_whole(const at::Tensor& local) const {
   at::Tensor src = local.defined() ? local.detach() : at::zeros_like(master_.detach());
   src = src.to(comm_.device());  // an offloaded unit's state is on the host (Note [CPU offload])
@@ -626,7 +593,5 @@ at::Tensor FlatParam::gather_whole(const at::Tensor& local) const {
   comm_.all_gather(src, full, comm_.current_stream());
   return full;
 }
-
-int64_t FlatParam::replicate_reduce_bytes() const { return reduce_->replicate_bytes(); }
 
 }  // namespace flatshard

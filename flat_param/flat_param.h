@@ -90,6 +90,9 @@ namespace flatshard {
 
 class GatherPlan;  // flat_param/collective_plan.h
 class ReducePlan;
+class StepCopy;
+class OffloadCopy;  // flat_param/offload_state.h
+class HostGrad;
 
 struct ParamRef {
   std::string name;  // fully qualified, for messages
@@ -117,7 +120,6 @@ class FlatParam {
   const FlatLayout& layout() const { return layout_; }
   const FlatParamConfig& config() const { return config_; }
   const std::vector<ParamRef>& params() const { return params_; }
-  int64_t numel() const { return layout_.used_numel; }
   // The collectives chosen at construction (flat_param/collective_plan.h).
   const GatherPlan& gather_plan() const { return *gather_; }
   const ReducePlan& reduce_plan() const { return *reduce_; }
@@ -126,7 +128,6 @@ class FlatParam {
   bool trainable(size_t i) const { return trainable_[i]; }
   bool any_trainable() const { return num_trainable_ > 0; }
   bool all_trainable() const { return num_trainable_ == params_.size(); }
-  size_t num_trainable() const { return num_trainable_; }
   // Note [Original-parameter views]: one per parameter, in params() order.
   const std::vector<ShardView>& shard_views() const { return views_; }
   // Keep the views' .grad in step with master().grad from now on (idempotent; on by default for
@@ -147,12 +148,12 @@ class FlatParam {
   // place (an optimizer step on either).
   int64_t master_version() const;
 
-  at::Tensor& master() { return master_; }
+  // Never reassigned after construction (the gather plan keeps it: GatherArgs); written in
+  // place (an optimizer step, a checkpoint load).
   const at::Tensor& master() const { return master_; }
   const at::Tensor& full() const { return full_; }
   const at::Tensor& full_grad() const { return full_grad_; }
   bool is_unsharded() const;
-  bool has_full_grad() const;
 
   // Gathers full() from the master shards (cast to param_dtype) on `stream`. For replicated
   // units: recasts master into full() when they are separate buffers. `attach`: the parameters
@@ -164,8 +165,6 @@ class FlatParam {
   void reshard();
   // Points the parameters at full()'s storage (idempotent); full() must be gathered.
   void attach_params();
-  // Whether the parameters read full() (always true for replicated units).
-  bool params_attached() const { return attached_; }
   // Allocates full_grad() (uninitialised; NaN with poison_padding). No-op if it is already
   // prepared (gradient accumulation across backward passes).
   void prepare_grad();
@@ -191,51 +190,28 @@ class FlatParam {
   // Clears the parameters' .grad and the pending gradients, frees full_grad() without reducing.
   void drop_grad();
 
-  // True when reduce_grad() skips the flat gradient and the collective: one rank, no replicas,
-  // a reduce dtype that rounds nothing (Note [One-rank reduction], collective_plan.cpp). The flat
-  // gradient is then not needed before reduce_grad() when copies are deferred.
-  bool one_rank_reduce() const;
-
-  // Note [CPU offload]: 0, 1 or 2.
-  int offload() const { return config_.offload; }
   // Offloaded units, after the host has waited for the stream of the last reduce_grad(): adds
-  // a reduction staged beside an existing host gradient. No-op otherwise.
+  // a reduction staged beside an existing host gradient (HostGrad::take_staged()) to
+  // master().grad. No-op otherwise.
   void finish_host_grad();
-  // Whether a reduction was staged beside an existing host gradient (finish_host_grad() adds it).
-  bool has_staged_host_grad() const;
-  // Offloaded units, right after an optimizer step wrote master() (Note [Offload step in
-  // backward], fsdp/offload_step.h): level 1 (and an offloaded NO_SHARD unit) uploads the
-  // compute-dtype copy now, on `stream`, and its next unshard() waits for `stream` instead of
-  // uploading. No-op otherwise. May run on another thread than the rest of this unit's calls,
-  // when none of them runs. `hold` (Note [Delayed offload step]): the device copy keeps what
-  // this took until the next refresh, whatever writes the master after (release_held_copy()).
-  void refresh_compute_copy(c10::Stream stream, bool hold = false);
-  // Ends refresh_compute_copy's hold: the next unshard() uploads the master if it changed.
-  void release_held_copy();
   // Sets master().grad and the shard views' .grad to undefined (the caller holds them).
   void drop_master_grad();
-  // Note [Host compute copy] (flat_param/collective_plan.h), for the stepper of offloaded units:
-  // the host buffer a CPU step writes the compute-dtype master into (undefined: none); before
-  // that step, prepare_host_copy() (the master cast into it unless it holds it already); after,
-  // host_copy_written(). keep_reduce_dtype_on_host(true): reductions below fp32 come to the
-  // host as they are, for take_reduced_host_grad() (master().grad stays undefined).
-  at::Tensor host_copy();
-  void prepare_host_copy();
-  void host_copy_written();
-  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer that keeps the
-  // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
-  // optimizer step may write in its pass; undefined where the unit keeps none. Whether it holds
-  // the master as it is now; after a step wrote it, step_copy_written() (the next unshard()
-  // then recasts nothing).
-  at::Tensor step_copy() const;
-  bool step_copy_current() const;
   // Whether unshard() would write and wait for nothing (GatherPlan::gather_is_noop).
   bool gather_is_noop() const;
-  void step_copy_written();
-  void keep_reduce_dtype_on_host(bool keep);
-  at::Tensor take_reduced_host_grad();
-  // Device bytes the unit holds between gathers for offload level 1 (the compute-dtype shard).
-  int64_t resident_bytes() const;
+  // Note [CPU offload]: what the stepper of an offloaded unit drives (the device copy's refresh
+  // and hold, Note [Host compute copy]'s host buffer: flat_param/offload_state.h); null when
+  // the unit is not offloaded. Its refresh() may run on another thread than the rest of this
+  // unit's calls, when none of them runs.
+  OffloadCopy* offload_copy() const { return offload_copy_; }
+  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer that keeps the
+  // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
+  // optimizer step may write in its pass (then StepCopy::mark_current(): the next unshard()
+  // recasts nothing); null where the unit keeps none.
+  StepCopy* step_copy() const { return step_copy_; }
+  // Note [CPU offload]: where an offloaded unit's reductions land on the host (the host
+  // gradient's buffers; Note [Host compute copy]'s reduce-dtype path:
+  // flat_param/offload_state.h); null when the unit is not offloaded.
+  HostGrad* host_grad() const { return host_grad_; }
 
   // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
   // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
@@ -244,11 +220,6 @@ class FlatParam {
   // Collective over the shard group for sharded units.
   at::Tensor gather_whole(const at::Tensor& local) const;
 
-  // Bytes one unshard() sends / one reduce_grad() sends on this rank (the latter without the
-  // replicate all-reduce, which replicate_reduce_bytes() counts; 0 without HSDP): the plans'.
-  int64_t all_gather_bytes() const;
-  int64_t reduce_bytes() const;
-  int64_t replicate_reduce_bytes() const;
   // True when reduce_grad() also all-reduces across replicas.
   bool hybrid() const { return mesh_.hybrid(); }
 
@@ -268,13 +239,14 @@ class FlatParam {
   void load_master(const RangeFill& load_ranges);
   // sync_module_states: rank 0's values within the shard group, then across replicas.
   void broadcast_values(const at::Tensor& init);
-  // gather_ and reduce_ (flat_param/collective_plan.h), once.
+  // reduce_ (flat_param/collective_plan.h) and its host_grad_, once; it validates the config.
   void choose_plans();
   // Note [CPU offload]: master_ moves to (pinned) host memory.
   void move_to_host();
   // master_ becomes the optimizer's leaf; views_ (Note [Original-parameter views]).
   void make_views();
-  // full_ (the master itself for replicated fp32) and the gather plan's own buffers.
+  // full_ (the master itself for replicated fp32), then gather_ over master_ and full_ (its
+  // own buffers with it) and its extras.
   void make_full_buffer();
   // The parameters become views of full_; sharded units: guards made, full_ freed, guarded.
   void attach_and_guard();
@@ -314,6 +286,9 @@ class FlatParam {
   // They own what only they need (offload's resident shard, the host gradient buffers).
   std::unique_ptr<GatherPlan> gather_;
   std::unique_ptr<ReducePlan> reduce_;
+  OffloadCopy* offload_copy_ = nullptr;  // gather_'s (GatherExtras), null when not offloaded
+  StepCopy* step_copy_ = nullptr;        // gather_'s (GatherExtras), null when none
+  HostGrad* host_grad_ = nullptr;        // reduce_'s (ReducePlan::host_grad()), null when none
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold

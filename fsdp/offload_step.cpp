@@ -9,6 +9,7 @@
 
 #include "collectives/env.h"
 #include "flat_param/flat_param.h"
+#include "flat_param/offload_state.h"
 #include "optim/fused_adamw.h"
 #include "fsdp/trace.h"
 
@@ -18,6 +19,18 @@ namespace {
 // Note [Delayed offload step]: mark_stepped_early()'s `own_writes` for a step whose gradients
 // were dropped: no real version plus it is a version (see enqueue_delayed).
 constexpr int64_t kDroppedGradient = -(int64_t{1} << 62);
+
+// Whether the unit's last reduction was staged beside an existing host gradient
+// (FlatParam::finish_host_grad() adds it).
+bool host_grad_staged(const FlatParam& flat) {
+  return flat.host_grad() != nullptr && flat.host_grad()->staged();
+}
+
+// Note [Host compute copy]: reductions below fp32 come to the host as they are (offloaded units).
+void keep_reduce_dtype(const FlatParam& flat, bool keep) {
+  if (HostGrad* h = flat.host_grad()) h->keep_reduce_dtype(keep);
+}
+
 }  // namespace
 
 OffloadStepper::~OffloadStepper() {
@@ -39,7 +52,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
                   "attach_optimizer (rank ", rank_, "): amsgrad has no fused step; flatshard "
                   "steps offloaded units with FusedAdamW's fused kernel only");
   entries_.clear();
-  for (FlatParam* f : flats) f->keep_reduce_dtype_on_host(false);
+  for (FlatParam* f : flats) keep_reduce_dtype(*f, false);
   opt_ = std::move(opt);
   if (!opt_) return;
   std::unordered_map<const c10::StorageImpl*, FlatParam*> by_storage;
@@ -58,8 +71,9 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
   for (size_t i = 0; i < flats.size(); ++i) {
     auto it = entries_.find(flats[i]);
     if (it == entries_.end()) continue;
-    flats[i]->keep_reduce_dtype_on_host(host_copy);
-    if (host_copy) it->second.host_copy = flats[i]->host_copy();
+    keep_reduce_dtype(*flats[i], host_copy);
+    if (host_copy && flats[i]->offload_copy())
+      it->second.host_copy = flats[i]->offload_copy()->host_copy();
     if (i < trace_units.size()) it->second.trace_unit = trace_units[i];
   }
 }
@@ -67,7 +81,7 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
 FusedAdamW::CapturedStep OffloadStepper::capture(FlatParam& flat, const Entry& e) {
   // Note [Host compute copy]: the gradient in the reduce dtype and the copy to write, as the
   // slices of the unit's buffers that line up with each tensor (the master or a shard view).
-  const at::Tensor reduced = flat.take_reduced_host_grad();
+  const at::Tensor reduced = flat.host_grad() ? flat.host_grad()->take_reduced() : at::Tensor();
   const at::Tensor& copy = e.host_copy;
   if (!reduced.defined() && !copy.defined()) return opt_->capture_located(e.params);
   const at::Tensor& master = flat.master();
@@ -110,7 +124,7 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
   } else {
     // Captured here, so a gradient written after the reduction (hand-written clipping) is
     // caught by the next opt.step() whenever the worker gets to it.
-    job.staged = flat.has_staged_host_grad();
+    job.staged = host_grad_staged(flat);
     job.captured = capture(flat, e);
   }
   {
@@ -129,12 +143,12 @@ void OffloadStepper::enqueue(FlatParam& flat, const c10::Stream& stream) {
 void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Stream& stream,
                                      Job& job) {
   const bool device = stream.device_type() != c10::DeviceType::CPU;
-  if (flat.has_staged_host_grad()) {  // added to a gradient left from before: rare, synchronous
+  if (host_grad_staged(flat)) {  // added to a gradient left from before: rare, synchronous
     if (device) e.done->synchronize();
     flat.finish_host_grad();
   }
   if (device) e.done->block(upload_stream_);  // the unit's backward read the copy before this
-  flat.refresh_compute_copy(upload_stream_, /*hold=*/true);
+  if (OffloadCopy* c = flat.offload_copy()) c->refresh(upload_stream_, /*hold=*/true);
   if (device) {
     if (!e.uploaded) e.uploaded.emplace(stream.device_type());
     e.uploaded->record(upload_stream_);  // the worker's step writes the master the upload reads
@@ -194,23 +208,25 @@ void OffloadStepper::run_job(Job& job) {
       if (t1 > 0) tracer->record_worker(TraceKind::kOffloadStep, unit, step, t1, t2);
     }
   } spans{tracer_, job.entry->trace_unit, job.trace_step, t0, t1};
-  const bool copy = job.entry->host_copy.defined();  // Note [Host compute copy]
+  OffloadCopy* offload = job.flat->offload_copy();
+  // Note [Host compute copy]: a host buffer was taken at attach only from an offload copy.
+  OffloadCopy* copy = job.entry->host_copy.defined() ? offload : nullptr;
   if (delayed_) {  // Note [Delayed offload step]
     if (job.wait_event) job.entry->uploaded->synchronize();  // after the gradient's copy too
     if (tracer_) t1 = Tracer::now_us();
-    if (copy) job.flat->prepare_host_copy();  // the upload that read it is done
+    if (copy) copy->prepare_host_copy();  // the upload that read it is done
     opt_->run_step(*job.captured);
-    if (copy) job.flat->host_copy_written();
+    if (copy) copy->host_copy_written();
     return;
   }
   if (job.wait_event) job.entry->done->synchronize();
   if (tracer_) t1 = Tracer::now_us();
   job.flat->finish_host_grad();  // one in-place add to the captured gradient when staged
-  if (copy) job.flat->prepare_host_copy();  // its last upload came before this unit's forward
+  if (copy) copy->prepare_host_copy();  // its last upload came before this unit's forward
   opt_->run_step(*job.captured);
-  if (copy) job.flat->host_copy_written();
+  if (copy) copy->host_copy_written();
   opt_->mark_stepped_early(*job.captured, job.staged ? 1 : 0);
-  job.flat->refresh_compute_copy(upload_stream_);
+  if (offload) offload->refresh(upload_stream_);
 }
 
 void OffloadStepper::run() {

@@ -14,7 +14,7 @@
 //   staged gradient (FlatParam::finish_host_grad) and calls FusedAdamW::step_params over the
 //   optimizer's tensors that live in the unit's master (the master, or its shard views for
 //   parameter groups), with their groups' options. At level 1 it then uploads the unit's
-//   compute-dtype shard on its own stream (FlatParam::refresh_compute_copy), so PCIe carries
+//   compute-dtype shard on its own stream (OffloadCopy::refresh), so PCIe carries
 //   the new values during the rest of backward instead of in the next forward, whose gather
 //   only waits for that stream. (Level 2 uploads at every gather, as without this mode.)
 // - The rest: optimizer.step() waits for the worker (FusedAdamW::set_before_step), then steps
@@ -48,7 +48,7 @@
 // - Per unit, on the main thread, in its post-backward: wait for the unit's previous step (the
 //   backpressure when the host is the slower side); reduce (the gradient goes to the host);
 //   then, on the upload stream after the reduction, refresh the device copy from the master
-//   (M_{k-1}, complete: its step was waited for) with a hold (FlatParam::refresh_compute_copy:
+//   (M_{k-1}, complete: its step was waited for) with a hold (OffloadCopy::refresh:
 //   until the next refresh the copy ignores writes to the master); capture the step
 //   (FusedAdamW::capture_step: the gradient and the group options as they are now) and drop
 //   the unit's gradients (master and shard views: they belong to that step now, so zero_grad,

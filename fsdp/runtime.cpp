@@ -331,7 +331,7 @@ void Runtime::on_first_pre_backward(Unit& unit) {
 
 bool Runtime::any_offloaded() const {
   return std::any_of(units_.begin(), units_.end(),
-                     [](const auto& u) { return u->flat().offload() > 0; });
+                     [](const auto& u) { return u->flat().config().offload > 0; });
 }
 
 void Runtime::check_offload_step() const {

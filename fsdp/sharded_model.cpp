@@ -8,6 +8,8 @@
 #include <unordered_set>
 
 #include "collectives/env.h"
+#include "flat_param/collective_plan.h"
+#include "flat_param/offload_state.h"
 #include "fsdp/call.h"
 #include "fsdp/offload_step.h"
 #include "fsdp/resolve.h"
@@ -83,7 +85,7 @@ std::vector<UnitInfo> ShardedModel::units() const {
     const auto& l = u->flat().layout();
     out.push_back(UnitInfo{u->name(), u->strategy(), u->reshard_after_forward(), l.used_numel,
                            l.padded_numel, u->flat().master().numel(), u->flat().params().size(),
-                           u->flat().step_copy().defined()});
+                           u->flat().step_copy() != nullptr});
   }
   return out;
 }
@@ -116,16 +118,17 @@ void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
   const std::weak_ptr<char> alive = alive_;
   for (auto& u : runtime_->units()) {
     FlatParam* flat = &u->flat();
-    const at::Tensor copy = flat->step_copy();
-    if (!copy.defined()) continue;
+    StepCopy* step = flat->step_copy();
+    if (step == nullptr) continue;
+    const at::Tensor& copy = step->tensor();
     FusedAdamW::ComputeCopies set;
     set.tensors.emplace_back(flat->master(), copy);
     for (const auto& v : flat->shard_views())
       if (v.numel() > 0) set.tensors.emplace_back(v.tensor, copy.narrow(0, v.begin, v.numel()));
     // The optimizer may outlive this model: then its copies are never current again.
-    set.current = [alive, flat] { return !alive.expired() && flat->step_copy_current(); };
-    set.written = [alive, flat] {
-      if (!alive.expired()) flat->step_copy_written();
+    set.current = [alive, step] { return !alive.expired() && step->current(); };
+    set.written = [alive, step] {
+      if (!alive.expired()) step->mark_current();
     };
     copies.push_back(std::move(set));
   }
@@ -162,7 +165,8 @@ void ShardedModel::wait_offload_steps() const { runtime_->wait_offload_steps(); 
 
 void ShardedModel::sync_offload_params() {
   wait_offload_steps();
-  for (auto& u : runtime_->units()) u->flat().release_held_copy();
+  for (auto& u : runtime_->units())
+    if (OffloadCopy* c = u->flat().offload_copy()) c->release_hold();
 }
 
 double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {

@@ -25,7 +25,7 @@ void StepGuard::on_step_start(const std::vector<std::unique_ptr<Unit>>& units, i
   for (size_t i = 0; i < units.size(); ++i) {
     const at::Tensor& m = units[i]->flat().master();
     if (units[i]->flat().layout().padded_numel == 0) continue;
-    if (skip_offloaded_ && units[i]->flat().offload() > 0) continue;
+    if (skip_offloaded_ && units[i]->flat().config().offload > 0) continue;
     any_grad = any_grad || m.grad().defined();
     if (!changed && units[i]->flat().master_version() != versions_[i]) changed = units[i].get();
   }

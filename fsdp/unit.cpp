@@ -7,6 +7,7 @@
 
 #include <unordered_set>
 
+#include "flat_param/collective_plan.h"
 #include "fsdp/offload_step.h"
 #include "wrap_policies/policy.h"
 
@@ -110,8 +111,8 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
                           strategy_,
                           reshard_after_forward_,
                           flat_->layout().padded_numel,
-                          flat_->all_gather_bytes(),
-                          flat_->reduce_bytes()};
+                          flat_->gather_plan().bytes(),
+                          flat_->reduce_plan().bytes()};
   // As a policy writes the type ("Linear", not "torch::nn::LinearImpl"): one name everywhere.
   trace_info_.kind = spec_.is_root || members_.empty()
                          ? "<root>"
@@ -168,7 +169,7 @@ void Unit::unshard(bool for_backward) {
   state_ = UnitState::kUnsharded;
   if (has_collectives() && strategy_ != ShardingStrategy::kNoShard) {
     (for_backward ? counters_.backward_all_gathers : counters_.forward_all_gathers) += 1;
-    counters_.bytes += flat_->all_gather_bytes();
+    counters_.bytes += flat_->gather_plan().bytes();
   }
 }
 
@@ -234,7 +235,7 @@ void Unit::pre_backward() {
   if (!flat_->any_trainable()) return;  // frozen: the backward only reads the parameters
   flat_->set_defer_grad_copies(requires_grad_sync_);
   // (With one rank the reduction reads the gradients directly: Note [One-rank reduction].)
-  if (!(requires_grad_sync_ && flat_->one_rank_reduce())) flat_->prepare_grad();
+  if (!(requires_grad_sync_ && !flat_->reduce_plan().needs_flat_grad())) flat_->prepare_grad();
 }
 
 void Unit::on_frozen_input(bool backward) {
@@ -280,20 +281,22 @@ void Unit::post_backward() {
       TraceScope trace(ctx_.tracer, TraceKind::kReduce, &trace_info_);
       device_sleep(rs, ctx_.debug_sleep_before_reduce_cycles);
       // Note [Delayed offload step]: the unit's last step no longer reads its host gradient.
-      if (ctx_.offload_stepper && flat_->offload() > 0) ctx_.offload_stepper->wait_for(*flat_);
+      const bool stepped = ctx_.offload_stepper && flat_->config().offload > 0;
+      if (stepped) ctx_.offload_stepper->wait_for(*flat_);
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
       ctx_.reduce_buffers.hold(std::move(in_use), &reduce_done_);
       // Note [Offload step in backward]: the host master steps as soon as its gradient lands.
-      if (ctx_.offload_stepper && flat_->offload() > 0) ctx_.offload_stepper->enqueue(*flat_, rs);
+      if (stepped) ctx_.offload_stepper->enqueue(*flat_, rs);
       if (strategy_ == ShardingStrategy::kNoShard) {
         counters_.all_reduces += 1;  // one all-ranks all-reduce, in two hops with HSDP
       } else {
         counters_.reduce_scatters += 1;
         if (flat_->hybrid()) counters_.replicate_all_reduces += 1;
       }
-      counters_.bytes += flat_->reduce_bytes() + flat_->replicate_reduce_bytes();
-      counters_.replicate_bytes += flat_->replicate_reduce_bytes();
+      const ReducePlan& plan = flat_->reduce_plan();
+      counters_.bytes += plan.bytes() + plan.replicate_bytes();
+      counters_.replicate_bytes += plan.replicate_bytes();
     } else {
       flat_->drop_grad();
     }

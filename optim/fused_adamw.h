@@ -43,11 +43,11 @@
 //   after: bit for bit (tests/fused_adamw_test.cpp). Elsewhere (CUDA tensors) the same,
 //   unblocked. benchmarks/fused_adamw_bench.cpp times it against the fp32 step.
 // - Note [Compute copy in the step]: a unit that keeps a compute-dtype copy of its master on the
-//   device between gathers (a NO_SHARD unit below fp32: its full(); FlatParam::step_copy())
-//   casts the master into it only when the master changed since. set_compute_copies() hands
-//   this optimizer those copies (ShardedModel::attach_optimizer does, unless
-//   FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the same pass as its
-//   parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
+//   device between gathers (a NO_SHARD unit below fp32: its full(); FlatParam::step_copy(), a
+//   StepCopy) casts the master into it only when the master changed since.
+//   set_compute_copies() hands this optimizer those copies (ShardedModel::attach_optimizer
+//   does, unless FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the same pass
+//   as its parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
 //   optim/adamw_kernel.h), elsewhere the fused kernel then a cast, per block on the CPU — when
 //   its set's current() says the copies hold the parameters as they are before the step, and
 //   calls the set's written() after; otherwise the copies are left for the gather to recast.

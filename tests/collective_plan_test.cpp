@@ -17,6 +17,7 @@
 #include "collectives/thread_mesh.h"
 #include "flat_param/collective_plan.h"
 #include "flat_param/flat_param.h"
+#include "flat_param/offload_state.h"
 #include "rank_require.h"
 
 using namespace flatshard;
@@ -118,7 +119,8 @@ at::Tensor my_part(const at::Tensor& full, const FlatLayout& l, bool sharded, in
 void backward_and_reduce(FlatParam& fp, std::vector<at::Tensor>& ps, Communicator& comm, int r,
                          int world, bool defer) {
   fp.set_defer_grad_copies(defer);
-  if (!(defer && fp.one_rank_reduce())) fp.prepare_grad();  // what Unit::pre_backward does
+  // What Unit::pre_backward does.
+  if (!(defer && !fp.reduce_plan().needs_flat_grad())) fp.prepare_grad();
   for (size_t i = 0; i < ps.size(); ++i) {
     if (i == kNoGrad) continue;
     ps[i].mutable_grad() = rank_grad(ps[i], i, r, world, fp.config().param_dtype);
@@ -143,7 +145,7 @@ void check_reductions(FlatParam& fp, std::vector<at::Tensor>& ps, Communicator& 
   // A second backward accumulates into the master gradient; offloaded, the staged copy is
   // added by finish_host_grad().
   backward_and_reduce(fp, ps, comm, r, world, defer);
-  if (fp.offload() > 0) RANK_REQUIRE(at::equal(fp.master().grad(), expect));
+  if (fp.config().offload > 0) RANK_REQUIRE(at::equal(fp.master().grad(), expect));
   fp.finish_host_grad();
   RANK_REQUIRE(at::equal(fp.master().grad(), expect * 2));
 }
@@ -218,7 +220,11 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
     FlatParamConfig cfg = config_of({"", c.sharded, c.offload}, c.param, c.reduce);
     cfg.sync_module_states = false;  // SizeOnlyComm has no broadcast
     const FlatLayout layout = FlatLayout::make(kShapes, c.sharded ? c.world : 1, cfg.align);
-    auto gather = make_gather_plan("blk", cfg, layout, comm);
+    // The buffers FlatParam would hand the gather plan: the fp32 master, full() in param dtype.
+    const at::Tensor master =
+        at::zeros({c.sharded ? layout.shard_numel : layout.padded_numel}, at::kFloat);
+    const at::Tensor full = at::empty({layout.padded_numel}, c.param);
+    auto gather = make_gather_plan("blk", cfg, layout, comm, GatherArgs{master, full, {}});
     auto reduce = make_reduce_plan("blk", cfg, layout, Mesh(comm, replicate));
     CHECK(gather->name() == c.gather);
     CHECK(reduce->name() == c.reduction);
@@ -228,14 +234,20 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
     FlatParam fp("blk", refs(ps), Mesh(comm, replicate), cfg);
     CHECK(fp.gather_plan().name() == c.gather);
     CHECK(fp.reduce_plan().name() == c.reduction);
-    CHECK(fp.one_rank_reduce() == !reduce->needs_flat_grad());
+    CHECK(fp.reduce_plan().needs_flat_grad() == reduce->needs_flat_grad());
+    // The optional parts exist only where the unit uses them (STYLE.md 17): the offload copy
+    // and the host gradient when offloaded, the step copy for a NO_SHARD recast below fp32.
+    CHECK((fp.offload_copy() != nullptr) == (c.offload > 0));
+    CHECK((fp.host_grad() != nullptr) == (c.offload > 0));
+    CHECK((fp.step_copy() != nullptr) ==
+          (std::string(c.gather) == "ReplicatedRecast" && c.param != at::kFloat));
   }
   SizeOnlyComm comm(2);
   FlatParamConfig bad;
   bad.offload = 3;
   const FlatLayout layout = FlatLayout::make(kShapes, 2, bad.align);
   CHECK_THROWS_WITH(
-      make_gather_plan("blk", bad, layout, comm),
+      make_gather_plan("blk", bad, layout, comm, GatherArgs{}),
       Catch::Contains("unit 'blk'") && Catch::Contains("offload level must be 0, 1 or 2, got 3"));
   CHECK_THROWS_WITH(make_reduce_plan("blk", bad, layout, comm),
                     Catch::Contains("offload level must be 0, 1 or 2, got 3"));
@@ -279,12 +291,8 @@ TEST_CASE("each plan's byte counts are the closed forms", "[flat_param][collecti
     CHECK(fp.gather_plan().bytes() == c.gather);
     CHECK(fp.reduce_plan().bytes() == c.reduction);
     CHECK(fp.reduce_plan().replicate_bytes() == c.replicate);
-    CHECK(fp.gather_plan().resident_bytes() == c.resident);
-    // FlatParam's public counts are the plans'.
-    CHECK(fp.all_gather_bytes() == c.gather);
-    CHECK(fp.reduce_bytes() == c.reduction);
-    CHECK(fp.replicate_reduce_bytes() == c.replicate);
-    CHECK(fp.resident_bytes() == c.resident);
+    // What the unit keeps on the device between gathers is the offload copy's.
+    CHECK((fp.offload_copy() ? fp.offload_copy()->resident_bytes() : 0) == c.resident);
   }
 }
 
@@ -369,15 +377,13 @@ TEST_CASE("plans work on the buffers they are given, without a FlatParam",
     cfg.param_dtype = at::kBFloat16;
     cfg.align = 4;
     const FlatLayout l = FlatLayout::make(kShapes, 3, cfg.align);
-    auto gather = make_gather_plan("seam", cfg, l, c);
     auto reduce = make_reduce_plan("seam", cfg, l, c);
-    const std::vector<ShardView> no_views;
 
     // Rank k's master: k * 100 + its element index.
     const at::Tensor master = at::arange(l.shard_numel, at::kFloat).add_(100.0 * c.rank());
     const at::Tensor full = at::empty({l.padded_numel}, at::kBFloat16);
-    gather->prepare(GatherArgs{master, full, no_views});
-    gather->gather(GatherArgs{master, full, no_views}, c.current_stream());
+    auto gather = make_gather_plan("seam", cfg, l, c, GatherArgs{master, full, {}});
+    gather->gather(c.current_stream());
     std::vector<at::Tensor> parts;
     for (int k = 0; k < 3; ++k)
       parts.push_back(at::arange(l.shard_numel, at::kFloat).add_(100.0 * k));
@@ -394,12 +400,13 @@ TEST_CASE("plans work on the buffers they are given, without a FlatParam",
     at::Tensor master_param = at::zeros({l.shard_numel}).requires_grad_(true);
     std::vector<std::pair<int64_t, int64_t>> padding;
     std::vector<bool> written(kShapes.size(), true);
-    std::vector<at::Tensor> pending(kShapes.size()), in_use;
-    GradState s{l, padding, flat, written, pending, master_param, in_use};
+    std::vector<at::Tensor> pending(kShapes.size());
+    const BackwardGrads grads{l, padding, flat, written, pending, master_param};
     for (int pass = 1; pass <= 2; ++pass) {  // set, then add
       ReduceResult r = reduce->reduce(flat, c.current_stream());
       RANK_REQUIRE(r.sent.scalar_type() == at::kFloat);  // reduce dtype fp32: a cast copy
-      reduce->land(r, s);
+      master_param.mutable_grad() =
+          reduce->accumulate_master_grad(r, grads, master_param.grad());
       RANK_REQUIRE(at::equal(master_param.grad(),
                              mean.narrow(0, l.shard_begin(c.rank()), l.shard_numel) * pass));
     }

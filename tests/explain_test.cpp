@@ -14,6 +14,7 @@
 
 #include "collectives/thread_communicator.h"
 #include "collectives/thread_mesh.h"
+#include "flat_param/collective_plan.h"
 #include "fsdp/call.h"
 #include "planner/explain.h"
 #include "fsdp/meta_init.h"
@@ -477,7 +478,8 @@ TEST_CASE("explain agrees with the built ShardedModel over a sweep of plans and 
     const auto info = fsdp.units();
     for (size_t i = 0; i < fsdp.num_units(); ++i) {
       const FlatParam& f = fsdp.unit(i).flat();
-      out.push_back({info[i], f.all_gather_bytes(), f.reduce_bytes(), f.replicate_reduce_bytes()});
+      out.push_back({info[i], f.gather_plan().bytes(), f.reduce_plan().bytes(),
+                     f.reduce_plan().replicate_bytes()});
     }
     return out;
   };

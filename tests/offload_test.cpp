@@ -20,6 +20,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "collectives/env.h"
+#include "flat_param/offload_state.h"
 #include "fsdp/trace.h"
 #include "optim/fused_adamw.h"
 #include "planner/explain.h"
@@ -35,6 +36,11 @@ using namespace flatshard;
 using namespace flatshard_test;
 
 namespace {
+
+// Device bytes a unit holds between gathers (level 1's resident shard; 0 without an offload copy).
+int64_t resident_bytes_of(const FlatParam& f) {
+  return f.offload_copy() ? f.offload_copy()->resident_bytes() : 0;
+}
 
 bool contains(const std::string& s, const std::string& part) {
   return s.find(part) != std::string::npos;
@@ -303,7 +309,7 @@ TEST_CASE("offload_step backward: offloaded masters change in backward, the rest
       for (size_t u = 0; u < fsdp->num_units(); ++u) {
         const Unit& unit = fsdp->unit(u);
         if (unit.flat().master().numel() == 0) continue;
-        const bool offloaded = unit.flat().offload() > 0;
+        const bool offloaded = unit.flat().config().offload > 0;
         if (offloaded != !at::equal(before[u], after_backward[u]) ||
             offloaded != at::equal(after_backward[u], after_step[u]))
           wrong.push_back("step " + std::to_string(step) + " unit " + unit.name());
@@ -497,14 +503,14 @@ TEST_CASE("offload: a unit's spec level overrides the default; explain counts ho
       const Unit& unit = fsdp->unit(u);
       const UnitExplanation& x = e.units[u];
       const int want = unit.name() == "blocks.0" ? 2 : unit.name() == "blocks.1" ? 0 : 1;
-      RANK_REQUIRE(unit.flat().offload() == want);
+      RANK_REQUIRE(unit.flat().config().offload == want);
       RANK_REQUIRE(x.offload == want);
-      RANK_REQUIRE(x.resident_bytes == unit.flat().resident_bytes());
+      RANK_REQUIRE(x.resident_bytes == resident_bytes_of(unit.flat()));
       if (want > 0) {
         host += 4 * unit.flat().master().nbytes();  // master, grad, AdamW's two moments
         padding += x.padding();
       }
-      resident += unit.flat().resident_bytes();
+      resident += resident_bytes_of(unit.flat());
     }
     RANK_REQUIRE(resident > 0);
     // explain counts AdamW state for the parameters' elements of the fullest shard, AdamW
@@ -512,7 +518,7 @@ TEST_CASE("offload: a unit's spec level overrides the default; explain counts ho
     RANK_REQUIRE(e.memory.host_bytes <= host);
     RANK_REQUIRE(e.memory.host_bytes >= host - 8 * padding);
     // A level-1 unit keeps its shard in the compute dtype (fp32 here) on the device.
-    RANK_REQUIRE(fsdp->unit(0).flat().resident_bytes() ==
+    RANK_REQUIRE(resident_bytes_of(fsdp->unit(0).flat()) ==
                  fsdp->unit(0).flat().layout().shard_numel * 4);
     RANK_REQUIRE(contains(e.to_string(), "offloaded to host"));
   });
