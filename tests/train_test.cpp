@@ -287,7 +287,11 @@ TEST_CASE("flatshard-train: bad inputs are one-line errors naming the file and t
     f.push_back(tmp / "run.toml");
     fails(f, 2, "config file '" + tmp / "run.toml" + "': INI was not able to parse learning_rate");
   }
-  fails(with(flags(data, tmp / "o6", 2, 3), "--lr", "nan"), 1, "--lr nan: expected a finite");
+  // Numbers are decimal and finite, as in every tool (cli/numbers.h): a usage error.
+  fails(with(flags(data, tmp / "o6", 2, 3), "--lr", "nan"), 2,
+        "--lr: expected a decimal number, got 'nan'");
+  fails(with(flags(data, tmp / "o6", 2, 3), "--steps", "0x10"), 2,
+        "--steps: expected a decimal integer, got '0x10'");
   // A config file sets flags by name; the command line wins (--lr 3e-3 over the file's 1e-3).
   flatshard_test::write_bytes(tmp / "good.toml", "steps = 2\nglobal-batch = 4\nlr = 1e-3\n");
   {

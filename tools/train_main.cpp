@@ -127,8 +127,9 @@ int main(int argc, char** argv) {
       ->check(fcli::number())->group(g_opt);
   app.add_option("--beta2", c.beta2, "AdamW beta2 (default 0.95)")
       ->check(fcli::number())->group(g_opt);
-  app.add_option("--clip", c.clip, "max global gradient norm
-      ->check(fcli::number()); 0: off (default 1.0)")->group(g_opt);
+  app.add_option("--clip", c.clip, "max global gradient norm; 0: off (default 1.0)")
+      ->check(fcli::number())
+      ->group(g_opt);
 
   const char* g_shard = "Sharding";
   app.add_option("--world", world, "ranks, as threads on this CPU (default 2)")
