@@ -193,23 +193,13 @@ std::string latest_checkpoint(const std::string& out) {
   return "";
 }
 
-void train_rank(const TrainConfig& c, Communicator& comm) {
-  const int rank = comm.rank(), world = comm.world_size();
-  const bool lead = rank == 0;
-  profiling::CountingCpuAllocator& mem = profiling::CountingCpuAllocator::install();
+namespace {
 
-  // Model, data and the batch layout first: any mistake there is found before anything runs.
-  const models::ModelConfig cfg = model_config(c);
-  const data::BatchLayout layout{c.global_batch, c.micro_batch, world, rank};
-  const int64_t accum = layout.accumulation();
-  const data::TokenDataset train_data(c.data, {c.token_dtype, cfg.vocab(), cfg.seq_len()});
-  std::unique_ptr<data::TokenDataset> val_data;
-  if (!c.val.empty())
-    val_data = std::make_unique<data::TokenDataset>(
-        c.val, data::TokenDatasetOptions{c.token_dtype, cfg.vocab(), cfg.seq_len()});
-
-  // Resume: which checkpoint, and whether it is this run's (before building anything).
-  std::string resume_dir;
+// Where a run starts: with --resume, the step of the checkpoint (*dir), after checking it is this
+// run's (its model, batch and sequence length); else 0, refusing an --out that holds an earlier
+// run's checkpoints.
+int64_t resume_step(const TrainConfig& c, const models::ModelConfig& cfg, std::string* dir) {
+  std::string& resume_dir = *dir;
   int64_t start = 0;
   if (!c.resume.empty()) {
     resume_dir = c.resume == "latest" ? latest_checkpoint(c.out) : c.resume;
@@ -243,6 +233,69 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
                 earlier.size(), " checkpoint(s) of an earlier run (newest ", earlier.back(),
                 "): pass --resume to continue it, or another --out");
   }
+  return start;
+}
+
+// The training state saved with the checkpoint of `step` (docs/training.md "Resume").
+std::string training_state(const TrainConfig& c, const models::ModelConfig& cfg,
+                           const data::TokenDataset& train_data, int64_t step, int world) {
+  std::ostringstream st;
+  st << "{\"step\": " << step << ", \"tokens\": " << step * c.global_batch * cfg.seq_len()
+     << ", \"model\": " << json::quote(cfg.to_string()) << ", \"data\": {\"seed\": " << c.seed
+     << ", \"position\": " << step << ", \"global_batch\": " << c.global_batch
+     << ", \"seq_len\": " << cfg.seq_len() << ", \"num_tokens\": " << train_data.num_tokens()
+     << "}"
+     << ", \"schedule\": {\"lr\": " << json::number(c.schedule.lr)
+     << ", \"min_lr\": " << json::number(c.schedule.min_lr)
+     << ", \"warmup\": " << c.schedule.warmup
+     << ", \"decay\": " << json::quote(decay_name(c.schedule.decay))
+     << ", \"steps\": " << c.schedule.steps << "}"
+     << ", \"rng\": {\"note\": \"batches are a pure function of (data.seed, step); the model "
+        "has no dropout\"}, \"world\": "
+     << world << "}";
+  return st.str();
+}
+
+// The run's first metrics line and progress line (rank 0).
+void announce_start(const TrainConfig& c, const models::ModelConfig& cfg,
+                    const data::TokenDataset& train_data, const ShardedModel& fsdp,
+                    Metrics& metrics, const std::string& resume_dir, int64_t start, int world,
+                    int64_t accum) {
+  std::ostringstream s;
+  s << "{\"event\": " << json::quote(resume_dir.empty() ? "start" : "resume")
+    << ", \"step\": " << start << ", \"world\": " << world
+    << ", \"checkpoint\": " << json::quote(resume_dir) << "}";
+  metrics.line(s.str());
+  std::cout << "flatshard-train: " << cfg.family().display_name() << " "
+            << format_fixed(static_cast<double>(cfg.num_parameters()) / 1e6, 2)
+            << " M parameters, " << fsdp.num_units() << " units, world " << world << ", "
+            << train_data.num_tokens() << " tokens in " << train_data.files().size()
+            << " file(s); steps " << start << ".." << c.steps << ", global batch "
+            << c.global_batch << " x " << cfg.seq_len() << " tokens, accumulation " << accum
+            << (resume_dir.empty() ? "" : ", resumed from " + printable_escape(resume_dir))
+            << std::endl;
+}
+
+}  // namespace
+
+void train_rank(const TrainConfig& c, Communicator& comm) {
+  const int rank = comm.rank(), world = comm.world_size();
+  const bool lead = rank == 0;
+  profiling::CountingCpuAllocator& mem = profiling::CountingCpuAllocator::install();
+
+  // Model, data and the batch layout first: any mistake there is found before anything runs.
+  const models::ModelConfig cfg = model_config(c);
+  const data::BatchLayout layout{c.global_batch, c.micro_batch, world, rank};
+  const int64_t accum = layout.accumulation();
+  const data::TokenDataset train_data(c.data, {c.token_dtype, cfg.vocab(), cfg.seq_len()});
+  std::unique_ptr<data::TokenDataset> val_data;
+  if (!c.val.empty())
+    val_data = std::make_unique<data::TokenDataset>(
+        c.val, data::TokenDatasetOptions{c.token_dtype, cfg.vocab(), cfg.seq_len()});
+
+  // Resume: which checkpoint, and whether it is this run's (before building anything).
+  std::string resume_dir;
+  const int64_t start = resume_step(c, cfg, &resume_dir);
 
   std::shared_ptr<torch::nn::Module> model;
   ShardingOptions so;
@@ -274,19 +327,7 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
   if (lead) {
     make_dirs(c.out);
     metrics = std::make_unique<Metrics>(c.out + "/metrics.jsonl");
-    std::ostringstream s;
-    s << "{\"event\": " << json::quote(resume_dir.empty() ? "start" : "resume")
-      << ", \"step\": " << start << ", \"world\": " << world
-      << ", \"checkpoint\": " << json::quote(resume_dir) << "}";
-    metrics->line(s.str());
-    std::cout << "flatshard-train: " << cfg.family().display_name() << " "
-              << format_fixed(static_cast<double>(cfg.num_parameters()) / 1e6, 2)
-              << " M parameters, " << fsdp->num_units() << " units, world " << world << ", "
-              << train_data.num_tokens() << " tokens in " << train_data.files().size()
-              << " file(s); steps " << start << ".." << c.steps << ", global batch "
-              << c.global_batch << " x " << cfg.seq_len() << " tokens, accumulation " << accum
-              << (resume_dir.empty() ? "" : ", resumed from " + printable_escape(resume_dir))
-              << std::endl;
+    announce_start(c, cfg, train_data, *fsdp, *metrics, resume_dir, start, world, accum);
   }
 
   const double tokens_per_step = static_cast<double>(c.global_batch * cfg.seq_len());
@@ -312,22 +353,8 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     const std::string folder = c.out + "/checkpoints";
     if (lead) make_dirs(folder);
     comm.barrier();
-    std::ostringstream st;
-    st << "{\"step\": " << step << ", \"tokens\": " << step * c.global_batch * cfg.seq_len()
-       << ", \"model\": " << json::quote(cfg.to_string()) << ", \"data\": {\"seed\": " << c.seed
-       << ", \"position\": " << step << ", \"global_batch\": " << c.global_batch
-       << ", \"seq_len\": " << cfg.seq_len() << ", \"num_tokens\": " << train_data.num_tokens()
-       << "}"
-       << ", \"schedule\": {\"lr\": " << json::number(c.schedule.lr)
-       << ", \"min_lr\": " << json::number(c.schedule.min_lr)
-       << ", \"warmup\": " << c.schedule.warmup
-       << ", \"decay\": " << json::quote(decay_name(c.schedule.decay))
-       << ", \"steps\": " << c.schedule.steps << "}"
-       << ", \"rng\": {\"note\": \"batches are a pure function of (data.seed, step); the model "
-          "has no dropout\"}, \"world\": "
-       << world << "}";
     CheckpointOptions o;
-    o.training_state = st.str();
+    o.training_state = training_state(c, cfg, train_data, step, world);
     const std::string dir = folder + "/" + checkpoint_name(step);
     save_checkpoint(*fsdp, opt.get(), dir, o);
     if (lead) {

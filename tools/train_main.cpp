@@ -45,16 +45,14 @@ Batches: each step trains on --global-batch sequences of --seq tokens, drawn fro
 
 namespace fcli = flatshard::cli;
 
-int main(int argc, char** argv) {
-  ft::TrainConfig c;
-  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as threads)",
-               kProgram);
-  app.footer(kFooter);
-  app.set_config("--config", "", "read flags from this TOML/INI file (unknown keys are errors)");
-  app.allow_config_extras(CLI::config_extras_mode::error);
+// What the flags set beside TrainConfig: read into it after parsing.
+struct FlagText {
   int world = 2;
   std::string param_dtype = "fp32", decay = "cosine", token_dtype = "uint16";
+};
 
+// The model (a preset or --hf and its overrides) and the data.
+void add_model_and_data_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_model = "Model";
   app.add_option("--model", c.family,
                  "model family (default llama): " + flatshard::models::families_help())
@@ -85,7 +83,7 @@ int main(int argc, char** argv) {
       ->group(g_data);
   app.add_option("--val", c.val, "validation tokens (evaluated every --eval-every steps)")
       ->group(g_data);
-  app.add_option("--token-dtype", token_dtype, "uint16 (default) | uint32: raw files' tokens")
+  app.add_option("--token-dtype", x.token_dtype, "uint16 (default) | uint32: raw files' tokens")
       ->check(CLI::IsMember({"uint16", "uint32"}))
       ->group(g_data);
   app.add_option("--global-batch", c.global_batch, "sequences per optimizer step (default 8)")
@@ -100,6 +98,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", c.seed, "model init and data order (default 0)")
       ->transform(fcli::unsigned64())->group(g_data);
 
+}
+
+// The optimizer and its schedule.
+void add_optimizer_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_opt = "Optimizer";
   app.add_option("--steps", c.steps, "optimizer steps (default 100)")
       ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
@@ -117,7 +119,7 @@ int main(int argc, char** argv) {
       ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::NonNegativeNumber)
       ->group(g_opt);
-  app.add_option("--decay", decay, "cosine (default) | linear | constant, after the warmup")
+  app.add_option("--decay", x.decay, "cosine (default) | linear | constant, after the warmup")
       ->check(CLI::IsMember({"cosine", "linear", "constant"}))
       ->group(g_opt);
   app.add_option("--weight-decay", c.weight_decay, "AdamW weight decay (default 0.1)")
@@ -131,8 +133,12 @@ int main(int argc, char** argv) {
       ->check(fcli::number())
       ->group(g_opt);
 
+}
+
+// Sharding (ranks, plan, dtypes, offload) and output (run folder, checkpoints, logging).
+void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_shard = "Sharding";
-  app.add_option("--world", world, "ranks, as threads on this CPU (default 2)")
+  app.add_option("--world", x.world, "ranks, as threads on this CPU (default 2)")
       ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::Range(1, 64))
       ->group(g_shard);
@@ -140,7 +146,7 @@ int main(int argc, char** argv) {
                  "a named plan (layer, leaf, every-K, model, noshard) or a policy spec "
                  "(docs/vocabulary.md; default layer)")
       ->group(g_shard);
-  app.add_option("--param-dtype", param_dtype, "fp32 (default) | bf16: gathered params, compute")
+  app.add_option("--param-dtype", x.param_dtype, "fp32 (default) | bf16: gathered params, compute")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->group(g_shard);
   app.add_flag("--recompute", c.recompute,
@@ -190,6 +196,20 @@ int main(int argc, char** argv) {
                  "after the last step, write the model in Hugging Face's layout (LLaMA family)")
       ->group(g_out);
 
+}
+
+int main(int argc, char** argv) {
+  ft::TrainConfig c;
+  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as threads)",
+               kProgram);
+  app.footer(kFooter);
+  app.set_config("--config", "", "read flags from this TOML/INI file (unknown keys are errors)");
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  FlagText x;
+  add_model_and_data_flags(app, c, x);
+  add_optimizer_flags(app, c, x);
+  add_run_flags(app, c, x);
+
   std::string config_path;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -218,10 +238,10 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.count("--resume") > 0 && c.resume.empty()) c.resume = "latest";
-    c.token_dtype = flatshard::data::parse_token_dtype(token_dtype);
-    c.param_dtype = param_dtype;
-    c.schedule.decay = decay == "cosine"   ? ft::Decay::kCosine
-                       : decay == "linear" ? ft::Decay::kLinear
+    c.token_dtype = flatshard::data::parse_token_dtype(x.token_dtype);
+    c.param_dtype = x.param_dtype;
+    c.schedule.decay = x.decay == "cosine"   ? ft::Decay::kCosine
+                       : x.decay == "linear" ? ft::Decay::kLinear
                                            : ft::Decay::kConstant;
     c.schedule.steps = c.steps;
     for (const auto& [name, v] : {std::pair<const char*, double>{"--lr", c.schedule.lr},
@@ -241,7 +261,7 @@ int main(int argc, char** argv) {
     TORCH_CHECK(c.hf_dir.empty() || c.family == "llama", "--hf loads the llama family; --model ",
                 c.family, " cannot");
     flatshard::run_ranks(
-        world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
+        x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
         std::chrono::minutes(10));
     flatshard::flush_stdout();
   } catch (const c10::Error& e) {
