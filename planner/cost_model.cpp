@@ -9,9 +9,9 @@
 #include <utility>
 
 #include "flat_param/flat_param_config.h"
+#include "planner/topology.h"
 #include "support/format.h"
 #include "support/input_file.h"
-#include "planner/topology.h"
 
 namespace flatshard {
 
@@ -94,18 +94,26 @@ class CostWalk {
  public:
   CostWalk(const Explanation& e, const TransformerShape& shape, const Workload& w,
            const MachineProfile& prof, int offload_level)
-      : e_(e), shape_(shape), prof_(prof), offload_level_(offload_level),
-        ec_(elem(e.options.mixed_precision.param_dtype)),
-        er_(elem(e.options.mixed_precision.reduce_dtype.value_or(
+      : explained_(e),
+        shape_(shape),
+        prof_(prof),
+        offload_level_(offload_level),
+        compute_elem_(elem(e.options.mixed_precision.param_dtype)),
+        reduce_elem_(elem(e.options.mixed_precision.reduce_dtype.value_or(
             e.options.mixed_precision.param_dtype))),
-        n_(static_cast<int>(e.units.size())), L_(shape.n_layers),
-        seq_(static_cast<double>(w.seq)), tokens_(static_cast<double>(w.tokens())),
-        W_(e.world_size), R_(e.replicate_size), fp_(e.options.forward_prefetch),
-        bp_(e.options.backward_prefetch),
+        n_(static_cast<int>(e.units.size())),
+        layers_(shape.n_layers),
+        seq_(static_cast<double>(w.seq)),
+        tokens_(static_cast<double>(w.tokens())),
+        shard_size_(e.world_size),
+        replicas_(e.replicate_size),
+        forward_prefetch_(e.options.forward_prefetch),
+        backward_prefetch_(e.options.backward_prefetch),
         // One rank and no replicas: no collective runs and no flat gradient exists (Note
         // [One-rank reduction]: each gradient goes straight into the master gradient), nothing
         // is staged.
-        one_rank_(W_ * R_ == 1), staging_(one_rank_ ? 0.0 : prof.collective_staging) {}
+        one_rank_(shard_size_ * replicas_ == 1),
+        staging_(one_rank_ ? 0.0 : prof.collective_staging) {}
 
   CostPrediction run() {
     place_units();
@@ -122,7 +130,7 @@ class CostWalk {
   void persistent_state();
   // --- phase 3: the memory walk ---------------------------------------------------------------
   void memory_walk();
-  double walk_forward();               // returns the activations saved at the end of forward
+  double walk_forward();  // returns the activations saved at the end of forward
   void walk_loss(double act);
   void walk_backward();
   // --- phase 4: the time walk -----------------------------------------------------------------
@@ -135,30 +143,31 @@ class CostWalk {
 
   // Walk helpers.
   double transient(int k) const {
-    return e_.units[k].strategy == ShardingStrategy::kNoShard
+    return explained_.units[k].strategy == ShardingStrategy::kNoShard
                ? 0.0
-               : static_cast<double>(e_.units[k].gathered_bytes);
+               : static_cast<double>(explained_.units[k].gathered_bytes);
   }
   bool kept(int k) const {
-    return e_.units[k].strategy != ShardingStrategy::kNoShard &&
-           !e_.units[k].reshard_after_forward;
+    return explained_.units[k].strategy != ShardingStrategy::kNoShard &&
+           !explained_.units[k].reshard_after_forward;
   }
   // An offloaded unit keeps the general path at one rank too (its gradient goes to the host).
   double flat_grad(int k) const {
-    return one_rank_ && level_[k] == 0 ? 0.0 : static_cast<double>(e_.units[k].grad_buffer_bytes);
+    return one_rank_ && level_[k] == 0 ? 0.0
+                                       : static_cast<double>(explained_.units[k].grad_buffer_bytes);
   }
   // Offloaded: the fp32 master comes up to a device buffer before its cast (level 1 at the
   // first gather of the step, level 2 at every gather).
-  double upload(int k) const { return level_[k] > 0 ? 4.0 * e_.units[k].shard_numel : 0.0; }
+  double upload(int k) const { return level_[k] > 0 ? 4.0 * explained_.units[k].shard_numel : 0.0; }
   double saved(int64_t i) const {
     return recomputed_[i] ? layer_input_ : layer_full_ - tokens_ * leaf_saving_[i] * scale();
   }
   double scale() const { return prof_.activation_scale; }
-  double per_token(const PerToken& t) const { return tokens_ * t.bytes(ec_) * scale(); }
+  double per_token(const PerToken& t) const { return tokens_ * t.bytes(compute_elem_) * scale(); }
   // The first bp units of backward (gathered when backward begins), less `skip`.
   double prefetched_first(int skip) const {
     double bytes = 0;
-    for (int q = n_ - 1; q >= std::max(1, n_ - bp_); --q)
+    for (int q = n_ - 1; q >= std::max(1, n_ - backward_prefetch_); --q)
       if (!kept(order_[q]) && order_[q] != skip) bytes += transient(order_[q]);
     return bytes;
   }
@@ -173,15 +182,15 @@ class CostWalk {
     }
   }
 
-  const Explanation& e_;
+  const Explanation& explained_;
   const TransformerShape& shape_;
   const MachineProfile& prof_;
   const int offload_level_;
-  const int64_t ec_, er_;  // element sizes: compute dtype, reduce dtype
+  const int64_t compute_elem_, reduce_elem_;  // element sizes: compute dtype, reduce dtype
   const int n_;
-  const int64_t L_;
+  const int64_t layers_;
   const double seq_, tokens_;
-  const int W_, R_, fp_, bp_;
+  const int shard_size_, replicas_, forward_prefetch_, backward_prefetch_;
   const bool one_rank_;
   const double staging_;
 
@@ -218,16 +227,16 @@ class CostWalk {
 
 void CostWalk::place_units() {
   place_.assign(n_, UnitPlace{});
-  leaf_saving_.assign(L_, 0);
+  leaf_saving_.assign(layers_, 0);
   for (int k = 0; k < n_; ++k) {
-    const auto& u = e_.units[k];
+    const auto& u = explained_.units[k];
     UnitPlace& p = place_[k];
     bool any_layer = false, only_input = !u.modules.empty();
     for (const auto& m : u.modules) {
       int64_t i = 0;
       bool whole = false;
       std::string inner;
-      if (layer_index(m, shape_.layer_prefix, &i, &whole, &inner) && i < L_) {
+      if (layer_index(m, shape_.layer_prefix, &i, &whole, &inner) && i < layers_) {
         (whole ? p.whole : p.partial).push_back(i);
         if (!whole && u.recompute) leaf_saving_[i] += recomputed_leaf_saving(shape_, inner);
         any_layer = true;
@@ -246,23 +255,24 @@ void CostWalk::place_units() {
       for (auto i : p.partial) lo = std::min(lo, static_cast<double>(i) + 0.5);
       p.position = lo;
     } else {
-      p.position = p.input ? -1 : static_cast<double>(L_);
+      p.position = p.input ? -1 : static_cast<double>(layers_);
     }
   }
-  for (int k = 0; k < n_; ++k) head_owned_ = head_owned_ || (place_[k].head && !e_.units[k].is_root);
+  for (int k = 0; k < n_; ++k)
+    head_owned_ = head_owned_ || (place_[k].head && !explained_.units[k].is_root);
   order_.resize(n_);
   for (int k = 0; k < n_; ++k) order_[k] = k;
   std::stable_sort(order_.begin(), order_.end(),
                    [&](int a, int b) { return place_[a].position < place_[b].position; });
 
-  anchor_.assign(L_, 0);
-  recomputed_.assign(L_, false);
-  layer_units_.assign(L_, 0);
+  anchor_.assign(layers_, 0);
+  recomputed_.assign(layers_, false);
+  layer_units_.assign(layers_, 0);
   for (int q = n_ - 1; q >= 0; --q) {
     const int k = order_[q];
     for (auto i : place_[k].whole) {
       anchor_[i] = q;
-      if (e_.units[k].recompute) recomputed_[i] = true;
+      if (explained_.units[k].recompute) recomputed_[i] = true;
       ++layer_units_[i];
     }
     for (auto i : place_[k].partial) {
@@ -276,7 +286,7 @@ void CostWalk::place_units() {
   layer_backward_work_ = per_token(shape_.layer_backward_work);
   anchored_at_.assign(n_, {});
   saved_at_.assign(n_, 0.0);
-  for (int64_t i = 0; i < L_; ++i) {
+  for (int64_t i = 0; i < layers_; ++i) {
     anchored_at_[anchor_[i]].push_back(i);
     saved_at_[anchor_[i]] += saved(i);
   }
@@ -289,9 +299,9 @@ void CostWalk::persistent_state() {
   off_.resize(n_);
   level_.assign(n_, 0);
   master_grad_.assign(n_, 0);
-  const auto param_dtype = e_.options.mixed_precision.param_dtype;
+  const auto param_dtype = explained_.options.mixed_precision.param_dtype;
   for (int k = 0; k < n_; ++k) {
-    const auto& u = e_.units[k];
+    const auto& u = explained_.units[k];
     // The unit's level as explain resolved it (fsdp/resolve.h), at least `offload_level`.
     level_[k] = std::max(u.offload, u.padded_numel > 0 ? offload_level_ : 0);
     if (u.strategy == ShardingStrategy::kNoShard) level_[k] = std::min(level_[k], 1);  // resolve.h
@@ -303,7 +313,7 @@ void CostWalk::persistent_state() {
     if (u.strategy == ShardingStrategy::kNoShard) {
       // The unsharded buffer; offloaded (even fp32, which otherwise computes on the master
       // itself) it is a device copy of the host master.
-      persistent_ += level_[k] > 0 ? u.padded_numel * ec_ : u.gathered_bytes;
+      persistent_ += level_[k] > 0 ? u.padded_numel * compute_elem_ : u.gathered_bytes;
       p_.replicated_bytes += u.master_bytes + u.master_grad_bytes + 2 * trainable;
     }
     master_grad_[k] = level_[k] > 0 ? 0 : u.master_grad_bytes;
@@ -320,9 +330,10 @@ void CostWalk::memory_walk() {
   // llround of a value beyond int64 is undefined: refuse (a profile within its bounds and a
   // model explain accepts stay far below).
   TORCH_CHECK(std::isfinite(peak) && peak >= 0 && peak < 9e18,
-              "predict_cost: the predicted peak of ", peak, " bytes is not a finite byte count "
-              "(allocator_slack ", prof_.allocator_slack, ", activation_scale ",
-              prof_.activation_scale, ")");
+              "predict_cost: the predicted peak of ", peak,
+              " bytes is not a finite byte count "
+              "(allocator_slack ",
+              prof_.allocator_slack, ", activation_scale ", prof_.activation_scale, ")");
   p_.peak_bytes = static_cast<int64_t>(std::llround(peak));
 }
 
@@ -338,15 +349,16 @@ double CostWalk::walk_forward() {
     // Gathers this pre-forward issues: all of the first 1 + fp units at the first, then the one
     // fp ahead (fp = 0: its own).
     double up = 0;
-    if (q == 0 || fp_ == 0) {
-      for (int j = q; j <= std::min(n_ - 1, q + fp_); ++j) up = std::max(up, upload(order_[j]));
-    } else if (q + fp_ <= n_ - 1) {
-      up = upload(order_[q + fp_]);
+    if (q == 0 || forward_prefetch_ == 0) {
+      for (int j = q; j <= std::min(n_ - 1, q + forward_prefetch_); ++j)
+        up = std::max(up, upload(order_[j]));
+    } else if (q + forward_prefetch_ <= n_ - 1) {
+      up = upload(order_[q + forward_prefetch_]);
     }
     double g = transient(k) * (1 + staging_) + up + kept_before_[q];
-    for (int j = q + 1; j <= std::min(n_ - 1, q + fp_); ++j)
+    for (int j = q + 1; j <= std::min(n_ - 1, q + forward_prefetch_); ++j)
       g += transient(order_[j]);  // prefetched (kept or not: not yet counted)
-    consider(act, 0, g, "forward of " + e_.units[k].name);
+    consider(act, 0, g, "forward of " + explained_.units[k].name);
     // Layers whose first unit is this one are saved from here on.
     act += saved_at_[q];
   }
@@ -355,7 +367,8 @@ double CostWalk::walk_forward() {
 
 void CostWalk::walk_loss(double act) {
   const double V = static_cast<double>(shape_.vocab);
-  const double loss_forward_extra = tokens_ * V * (ec_ + (ec_ != 4 ? 4 : 0)) * scale();
+  const double loss_forward_extra =
+      tokens_ * V * (compute_elem_ + (compute_elem_ != 4 ? 4 : 0)) * scale();
   const double loss_backward_extra = tokens_ * V * 8 * scale();
   const double kept_all = kept_before_[n_];
   consider(act + head_saved_ + loss_forward_extra, 0, kept_all, "loss forward");
@@ -371,14 +384,16 @@ void CostWalk::walk_loss(double act) {
   // of the head unit and the root (its first gradient arrives here).
   int head = 0;
   for (int k = 0; k < n_; ++k)
-    if (place_[k].head && !e_.units[k].is_root) head = k;
+    if (place_[k].head && !explained_.units[k].is_root) head = k;
   if (!head_owned_) head = order_[0];
   double g = kept_all + flat_grad(head);
   if (!kept(head)) g += transient(head) * (1 + staging_);
   if (head != order_[0]) g += flat_grad(order_[0]);
   g += prefetched_first(head);  // the head's own buffer is counted above
-  const double a =
-      act + tokens_ * (2.0 * shape_.d_model * ec_ + V * (ec_ + (ec_ != 4 ? 4 : 0))) * scale();
+  const double a = act + tokens_ *
+                             (2.0 * shape_.d_model * compute_elem_ +
+                              V * (compute_elem_ + (compute_elem_ != 4 ? 4 : 0))) *
+                             scale();
   consider(a, 0, g, "backward of the output projection");
 }
 
@@ -387,7 +402,7 @@ void CostWalk::walk_backward() {
   // gradient does (FlatParam::accept_grad); when the root holds the head, that reduction is the
   // step's last, so they are held through every layer's backward.
   const double head_pending =
-      head_owned_ ? 0.0 : static_cast<double>(shape_.vocab) * shape_.d_model * ec_;
+      head_owned_ ? 0.0 : static_cast<double>(shape_.vocab) * shape_.d_model * compute_elem_;
   // Backward, reverse execution order, the root last. saved_before[q]: the activations of the
   // layers anchored before position q (freed later), summed once.
   std::vector<double> saved_before(n_ + 1, 0.0);
@@ -405,9 +420,9 @@ void CostWalk::walk_backward() {
     // at the compute put a unit's staging beside its own flat gradient, which does not exist
     // yet there (CPU ranks, two layers per unit, worlds 2-4: 3.0-6.6% over, now 0.2-1.7%).
     double stage = 0;  // this unit's own staging, for the recompute rule below
-    if (e_.units[k].per_step.backward_all_gathers) stage = staging_ * transient(k);
+    if (explained_.units[k].per_step.backward_all_gathers) stage = staging_ * transient(k);
     g += kept_before_[q];  // kept units before this one, and the bp ones just before it
-    for (int j = std::max(0, q - bp_); j < q; ++j)
+    for (int j = std::max(0, q - backward_prefetch_); j < q; ++j)
       if (!kept(order_[j])) g += transient(order_[j]);
     if (q != 0) g += flat_grad(order_[0]);
     if (previous >= 0) g += flat_grad(previous);
@@ -416,24 +431,26 @@ void CostWalk::walk_backward() {
     // gradient exists.
     auto over_issued = [&](auto&& f) {
       double most = 0;
-      if (bp_ == 0) {
+      if (backward_prefetch_ == 0) {
         most = f(k);
       } else if (q == n_ - 1) {
-        for (int j = q; j >= std::max(0, q - bp_); --j) most = std::max(most, f(order_[j]));
-      } else if (q - bp_ >= 0) {
-        most = f(order_[q - bp_]);
+        for (int j = q; j >= std::max(0, q - backward_prefetch_); --j)
+          most = std::max(most, f(order_[j]));
+      } else if (q - backward_prefetch_ >= 0) {
+        most = f(order_[q - backward_prefetch_]);
       }
       return most;
     };
     // A level-2 unit gathered for backward uploads its master again.
     const double up = over_issued([&](int j) {
-      return level_[j] == 2 && !kept(j) && e_.units[j].per_step.backward_all_gathers ? upload(j)
-                                                                                       : 0.0;
+      return level_[j] == 2 && !kept(j) && explained_.units[j].per_step.backward_all_gathers
+                 ? upload(j)
+                 : 0.0;
     });
     // Each gather's staging, alive while its collective runs.
     const double sg = over_issued([&](int j) {
-      return !kept(j) && e_.units[j].per_step.backward_all_gathers ? staging_ * transient(j)
-                                                                   : 0.0;
+      return !kept(j) && explained_.units[j].per_step.backward_all_gathers ? staging_ * transient(j)
+                                                                           : 0.0;
     });
     g += flat_grad(k);
     // Activations: layers freed later (anchor < q) saved; layers anchored here being consumed:
@@ -442,21 +459,21 @@ void CostWalk::walk_backward() {
     double a = saved_before[q] + here;
     const bool touches_layer = !anchored_at_[q].empty();
     // The head's log-softmax output is gone after the loss's backward; its inputs remain.
-    if (place_[k].head && !e_.units[k].is_root) a += tokens_ * 2.0 * shape_.d_model * ec_ * scale();
-    const double work =
-        touches_layer || !place_[k].partial.empty() || !place_[k].whole.empty()
-            ? layer_backward_work_
-            : 0.0;
+    if (place_[k].head && !explained_.units[k].is_root)
+      a += tokens_ * 2.0 * shape_.d_model * compute_elem_ * scale();
+    const double work = touches_layer || !place_[k].partial.empty() || !place_[k].whole.empty()
+                            ? layer_backward_work_
+                            : 0.0;
     // A recompute unit keeps the staging in both points, here and at its reduction: measured so
     // (CPU ranks, world 2 and 4: per-leaf recompute 5-7% under without it), not explained —
     // the recompute forward's own scratch beside the rebuilt layer is not modelled apart.
-    const double extra = e_.units[k].recompute ? stage + work : work;
+    const double extra = explained_.units[k].recompute ? stage + work : work;
     if (up > 0 || sg > 0)
       consider(a, grads, g - flat_grad(k) + std::max(up, sg),
-               "backward gather at " + e_.units[k].name);
+               "backward gather at " + explained_.units[k].name);
     // (Its master gradient does not exist yet: zero_grad leaves none, and the reduction
     // allocates it. Counted here, the one-unit plans were 6-8% over on the GPU.)
-    consider(a, grads, g + extra, "backward of " + e_.units[k].name);
+    consider(a, grads, g + extra, "backward of " + explained_.units[k].name);
     // Its reduction (FlatParam::reduce_grad's general path): the flat gradient, the parameters'
     // own gradients (compute dtype, held until the reduction's event), the reduced shard (an
     // all-reduce works in place), the master gradient, allocated here; offloaded, also the
@@ -467,19 +484,20 @@ void CostWalk::walk_backward() {
     // on the GPU (1B GPT, one unit, offload 1, 1 seq, world 1) the walk without them said
     // 8.8 GiB where 12.3 were measured.
     double after = a - here;  // this unit's layers are done
-    const auto& uk = e_.units[k];
+    const auto& uk = explained_.units[k];
     const bool general = !(one_rank_ && level_[k] == 0);
     // (The root's own reduction: its held gradients include the head's.)
     const double own_grads =
         general || !uk.frozen
-            ? static_cast<double>(uk.padded_numel) * ec_ - (q == 0 ? head_pending : 0.0)
+            ? static_cast<double>(uk.padded_numel) * compute_elem_ - (q == 0 ? head_pending : 0.0)
             : 0.0;
     const bool reduced_shard = general && uk.strategy != ShardingStrategy::kNoShard;
     const double held = own_grads +
-                        (reduced_shard ? static_cast<double>(er_) * uk.shard_numel : 0.0) +
+                        (reduced_shard ? static_cast<double>(reduce_elem_) * uk.shard_numel : 0.0) +
                         (level_[k] > 0 ? 4.0 * uk.shard_numel : 0.0);
-    consider(after, grads + master_grad_[k], g + (e_.units[k].recompute ? stage : 0.0) + held,
-             "reduction of " + e_.units[k].name);
+    consider(after, grads + master_grad_[k],
+             g + (explained_.units[k].recompute ? stage : 0.0) + held,
+             "reduction of " + explained_.units[k].name);
     grads += master_grad_[k];
     previous = k;
   }
@@ -499,16 +517,18 @@ void CostWalk::time_walk() {
   // the backward left after the first reduction.
   // Note [Delayed offload step]: delayed, each unit's step has from its reduction to the same
   // point of the next step: the whole next forward and backward hide it.
-  const bool delayed = e_.options.offload_step == OffloadStep::kDelayed;
+  const bool delayed = explained_.options.offload_step == OffloadStep::kDelayed;
   const bool step_in_backward =
-      e_.options.offload_step != OffloadStep::kAfterBackward && cpu_opt_ms_ > 0;
+      explained_.options.offload_step != OffloadStep::kAfterBackward && cpu_opt_ms_ > 0;
   double cpu_exposed = cpu_opt_ms_;
   if (step_in_backward) {
     double window = 0, last_upload = 0;
     for (int q = 0; q < n_; ++q) {
       const int k = order_[q];
-      if (delayed) window += fwd_ms_[k] + bwd_ms_[k];
-      else if (q + 1 < n_) window += bwd_ms_[k];  // all but the first unit to reduce
+      if (delayed)
+        window += fwd_ms_[k] + bwd_ms_[k];
+      else if (q + 1 < n_)
+        window += bwd_ms_[k];  // all but the first unit to reduce
       if (level_[k] == 1) {
         if (last_upload == 0) last_upload = up_fwd_[k];  // the first in forward steps last
         up_fwd_[k] = 0;
@@ -520,8 +540,8 @@ void CostWalk::time_walk() {
   if (prof_.comm_overlap == 0) {  // synchronous collectives: nothing hides
     double gathers = 0;
     for (int k = 0; k < n_; ++k)
-      gathers += ag_ms_[k] * (e_.units[k].per_step.forward_all_gathers +
-                              e_.units[k].per_step.backward_all_gathers);
+      gathers += ag_ms_[k] * (explained_.units[k].per_step.forward_all_gathers +
+                              explained_.units[k].per_step.backward_all_gathers);
     p_.exposed_all_gather_ms = gathers;
     p_.exposed_comm_ms = p_.comm_ms;
     copy_exposed = std::max(0.0, copy_ms_ - p_.compute_ms);
@@ -550,7 +570,7 @@ void CostWalk::unit_compute() {
   fwd_ms_.assign(n_, 0);
   bwd_ms_.assign(n_, 0);
   for (int k = 0; k < n_; ++k) {
-    const auto& u = e_.units[k];
+    const auto& u = explained_.units[k];
     double f = 0, rc = 0;
     for (size_t w = 0; w < place_[k].whole.size(); ++w) {
       f += layer_flops;
@@ -563,7 +583,7 @@ void CostWalk::unit_compute() {
     }
     if (place_[k].head || (u.is_root && !head_owned_)) f += head_flops;
     if (u.is_root)  // layers no other unit touches (model granularity)
-      for (int64_t i = 0; i < L_; ++i)
+      for (int64_t i = 0; i < layers_; ++i)
         if (layer_units_[i] == 0) f += layer_flops;
     p_.model_flops += f;
     fwd_ms_[k] = f / 3 / rate;
@@ -577,42 +597,45 @@ void CostWalk::passes_and_collectives() {
   const double mem_rate = prof_.memory_gbps * 1e6;  // bytes per ms
   ag_ms_.assign(n_, 0);
   red_ms_.assign(n_, 0);
-  const double ag_bus = W_ > 1 ? static_cast<double>(W_ - 1) : 0;  // x shard bytes
-  const double rs_bus = W_ > 1 ? static_cast<double>(W_ - 1) / W_ : 0;
+  const double ag_bus =
+      shard_size_ > 1 ? static_cast<double>(shard_size_ - 1) : 0;  // x shard bytes
+  const double rs_bus = shard_size_ > 1 ? static_cast<double>(shard_size_ - 1) / shard_size_ : 0;
   // Each group's own links (planner/topology.h): the shard group's all-gathers and
   // reductions, the replicate group's all-reduce.
   // All ranks inside one node (W x R <= gpus per node): every group is, aligned or not.
   const auto per_node = static_cast<int64_t>(prof_.gpus_per_node);
-  const int64_t nodes = static_cast<int64_t>(W_) * R_ <= per_node ? 0 : per_node;
-  const GroupSpan shard = shard_group_span(W_, nodes);
-  const GroupSpan replicate = replicate_group_span(R_, W_, nodes);
+  const int64_t nodes = static_cast<int64_t>(shard_size_) * replicas_ <= per_node ? 0 : per_node;
+  const GroupSpan shard = shard_group_span(shard_size_, nodes);
+  const GroupSpan replicate = replicate_group_span(replicas_, shard_size_, nodes);
   auto cost = [&](Collective c, const GroupSpan& g, double bus, int64_t bytes) {
     return bytes > 0 ? collective_ms(prof_, c, g, bus * static_cast<double>(bytes)) : 0.0;
   };
   for (int k = 0; k < n_; ++k) {
-    const auto& u = e_.units[k];
+    const auto& u = explained_.units[k];
     const auto& c = u.per_step;
     const int64_t gathers = c.forward_all_gathers + c.backward_all_gathers;
-    if (ec_ != 4)
-      p_.passes_ms += gathers * static_cast<double>((4 + ec_) * u.shard_numel) / mem_rate;
-    if (er_ != 4 && (c.reduce_scatters || c.all_reduces))
-      p_.passes_ms += static_cast<double>((er_ + 4) * u.shard_numel) / mem_rate;
+    if (compute_elem_ != 4)
+      p_.passes_ms += gathers * static_cast<double>((4 + compute_elem_) * u.shard_numel) / mem_rate;
+    if (reduce_elem_ != 4 && (c.reduce_scatters || c.all_reduces))
+      p_.passes_ms += static_cast<double>((reduce_elem_ + 4) * u.shard_numel) / mem_rate;
     const int64_t trainable =
         u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
     if (level_[k] == 0)
       p_.optimizer_ms += prof_.optimizer_bytes_per_param * (trainable / 4) / mem_rate;
-    if (W_ == 1 && R_ == 1) {  // world-1 collectives are device copies
+    if (shard_size_ == 1 && replicas_ == 1) {  // world-1 collectives are device copies
       p_.passes_ms += gathers * 2.0 * u.all_gather_bytes / mem_rate;
       continue;
     }
-    if (W_ > 1 && c.forward_all_gathers + c.backward_all_gathers > 0)
+    if (shard_size_ > 1 && c.forward_all_gathers + c.backward_all_gathers > 0)
       ag_ms_[k] = cost(Collective::kAllGather, shard, ag_bus, u.all_gather_bytes);
     double r = 0;
-    if (c.reduce_scatters && W_ > 1)
+    if (c.reduce_scatters && shard_size_ > 1)
       r += cost(Collective::kReduceScatter, shard, rs_bus, u.reduce_bytes);
-    if (c.all_reduces && W_ > 1) r += cost(Collective::kAllReduce, shard, 2 * rs_bus, u.reduce_bytes);
-    if (R_ > 1 && c.replicate_bytes > 0)
-      r += cost(Collective::kAllReduce, replicate, 2.0 * (R_ - 1) / R_, c.replicate_bytes);
+    if (c.all_reduces && shard_size_ > 1)
+      r += cost(Collective::kAllReduce, shard, 2 * rs_bus, u.reduce_bytes);
+    if (replicas_ > 1 && c.replicate_bytes > 0)
+      r += cost(Collective::kAllReduce, replicate, 2.0 * (replicas_ - 1) / replicas_,
+                c.replicate_bytes);
     red_ms_[k] = r;
     p_.comm_ms += gathers * ag_ms_[k] + r;
   }
@@ -624,7 +647,7 @@ void CostWalk::offload_copies() {
   up_bwd_.assign(n_, 0);
   down_.assign(n_, 0);
   for (int k = 0; k < n_; ++k) {
-    const auto& c = e_.units[k].per_step;
+    const auto& c = explained_.units[k].per_step;
     const double h2d = off_[k].h2d_bytes / (prof_.h2d_gbps * 1e6);
     if (level_[k] == 2 && c.backward_all_gathers > 0) {
       const double per = h2d / static_cast<double>(std::max<int64_t>(
@@ -658,10 +681,9 @@ void CostWalk::pipeline(bool copies, double* exposed_gathers, double* tail) cons
   // or the backward is over).
   auto copy_end = [&](double t, double work) {
     if (work <= 0) return t;
-    auto it = std::upper_bound(spans.begin(), spans.end(), t,
-                               [](double v, const std::pair<double, double>& s) {
-                                 return v < s.second;
-                               });
+    auto it =
+        std::upper_bound(spans.begin(), spans.end(), t,
+                         [](double v, const std::pair<double, double>& s) { return v < s.second; });
     for (; it != spans.end(); ++it) {
       if (it->first > t) {  // idle compute before this span: the full rate
         if (it->first - t >= work) return t + work;
@@ -679,10 +701,11 @@ void CostWalk::pipeline(bool copies, double* exposed_gathers, double* tail) cons
   double compute_t = 0, comm_t = 0, exposed = 0;
   for (int q = 0; q < n_; ++q) {
     const int k = order_[q];
-    const double issue =
-        q - fp_ >= 0 && fp_ > 0 ? start[order_[q - fp_]] : (fp_ > 0 ? 0 : compute_t);
+    const double issue = q - forward_prefetch_ >= 0 && forward_prefetch_ > 0
+                             ? start[order_[q - forward_prefetch_]]
+                             : (forward_prefetch_ > 0 ? 0 : compute_t);
     double ready = compute_t;
-    const double gather = e_.units[k].per_step.forward_all_gathers ? ag_ms_[k] : 0.0;
+    const double gather = explained_.units[k].per_step.forward_all_gathers ? ag_ms_[k] : 0.0;
     const double up = copies ? up_fwd_[k] : 0.0;
     if (gather + up > 0) {  // the upload, then the gather
       comm_t = copy_end(std::max(comm_t, issue), up) + gather;
@@ -696,15 +719,16 @@ void CostWalk::pipeline(bool copies, double* exposed_gathers, double* tail) cons
   std::vector<double> bstart(n_, 0), bend(n_, 0);
   for (int q = n_ - 1; q >= 0; --q) {
     const int k = order_[q];
-    const int ahead = q + bp_;
+    const int ahead = q + backward_prefetch_;
     const double issue =
-        bp_ > 0 && ahead <= n_ - 1 && ahead != q ? bstart[order_[ahead]] : compute_t;
+        backward_prefetch_ > 0 && ahead <= n_ - 1 && ahead != q ? bstart[order_[ahead]] : compute_t;
     double ready = compute_t;
-    const double gather = e_.units[k].per_step.backward_all_gathers ? ag_ms_[k] : 0.0;
+    const double gather = explained_.units[k].per_step.backward_all_gathers ? ag_ms_[k] : 0.0;
     const double up = copies ? up_bwd_[k] : 0.0;
     if (gather + up > 0) {
       // The first bp units of backward are prefetched when backward begins.
-      const double s0 = std::max(comm_t, bp_ > 0 && ahead > n_ - 1 ? backward_begin : issue);
+      const double s0 =
+          std::max(comm_t, backward_prefetch_ > 0 && ahead > n_ - 1 ? backward_begin : issue);
       comm_t = copy_end(s0, up) + gather;
       ready = std::max(ready, comm_t);
     }
@@ -733,11 +757,12 @@ void CostWalk::host_time() {
   const double forward_share = unit_host > 0 ? prof_.host_us_per_unit_forward / unit_host : 0.0;
   double recompute_host = 0;
   for (int k = 0; k < n_; ++k) {
-    if (!e_.units[k].recompute) continue;
+    if (!explained_.units[k].recompute) continue;
     recompute_host += prof_.host_us_per_unit_forward / 1e3 +
                       forward_share * per_layer_host * static_cast<double>(place_[k].whole.size());
   }
-  p_.host_ms = per_layer_host * static_cast<double>(L_) + n_ * unit_host / 1e3 + recompute_host;
+  p_.host_ms =
+      per_layer_host * static_cast<double>(layers_) + n_ * unit_host / 1e3 + recompute_host;
 }
 
 }  // namespace
@@ -755,17 +780,23 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
   // Every time finite and non-negative: a profile outside its bounds (machine_profile.h; code
   // can build one) must be an error, not an "inf ms" or 60-digit prediction.
   const std::pair<const char*, double> times[] = {
-      {"compute_ms", p.compute_ms},     {"passes_ms", p.passes_ms},
-      {"optimizer_ms", p.optimizer_ms}, {"comm_ms", p.comm_ms},
-      {"exposed_comm_ms", p.exposed_comm_ms}, {"exposed_all_gather_ms", p.exposed_all_gather_ms},
-      {"host_ms", p.host_ms},           {"offload_ms", p.offload_ms},
-      {"recompute_ms", p.recompute_ms}, {"gpu_ms", p.gpu_ms},
-      {"step_ms", p.step_ms},           {"cpu_optimizer_ms", p.cpu_optimizer_ms}};
+      {"compute_ms", p.compute_ms},
+      {"passes_ms", p.passes_ms},
+      {"optimizer_ms", p.optimizer_ms},
+      {"comm_ms", p.comm_ms},
+      {"exposed_comm_ms", p.exposed_comm_ms},
+      {"exposed_all_gather_ms", p.exposed_all_gather_ms},
+      {"host_ms", p.host_ms},
+      {"offload_ms", p.offload_ms},
+      {"recompute_ms", p.recompute_ms},
+      {"gpu_ms", p.gpu_ms},
+      {"step_ms", p.step_ms},
+      {"cpu_optimizer_ms", p.cpu_optimizer_ms}};
   constexpr double kMaxMs = 1e18;  // ~3e7 years: beyond it a number of digits, not a time
   for (const auto& [name, v] : times)
-    TORCH_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxMs, "predict_cost: predicted ", name,
-                " = ", v, " ms is not a finite time of at most ", kMaxMs,
-                " ms; the machine profile (", printable_escape(prof.source),
+    TORCH_CHECK(std::isfinite(v) && v >= 0 && v <= kMaxMs, "predict_cost: predicted ", name, " = ",
+                v, " ms is not a finite time of at most ", kMaxMs, " ms; the machine profile (",
+                printable_escape(prof.source),
                 ") holds a value outside its bounds (planner/machine_profile.h: check_profile)");
   return p;
 }
