@@ -243,14 +243,9 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
     });
     agree(comm, err, what);
     progress.finish();
-    if (writer_rank) {
-      try {
-        publish(dir, staging, o.fault_hook, o.durable, /*use_exchange=*/true);
-      } catch (...) {
-        err = std::current_exception();
-      }
-    }
-    agree(comm, err, what);
+    run_agreed(comm, what, [&] {
+      if (writer_rank) publish(dir, staging, o.fault_hook, o.durable, /*use_exchange=*/true);
+    });
   } catch (...) {
     writers.clear();  // uncommitted temporaries are removed
     if (writer_rank) abandon_save(staging);

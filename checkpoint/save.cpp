@@ -286,10 +286,9 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   const std::string what = "save_checkpoint('" + dir + "')";
   TORCH_CHECK(o.crc_chunk_bytes > 0, what, ": crc_chunk_bytes must be positive");
 
-  std::exception_ptr err;
   std::optional<SaveSource> source;
   Manifest manifest;
-  try {
+  run_agreed(comm, what, [&] {
     source.emplace(read_source(model, optimizer));
     manifest = describe(*source, o.kind, world, o.crc_chunk_bytes);
     if (o.grad_scaler && o.grad_scaler->enabled())
@@ -301,10 +300,7 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
       dir = resolve_save_dir(dir);  // a symlink is followed (Note [Checkpoint publication])
       staging = begin_save(dir, kManifestName, o.durable, check_only_checkpoint_files);
     }
-  } catch (...) {
-    err = std::current_exception();
-  }
-  agree(comm, err, what);
+  });
   staging = all_gather_text(comm, staging).front();
 
   try {
@@ -312,31 +308,25 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
                               static_cast<int64_t>(model.num_units()));
     if (o.kind == CheckpointKind::kSharded) {
       FileRecord mine;
-      try {
+      run_agreed(comm, what, [&] {
         mine = write_shard(*source, manifest, staging, rank, world, o, progress);
-      } catch (...) {
-        err = std::current_exception();
-      }
-      agree(comm, err, what);
+      });
       for (const std::string& text : all_gather_text(comm, file_record_json(mine))) {
         const json::Json record = json::parse(text, "file record");
         manifest.files.push_back(parse_file_record(json::Node(record, "file record")));
       }
     } else {
+      std::exception_ptr err;  // write_full's collectives defer a local failure to here
       manifest.files = write_full(*source, manifest, staging, o, progress, err);
       agree(comm, err, what);
     }
     progress.finish();
-    if (rank == 0) {
-      try {
-        write_text_file_atomic(join_path(staging, kManifestName), manifest.to_json(), o.fault_hook,
-                               o.durable);
-        publish(dir, staging, o.fault_hook, o.durable, o.use_rename_exchange);
-      } catch (...) {
-        err = std::current_exception();
-      }
-    }
-    agree(comm, err, what);
+    run_agreed(comm, what, [&] {
+      if (rank != 0) return;
+      write_text_file_atomic(join_path(staging, kManifestName), manifest.to_json(), o.fault_hook,
+                             o.durable);
+      publish(dir, staging, o.fault_hook, o.durable, o.use_rename_exchange);
+    });
   } catch (...) {
     // Whatever is in the staging directory now is incomplete, or the previous checkpoint
     // displaced by publish(): never needed again.
