@@ -35,6 +35,19 @@ struct Fd {
   }
 };
 
+// The one way a user's file is opened: without blocking (a FIFO never hangs the open), and
+// refused unless it is a regular file. Fills *st; errors name `where`.
+int open_regular(const std::string& path, const std::string& where, struct stat* st) {
+  Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+  TORCH_CHECK(f.fd >= 0, where, ": cannot open: ", std::strerror(errno));
+  TORCH_CHECK(::fstat(f.fd, st) == 0, where, ": cannot stat: ", std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st->st_mode), where, ": is ", file_type(st->st_mode),
+              ", not a regular file (refusing to read it)");
+  const int fd = f.fd;
+  f.fd = -1;  // the caller owns it now
+  return fd;
+}
+
 }  // namespace
 
 std::string printable_escape(std::string_view s) {
@@ -63,12 +76,8 @@ std::string printable_escape(std::string_view s) {
 std::string read_input_file(const std::string& path, int64_t max_bytes, const std::string& what,
                             const std::string& limit_name) {
   const std::string where = what + " '" + printable_escape(path) + "'";
-  Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
-  TORCH_CHECK(f.fd >= 0, where, ": cannot open: ", std::strerror(errno));
   struct stat st {};
-  TORCH_CHECK(::fstat(f.fd, &st) == 0, where, ": cannot stat: ", std::strerror(errno));
-  TORCH_CHECK(S_ISREG(st.st_mode), where, ": is ", file_type(st.st_mode),
-              ", not a regular file (refusing to read it)");
+  Fd f{open_regular(path, where, &st)};
   TORCH_CHECK(st.st_size <= max_bytes, where, ": ", st.st_size, " bytes, more than ", limit_name,
               " of ", max_bytes, " bytes");
   std::string text;
@@ -100,12 +109,8 @@ json::Json read_json_file(const std::string& path, int64_t max_bytes, const std:
 
 MappedInputFile::MappedInputFile(const std::string& path, const std::string& what) {
   const std::string where = what + " '" + printable_escape(path) + "'";
-  Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
-  TORCH_CHECK(f.fd >= 0, where, ": cannot open: ", std::strerror(errno));
   struct stat st {};
-  TORCH_CHECK(::fstat(f.fd, &st) == 0, where, ": cannot stat: ", std::strerror(errno));
-  TORCH_CHECK(S_ISREG(st.st_mode), where, ": is ", file_type(st.st_mode),
-              ", not a regular file (refusing to read it)");
+  Fd f{open_regular(path, where, &st)};
   size_ = static_cast<int64_t>(st.st_size);
   if (size_ == 0) return;
   void* p = ::mmap(nullptr, static_cast<size_t>(size_), PROT_READ, MAP_PRIVATE, f.fd, 0);
