@@ -529,8 +529,8 @@ void add_report_flags(CLI::App& app, CommandLine& c) {
       ->group(report);
   app.add_flag("--suggest", r.suggest,
                "plan advisor: the plan that fits --memory-limit at the best predicted step "
-               "(needs --memory-limit; --batch defaults to 1; a --policy given joins the "
-               "candidates)")
+               "(--memory-limit, else the profile's device_memory_gb; --batch defaults to 1; a "
+               "--policy given joins the candidates)")
       ->group(report);
   app.add_option("--offload-levels", c.offload_levels_text,
                  "--suggest: offload levels to try, e.g. 0,1,2 (default 0; no repeats)")
