@@ -39,6 +39,9 @@ const std::vector<Knob>& knobs() {
        "its step; 0: their next gather recasts the master"},
       {kAdamwKernel, "1",
        "1: that step is flatshard's one-pass CUDA kernel; 0: ATen's fused AdamW, then a cast"},
+      {kPreBackwardHook, "1",
+       "1: a unit's pre-backward runs as a pre-hook on its outputs' autograd nodes; 0: through "
+       "an identity autograd node per unit call"},
       {kOffloadStepThreads, "0",
        "intra-op threads of flatshard's CPU optimizer-step thread (offload_step backward or "
        "delayed); 0: ATen's default (one per core)"},
@@ -102,6 +105,7 @@ bool grouped_grad_copy() { return get_bool(kGroupedGradCopy, true); }
 bool step_compute_copy() { return get_bool(kStepComputeCopy, true); }
 bool adamw_kernel() { return get_bool(kAdamwKernel, true); }
 bool range_copy_kernel() { return get_bool(kRangeCopyKernel, true); }
+bool pre_backward_hook() { return get_bool(kPreBackwardHook, true); }
 int offload_step_threads() { return static_cast<int>(get_int(kOffloadStepThreads, 0, 0, 4096)); }
 bool offload_host_copy() { return get_bool(kOffloadHostCopy, false); }
 std::string trace_path() { return get(kTrace); }
@@ -120,6 +124,7 @@ void check_all() {
   step_compute_copy();
   adamw_kernel();
   range_copy_kernel();
+  pre_backward_hook();
   offload_step_threads();
   offload_host_copy();
   trace_steps();

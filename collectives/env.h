@@ -73,6 +73,10 @@ inline constexpr const char* kStepComputeCopy = "FLATSHARD_STEP_COMPUTE_COPY";
 // (then a cast where a copy is written, an upcast for a bf16 / fp16 gradient) instead of
 // flatshard's one-pass kernel (optim/adamw_kernel.cu), for A/B measurements.
 inline constexpr const char* kAdamwKernel = "FLATSHARD_ADAMW_KERNEL";
+// FLATSHARD_PRE_BACKWARD_HOOK (default 1): 0 = a unit's outputs go through a PreBackward
+// autograd identity node per call instead of a pre-hook on the outputs' own nodes (Note
+// [Pre-backward hook], fsdp/runtime.cpp), for A/B measurements.
+inline constexpr const char* kPreBackwardHook = "FLATSHARD_PRE_BACKWARD_HOOK";
 // FLATSHARD_RANGE_COPY_KERNEL (default 1): 0 = a unit's gather cast and gradient copies run as
 // ATen ops on views (copy_, _foreach_copy_, _foreach_zero_) instead of flatshard's one-launch
 // range copy (Note [Range copies], flat_param/range_copy_kernel.h), for A/B measurements.
@@ -125,6 +129,7 @@ bool grouped_grad_copy();
 bool step_compute_copy();
 bool adamw_kernel();
 bool range_copy_kernel();
+bool pre_backward_hook();
 int offload_step_threads();  // 0: ATen's default
 bool offload_host_copy();
 std::string trace_path();  // "" when unset

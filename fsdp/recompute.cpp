@@ -84,7 +84,8 @@ struct RecomputeFunction : public torch::autograd::Function<RecomputeFunction> {
     auto holder = ctx->saved_data["state"].toCapsule();
     auto* st = static_cast<RecomputeState*>(holder.get());
     Unit& unit = *st->entry.unit;
-    // The PreBackward identity on this node's outputs ran the unit's pre-backward first.
+    // The unit's pre-backward ran first: a pre-hook on this node, or the PreBackward identity
+    // on its outputs (Note [Pre-backward hook], fsdp/runtime.cpp).
     TORCH_INTERNAL_ASSERT(unit.state() == UnitState::kUnsharded, "unit '", unit.name(),
                           "': recompute found the unit sharded (its pre-backward did not run)");
     const torch::autograd::variable_list saved = ctx->get_saved_variables();

@@ -17,8 +17,8 @@
 // several members, and when two forwards are summed before one backward; a reentrant backward
 // would fire the hooks once per call and reduce the unit before its last gradient.
 //
-// Collectives: the node's outputs get the unit's PreBackward identity as any unit output does
-// (runtime.cpp), so in backward the unit's pre-backward unshards first (its one backward
+// Collectives: the node's outputs get the unit's pre-backward as any unit output does (a
+// pre-hook on this node, Note [Pre-backward hook], runtime.cpp), so in backward the unit's pre-backward unshards first (its one backward
 // all-gather, or the kept buffer for SHARD_GRAD_OP / keep / NO_SHARD); the node finds the unit
 // unsharded and recomputes on those parameters: no second all-gather, and none counted as a
 // forward gather. The recompute calls the member's forward directly, not through call/enter, so

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <ATen/SequenceNumber.h>
 
 #include <algorithm>
 
@@ -128,6 +129,40 @@ struct LeaseHook : public torch::autograd::FunctionPreHook {
   int rank;
 };
 
+// Note [Pre-backward hook]
+// A unit's pre-backward (gather for backward, prefetch, the end-of-backward callback) must run
+// before any backward op of the unit, once its outputs' gradients are complete. The first
+// design wrapped the outputs in a PreBackward identity (an autograd Function per unit call: a
+// node, its saved_data dictionary, new output tensors), which was most of the host time of a
+// unit's post-forward hook (benchmarks/RESULTS.md "Host time per unit"). The outputs' own nodes
+// already run exactly then: their pre-hooks fire when their gradients are complete, before they
+// run. So, where every differentiable output's node was created inside this call (its sequence
+// number is at least the one when the call entered: not a tensor passed through from outside,
+// whose node belongs to code that runs later in backward), the unit adds one PreBackwardHook
+// per distinct node instead. A node already hooked by a unit of this runtime in this forward
+// (an inner unit's output returned as is by an enclosing one) takes the enclosing unit at the
+// front of its list: the enclosing unit's pre-backward runs first, as its PreBackward node ran
+// first. The hook holds the step's lease as the node did (Note [Forward without backward]) and
+// fails, naming the unit, if the ShardedModel is gone. Otherwise (a leaf or a passed-through
+// output, or FLATSHARD_PRE_BACKWARD_HOOK=0) the PreBackward identity, as before. Same calls in
+// the same order either way (tests/fsdp_test.cpp runs both).
+struct PreBackwardHook : public torch::autograd::FunctionPreHook {
+  PreBackwardHook(std::shared_ptr<StepLease> l, Unit* unit, int rank)
+      : lease(std::move(l)), units{unit}, rank(rank) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    auto rt = lease->runtime.lock();
+    TORCH_CHECK(rt != nullptr, "flatshard: backward through unit '", unit_name_, "' (rank ", rank,
+                ") after its ShardedModel was destroyed; the ShardedModel must outlive every "
+                "forward and backward through the model");
+    for (Unit* u : units) (*rt)->pre_backward(*u);
+    return grads;
+  }
+  std::shared_ptr<StepLease> lease;
+  std::vector<Unit*> units;  // outermost first
+  int rank;
+  std::string unit_name_;  // the innermost unit's, for the error (its pointers may dangle then)
+};
+
 }  // namespace
 
 Runtime::~Runtime() {
@@ -160,6 +195,7 @@ Runtime::Runtime(const Mesh& mesh, ShardingOptions options)
                            options_.debug_sleep_before_all_gather_cycles,
                            options_.debug_sleep_before_reduce_cycles, offload_stepper_.get()});
   debug_order_ = env::debug();
+  env_pre_backward_hook_ = env::pre_backward_hook();
   self_handle_ = std::make_shared<Runtime*>(this);
 }
 
@@ -178,6 +214,9 @@ void Runtime::pre_forward(Unit& unit, const torch::nn::Module* member) {
     on_root_enter();
   }
   ++call_depth_;
+  // Note [Pre-backward hook]: nodes created from here on belong to this call.
+  if (unit.is_root()) call_first_node_.clear();
+  call_first_node_.push_back(at::sequence_number::peek());
   if (unit.mark_called_in_forward()) on_first_forward_entry(unit);  // may prefetch later units
   unit.pre_forward(member);
 }
@@ -188,7 +227,9 @@ void Runtime::post_forward(Unit& unit, const torch::nn::Module* member,
   trace_end(tracer(), TraceKind::kForward, unit.trace_info());
   const bool grad = at::GradMode::is_enabled();
   // Outputs that require no grad arm no backward: the unit reshards as under NoGradGuard.
-  const bool hooked = grad && hook_outputs(unit, outputs);
+  const uint64_t first_node = call_first_node_.empty() ? 0 : call_first_node_.back();
+  if (!call_first_node_.empty()) call_first_node_.pop_back();
+  const bool hooked = grad && hook_outputs(unit, outputs, first_node);
   if (hooked) pending_backward_ = true;
   unit.post_forward(member, hooked);
   if (call_depth_ > 0) --call_depth_;
@@ -223,24 +264,46 @@ void Runtime::end_step() {
   step_.fetch_add(1);  // this step's lease, when its graph is freed, finds its step ended
 }
 
-bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs) {
+bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs, uint64_t first_node) {
   std::vector<size_t> idx;
   std::vector<at::Tensor> diff;
+  bool own_nodes = env_pre_backward_hook_;  // Note [Pre-backward hook]
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (outputs[i].defined() && outputs[i].requires_grad()) {
       idx.push_back(i);
       diff.push_back(outputs[i]);
+      const auto& fn = outputs[i].grad_fn();
+      own_nodes = own_nodes && fn != nullptr && fn->sequence_nr() >= first_node &&
+                  fn->sequence_nr() != UINT64_MAX;
     }
   }
   if (diff.empty()) return false;
-  auto wrapped = PreBackward::apply(reinterpret_cast<int64_t>(this),
-                                    reinterpret_cast<int64_t>(&unit), at::TensorList(diff));
-  // Note [Forward without backward]: the node holds the step's lease.
+  // Note [Forward without backward]: the node (or the hook) holds the step's lease.
   std::shared_ptr<StepLease> lease = lease_.lock();
   if (!lease) {
     lease = std::make_shared<StepLease>(self_handle_, step_.load());
     lease_ = lease;
   }
+  if (own_nodes) {
+    std::vector<const torch::autograd::Node*> seen;
+    for (const at::Tensor& t : diff) {
+      torch::autograd::Node* node = t.grad_fn().get();
+      if (std::find(seen.begin(), seen.end(), node) != seen.end()) continue;
+      seen.push_back(node);
+      auto& hooks = node->pre_hooks();
+      auto* last = hooks.empty() ? nullptr : dynamic_cast<PreBackwardHook*>(hooks.back().get());
+      if (last != nullptr && last->lease == lease) {  // an inner unit's node: enclosing first
+        last->units.insert(last->units.begin(), &unit);
+        continue;
+      }
+      auto hook = std::make_unique<PreBackwardHook>(lease, &unit, comm_.rank());
+      hook->unit_name_ = unit.name();
+      node->add_pre_hook(std::move(hook));
+    }
+    return true;
+  }
+  auto wrapped = PreBackward::apply(reinterpret_cast<int64_t>(this),
+                                    reinterpret_cast<int64_t>(&unit), at::TensorList(diff));
   wrapped.front().grad_fn()->add_pre_hook(
       std::make_unique<LeaseHook>(std::move(lease), unit.name(), comm_.rank()));
   for (size_t k = 0; k < idx.size(); ++k) outputs[idx[k]] = wrapped[k];

@@ -2,8 +2,8 @@
 //
 // Execution order, prefetch, the backward-pass lifecycle, the streams and the reduce-buffer
 // holder. Owned by ShardedModel. Control goes one way (CONTRIBUTING.md 4, FSDP2's state ->
-// param group): flatshard::call (fsdp/call.cpp), the PreBackward nodes and the end-of-backward
-// callback enter the runtime, the runtime calls the units, and a unit gets only its UnitContext
+// param group): flatshard::call (fsdp/call.cpp), the pre-backward hooks on units' output nodes
+// (Note [Pre-backward hook], runtime.cpp) and the end-of-backward callback enter the runtime, the runtime calls the units, and a unit gets only its UnitContext
 // (fsdp/unit_context.h) — never the runtime. The one exception is unit-local work: a unit's
 // GradReadyHook reduces that unit when its last gradient is in, and a FrozenInput node tells its
 // unit when its inputs' gradients are out. Single-threaded per rank (the forward thread and the
@@ -106,7 +106,9 @@ class Runtime {
   void on_root_enter();                 // every entry of the root unit (a new forward may begin)
   void on_first_forward_entry(Unit& unit);  // records the order; forward prefetch
   void on_first_pre_backward(Unit& unit);   // backward order, end-of-backward; backward prefetch
-  bool hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs);  // true: some were hooked
+  // Note [Pre-backward hook] (runtime.cpp); `first_node`: the autograd sequence number when the
+  // call entered. True: some were hooked.
+  bool hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs, uint64_t first_node);
   // The one end of a step (after its backward, or a forward that can have none): reshards
   // every unit, resets their step state and the runtime's.
   void end_step();
@@ -143,6 +145,9 @@ class Runtime {
   std::weak_ptr<StepLease> lease_;
   std::atomic<uint64_t> step_{0};
   int call_depth_ = 0;             // flatshard::call / enter frames of this model on the stack
+  // Note [Pre-backward hook]: per frame, the autograd sequence number when it entered.
+  std::vector<uint64_t> call_first_node_;
+  bool env_pre_backward_hook_ = true;  // FLATSHARD_PRE_BACKWARD_HOOK, read once
   bool release_deferred_ = false;  // the lease died inside a call: close when the frames unwind
   // What leases hold instead of `this`, so a graph outliving the ShardedModel finds it gone.
   std::shared_ptr<Runtime*> self_handle_;

@@ -148,6 +148,48 @@ TEST_CASE("sharded training matches unsharded training", "[fsdp][parity]") {
       }
 }
 
+TEST_CASE("Pre-backward hook: the hook on the outputs' nodes and the PreBackward identity give "
+          "the same training", "[fsdp][parity]") {
+  // Note [Pre-backward hook] (fsdp/runtime.cpp). Per-leaf units nest in the root, whose output
+  // is the head unit's output node as is (one node, two units: the root's pre-backward first);
+  // a unit called twice; SHARD_GRAD_OP. Each mode must match the unsharded reference, and the
+  // two modes each other bit for bit with the same collectives.
+  for (int world : {1, 2, 3})
+    for (const char* plan : {"per-leaf", "per-layer", "repeat"}) {
+      CAPTURE(world, plan);
+      const bool repeat = std::string(plan) == "repeat";
+      auto s = tiny_spec(world, repeat);
+      s.steps = 3;
+      const bool leaf = std::string(plan) == "per-leaf";
+      s.plan = [leaf](torch::nn::Module& m) {
+        return manual_plan(m, leaf ? leaf_units() : layer_units());
+      };
+      ParityRun runs[2];
+      for (int hook : {0, 1}) {
+        setenv("FLATSHARD_PRE_BACKWARD_HOOK", hook ? "1" : "0", 1);  // read by each Runtime
+        runs[hook] = run_sharded(s);
+      }
+      unsetenv("FLATSHARD_PRE_BACKWARD_HOOK");
+      const ParityRun ref = run_reference(s);
+      for (const ParityRun& r : runs) require_parity(ref, r, kTol);
+      // (run_sharded averages the ranks' losses in the order the threads finish: not bitwise.)
+      for (size_t k = 0; k < runs[0].losses.size(); ++k)
+        CHECK(runs[0].losses[k] == Approx(runs[1].losses[k]).epsilon(1e-12));
+      for (const auto& [name, p] : runs[0].params) {
+        CAPTURE(name);
+        CHECK(at::equal(p, runs[1].params.at(name)));
+      }
+      const auto &c0 = runs[0].last_step_counters, &c1 = runs[1].last_step_counters;
+      REQUIRE(c0.per_unit.size() == c1.per_unit.size());
+      for (size_t i = 0; i < c0.per_unit.size(); ++i) {
+        CAPTURE(i);
+        CHECK(c0.per_unit[i].forward_all_gathers == c1.per_unit[i].forward_all_gathers);
+        CHECK(c0.per_unit[i].backward_all_gathers == c1.per_unit[i].backward_all_gathers);
+        CHECK(c0.per_unit[i].reduce_scatters == c1.per_unit[i].reduce_scatters);
+      }
+    }
+}
+
 TEST_CASE("gradient accumulation, with and without communication per micro-batch",
           "[fsdp][parity]") {
   for (bool no_sync : {false, true}) {
