@@ -64,6 +64,8 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
     if (o.recompute) g = fb::with_recompute(std::move(g));
     if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";
+    if (o.sharding.keep_compute_shard && !g.local) g.label += "+kept";
+    if (o.bf16_moments && !g.local) g.label += "+bf16m";
     if (g.local) {
       out.push_back(std::move(g));
       continue;
@@ -83,6 +85,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.steps = o.steps;
   c.sharding = o.sharding;
   c.fused_optimizer = o.fused_optimizer;
+  c.bf16_moments = o.bf16_moments;
   c.param_groups = o.param_groups;
   c.deferred_init = o.deferred_init;
   c.time_collectives = o.device == fb::DeviceKind::kCpu;

@@ -65,6 +65,7 @@ struct BenchOptions {
   int steps = 0;              // measured steps
   uint64_t seed = 0;          // model init and data; every granularity uses the same
   bool fused_optimizer = false;  // --optimizer fused: flatshard::FusedAdamW for every run
+  bool bf16_moments = false;     // --adamw-moments bf16 (Note [Low-precision moments])
   // --param-groups: two AdamW groups by parameter name (no weight decay on norms and biases),
   // over ShardedModel::named_parameters() (local: the model's parameters)
   bool param_groups = false;

@@ -324,8 +324,11 @@ void write_json(const Report& rep, const std::string& path) {
     << json_string(dtype_name(mp.reduce_dtype.value_or(mp.param_dtype))) << ",\n"
     << "  \"keep_low_precision_grads\": " << (mp.keep_low_precision_grads ? "true" : "false")
     << ",\n"
+    << "  \"keep_compute_shard\": " << (o.sharding.keep_compute_shard ? "true" : "false")
+    << ",\n"
     << "  \"prefetch\": " << o.sharding.forward_prefetch << ",\n"
     << "  \"optimizer\": " << json_string(o.fused_optimizer ? "fused" : "adamw") << ",\n"
+    << "  \"adamw_moments\": " << json_string(o.bf16_moments ? "bf16" : "fp32") << ",\n"
     << "  \"param_groups\": " << (o.param_groups ? "true" : "false") << ",\n"
     << "  \"init\": " << json_string(o.deferred_init ? "deferred" : "eager") << ",\n"
     << "  \"warmup\": " << o.warmup << ",\n"

@@ -69,12 +69,14 @@ std::vector<torch::optim::OptimizerParamGroup> name_groups(
 std::shared_ptr<torch::optim::AdamW> make_optimizer(
     const RunConfig& config, const std::vector<at::Tensor>& params,
     const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  if (config.param_groups)
-    return config.fused_optimizer
-               ? std::make_shared<FusedAdamW>(name_groups(named), adamw_options())
-               : std::make_shared<torch::optim::AdamW>(name_groups(named), adamw_options());
-  return config.fused_optimizer ? std::make_shared<FusedAdamW>(params, adamw_options())
-                                : std::make_shared<torch::optim::AdamW>(params, adamw_options());
+  if (!config.fused_optimizer)
+    return config.param_groups
+               ? std::make_shared<torch::optim::AdamW>(name_groups(named), adamw_options())
+               : std::make_shared<torch::optim::AdamW>(params, adamw_options());
+  auto fused = config.param_groups ? std::make_shared<FusedAdamW>(name_groups(named), adamw_options())
+                                   : std::make_shared<FusedAdamW>(params, adamw_options());
+  if (config.bf16_moments) fused->set_moments_dtype(at::kBFloat16);  // Note [Low-precision moments]
+  return fused;
 }
 
 // Rank `rank`'s batch of step `step`, on `device` (the run's input_seq applied).

@@ -58,6 +58,7 @@ struct RunConfig {
   int steps = 5;
   ShardingOptions sharding;
   bool fused_optimizer = false;  // flatshard::FusedAdamW instead of torch::optim::AdamW
+  bool bf16_moments = false;     // FusedAdamW::set_moments_dtype(bf16)
   bool param_groups = false;     // by name, no decay on norms/biases (BenchOptions::param_groups)
   // Sharded runs build the model under flatshard::MetaInit and let fully_shard initialise it
   // (fsdp/deferred_init.h); local runs ignore it.

@@ -76,6 +76,11 @@ void add_sharding_flags(CLI::App& app, ShardingFlags& f, const std::string& grou
                "keep_low_precision_grads): no upcast, half the gradient memory; not with "
                "offload levels above 0 or fp16's gradient scaler")
       ->group(group);
+  app.add_flag("--keep-compute-shard", f.keep_compute_shard,
+               "sharded units below fp32 keep their shard's compute-dtype cast on the device "
+               "(ShardingOptions::keep_compute_shard, +2 B per parameter / ranks for bf16); "
+               "FusedAdamW writes it in its pass, so gathers do not cast")
+      ->group(group);
   app.add_option("--offload-step", f.offload_step,
                  "when offloaded units' CPU optimizer steps: after (in optimizer.step(), "
                  "default) | backward (per unit during backward, overlapping the GPU; exact) | "
@@ -97,6 +102,7 @@ ShardingOptions sharding_options(const ShardingFlags& f, c10::ScalarType default
   if (!f.reduce_dtype.empty())  // else unset: the param dtype (MixedPrecision)
     o.mixed_precision.reduce_dtype = dtype_from_name(f.reduce_dtype).value();
   o.mixed_precision.keep_low_precision_grads = f.keep_low_precision_grads;
+  o.keep_compute_shard = f.keep_compute_shard;
   o.offload_step = f.offload_step == "backward"  ? OffloadStep::kBackward
                    : f.offload_step == "delayed" ? OffloadStep::kDelayed
                                                  : OffloadStep::kAfterBackward;

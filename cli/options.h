@@ -58,6 +58,7 @@ struct ShardingFlags {
   std::string offload_step = "after";  // --offload-step: after | backward | delayed
   int prefetch = -1;                   // --prefetch, both depths; -1: not given
   bool keep_low_precision_grads = false;  // --keep-low-precision-grads
+  bool keep_compute_shard = false;        // --keep-compute-shard
 };
 
 // `param_dtype_default`: the tool's default, as its help says it ("fp32"; "cpu fp32, cuda bf16").

@@ -53,6 +53,31 @@ class AllGather final : public ShardedGather {
   }
 };
 
+// Note [Kept compute shard] (collective_plan.h): the all-gather reads the kept compute-dtype
+// shard, which an optimizer step writes in its pass; cast from the master only when it is not
+// current.
+class KeptShardAllGather final : public ShardedGather {
+ public:
+  KeptShardAllGather(GatherArgs args, const FlatLayout& layout, at::ScalarType param_dtype,
+                     Communicator& comm)
+      : ShardedGather("KeptShardAllGather", std::move(args), layout, param_dtype, comm),
+        step_(args_, at::empty({shard_numel_}, args_.full.options())) {}
+  void gather(c10::Stream stream) override {
+    if (padded_numel_ == 0) return;
+    if (!step_.current()) {
+      RangeCopies cast(step_.tensor());  // Note [Range copies]
+      cast.copy(0, args_.master);
+      cast.run();
+      step_.mark_current();
+    }
+    comm_.all_gather(step_.tensor(), args_.full, stream);
+  }
+  GatherExtras extras() override { return {nullptr, &step_}; }
+
+ private:
+  StepCopy step_;
+};
+
 // Note [CPU offload], level 1: the device keeps the shard in the compute dtype (the offload
 // copy's resident shard), refreshed from the host master when its version changed; the
 // all-gather reads it (no cast per gather).
@@ -100,7 +125,7 @@ class ReplicatedRecast final : public GatherPlan {
   ReplicatedRecast(GatherArgs args, bool recast)
       : GatherPlan("ReplicatedRecast", std::move(args)) {
     if (!recast) return;
-    step_ = std::make_unique<StepCopy>(args_);
+    step_ = std::make_unique<StepCopy>(args_, args_.full);
     upload_to_device(args_.full, args_.master);  // same device: a plain copy_
     step_->mark_current();
   }
@@ -331,6 +356,11 @@ int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout
   return config.sharded ? layout.shard_numel * c10::elementSize(config.param_dtype) : 0;
 }
 
+int64_t kept_shard_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
+  const bool kept = config.offload == 1 || (config.offload == 0 && config.keep_compute_shard);
+  return config.sharded && kept ? layout.shard_numel * c10::elementSize(config.param_dtype) : 0;
+}
+
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
   return layout.padded_numel * c10::elementSize(config.reduce_dtype);
 }
@@ -357,6 +387,9 @@ std::unique_ptr<GatherPlan> choose_gather_plan(const FlatParamConfig& config,
     case 2:
       return std::make_unique<UploadAllGather>(std::move(args), layout, config.param_dtype, comm);
     default:
+      if (config.keep_compute_shard)
+        return std::make_unique<KeptShardAllGather>(std::move(args), layout, config.param_dtype,
+                                                    comm);
       return std::make_unique<AllGather>("AllGather", std::move(args), layout, config.param_dtype,
                                          comm);
   }

@@ -26,6 +26,9 @@
 //                       is the fp32 master itself: full_aliases_master()),
 //                       ReplicatedUpload (offload 1 or 2: upload when master_version changed);
 //             sharded:  AllGather (offload 0: cast master into this rank's slot, all-gather),
+//                       KeptShardAllGather (offload 0 with keep_compute_shard: all-gather the
+//                       kept compute-dtype shard, recast only when the master changed since
+//                       and no step wrote it: Note [Kept compute shard]),
 //                       ResidentAllGather (offload 1: the device's compute-dtype shard, uploaded
 //                       when master_version changed, or by its OffloadCopy's refresh() right
 //                       after a step, is the all-gather's input),
@@ -80,6 +83,21 @@
 //   the path is off by default. It pays where PCIe, not the host, bounds the step; a one-pass
 //   vectorized kernel (bf16 read, fp32 state, bf16 write, no scratch pass) is the next lever.
 //
+// Note [Kept compute shard]
+// Opt-in (ShardingOptions::keep_compute_shard): a sharded unit below fp32, not offloaded, keeps
+// a compute-dtype copy of its master shard on the device between gathers (2 B per parameter /
+// shard ranks for bf16) — what offload level 1 keeps for its own reasons, and what FSDP2 keeps
+// as the all-gather input of its copy-in. An attached FusedAdamW writes it in the same pass as
+// the update (Note [Compute copy in the step], optim/fused_adamw.h; a StepCopy as NO_SHARD's
+// full()), so neither of the unit's two gathers per step casts: each all-gathers the kept
+// shard as it is. When the master changed otherwise (a step that wrote no copy, a load, a
+// user's in-place write) the next gather recasts it first, once. Exact: the copy is the cast the
+// gather would have made (bit for bit, tests/collective_plan_test.cpp). Cost: the kept shard's
+// memory (explain and the cost model count it as the unit's resident_bytes); with one rank, the
+// one-rank all-gather copies it into full() instead of casting there (2 + 2 B per element
+// moved instead of 4 + 2). Without an attached FusedAdamW it only adds memory: every step's
+// master change makes the next gather recast, as AllGather does.
+//
 // Note [Low-precision master gradient]
 // Opt-in (MixedPrecision::keep_low_precision_grads, FSDP1's option of that name): master().grad
 // stays in the reduce dtype. The reduce-scatter's output (or the replicated all-reduce's
@@ -125,12 +143,14 @@ class OffloadCopy;  // flat_param/offload_state.h
 
 // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer (compute dtype, the
 // master's element count) that keeps the master's cast between gathers and that an optimizer
-// step may write in its pass (a NO_SHARD unit below fp32, not offloaded: its full()), and which
-// master version it holds. The gather recasts only when it is not current.
+// step may write in its pass (a NO_SHARD unit below fp32, not offloaded: its full(); a sharded
+// unit with FlatParamConfig::keep_compute_shard: its kept shard, Note [Kept compute shard]),
+// and which master version it holds. The gather recasts only when it is not current.
 class StepCopy {
  public:
-  explicit StepCopy(const GatherArgs& args) : args_(args) {}
-  const at::Tensor& tensor() const { return args_.full; }
+  // `tensor`: the copy (the master's element count, on its device, the compute dtype).
+  StepCopy(const GatherArgs& args, at::Tensor tensor) : args_(args), tensor_(std::move(tensor)) {}
+  const at::Tensor& tensor() const { return tensor_; }
   // It holds the master as it is now (written by a step, or cast by the last gather).
   bool current() const { return version_ == args_.master_version(); }
   // A step (or the gather's cast) just wrote it with the master's current values.
@@ -138,6 +158,7 @@ class StepCopy {
 
  private:
   const GatherArgs& args_;  // the owning plan's
+  at::Tensor tensor_;
   int64_t version_ = -1;    // master_version() the copy last took
 };
 
@@ -244,6 +265,9 @@ bool full_aliases_master(const FlatParamConfig& config);
 int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid);
+// Device bytes a sharded unit's gather plan keeps between gathers: the compute-dtype shard of
+// offload level 1 (OffloadCopy's resident shard) or of Note [Kept compute shard]; 0 otherwise.
+int64_t kept_shard_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 
 // The plans of a unit laid out as `layout` whose collectives go over `mesh`: gathers and
 // reductions over its shard group, and with HSDP the replicate all-reduce over its replicate

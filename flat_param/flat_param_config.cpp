@@ -15,6 +15,11 @@ void FlatParamConfig::validate(const std::string& unit) const {
               "': MixedPrecision::keep_low_precision_grads cannot be combined with offload "
               "(level ", offload, "): offloaded gradients take the host path (Note [Host "
               "compute copy]); turn one of them off");
+  // Note [Kept compute shard]: fsdp/resolve.cpp sets it only where it applies.
+  TORCH_CHECK(!keep_compute_shard || (sharded && offload == 0 && param_dtype != at::kFloat),
+              "unit '", unit, "': keep_compute_shard applies to sharded units below fp32 that "
+              "are not offloaded (sharded ", sharded, ", offload ", offload, ", param dtype ",
+              param_dtype, ")");
 }
 
 int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {

@@ -27,11 +27,14 @@ struct FlatParamConfig {
   // Note [Low-precision master gradient] (collective_plan.h): master().grad keeps the reduce
   // dtype instead of being upcast to fp32. Not with offload (fsdp/resolve.cpp refuses it).
   bool keep_low_precision_grads = false;
+  // Note [Kept compute shard] (collective_plan.h): a sharded unit below fp32, not offloaded,
+  // keeps its master shard's compute-dtype cast on the device between gathers.
+  bool keep_compute_shard = false;
   // The dtype of master().grad.
   at::ScalarType grad_dtype() const { return keep_low_precision_grads ? reduce_dtype : at::kFloat; }
   // The one home of the rules between these fields (fsdp/resolve.cpp, the plan factories and
-  // the planner call it): the offload level (check_offload_level) and no
-  // keep_low_precision_grads with offload. Throws c10::Error naming `unit`.
+  // the planner call it): the offload level (check_offload_level), no
+  // keep_low_precision_grads with offload, keep_compute_shard only where it means something. Throws c10::Error naming `unit`.
   void validate(const std::string& unit) const;
 };
 

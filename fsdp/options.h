@@ -135,6 +135,12 @@ struct ShardingOptions {
   // way (Note [Offload step in backward]). kDelayed: one step stale, level 1 only (Note
   // [Delayed offload step]).
   OffloadStep offload_step = OffloadStep::kAfterBackward;
+  // Note [Kept compute shard] (flat_param/collective_plan.h): sharded units computing below fp32
+  // and not offloaded keep their master shard's compute-dtype cast on the device (+2 B per
+  // parameter / shard ranks for bf16); an attached FusedAdamW (ShardedModel::attach_optimizer)
+  // writes it in its pass, so the gathers all-gather it without casting. Exact either way. Off
+  // by default; no effect on NO_SHARD units (they keep their copy anyway), offloaded ones or fp32.
+  bool keep_compute_shard = false;
 
   // Race exposure for tests (GPU only; 0 = off): a device sleep of this many cycles is queued
   // on the all-gather / reduce-scatter stream before every all-gather / reduction, so a

@@ -44,6 +44,10 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
               "offload_step = backward");
   // Note [Low-precision master gradient] (flat_param/collective_plan.h).
   r.flat.keep_low_precision_grads = mp.keep_low_precision_grads;
+  // Note [Kept compute shard] (flat_param/collective_plan.h): NO_SHARD units keep their copy
+  // anyway, offload level 1 its own, and an fp32 unit's cast would be a copy of the master.
+  r.flat.keep_compute_shard = options.keep_compute_shard && r.flat.sharded &&
+                              r.flat.offload == 0 && r.flat.param_dtype != at::kFloat;
   r.flat.validate(spec.name);
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;

@@ -136,8 +136,8 @@ void ShardedModel::attach_optimizer(std::shared_ptr<FusedAdamW> opt) {
               "): nothing here for the optimizer to be attached to: flatshard steps offloaded "
               "units itself only with ShardingOptions::offload_step = OffloadStep::kBackward or "
               "kDelayed, and writes device compute copies in the step only for NO_SHARD units "
-              "below fp32 (Note [Compute copy in the step]); this model has neither, so call "
-              "opt.step() as usual");
+              "below fp32 and for sharded ones with ShardingOptions::keep_compute_shard (Note "
+              "[Compute copy in the step]); this model has neither, so call opt.step() as usual");
   check_optimizer(*opt);
   opt->set_compute_copies(env::step_compute_copy() ? std::move(copies)
                                                    : std::vector<FusedAdamW::ComputeCopies>{});

@@ -76,7 +76,8 @@ struct UnitInfo {
   int64_t shard_numel;   // elements of this rank's master shard
   size_t num_params;
   // Keeps a device compute copy an attached FusedAdamW writes in its step (Note [Compute copy
-  // in the step], optim/fused_adamw.h): NO_SHARD below fp32, not offloaded.
+  // in the step], optim/fused_adamw.h): NO_SHARD below fp32, or sharded with
+  // ShardingOptions::keep_compute_shard (Note [Kept compute shard]); not offloaded.
   bool step_copy;
 };
 

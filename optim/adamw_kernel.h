@@ -34,14 +34,15 @@ struct AdamwStep {
   float step;                                 // the step count after this step
 };
 
-// One tensor of n elements: param, exp_avg, exp_avg_sq fp32; grad of `grad_dtype`; copy of
+// One tensor of n elements: param fp32; exp_avg, exp_avg_sq of `moment_dtype` (fp32, or bf16:
+// Note [Low-precision moments], optim/fused_adamw.h); grad of `grad_dtype`; copy of
 // `copy_dtype` (bf16 or fp16), or null: no copy (a bf16 / fp16 gradient read as it is, Note
 // [Low-precision master gradient], flat_param/collective_plan.h). Enqueued on `stream`; returns
 // the launch error.
 cudaError_t adamw_step_with_copy(float* param, const void* grad, KernelDtype grad_dtype,
-                                 float* exp_avg, float* exp_avg_sq, void* copy,
-                                 KernelDtype copy_dtype, int64_t n, const AdamwStep& step,
-                                 cudaStream_t stream);
+                                 void* exp_avg, void* exp_avg_sq, KernelDtype moment_dtype,
+                                 void* copy, KernelDtype copy_dtype, int64_t n,
+                                 const AdamwStep& step, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace flatshard

@@ -77,8 +77,10 @@ bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const
     return t.is_cuda() && t.device() == p.device() && t.is_contiguous() && t.numel() == p.numel();
   };
   auto half = [](at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; };
-  if (!kernel_takes(p) || (c.defined() && !(half(c.scalar_type()) && fits(c))) ||
-      m.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat ||
+  // Note [Low-precision moments]: fp32 or bf16 moments, both alike.
+  const bool moments_ok = (m.scalar_type() == at::kFloat || m.scalar_type() == at::kBFloat16) &&
+                          v.scalar_type() == m.scalar_type();
+  if (!kernel_takes(p) || (c.defined() && !(half(c.scalar_type()) && fits(c))) || !moments_ok ||
       !(g.scalar_type() == at::kFloat || half(g.scalar_type())) || !fits(p) || !fits(g) ||
       !fits(m) || !fits(v))
     return false;
@@ -88,8 +90,8 @@ bool kernel_step(const torch::optim::AdamWOptions& o, const at::Tensor& p, const
                              static_cast<float>(o.weight_decay()), static_cast<float>(o.eps()),
                              static_cast<float>(step)};
   const cudaError_t e = kernels::adamw_step_with_copy(
-      p.data_ptr<float>(), g.data_ptr(), *kernel_dtype(g.scalar_type()), m.data_ptr<float>(),
-      v.data_ptr<float>(), c.defined() ? c.data_ptr() : nullptr,
+      p.data_ptr<float>(), g.data_ptr(), *kernel_dtype(g.scalar_type()), m.data_ptr(),
+      v.data_ptr(), *kernel_dtype(m.scalar_type()), c.defined() ? c.data_ptr() : nullptr,
       c.defined() ? *kernel_dtype(c.scalar_type()) : kernels::KernelDtype::kBFloat16, p.numel(), s,
       c10::cuda::getCurrentCUDAStream(p.device().index()).stream());
   TORCH_CHECK(e == cudaSuccess, "FusedAdamW: the one-pass AdamW kernel failed to launch on ",
@@ -109,8 +111,17 @@ void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tenso
   const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
   auto fused = [&](const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
                    const at::Tensor& v, const at::Tensor& st) {
-    at::_fused_adamw_({p}, {g}, {m}, {v}, /*max_exp_avg_sqs=*/{}, {st}, o.lr(), beta1, beta2,
+    if (m.scalar_type() == p.scalar_type()) {
+      at::_fused_adamw_({p}, {g}, {m}, {v}, /*max_exp_avg_sqs=*/{}, {st}, o.lr(), beta1, beta2,
+                        o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+      return;
+    }
+    // Note [Low-precision moments]: upcast (exact), step in the parameter's dtype, round back.
+    const at::Tensor mw = m.to(p.scalar_type()), vw = v.to(p.scalar_type());
+    at::_fused_adamw_({p}, {g}, {mw}, {vw}, /*max_exp_avg_sqs=*/{}, {st}, o.lr(), beta1, beta2,
                       o.weight_decay(), o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    m.copy_(mw);
+    v.copy_(vw);
   };
   at::NoGradGuard no_grad;  // in-place writes to parameters: nothing for autograd to record
   for (size_t i = 0; i < params.size(); ++i) {
@@ -147,6 +158,17 @@ void mixed_step(const torch::optim::AdamWOptions& o, const std::vector<at::Tenso
 }
 
 }  // namespace
+
+void FusedAdamW::set_moments_dtype(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "FusedAdamW::set_moments_dtype: the moments of fp32 parameters can be kept in "
+              "float32 or bfloat16, got ", dtype);
+  moments_dtype_ = dtype;
+}
+
+at::ScalarType FusedAdamW::moments_dtype_for(const at::Tensor& p) const {
+  return p.scalar_type() == at::kFloat ? moments_dtype_ : p.scalar_type();
+}
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   if (before_step_) before_step_();
@@ -320,14 +342,22 @@ void FusedAdamW::step_lists(const torch::optim::AdamWOptions& o,
       if (!slot) {
         auto s = std::make_unique<torch::optim::AdamWParamState>();
         s->step(0);
-        s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        s->exp_avg(at::zeros_like(p, p.options().dtype(moments_dtype_for(p)),
+                                  at::MemoryFormat::Preserve));
+        s->exp_avg_sq(at::zeros_like(p, p.options().dtype(moments_dtype_for(p)),
+                                     at::MemoryFormat::Preserve));
         slot = std::move(s);
       }
       auto& s = static_cast<torch::optim::AdamWParamState&>(*slot);
       s.step(s.step() + 1);
+      // Note [Low-precision moments]: state made or loaded in another dtype takes this one
+      // (bf16 -> fp32 exact; fp32 -> bf16 the rounding the next store would do).
+      const at::ScalarType md = moments_dtype_for(p);
+      if (s.exp_avg().scalar_type() != md) s.exp_avg(s.exp_avg().to(md));
+      if (s.exp_avg_sq().scalar_type() != md) s.exp_avg_sq(s.exp_avg_sq().to(md));
       const at::Tensor copy = copies.empty() ? at::Tensor() : copies[i];
       const bool is_mixed = copy.defined() || grads[i].scalar_type() != p.scalar_type() ||
+                            md != p.scalar_type() ||
                             (kernel_takes(p) && p.numel() >= kKernelMinNumel);
       if (is_mixed) mixed_copies.push_back(copy);
       Lists& l = is_mixed ? mixed

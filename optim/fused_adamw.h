@@ -43,8 +43,9 @@
 //   after: bit for bit (tests/fused_adamw_test.cpp). Elsewhere (CUDA tensors) the same,
 //   unblocked. benchmarks/fused_adamw_bench.cpp times it against the fp32 step.
 // - Note [Compute copy in the step]: a unit that keeps a compute-dtype copy of its master on the
-//   device between gathers (a NO_SHARD unit below fp32: its full(); FlatParam::step_copy(), a
-//   StepCopy) casts the master into it only when the master changed since.
+//   device between gathers (a NO_SHARD unit below fp32: its full(); a sharded unit with
+//   ShardingOptions::keep_compute_shard: its kept shard, Note [Kept compute shard],
+//   flat_param/collective_plan.h; FlatParam::step_copy(), a StepCopy) casts the master into it only when the master changed since.
 //   set_compute_copies() hands this optimizer those copies (ShardedModel::attach_optimizer
 //   does, unless FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the same pass
 //   as its parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
@@ -59,6 +60,20 @@
 //   of an fp32 parameter, with or without a copy, is read as it is — on CUDA by the one-pass
 //   kernel (no fp32 gradient is made), elsewhere upcast per block as above — and the result is
 //   the fp32 gradient's, bit for bit (the upcast is exact).
+// - Note [Low-precision moments]: opt-in, set_moments_dtype(at::kBFloat16): the two AdamW
+//   moments of fp32 parameters are stored in bf16 (8 B per parameter instead of 16; the step
+//   reads and writes 8 B less per parameter). Each step reads them exactly as fp32, updates in
+//   fp32 as ATen's fused AdamW does, and rounds them to nearest even when it stores them — on
+//   CUDA inside the one-pass kernel, elsewhere by an upcast, ATen's fused step and a cast: the
+//   same values bit for bit (tests/fused_adamw_test.cpp on CPU, tests/gpu_parity_test.cpp on
+//   the device). Numerics: the moments carry 8 significant bits. The second moment's range is
+//   fp32's (bf16 has its exponent), so nothing underflows that fp32 would keep, but each
+//   update's relative change below 2^-9 rounds away; the first moment's averaging over ~1 /
+//   (1 - beta1) steps likewise. Users of bf16 AdamW state (e.g. torchao's low-bit optimizers)
+//   report loss curves within noise of fp32 state for LLM pre-training; flatshard-bench
+//   --adamw-moments bf16 measures it against the fp32 default on the same model. State made
+//   or loaded in another dtype is converted at the next step; checkpoints save the moments in
+//   their dtype. The parameter and the master stay fp32.
 #pragma once
 
 #include <torch/optim/adamw.h>
@@ -79,6 +94,10 @@ class FusedAdamW : public torch::optim::AdamW {
   // Steps exactly `params` now (see the contract). Throws c10::Error for a tensor that is not
   // one of this optimizer's parameters, and where step() would fall back (amsgrad, sparse).
   void step_params(const std::vector<at::Tensor>& params);
+  // Note [Low-precision moments] (see the contract): kFloat (default) or kBFloat16, for the
+  // moments of fp32 parameters from the next step on. Throws c10::Error for another dtype.
+  void set_moments_dtype(at::ScalarType dtype);
+  at::ScalarType moments_dtype() const { return moments_dtype_; }
   // Called at the start of every step() (empty: nothing), e.g. to wait for early steps.
   void set_before_step(std::function<void()> wait) { before_step_ = std::move(wait); }
 
@@ -137,6 +156,9 @@ class FusedAdamW : public torch::optim::AdamW {
                   const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& copies = {});
 
+  // The moments' dtype for parameter `p`: moments_dtype_ for fp32, else p's own.
+  at::ScalarType moments_dtype_for(const at::Tensor& p) const;
+  at::ScalarType moments_dtype_ = at::kFloat;
   // Parameters stepped by step_params() since the last step(), with their gradient's version
   // at that moment.
   std::unordered_map<const c10::TensorImpl*, int64_t> stepped_early_;

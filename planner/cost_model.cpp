@@ -308,8 +308,9 @@ void CostWalk::persistent_state() {
     off_[k] = offload_terms(u, level_[k], param_dtype);
     const int64_t trainable =
         u.trainable_master_bytes < 0 ? u.master_bytes : u.trainable_master_bytes;
-    persistent_ +=
-        u.master_bytes + 2 * trainable - off_[k].device_bytes_saved + off_[k].resident_bytes;
+    // Offloaded: the level's resident shard; else Note [Kept compute shard]'s, if kept.
+    persistent_ += u.master_bytes + 2 * trainable - off_[k].device_bytes_saved +
+                   (level_[k] > 0 ? off_[k].resident_bytes : u.resident_bytes);
     if (u.strategy == ShardingStrategy::kNoShard) {
       // The unsharded buffer; offloaded (even fp32, which otherwise computes on the master
       // itself) it is a device copy of the host master.

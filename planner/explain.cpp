@@ -419,7 +419,7 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
       m.host_bytes += state + adamw;
       m.persistent_bytes += u.resident_bytes;
     } else {
-      m.persistent_bytes += state;
+      m.persistent_bytes += state + u.resident_bytes;  // Note [Kept compute shard]
       m.adamw_state_bytes += adamw;
     }
     if (u.strategy == ShardingStrategy::kNoShard) m.persistent_bytes += u.gathered_bytes;
@@ -591,8 +591,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.grad_buffer_bytes = layout.padded_numel * elem_size(param_dtype) +
                           (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
     u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
-    u.resident_bytes =
-        sharded && u.offload == 1 ? layout.shard_numel * elem_size(param_dtype) : 0;
+    u.resident_bytes = kept_shard_bytes(settings.flat, layout);
     int64_t trainable_numel = 0, trainable_shard_numel = 0;
     for (size_t k = 0; k < shapes.size(); ++k)
       if (trainable[k]) trainable_numel += layout.numels[k];

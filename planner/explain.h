@@ -78,7 +78,9 @@ struct UnitExplanation {
   bool recompute = false;
   // Note [CPU offload] (flat_param/offload.h): the unit's level (fsdp/resolve.h). Offloaded,
   // master_bytes, its gradient and AdamW's state are host memory (MemoryEstimate::host_bytes),
-  // and level 1 keeps resident_bytes (shard_numel * param dtype) on the device.
+  // and level 1 keeps resident_bytes (shard_numel * param dtype) on the device, as does a unit
+  // with keep_compute_shard (Note [Kept compute shard]; flat_param/collective_plan.h's
+  // kept_shard_bytes()).
   int offload = 0;
   int64_t resident_bytes = 0;
 

@@ -69,8 +69,10 @@ struct Strategy {
   const char* label;
   bool sharded;
   int offload;
+  bool kept = false;  // Note [Kept compute shard] (below fp32 only: it means nothing at fp32)
 };
 const std::vector<Strategy> kStrategies = {{"sharded", true, 0},
+                                           {"sharded kept", true, 0, true},
                                            {"NO_SHARD", false, 0},
                                            {"sharded offload1", true, 1},
                                            {"sharded offload2", true, 2},
@@ -83,6 +85,7 @@ FlatParamConfig config_of(const Strategy& s, at::ScalarType param, at::ScalarTyp
   cfg.param_dtype = param;
   cfg.reduce_dtype = reduce;
   cfg.align = 4;
+  cfg.keep_compute_shard = s.kept && param != at::kFloat;
   return cfg;
 }
 
@@ -251,6 +254,71 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
       Catch::Contains("unit 'blk'") && Catch::Contains("offload level must be 0, 1 or 2, got 3"));
   CHECK_THROWS_WITH(make_reduce_plan("blk", bad, layout, comm),
                     Catch::Contains("offload level must be 0, 1 or 2, got 3"));
+}
+
+TEST_CASE("Kept compute shard: the sharded gather all-gathers the kept shard, recast only when "
+          "the master moved since it was written", "[flat_param][collective_plan]") {
+  // Note [Kept compute shard] (flat_param/collective_plan.h).
+  const Strategy kept{"sharded kept", true, 0, true};
+  {
+    SizeOnlyComm comm(2);
+    FlatParamConfig cfg = config_of(kept, at::kBFloat16, at::kFloat);
+    cfg.sync_module_states = false;
+    auto ps = make_params(at::kFloat);
+    FlatParam fp("blk", refs(ps), comm, cfg);
+    CHECK(fp.gather_plan().name() == "KeptShardAllGather");
+    REQUIRE(fp.step_copy() != nullptr);
+    CHECK(fp.offload_copy() == nullptr);
+    // The kept shard is the master's element count in bf16: 64 / 2 ranks * 2 B.
+    CHECK(fp.step_copy()->tensor().numel() == fp.master().numel());
+    CHECK(fp.step_copy()->tensor().scalar_type() == at::kBFloat16);
+    CHECK(kept_shard_bytes(cfg, fp.layout()) == 32 * 2);
+    CHECK(fp.gather_plan().bytes() == 32 * 2);  // the wire is unchanged
+    // Where it means nothing the rule refuses it (fsdp/resolve.cpp never sets it there).
+    for (auto bad : {std::make_pair(false, 0), std::make_pair(true, 1)}) {
+      FlatParamConfig b = cfg;
+      b.sharded = bad.first;
+      b.offload = bad.second;
+      CHECK_THROWS_WITH(b.validate("blk"), Catch::Contains("keep_compute_shard") &&
+                                               Catch::Contains("unit 'blk'"));
+    }
+    FlatParamConfig f32 = cfg;
+    f32.param_dtype = at::kFloat;
+    CHECK_THROWS_WITH(f32.validate("blk"), Catch::Contains("keep_compute_shard"));
+  }
+  for (int world : {1, 2, 3}) {
+    CAPTURE(world);
+    run_ranks(world, [&](Communicator& c) {
+      auto ps = make_params(at::kFloat);
+      FlatParam fp("unit", refs(ps), c, config_of(kept, at::kBFloat16, at::kFloat));
+      StepCopy* step = fp.step_copy();
+      RANK_REQUIRE(step != nullptr);
+      // A step wrote the copy (here: a value the master's cast is not) and marked it: the
+      // gather sends it as it is, from every rank.
+      const at::Tensor sentinel = at::full({fp.master().numel()}, 3.5 + c.rank(), at::kBFloat16);
+      step->tensor().copy_(sentinel);
+      step->mark_current();
+      fp.unshard(c.current_stream());
+      const FlatLayout& l = fp.layout();
+      for (int k = 0; k < world; ++k)
+        RANK_REQUIRE(at::equal(fp.full().narrow(0, l.shard_begin(k), l.shard_numel),
+                               at::full({l.shard_numel}, 3.5 + k, at::kBFloat16)));
+      fp.reshard();
+      c.barrier();
+      // The master moves without a step writing the copy: the next gather recasts it.
+      {
+        at::NoGradGuard no_grad;
+        fp.master().add_(1.0);
+      }
+      RANK_REQUIRE_FALSE(step->current());
+      fp.unshard(c.current_stream());
+      RANK_REQUIRE(step->current());
+      RANK_REQUIRE(at::equal(step->tensor(), fp.master().detach().to(at::kBFloat16)));
+      RANK_REQUIRE(at::equal(fp.full().narrow(0, l.shard_begin(c.rank()), l.shard_numel),
+                             fp.master().detach().to(at::kBFloat16)));
+      fp.reshard();
+    });
+  }
 }
 
 TEST_CASE("each plan's byte counts are the closed forms", "[flat_param][collective_plan]") {

@@ -155,6 +155,98 @@ TEST_CASE("FusedAdamW on a sharded model's flat master shards", "[fsdp][optim]")
   });
 }
 
+TEST_CASE("Low-precision moments: bf16 AdamW moments are fp32 AdamW with the moments rounded to "
+          "bf16 after each step, bit for bit", "[optim]") {
+  // Note [Low-precision moments] (optim/fused_adamw.h). The reference is ATen's fused AdamW on
+  // fp32 moments that the test itself rounds to bf16 after every step. Sizes straddle the CPU
+  // step's 4 Mi-element block; one parameter gets no gradient on odd steps; two groups; a bf16
+  // gradient (Note [Low-precision master gradient]) for one tensor; then a state round trip
+  // through fp32 (what a checkpoint load gives back) continues identically.
+  auto make = [] {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+    std::vector<at::Tensor> ps;
+    for (int64_t n : std::vector<int64_t>{4194304 + 9, 1000, 7, 64})
+      ps.push_back(at::randn({n}, gen, at::TensorOptions().dtype(at::kFloat)).requires_grad_(true));
+    return ps;
+  };
+  auto ps = make(), ref = make();
+  const auto o = torch::optim::AdamWOptions(3e-2).weight_decay(0.1).betas({0.8, 0.95}).eps(1e-6);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{ps[0], ps[1]});
+  groups.emplace_back(std::vector<at::Tensor>{ps[2], ps[3]},
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(1e-2).weight_decay(0).betas({0.8, 0.95})));
+  FusedAdamW opt(std::move(groups), o);
+  CHECK_THROWS_WITH(opt.set_moments_dtype(at::kHalf), Catch::Contains("bfloat16"));
+  opt.set_moments_dtype(at::kBFloat16);
+  std::vector<at::Tensor> m(ref.size()), v(ref.size());
+  std::vector<int64_t> counts(ref.size(), 0);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    m[i] = at::zeros({ref[i].numel()}, at::kBFloat16);
+    v[i] = at::zeros({ref[i].numel()}, at::kBFloat16);
+  }
+  auto reference_step = [&](int step) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      if (!ref[i].grad().defined()) continue;
+      const bool second = i >= 2;
+      const double lr = second ? 1e-2 : 3e-2, wd = second ? 0.0 : 0.1, eps = second ? 1e-8 : 1e-6;
+      at::Tensor mf = m[i].to(at::kFloat), vf = v[i].to(at::kFloat);
+      const at::Tensor st = at::full({}, static_cast<double>(++counts[i]), at::kFloat);
+      at::_fused_adamw_({ref[i].detach()}, {ref[i].grad().to(at::kFloat)}, {mf}, {vf}, {}, {st},
+                        lr, 0.8, 0.95, wd, eps, false, false);
+      m[i] = mf.to(at::kBFloat16);
+      v[i] = vf.to(at::kBFloat16);
+    }
+    (void)step;
+  };
+  auto compare = [&](int step) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      CAPTURE(step, i);
+      REQUIRE(at::equal(ps[i], ref[i]));
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(ps[i].unsafeGetTensorImpl()));
+      // A tensor not stepped since the fp32 round trip keeps that state until its next step.
+      if (ps[i].grad().defined()) REQUIRE(st.exp_avg().scalar_type() == at::kBFloat16);
+      REQUIRE(at::equal(st.exp_avg().to(at::kBFloat16), m[i]));
+      REQUIRE(at::equal(st.exp_avg_sq().to(at::kBFloat16), v[i]));
+    }
+  };
+  for (int step = 0; step < 6; ++step) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (i == 3 && step % 2 == 1) {
+        ps[i].mutable_grad() = at::Tensor();
+        ref[i].mutable_grad() = at::Tensor();
+        continue;
+      }
+      at::Tensor g = at::sin(at::arange(ps[i].numel(), at::kFloat) * 0.37 + step + i) * (1.0 + i);
+      if (i == 1) g = g.to(at::kBFloat16);
+      ps[i].mutable_grad() = g;
+      ref[i].mutable_grad() = g;
+    }
+    if (step == 3) {  // the state as a checkpoint load leaves it: fp32 tensors of equal value
+      for (auto& p : ps) {
+        auto& st = static_cast<torch::optim::AdamWParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+        st.exp_avg(st.exp_avg().to(at::kFloat));
+        st.exp_avg_sq(st.exp_avg_sq().to(at::kFloat));
+      }
+    }
+    opt.step();
+    reference_step(step);
+    compare(step);
+  }
+  // Not the fp32 moments' result: the rounding is real (so the comparison above can fail).
+  auto fp32 = make();
+  FusedAdamW plain(fp32, o);
+  for (int step = 0; step < 2; ++step) {
+    for (auto& p : fp32)
+      p.mutable_grad() = at::sin(at::arange(p.numel(), at::kFloat) * 0.37 + step) * 2.0;
+    plain.step();
+  }
+  auto& st0 = static_cast<torch::optim::AdamWParamState&>(*plain.state().at(fp32[0].unsafeGetTensorImpl()));
+  CHECK(st0.exp_avg().scalar_type() == at::kFloat);
+  CHECK_FALSE(at::equal(st0.exp_avg(), st0.exp_avg().to(at::kBFloat16).to(at::kFloat)));
+}
+
 TEST_CASE("FusedAdamW bumps the version counters of what it writes", "[optim]") {
   // ATen's _fused_adamw_ writes in place without bumping versions; version-based checks (the
   // StepGuard's "did the optimizer change any master?") must still see the step. Empty tensors
@@ -298,6 +390,56 @@ TEST_CASE("Compute copy in the step: an attached FusedAdamW writes NO_SHARD bf16
                       a.losses[0], " vs ", b.losses[0], ", last ", a.losses.back(), " vs ",
                       b.losses.back());
           const auto pa = a.fsdp->gather_full_params(), pb = b.fsdp->gather_full_params();
+          for (size_t i = 0; i < pa.size(); ++i)
+            TORCH_CHECK(at::equal(pa[i].second, pb[i].second), "rank ", comm.rank(), ": ",
+                        pa[i].first, " differs by ",
+                        (pa[i].second - pb[i].second).abs().max().item<double>());
+        });
+      }
+}
+
+TEST_CASE("Kept compute shard: sharded bf16 units whose attached step writes their kept shard "
+          "train bit for bit as the gather's cast", "[fsdp][optim]") {
+  // Note [Kept compute shard] (flat_param/collective_plan.h). Model a keeps each sharded unit's
+  // bf16 shard and has the optimizer attached (the step writes the shards; the gathers cast
+  // nothing); model b is the plain sharded path (every gather casts the master). Losses and
+  // masters must be equal bit for bit. Variants: parameter groups over the shard views, and a
+  // master written in place after the step (the kept shards are then stale: the gather recasts).
+  for (int world : {1, 2, 3})
+    for (bool groups : {false, true})
+      for (bool write_after : {false, true}) {
+        CAPTURE(world, groups, write_after);
+        run_ranks(world, [&](Communicator& comm) {
+          ShardingOptions o;
+          o.mixed_precision.param_dtype = at::kBFloat16;
+          o.mixed_precision.reduce_dtype = at::kFloat;
+          ShardingOptions kept = o;
+          kept.keep_compute_shard = true;
+          TinySide a = make_tiny_side(comm, "type=TinyBlock", kept, groups, true);
+          TinySide b = make_tiny_side(comm, "type=TinyBlock", o, groups, false);
+          for (const auto& u : a.fsdp->units())
+            TORCH_CHECK(u.step_copy, "rank ", comm.rank(), ": unit ", u.name, " keeps no shard");
+          for (const auto& u : b.fsdp->units())
+            TORCH_CHECK(!u.step_copy, "rank ", comm.rank(), ": unit ", u.name, " keeps a copy");
+          for (int step = 0; step < 4; ++step) {
+            auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + comm.rank());
+            const auto x = at::randn({4, 5}, gen).to(at::kBFloat16);
+            for (TinySide* s : {&a, &b}) {
+              tiny_backward(*s, x);
+              s->opt->step();
+            }
+            if (write_after) {
+              for (TinySide* s : {&a, &b}) {
+                at::NoGradGuard no_grad;
+                for (auto& p : s->fsdp->parameters()) p.mul_(0.999);
+              }
+            }
+          }
+          TORCH_CHECK(a.losses == b.losses, "rank ", comm.rank(), ": losses differ, first ",
+                      a.losses[0], " vs ", b.losses[0], ", last ", a.losses.back(), " vs ",
+                      b.losses.back());
+          const auto pa = a.fsdp->gather_full_params(), pb = b.fsdp->gather_full_params();
+          TORCH_CHECK(pa.size() == pb.size() && !pa.empty(), "rank ", comm.rank());
           for (size_t i = 0; i < pa.size(); ++i)
             TORCH_CHECK(at::equal(pa[i].second, pb[i].second), "rank ", comm.rank(), ": ",
                         pa[i].first, " differs by ",

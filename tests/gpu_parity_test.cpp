@@ -137,8 +137,9 @@ TEST_CASE("GPU bf16 mixed precision against the fp32 reference", "[gpu][parity][
 // copies, with bf16 / fp16 gradients, and for fp32 tensors of 1 Mi elements or more) against
 // ATen's _fused_adamw_ on the upcast gradients followed by the cast, on the device: parameters,
 // both moments and the copy bit for bit, over steps, with and without decay, fp32 / bf16 / fp16
-// gradients, bf16 / fp16 copies or none (Note [Low-precision master gradient]), sizes that
-// leave vector tails and a view at an odd offset (the scalar path).
+// gradients, bf16 / fp16 copies or none (Note [Low-precision master gradient]), fp32 or bf16
+// moments (Note [Low-precision moments]), sizes that leave vector tails and a view at an odd
+// offset (the scalar path).
 TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for bit",
           "[gpu][optim]") {
   const c10::Device dev = g_comm->device();
@@ -147,8 +148,9 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
     for (std::optional<at::ScalarType> copy_dtype :
          {std::optional<at::ScalarType>(at::kBFloat16), std::optional<at::ScalarType>(at::kHalf),
           std::optional<at::ScalarType>()})
-      for (double wd : {0.0, 0.1}) {
-        CAPTURE(grad_dtype, copy_dtype.has_value(), wd);
+      for (double wd : {0.0, 0.1})
+      for (bool bf16_moments : {false, true}) {
+        CAPTURE(grad_dtype, copy_dtype.has_value(), wd, bf16_moments);
         at::manual_seed(3);
         std::vector<at::Tensor> a, b, copies;
         for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{1001}, int64_t{4099}, int64_t{5} << 20}) {
@@ -163,6 +165,9 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
         for (auto& t : b) t.requires_grad_(true);
         const auto o = torch::optim::AdamWOptions(1e-3).weight_decay(wd).betas({0.9, 0.95}).eps(1e-8);
         FusedAdamW with(a, o);
+        // Note [Low-precision moments]: the reference rounds its fp32 moments to bf16 after
+        // each step (exactly what bf16 storage read back as fp32 holds).
+        if (bf16_moments) with.set_moments_dtype(at::kBFloat16);
         std::vector<at::Tensor> mb, vb;  // the reference's moments
         for (auto& t : b) {
           mb.push_back(at::zeros_like(t));
@@ -195,6 +200,11 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
           at::_fused_adamw_(pd, gd, mb, vb, /*max_exp_avg_sqs=*/{}, steps, o.lr(),
                             std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(),
                             o.eps(), /*amsgrad=*/false, /*maximize=*/false);
+          if (bf16_moments)
+            for (size_t i = 0; i < b.size(); ++i) {
+              mb[i].copy_(mb[i].to(at::kBFloat16));
+              vb[i].copy_(vb[i].to(at::kBFloat16));
+            }
         }
         for (size_t i = 0; i < a.size(); ++i) {
           CAPTURE(i, a[i].numel());
@@ -202,8 +212,9 @@ TEST_CASE("GPU one-pass AdamW kernel: ATen's fused AdamW and the cast, bit for b
           const at::Tensor pa = a[i].detach(), pb = b[i].detach();
           CAPTURE((pa - pb).abs().max().item<double>(), (pa != pb).sum().item<int64_t>());
           CHECK(at::equal(pa, pb));
-          CHECK(at::equal(sa.exp_avg(), mb[i]));
-          CHECK(at::equal(sa.exp_avg_sq(), vb[i]));
+          CHECK(sa.exp_avg().scalar_type() == (bf16_moments ? at::kBFloat16 : at::kFloat));
+          CHECK(at::equal(sa.exp_avg().to(at::kFloat), mb[i]));
+          CHECK(at::equal(sa.exp_avg_sq().to(at::kFloat), vb[i]));
           if (copy_dtype) CHECK(at::equal(copies[i], pb.to(*copy_dtype)));
         }
       }

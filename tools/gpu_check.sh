@@ -55,6 +55,10 @@
 #               GPU_CHECK_ADVISOR_ARGS="--granularities layer --offloads 0 1 --offload-steps
 #               after backward delayed" (rows '+offload1+bwdstep' / '+delayed', and a last line
 #               counting those within 10% of the measured step)
+#   ab          issue 54's A/B table (opt-in: name it in GPU_CHECK_STEPS): flatshard-bench variants
+#               (GPU_CHECK_AB_VARIANTS; default base, --keep-compute-shard, --adamw-moments bf16,
+#               both, and FLATSHARD_PRE_BACKWARD_HOOK=0) per-layer and per-leaf at 4 and 1
+#               sequences, one process each, beside PyTorch plain (tools/ab_table.py)
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
 #               every rank of nccl_reliability_test's GPT memory case (100 steps) and
 #               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
@@ -302,6 +306,39 @@ for b in batches:
               f"{r['host_issue_ms_median']:8.1f} {r['fwd_bwd_ms_median']:8.1f} "
               f"{r['optimizer_ms_median']:7.1f} {r['peak_memory_bytes'] / 2**20:9.0f}")
 EOF
+  return $rc
+}
+
+# Issue 54's A/B table: one flatshard-bench process per variant (GPU_CHECK_AB_VARIANTS, entries
+# "name:arguments" separated by ";", an argument FLATSHARD_X=value sets the environment) at each
+# batch (GPU_CHECK_AB_BATCHES, default 4 1), policies GPU_CHECK_AB_POLICY (default layer,leaf),
+# fused AdamW, beside PyTorch plain (pure bf16) at the same batch in the same call; the table
+# gives step ms, x PyTorch, host, fwd+bwd and optimizer ms, hook us per unit per step, peak MiB.
+AB_DEFAULT="base:;kept:--keep-compute-shard;bf16m:--adamw-moments bf16;kept+bf16m:--keep-compute-shard --adamw-moments bf16;nodehook:FLATSHARD_PRE_BACKWARD_HOOK=0"
+step_ab() {
+  local b rc=0 entry name arg
+  local -a entries env_args args
+  IFS=';' read -r -a entries <<<"${GPU_CHECK_AB_VARIANTS:-$AB_DEFAULT}"
+  for b in ${GPU_CHECK_AB_BATCHES:-4 1}; do
+    "$PYTHON" tools/torch_reference.py --preset 1b --batch "$b" --modes plain \
+      --json "$LOGDIR/ab_torch_b$b.json" >"$LOGDIR/ab_torch_b$b.txt" || rc=1
+    for entry in "${entries[@]}"; do
+      name=${entry%%:*}
+      env_args=()
+      args=()
+      for arg in ${entry#*:}; do
+        if [[ $arg == FLATSHARD_*=* ]]; then env_args+=("$arg"); else args+=("$arg"); fi
+      done
+      log "ab: batch $b, $name"
+      env "${env_args[@]}" "$BUILD/benchmarks/flatshard-bench" --device cuda --world 1 \
+        --preset 1b --batch "$b" --warmup 3 --steps 10 --optimizer fused \
+        --policy "${GPU_CHECK_AB_POLICY:-layer,leaf}" "${args[@]}" \
+        --json "$LOGDIR/ab_b${b}_$name.json" >"$LOGDIR/ab_b${b}_$name.txt" || rc=1
+    done
+  done
+  # shellcheck disable=SC2086
+  "$PYTHON" tools/ab_table.py "$LOGDIR" "${GPU_CHECK_AB_VARIANTS:-$AB_DEFAULT}" \
+    ${GPU_CHECK_AB_BATCHES:-4 1} | tee "$LOGDIR/ab.txt"
   return $rc
 }
 
