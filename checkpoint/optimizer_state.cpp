@@ -69,8 +69,15 @@ int64_t get_optimizer_state(const torch::optim::Optimizer& opt, const OptimizerR
   fields.assign(record.fields.size(), at::Tensor());
   auto it = opt.state().find(param.unsafeGetTensorImpl());
   if (it == opt.state().end()) return 0;
-  return is_adamw(opt) ? get<torch::optim::AdamWParamState>(*it->second, fields)
-                       : get<torch::optim::AdamParamState>(*it->second, fields);
+  const int64_t step = is_adamw(opt) ? get<torch::optim::AdamWParamState>(*it->second, fields)
+                                     : get<torch::optim::AdamParamState>(*it->second, fields);
+  // Note [Low-precision moments] (optim/fused_adamw.h): state kept narrower than its parameter
+  // (bf16 moments of an fp32 master) is saved in the parameter's dtype, exactly (a widening),
+  // so the files' layout does not depend on the optimizer's storage; the optimizer narrows it
+  // again at its next step, to the same values.
+  for (auto& f : fields)
+    if (f.defined() && f.scalar_type() != param.scalar_type()) f = f.to(param.scalar_type());
+  return step;
 }
 
 void set_optimizer_state(torch::optim::Optimizer& opt, const OptimizerRecord& record,

@@ -72,8 +72,9 @@
 //   (1 - beta1) steps likewise. Users of bf16 AdamW state (e.g. torchao's low-bit optimizers)
 //   report loss curves within noise of fp32 state for LLM pre-training; flatshard-bench
 //   --adamw-moments bf16 measures it against the fp32 default on the same model. State made
-//   or loaded in another dtype is converted at the next step; checkpoints save the moments in
-//   their dtype. The parameter and the master stay fp32.
+//   or loaded in another dtype is converted at the next step; checkpoints save the moments as
+//   fp32 of equal value (checkpoint/optimizer_state.cpp), so a resumed run continues bit for bit
+//   (tests/checkpoint_test.cpp). The parameter and the master stay fp32.
 #pragma once
 
 #include <torch/optim/adamw.h>

@@ -23,6 +23,7 @@
 #include "fsdp/call.h"
 #include "fsdp/sharded_model.h"
 #include "models/gpt.h"
+#include "optim/fused_adamw.h"
 #include "temp_dir.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
@@ -106,6 +107,7 @@ struct CkptRun {
   std::string load_dir;              // loaded before step `from`
   std::string full_save_after_load;  // a kFull save right after the load
   int save_at = -1;                  // save before step save_at
+  bool bf16_moments = false;         // FusedAdamW with bf16 moments (Note [Low-precision moments])
   std::vector<std::pair<std::string, flatshard::CheckpointOptions>> saves;
 };
 
@@ -121,7 +123,15 @@ inline CkptResult run_ckpt(const CkptRun& r) {
   flatshard::run_ranks(r.world, [&](flatshard::Communicator& comm) {
     auto model = g::GPT(ckpt_cfg(r.tied), r.seed);
     auto fsdp = flatshard::fully_shard(model.ptr(), ckpt_plan(*model, r.plan), comm);
-    torch::optim::AdamW opt(fsdp->parameters(), ckpt_adamw());
+    std::unique_ptr<torch::optim::AdamW> owned;
+    if (r.bf16_moments) {
+      auto fused = std::make_unique<flatshard::FusedAdamW>(fsdp->parameters(), ckpt_adamw());
+      fused->set_moments_dtype(at::kBFloat16);
+      owned = std::move(fused);
+    } else {
+      owned = std::make_unique<torch::optim::AdamW>(fsdp->parameters(), ckpt_adamw());
+    }
+    torch::optim::AdamW& opt = *owned;
     auto snapshot = [&] {
       auto p = to_map(fsdp->gather_full_params());
       std::lock_guard<std::mutex> lock(mu);
