@@ -232,7 +232,8 @@ const models::Family& GPTConfig::family() {
   static const models::FamilyOf<GPTConfig, GPTImpl> f(
       "gpt", "GPT",
       {"Block", "Linear|LayerNorm|Embedding",
-       "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, Embedding"});
+       "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, Embedding",
+       "colwise/3:path=*.attn.qkv;colwise:path=*.mlp.fc;rowwise:path=*.attn.proj|*.mlp.proj"});
   return f;
 }
 

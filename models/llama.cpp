@@ -385,7 +385,9 @@ const models::Family& LlamaConfig::family() {
   static const models::FamilyOf<LlamaConfig, LlamaImpl> f(
       "llama", "LLaMA",
       {"DecoderLayer", "Linear|RMSNorm|Embedding",
-       "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding"});
+       "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding",
+       "colwise:path=*.attn.q|*.attn.k|*.attn.v|*.mlp.gate|*.mlp.up;"
+       "rowwise:path=*.attn.o|*.mlp.down"});
   return f;
 }
 
