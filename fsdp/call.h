@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "fsdp/recompute.h"
+#include "fsdp/tp_entry.h"
 #include "fsdp/unit_entry.h"
 
 namespace torch {
@@ -223,19 +224,48 @@ auto enter(M& module, Fn&& fn) {
   return detail::run_unit(unit, m, std::forward<Fn>(fn));
 }
 
+namespace detail {
+template <class M, class... Args>
+auto call_unit(const torch::nn::Module* m, M& module, Args&&... args) {
+  const UnitEntry unit = find_unit(m);
+  if (unit.unit == nullptr) return module->forward(std::forward<Args>(args)...);
+  if (recompute_active(unit))
+    return call_recomputed(unit, m, module, std::forward<Args>(args)...);
+  return run_unit(unit, m, [&] { return module->forward(cast_arg(unit, std::forward<Args>(args))...); });
+}
+
+template <class... Args>
+struct OneTensorArg : std::false_type {};
+template <class A>
+struct OneTensorArg<A> : std::is_same<std::decay_t<A>, at::Tensor> {};
+
+// A module the TP plan splits (fsdp/tensor_parallel.h): colwise enters through f, rowwise
+// leaves through g (fsdp/tp_entry.h), around the unit-aware call.
+template <class M, class... Args>
+auto call_tp(const TpEntry& tp, const torch::nn::Module* m, M& module, Args&&... args) {
+  using Out = decltype(call_unit(m, module, std::forward<Args>(args)...));
+  if constexpr (OneTensorArg<Args...>::value && std::is_same_v<Out, at::Tensor>) {
+    if (tp.kind == TpEntry::Kind::kColwise)
+      return call_unit(m, module, tp_enter_colwise(tp, args...));
+    return tp_exit_rowwise(tp, m, call_unit(m, module, std::forward<Args>(args)...));
+  } else {
+    tp_bad_signature(tp);
+    return call_unit(m, module, std::forward<Args>(args)...);  // not reached
+  }
+}
+}  // namespace detail
+
 // Calls module->forward(args...) as a unit-aware call. `module` may be a ModuleHolder
 // (torch::nn::Linear, TORCH_MODULE types), a std::shared_ptr<Impl> or a raw Impl pointer.
 // With mixed precision, floating-point tensor arguments are cast to the compute dtype.
+// A module a TP plan splits (fsdp/tensor_parallel.h) gets its tensor-parallel collectives here.
 template <class M, class... Args>
 auto call(M& module, Args&&... args) {
   const torch::nn::Module* m = detail::module_of(module);
-  const detail::UnitEntry unit = detail::find_unit(m);
-  if (unit.unit == nullptr) return module->forward(std::forward<Args>(args)...);
-  if (detail::recompute_active(unit))
-    return detail::call_recomputed(unit, m, module, std::forward<Args>(args)...);
-  return detail::run_unit(unit, m, [&] {
-    return module->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
-  });
+  const detail::TpEntry tp = detail::find_tp(m);
+  if (tp.kind != detail::TpEntry::Kind::kNone)
+    return detail::call_tp(tp, m, module, std::forward<Args>(args)...);
+  return detail::call_unit(m, module, std::forward<Args>(args)...);
 }
 
 }  // namespace flatshard
