@@ -5,8 +5,9 @@
 // heads over 2 kv heads), each family's default tp plan, a per-layer wrap policy, fp32:
 // - step-0 loss and every gradient within 1e-5 of the reference's (each rank's gathered
 //   gradient against its own slice of the reference's: TensorParallel::local_slice);
-// - parameters after 5 clipped AdamW steps within tests/fsdp_test.cpp's tolerances (the clip
-//   threshold is below the gradient norm, so a wrong global norm moves every parameter);
+// - parameters after 5 clipped AdamW steps within tests/fsdp_test.cpp's tolerances;
+// - the same with per-leaf units (each split Linear its own unit) and once on 8 ranks, HSDP
+//   2 replicas x shard 2 x tp 2;
 // - clip_grad_norm_'s total against the reference's norm (replicated parameters counted once);
 // - misuse: heads tp does not divide, a plan rule that matches nothing, ranks that disagree on
 //   the plan, a tp mesh over a model that was not parallelized, checkpoints (not yet). Each is refused before any
@@ -86,14 +87,15 @@ struct RankCheck {
 };
 
 std::vector<RankCheck> run_tp(const ParitySpec& s, const std::string& tp_plan, int shard, int tp,
-                              const ParityRun& ref) {
-  std::vector<RankCheck> out(shard * tp);
+                              const ParityRun& ref, int replicate = 1) {
+  std::vector<RankCheck> out(replicate * shard * tp);
   std::mutex mu;
-  run_mesh(MeshShape(shard, 1, tp), [&](const Mesh& mesh) {
+  run_mesh(MeshShape(shard, replicate, tp), [&](const Mesh& mesh) {
     auto model = s.make_model();
     auto par = parallelize(model, parse_tp_plan(tp_plan), mesh);
     auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
-    RankRun r = train_sharded_rank(s, model, *fsdp, mesh.coord(MeshDim::kShard));
+    const int data_rank = mesh.coord(MeshDim::kReplicate) * shard + mesh.coord(MeshDim::kShard);
+    RankRun r = train_sharded_rank(s, model, *fsdp, data_rank);
     RankCheck c;
     c.where = mesh.describe_rank();
     c.losses = r.losses;
@@ -167,6 +169,26 @@ TEST_CASE("tensor parallel: GPT and LLaMA (GQA) at tp 2 x shard 1 and 2 match on
       CHECK(std::sqrt(sq) > 2 * s.clip);
       require_tp_parity(ref, run_tp(s, llama ? llama_plan() : gpt_plan(), shard, 2, ref));
     }
+  }
+}
+
+TEST_CASE("tensor parallel: per-leaf units, and HSDP 2 x shard 2 x tp 2", "[tp][parity]") {
+  SECTION("per-leaf plan: each split Linear is its own unit") {
+    for (bool llama : {false, true}) {
+      CAPTURE(llama);
+      ParitySpec s = llama ? llama_spec(2) : gpt_spec(2);
+      const std::string leaves = llama ? "type=Linear|RMSNorm|Embedding" : "type=Linear|LayerNorm|Embedding";
+      s.plan = [leaves](torch::nn::Module& m) { return make_plan(m, parse_policy(leaves)); };
+      s.clip = 0.5;
+      const ParityRun ref = run_reference(s);
+      require_tp_parity(ref, run_tp(s, llama ? llama_plan() : gpt_plan(), 2, 2, ref));
+    }
+  }
+  SECTION("8 ranks: 2 replicas of shard 2 x tp 2") {
+    ParitySpec s = llama_spec(4);
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, llama_plan(), 2, 2, ref, /*replicate=*/2));
   }
 }
 
