@@ -17,6 +17,7 @@
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/progress.h"
 #include "checkpoint/rank_sync.h"
+#include "support/input_file.h"
 #include "checkpoint/tensor_file.h"
 #include "checkpoint/unit_ranges.h"
 #include "fsdp/grad_scaler.h"
@@ -214,6 +215,7 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   at::NoGradGuard no_grad;
   // Note [Offload step in backward]: no step may write after us; Note [Delayed offload step]:
   // the next forward reads the loaded masters, not the copies held from before.
+  refuse_tensor_parallel(model.mesh(), "load_checkpoint('" + printable_escape(dir_arg) + "')");
   model.sync_offload_params();
   Communicator& comm = model.comm();
   const int rank = comm.rank();

@@ -9,13 +9,14 @@ namespace flatshard {
 
 namespace {
 constexpr int index(MeshDim dim) { return static_cast<int>(dim); }
-constexpr MeshDim kDims[kNumMeshDims] = {MeshDim::kReplicate, MeshDim::kShard};
+constexpr MeshDim kDims[kNumMeshDims] = {MeshDim::kReplicate, MeshDim::kShard, MeshDim::kTp};
 }  // namespace
 
 const char* to_string(MeshDim dim) {
   switch (dim) {
     case MeshDim::kReplicate: return "replicate";
     case MeshDim::kShard: return "shard";
+    case MeshDim::kTp: return "tp";
   }
   return "?";
 }
@@ -40,6 +41,10 @@ std::string MeshShape::to_string() const {
 Mesh::Mesh(Communicator& shard, Communicator* replicate) {
   groups_[index(MeshDim::kShard)] = &shard;
   groups_[index(MeshDim::kReplicate)] = replicate;
+}
+
+Mesh::Mesh(Communicator& shard, Communicator* replicate, Communicator* tp) : Mesh(shard, replicate) {
+  groups_[index(MeshDim::kTp)] = tp;
 }
 
 Communicator& Mesh::shard() const {

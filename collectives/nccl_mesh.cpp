@@ -10,6 +10,7 @@
 namespace flatshard {
 
 void NcclMesh::shutdown() {
+  if (tp) tp->shutdown();
   if (replicate) replicate->shutdown();
   if (shard) shard->shutdown();
 }
@@ -29,6 +30,31 @@ NcclMesh make_hsdp_groups(const c10::intrusive_ptr<c10d::Store>& store, int rank
   if (m.layout.replicate > 1)
     m.replicate = NcclCommunicator::create(store, group, m.layout.replicate, device, options,
                                            prefix + "/replicate" + std::to_string(pos));
+  return m;
+}
+
+NcclMesh make_mesh_groups(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+                          const MeshShape& shape, c10::Device device, const NcclOptions& options,
+                          const std::string& prefix) {
+  TORCH_CHECK(world_size == shape.global_size(), "make_mesh_groups (rank ", rank, "): the mesh ",
+              shape.to_string(), " has ", shape.global_size(), " ranks but the world has ",
+              world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "make_mesh_groups: rank ", rank,
+              " out of range for world size ", world_size);
+  const int t = shape.tp(), s = shape.shard(), k = rank % t, dp = rank / t;
+  NcclMesh m;
+  m.layout = HsdpLayout::make(shape.data_parallel_size(), s);
+  const int i = m.layout.shard_group(dp), j = m.layout.shard_rank(dp);
+  // Groups named by their lowest global rank; created in the same order on every rank (shard,
+  // replicate, tp) so each group's members reach its creation without waiting on another's.
+  m.shard = NcclCommunicator::create(store, j, s, device, options,
+                                     prefix + "/shard" + std::to_string(i * s * t + k));
+  if (m.layout.replicate > 1)
+    m.replicate = NcclCommunicator::create(store, i, m.layout.replicate, device, options,
+                                           prefix + "/replicate" + std::to_string(j * t + k));
+  if (t > 1)
+    m.tp = NcclCommunicator::create(store, k, t, device, options,
+                                    prefix + "/tp" + std::to_string(dp * t));
   return m;
 }
 

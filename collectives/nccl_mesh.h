@@ -13,7 +13,12 @@
 //   stream, so it overlaps the shard group's all-gathers and later layers' backward.
 // - With R == 1 there is no replicate communicator (plain FULL_SHARD over the node);
 //   with S == 1 the shard group has one rank (replicated training, like DDP).
-// - shutdown() shuts both down (collective, see NcclCommunicator::shutdown()).
+// - make_mesh_groups(...) adds tensor parallelism: N = R * S * T processes, global rank
+//   r = (i * S + j) * T + k (collectives/mesh.h); every process creates its shard group, then its
+//   replicate group (R > 1), then its tp group (T > 1: T consecutive ranks, one node's NVLink
+//   domain), under "<prefix>/shard<g>", "<prefix>/replicate<g>", "<prefix>/tp<g>" where g is the
+//   group's lowest global rank.
+// - shutdown() shuts every group down (collective, see NcclCommunicator::shutdown()).
 #pragma once
 
 #include "collectives/nccl_communicator.h"
@@ -28,13 +33,19 @@ struct NcclMesh {
   HsdpLayout layout;
   std::unique_ptr<NcclCommunicator> shard;
   std::unique_ptr<NcclCommunicator> replicate;  // null when layout.replicate == 1
+  std::unique_ptr<NcclCommunicator> tp;         // null without tensor parallelism (T == 1)
 
-  ShardingMesh mesh() const { return ShardingMesh(*shard, replicate.get()); }
+  Mesh mesh() const { return Mesh(*shard, replicate.get(), tp.get()); }
   void shutdown();
 };
 
 NcclMesh make_hsdp_groups(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
                           int shard_size, c10::Device device, const NcclOptions& options,
+                          const std::string& prefix = "flatshard");
+
+// The 3-D mesh of `shape` (replicate x shard x tp); world_size == shape.global_size().
+NcclMesh make_mesh_groups(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+                          const MeshShape& shape, c10::Device device, const NcclOptions& options,
                           const std::string& prefix = "flatshard");
 
 // From the launcher's environment (as NcclCommunicator::from_env): device cuda:LOCAL_RANK,

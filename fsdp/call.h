@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "fsdp/recompute.h"
+#include "fsdp/tp_entry.h"
 #include "fsdp/unit_entry.h"
 
 namespace torch {
@@ -168,23 +169,25 @@ struct ArgAdapter<std::vector<at::Tensor>> {
   }
 };
 
-template <class M, class... Args>
-auto call_recomputed(const UnitEntry& unit, const torch::nn::Module* m, M& module,
-                     Args&&... args) {
+// `post` runs on the forward's output inside the unit's call (and again in the recompute):
+// Identity, or a rowwise module's tensor-parallel exit, which reads the module's bias.
+template <class Post, class M, class... Args>
+auto call_recomputed(const UnitEntry& unit, const torch::nn::Module* m, const Post& post,
+                     M& module, Args&&... args) {
   using Stored = std::tuple<std::decay_t<Args>...>;
   Stored stored(cast_arg(unit, std::forward<Args>(args))...);
   std::vector<at::Tensor> inputs;
   std::apply([&](auto&... a) { (ArgAdapter<std::decay_t<decltype(a)>>::take(a, inputs), ...); },
              stored);
   // A copy of the handle: the node may run after the caller's handle is gone.
-  auto forward = [handle = std::decay_t<M>(module),
-                  stored = std::move(stored)](const std::vector<at::Tensor>& tensors) {
+  auto forward = [handle = std::decay_t<M>(module), stored = std::move(stored),
+                  post](const std::vector<at::Tensor>& tensors) {
     Stored a = stored;
     size_t i = 0;
     std::apply(
         [&](auto&... x) { (ArgAdapter<std::decay_t<decltype(x)>>::put(x, tensors, i), ...); }, a);
     std::decay_t<M> h = handle;  // a non-const handle: forward() is not const
-    return std::apply([&](auto&... x) { return h->forward(x...); }, a);
+    return post(std::apply([&](auto&... x) { return h->forward(x...); }, a));
   };
   using Out = decltype(forward(inputs));
   pre_forward(unit, m);
@@ -223,19 +226,67 @@ auto enter(M& module, Fn&& fn) {
   return detail::run_unit(unit, m, std::forward<Fn>(fn));
 }
 
+namespace detail {
+struct Identity {
+  template <class T>
+  std::decay_t<T> operator()(T&& t) const {
+    return std::forward<T>(t);
+  }
+};
+
+// A rowwise module's exit (fsdp/tp_entry.h), as a `post` of call_unit.
+struct RowwiseExit {
+  TpEntry tp;
+  const torch::nn::Module* m;
+  at::Tensor operator()(const at::Tensor& y) const { return tp_exit_rowwise(tp, m, y); }
+};
+
+// module->forward(args...) then post(output), both inside the unit's call when `m` is a unit
+// member (its parameters are gathered for both).
+template <class Post, class M, class... Args>
+auto call_unit(const torch::nn::Module* m, const Post& post, M& module, Args&&... args) {
+  const UnitEntry unit = find_unit(m);
+  if (unit.unit == nullptr) return post(module->forward(std::forward<Args>(args)...));
+  if (recompute_active(unit))
+    return call_recomputed(unit, m, post, module, std::forward<Args>(args)...);
+  return run_unit(unit, m, [&] {
+    return post(module->forward(cast_arg(unit, std::forward<Args>(args))...));
+  });
+}
+
+template <class... Args>
+struct OneTensorArg : std::false_type {};
+template <class A>
+struct OneTensorArg<A> : std::is_same<std::decay_t<A>, at::Tensor> {};
+
+// A module the TP plan splits (fsdp/tensor_parallel.h): colwise enters through f, rowwise
+// leaves through g (fsdp/tp_entry.h), around the unit-aware call.
+template <class M, class... Args>
+auto call_tp(const TpEntry& tp, const torch::nn::Module* m, M& module, Args&&... args) {
+  using Out = decltype(call_unit(m, Identity{}, module, std::forward<Args>(args)...));
+  if constexpr (OneTensorArg<Args...>::value && std::is_same_v<Out, at::Tensor>) {
+    if (tp.kind == TpEntry::Kind::kColwise)
+      return call_unit(m, Identity{}, module, tp_enter_colwise(tp, args...));
+    // Inside the unit's call: the exit reads the bias, which a per-leaf unit frees after it.
+    return call_unit(m, RowwiseExit{tp, m}, module, std::forward<Args>(args)...);
+  } else {
+    tp_bad_signature(tp);
+    return call_unit(m, Identity{}, module, std::forward<Args>(args)...);  // not reached
+  }
+}
+}  // namespace detail
+
 // Calls module->forward(args...) as a unit-aware call. `module` may be a ModuleHolder
 // (torch::nn::Linear, TORCH_MODULE types), a std::shared_ptr<Impl> or a raw Impl pointer.
 // With mixed precision, floating-point tensor arguments are cast to the compute dtype.
+// A module a TP plan splits (fsdp/tensor_parallel.h) gets its tensor-parallel collectives here.
 template <class M, class... Args>
 auto call(M& module, Args&&... args) {
   const torch::nn::Module* m = detail::module_of(module);
-  const detail::UnitEntry unit = detail::find_unit(m);
-  if (unit.unit == nullptr) return module->forward(std::forward<Args>(args)...);
-  if (detail::recompute_active(unit))
-    return detail::call_recomputed(unit, m, module, std::forward<Args>(args)...);
-  return detail::run_unit(unit, m, [&] {
-    return module->forward(detail::cast_arg(unit, std::forward<Args>(args))...);
-  });
+  const detail::TpEntry tp = detail::find_tp(m);
+  if (tp.kind != detail::TpEntry::Kind::kNone)
+    return detail::call_tp(tp, m, module, std::forward<Args>(args)...);
+  return detail::call_unit(m, detail::Identity{}, module, std::forward<Args>(args)...);
 }
 
 }  // namespace flatshard

@@ -8,6 +8,7 @@
 #include "collectives/communicator.h"
 #include "collectives/mesh.h"
 #include "collectives/gather_bytes.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace flatshard {
 
@@ -109,6 +110,12 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
   const std::string setup = "setup";
   fp.push_back({setup, "world size", str(comm.world_size())});
   fp.push_back({setup, "mesh", mesh.shape().to_string()});
+  // Ranks that split different modules (or by a different plan) would exchange slices of
+  // different tensors (issue 51: ranks that disagree on the TP plan).
+  if (const TensorParallel* tp = find_tensor_parallel(&model)) {
+    fp.push_back({setup, "tp plan", tp->plan().to_spec()});
+    fp.push_back({setup, "tp size", str(tp->tp_size())});
+  }
   fp.push_back({setup, "backend", comm.backend_name()});
   fp.push_back({setup, "device type", str(comm.device().type())});
   fp.push_back({setup, "option strategy", to_string(options.strategy)});
@@ -253,6 +260,7 @@ void check_group_agrees(const std::vector<FingerprintEntry>& mine, const Mesh& m
 void check_ranks_agree(const std::vector<FingerprintEntry>& mine, const Mesh& mesh) {
   check_group_agrees(mine, mesh, MeshDim::kShard);
   check_group_agrees(mine, mesh, MeshDim::kReplicate);
+  check_group_agrees(mine, mesh, MeshDim::kTp);
 }
 
 }  // namespace flatshard

@@ -13,6 +13,7 @@
 #include "fsdp/deferred_init.h"
 #include "fsdp/fingerprint.h"
 #include "fsdp/resolve.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace flatshard {
 namespace detail {
@@ -65,6 +66,19 @@ void check_not_sharded(torch::nn::Module& model, int rank) {
                 "), live or destroyed: its values are in that ShardedModel's master shards. "
                 "Shard a fresh model (load it from gather_full_params() or a checkpoint)");
   }
+}
+
+// A mesh with tp > 1 shards TP-local slices: the model must have been parallelize()d on it
+// (fsdp/tensor_parallel.h), and a parallelized model sharded over a mesh of the same tp size.
+void check_tensor_parallel(const torch::nn::Module& model, const Mesh& mesh) {
+  const TensorParallel* tp = find_tensor_parallel(&model);
+  const int size = mesh.size(MeshDim::kTp);
+  TORCH_CHECK(tp != nullptr || size == 1, "fully_shard (", mesh.describe_rank(), "): the mesh has ",
+              "tp ", size, " but the model was not parallelized; call parallelize(model, tp_plan, "
+              "mesh) before fully_shard (fsdp/tensor_parallel.h), or pass a mesh without tp");
+  TORCH_CHECK(tp == nullptr || tp->tp_size() == size, "fully_shard (", mesh.describe_rank(),
+              "): the model was parallelized over tp ", tp ? tp->tp_size() : 0,
+              " but the mesh has tp ", size, "; pass fully_shard the mesh given to parallelize");
 }
 
 // Before any other collective: ranks that disagree fail here, naming the difference (over the
@@ -249,6 +263,7 @@ std::unique_ptr<Runtime> setup_runtime(const std::shared_ptr<torch::nn::Module>&
   mesh.check();
   check_inputs(model, plan, options, comm.rank(), mesh.global_rank() == 0);
   check_not_sharded(*model, comm.rank());
+  check_tensor_parallel(*model, mesh);
   std::unique_ptr<Runtime> runtime = std::make_unique<Runtime>(mesh, std::move(options));
   check_setup_agrees(*model, plan, runtime->options(), mesh);
   const std::optional<detail::DeferredInit> init =

@@ -2,6 +2,7 @@
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <unordered_map>
@@ -15,6 +16,7 @@
 #include "fsdp/resolve.h"
 #include "fsdp/runtime.h"
 #include "fsdp/setup.h"
+#include "fsdp/tensor_parallel.h"
 #include "optim/fused_adamw.h"
 
 namespace flatshard {
@@ -187,16 +189,38 @@ double ShardedModel::clip_grad_norm_(double max_norm, bool error_if_nonfinite) {
   const auto& units = runtime_->units();
   at::Tensor sumsq = at::zeros({static_cast<int64_t>(units.size())},
                                at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
+  // Tensor parallelism (fsdp/tensor_parallel.h): a split parameter's slices are summed over
+  // the tp group; a replicated one (equal on every tp rank) is counted on tp rank 0 only.
+  Communicator* tp_group = mesh_.tp();
+  const TensorParallel* tp = tp_group ? find_tensor_parallel(model_.get()) : nullptr;
   for (size_t i = 0; i < units.size(); ++i) {
     units[i]->flat().absorb_view_grads();  // zero_grad on the views since the reduction
     const at::Tensor& g = units[i]->flat().master().grad();
     if (!g.defined()) continue;
     // A replicated unit's gradient is identical on every rank: count it on rank 0 only.
-    if (units[i]->strategy() == ShardingStrategy::kNoShard && comm_.rank() != 0) continue;
+    const bool no_shard = units[i]->strategy() == ShardingStrategy::kNoShard;
+    if (no_shard && comm_.rank() != 0) continue;
     // Note [Low-precision master gradient]: a bf16 / fp16 gradient's norm in fp32.
-    sumsq[static_cast<int64_t>(i)].copy_(g.to(at::kFloat).pow(2).sum());  // to(): g if fp32
+    const at::Tensor g32 = g.to(at::kFloat);  // g if fp32
+    if (tp == nullptr || tp->tp_rank() == 0) {
+      sumsq[static_cast<int64_t>(i)].copy_(g32.pow(2).sum());
+      continue;
+    }
+    // Other tp ranks: only the split parameters' parts of this rank's shard.
+    const FlatParam& flat = units[i]->flat();
+    const FlatLayout& layout = flat.layout();
+    const int64_t begin = no_shard ? 0 : layout.shard_begin(comm_.rank());
+    const int64_t end = begin + g32.numel();
+    for (size_t j = 0; j < flat.params().size(); ++j) {
+      if (!tp->is_split(flat.params()[j].param)) continue;
+      const int64_t lo = std::max(begin, layout.offsets[j]);
+      const int64_t hi = std::min(end, layout.offsets[j] + layout.numels[j]);
+      if (hi > lo) sumsq[static_cast<int64_t>(i)].add_(g32.narrow(0, lo - begin, hi - lo).pow(2).sum());
+    }
   }
   if (!units.empty()) comm_.all_reduce(sumsq, ReduceOp::kSum, comm_.current_stream());
+  if (!units.empty() && tp != nullptr)
+    tp_group->all_reduce(sumsq, ReduceOp::kSum, tp_group->current_stream());
   const at::Tensor per_unit = sumsq.to(at::kDouble).cpu();
   const double total = std::sqrt(per_unit.sum().item<double>());
   if (error_if_nonfinite && !std::isfinite(total)) {

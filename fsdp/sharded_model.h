@@ -154,7 +154,9 @@ class ShardedModel {
   // Clips the global gradient norm across all shards and units (replicated units counted
   // once) like torch.nn.utils.clip_grad_norm_; returns the total norm before clipping.
   // Collective. With HSDP over the shard group only: replicas hold identical gradients, so
-  // the shard group's norm already is the global one. error_if_nonfinite (torch's option of
+  // the shard group's norm already is the global one. With tensor parallelism
+  // (fsdp/tensor_parallel.h) split parameters are summed over the tp group, replicated ones
+  // counted once. error_if_nonfinite (torch's option of
   // that name): a NaN or infinite total throws on every rank, naming the first unit (plan
   // order) whose gradient is non-finite, and leaves the gradients unchanged.
   double clip_grad_norm_(double max_norm, bool error_if_nonfinite = false);

@@ -35,6 +35,8 @@
 //       leaf_types   every module that owns parameters directly, as a spec alternation
 //                    ("Linear|LayerNorm|Embedding" / "Linear|RMSNorm|Embedding")
 //       type_names   every type of the tree, for error messages
+//       tp_plan      the family's default tensor-parallel plan (wrap_policies/tp_plan.h:
+//                    Megatron's split of attention and MLP), for parallelize()
 //   * ModelConfig: a family and a config of it, by value (copies are deep). The shared sizes
 //     (vocab, d_model, n_heads, n_layers, seq_len, tie_embeddings) read and write the config's
 //     fields; as<C>() is the family's own config type (c10::Error for another type).
@@ -62,6 +64,7 @@ struct FamilyModules {
   std::string layer_type;
   std::string leaf_types;
   std::string type_names;
+  std::string tp_plan;  // the default TP plan (wrap_policies/tp_plan.h text form)
 };
 
 class Family {

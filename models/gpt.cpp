@@ -146,13 +146,20 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   // wants. split, not indexing a permuted [3, B, H, T, hd]: select's backward materialises a
   // zero tensor of the whole qkv output per slice and adds them (on the 1B GPT on an H200: ~130
   // strided elementwise kernels, ~12 ms of a 100 ms step); split's backward is one cat.
-  const int64_t hd = d / n_heads_;
-  const auto parts = linear(qkv, x).split(d, /*dim=*/2);
-  auto heads = [&](const at::Tensor& t) { return t.view({B, T, n_heads_, hd}).transpose(1, 2); };
+  // Local sizes from the weight (tensor parallelism splits the heads: fsdp/tensor_parallel.h).
+  const int64_t hd = d / n_heads_, local = qkv->weight.size(0) / 3, h = local / hd;
+  const auto parts = linear(qkv, x).split(local, /*dim=*/2);
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, h, hd}).transpose(1, 2); };
   const at::Tensor y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]),
                                                         heads(parts[2]), /*attn_mask=*/{},
                                                         /*dropout_p=*/0.0, /*is_causal=*/true);
-  return linear(proj, y.transpose(1, 2).reshape({B, T, d}));
+  return linear(proj, y.transpose(1, 2).reshape({B, T, local}));
+}
+
+void CausalSelfAttentionImpl::check_tensor_parallel(const std::string& path, int tp) const {
+  TORCH_CHECK(n_heads_ % tp == 0, "tensor parallelism: module '", path, "' (CausalSelfAttention) ",
+              "has n_heads = ", n_heads_, ", which tp ", tp, " cannot split into whole heads per ",
+              "rank; use a tp size that divides ", n_heads_);
 }
 
 MLPImpl::MLPImpl(const GPTConfig& cfg) : torch::nn::Module("MLP") {
@@ -232,7 +239,8 @@ const models::Family& GPTConfig::family() {
   static const models::FamilyOf<GPTConfig, GPTImpl> f(
       "gpt", "GPT",
       {"Block", "Linear|LayerNorm|Embedding",
-       "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, Embedding"});
+       "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, Embedding",
+       "colwise/3:path=*.attn.qkv;colwise:path=*.mlp.fc;rowwise:path=*.attn.proj|*.mlp.proj"});
   return f;
 }
 

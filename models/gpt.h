@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "fsdp/deferred_init.h"
+#include "fsdp/tensor_parallel.h"
 #include "models/transformer.h"
 #include "planner/model_shape.h"
 
@@ -118,10 +119,14 @@ std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module);
 
 // --- modules ------------------------------------------------------------------------------------
 
-class CausalSelfAttentionImpl : public torch::nn::Module {
+// Under tensor parallelism (fsdp/tensor_parallel.h, the family's tp plan: qkv colwise/3, proj
+// rowwise) each rank runs n_heads / tp heads: forward reads the local head count from qkv's
+// weight, never from the config.
+class CausalSelfAttentionImpl : public torch::nn::Module, public flatshard::TensorParallelModule {
  public:
   explicit CausalSelfAttentionImpl(const GPTConfig& cfg);
   at::Tensor forward(const at::Tensor& x);  // [B, T, d] -> [B, T, d]
+  void check_tensor_parallel(const std::string& path, int tp) const override;
 
   torch::nn::Linear qkv{nullptr};   // d -> 3d (q, k, v stacked along the output dim)
   torch::nn::Linear proj{nullptr};  // d -> d

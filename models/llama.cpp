@@ -254,7 +254,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg)
     : torch::nn::Module("Attention"),
       n_heads_(cfg.n_heads),
       n_kv_heads_(cfg.kv_heads()),
-      window_(cfg.sliding_window) {
+      window_(cfg.sliding_window),
+      head_dim_(cfg.head_dim()) {
   const int64_t d = cfg.d_model, hd = cfg.head_dim();
   auto linear = [](int64_t in, int64_t out, bool bias) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
@@ -268,16 +269,18 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg)
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
   const int64_t B = x.size(0), T = x.size(1);
-  const int64_t hd = q->options.out_features() / n_heads_;
+  // Local head counts from the weights (tensor parallelism splits the heads:
+  // fsdp/tensor_parallel.h).
+  const int64_t hd = head_dim_, hq = q->weight.size(0) / hd, hkv = k->weight.size(0) / hd;
   // [B, T, H·hd] -> [B, H, T, hd]: heads as a batch dimension, as SDPA wants.
   auto heads = [&](const at::Tensor& t, int64_t h) {
     return t.view({B, T, h, hd}).transpose(1, 2);
   };
-  const at::Tensor qh = apply_rotary(heads(flatshard::call(q, x), n_heads_), cos, sin);
-  at::Tensor kh = apply_rotary(heads(flatshard::call(k, x), n_kv_heads_), cos, sin);
-  at::Tensor vh = heads(flatshard::call(v, x), n_kv_heads_);
-  if (n_kv_heads_ != n_heads_) {  // grouped-query: kv head j serves q heads [j·g, (j+1)·g)
-    const int64_t g = n_heads_ / n_kv_heads_;
+  const at::Tensor qh = apply_rotary(heads(flatshard::call(q, x), hq), cos, sin);
+  at::Tensor kh = apply_rotary(heads(flatshard::call(k, x), hkv), cos, sin);
+  at::Tensor vh = heads(flatshard::call(v, x), hkv);
+  if (hkv != hq) {  // grouped-query: kv head j serves q heads [j·g, (j+1)·g)
+    const int64_t g = hq / hkv;
     kh = kh.repeat_interleave(g, /*dim=*/1);
     vh = vh.repeat_interleave(g, /*dim=*/1);
   }
@@ -292,7 +295,15 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
     y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                          /*is_causal=*/true);
   }
-  return flatshard::call(o, y.transpose(1, 2).reshape({B, T, n_heads_ * hd}));
+  return flatshard::call(o, y.transpose(1, 2).reshape({B, T, hq * hd}));
+}
+
+void AttentionImpl::check_tensor_parallel(const std::string& path, int tp) const {
+  TORCH_CHECK(n_heads_ % tp == 0 && n_kv_heads_ % tp == 0, "tensor parallelism: module '", path,
+              "' (Attention) has n_heads = ", n_heads_, " and n_kv_heads = ", n_kv_heads_,
+              ", which tp ", tp, " cannot split into whole heads per rank (both must be ",
+              "multiples of tp; kv heads fewer than tp are not replicated yet); use a tp size ",
+              "that divides both");
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& cfg) : torch::nn::Module("MLP") {
@@ -385,7 +396,9 @@ const models::Family& LlamaConfig::family() {
   static const models::FamilyOf<LlamaConfig, LlamaImpl> f(
       "llama", "LLaMA",
       {"DecoderLayer", "Linear|RMSNorm|Embedding",
-       "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding"});
+       "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding",
+       "colwise:path=*.attn.q|*.attn.k|*.attn.v|*.mlp.gate|*.mlp.up;"
+       "rowwise:path=*.attn.o|*.mlp.down"});
   return f;
 }
 

@@ -70,6 +70,7 @@
 #include <vector>
 
 #include "fsdp/deferred_init.h"
+#include "fsdp/tensor_parallel.h"
 #include "models/transformer.h"
 #include "planner/model_shape.h"
 #include "wrap_policies/match.h"
@@ -224,18 +225,22 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RotaryEmbedding);
 
-class AttentionImpl : public torch::nn::Module {
+// Under tensor parallelism (fsdp/tensor_parallel.h; the family's tp plan: q, k, v colwise, o
+// rowwise) each rank runs n_heads / tp query heads and n_kv_heads / tp kv heads: forward reads
+// the local head counts from the weights, never from the config.
+class AttentionImpl : public torch::nn::Module, public flatshard::TensorParallelModule {
  public:
   explicit AttentionImpl(const LlamaConfig& cfg);
   // x [B, T, d], cos/sin [T, hd/2] -> [B, T, d]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  void check_tensor_parallel(const std::string& path, int tp) const override;
 
   torch::nn::Linear q{nullptr};  // d -> H·hd
   torch::nn::Linear k{nullptr};  // d -> Hkv·hd
   torch::nn::Linear v{nullptr};  // d -> Hkv·hd
   torch::nn::Linear o{nullptr};  // H·hd -> d
  private:
-  int64_t n_heads_, n_kv_heads_, window_;
+  int64_t n_heads_, n_kv_heads_, window_, head_dim_;
 };
 TORCH_MODULE(Attention);
 

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <optional>
+#include <utility>
 
 #include "wrap_policies/glob.h"
 
@@ -138,7 +139,24 @@ std::optional<int64_t> count_value(const std::string& t, std::string* why) {
 
 class Parser {
  public:
-  explicit Parser(const std::string& spec) : s_(spec) {}
+  explicit Parser(const std::string& spec, std::string label = "policy spec",
+                  bool allow_every = true)
+      : s_(spec), label_(std::move(label)), allow_every_(allow_every) {}
+
+  // term (',' term)* from `pos` up to the next ';' or the end (parse_rule_terms, spec.h).
+  Rule parse_terms_at(size_t pos, size_t* end) {
+    i_ = pos;
+    Rule rule;
+    parse_terms(rule);
+    *end = i_;
+    return rule;
+  }
+
+  [[noreturn]] void fail(size_t pos, const std::string& what, const std::string& expected) const {
+    std::string echo = printable(s_, /*max_len=*/std::string::npos);
+    TORCH_CHECK(false, label_, ": ", what, " at column ", pos + 1, " (expected ", expected,
+                ")\n  ", echo, "\n  ", std::string(pos, ' '), "^");
+  }
 
   Policy parse() {
     Policy policy;
@@ -159,12 +177,6 @@ class Parser {
   }
 
  private:
-  [[noreturn]] void fail(size_t pos, const std::string& what, const std::string& expected) const {
-    std::string echo = printable(s_, /*max_len=*/std::string::npos);
-    TORCH_CHECK(false, "policy spec: ", what, " at column ", pos + 1, " (expected ", expected,
-                ")\n  ", echo, "\n  ", std::string(pos, ' '), "^");
-  }
-
   // The token at `pos` for messages: a word or value up to the next delimiter, a single
   // punctuation character, or "end of spec".
   std::string quoted_token(size_t pos) const {
@@ -215,7 +227,11 @@ class Parser {
     } else {
       i_ = start;
     }
+    parse_terms(rule);
+    policy.rules.push_back(std::move(rule));
+  }
 
+  void parse_terms(Rule& rule) {
     std::optional<size_t> every_pos;  // where this rule's every=K is, if it has one
     bool has_match_term = false;
     while (true) {
@@ -233,7 +249,6 @@ class Parser {
     if (!has_match_term)
       fail(*every_pos, "'every' alone in a rule",
            "another term choosing what to group, as in every=2,type=Block");
-    policy.rules.push_back(std::move(rule));
   }
 
   // options := option ('+' option)* ':'  with `first` (at `first_pos`) already read; at most
@@ -346,6 +361,7 @@ class Parser {
       rule.terms.push_back(std::move(t));
       *has_match_term = true;
     } else if (key == "every") {
+      if (!allow_every_) fail(pos, "'every' in a " + label_, "one of: type, size, path");
       if (every_pos->has_value())
         fail(pos, "'every' given twice in one rule", "at most one every=K per rule");
       *every_pos = pos;
@@ -400,6 +416,8 @@ class Parser {
   }
 
   const std::string& s_;
+  std::string label_;  // what an error calls the input: "policy spec", "tp plan"
+  bool allow_every_;
   size_t i_ = 0;
   bool root_seen_ = false;
 };
@@ -407,6 +425,15 @@ class Parser {
 }  // namespace
 
 Policy parse_policy(const std::string& spec) { return Parser(spec).parse(); }
+
+Rule parse_rule_terms(const std::string& spec, size_t pos, size_t* end, const std::string& label) {
+  return Parser(spec, label, /*allow_every=*/false).parse_terms_at(pos, end);
+}
+
+void spec_error(const std::string& spec, size_t pos, const std::string& what,
+                const std::string& expected, const std::string& label) {
+  Parser(spec, label).fail(pos, what, expected);
+}
 
 int64_t parse_count(const std::string& text) {
   std::string why;

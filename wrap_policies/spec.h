@@ -54,6 +54,15 @@ namespace flatshard {
 
 Policy parse_policy(const std::string& spec);
 
+// For grammars built on this one (the TP plan, wrap_policies/tp_plan.h), with their errors in
+// the same form (column, token, expectation, caret) but starting "<label>:".
+// parse_rule_terms: `term (',' term)*` (no every=K) from index `pos` of `spec` up to the next ';'
+// or the end, where *end is left. Skips leading blanks.
+Rule parse_rule_terms(const std::string& spec, size_t pos, size_t* end, const std::string& label);
+// Throws the error at index `pos` of `spec`.
+[[noreturn]] void spec_error(const std::string& spec, size_t pos, const std::string& what,
+                             const std::string& expected, const std::string& label);
+
 // A count as in the grammar above ("1.5k" -> 1500); throws c10::Error (without spec context)
 // when malformed. Exposed for command-line flags that take sizes.
 int64_t parse_count(const std::string& text);

@@ -1,0 +1,118 @@
+// flatshard/fsdp/tensor_parallel.h — tensor parallelism (Megatron's column/row split) on the
+// mesh's `tp` dimension, composed with fully_shard on its `shard` dimension.
+//
+//   Mesh mesh(shard, replicate, tp);                    // collectives/mesh.h; run_mesh on CPU
+//   auto tp = parallelize(model, parse_tp_plan(spec), mesh);  // slices, registers the modules
+//   auto fsdp = fully_shard(model, policy, mesh);        // units flatten the TP-local slices
+//   ... train as usual; keep `tp` alive as long as the model runs.
+//
+// Contract
+// - parallelize() matches the plan (wrap_policies/tp_plan.h) against every module but the root
+//   (wrap_policies/match.h: the terms mean what they mean in a wrap policy, aliases included)
+//   and replaces each colwise/rowwise module's parameters, in place (Tensor::set_data: the same
+//   tensors, new shapes), by this tp rank's slice: colwise keeps rows [k*out/tp, (k+1)*out/tp)
+//   of the weight and bias (of each of the K blocks for colwise/K), rowwise columns
+//   [k*in/tp, (k+1)*in/tp) of the weight and the whole bias. Every other parameter stays whole
+//   (replicated across tp). From then on flatshard::call enters a colwise module through f
+//   and leaves a rowwise one through g (fsdp/tp_entry.h), on mesh.tp().
+// - The model's forward must read sizes from the tensors, not from its config: a module whose
+//   shapes depend on the split (attention: the local head count is heads / tp) implements
+//   TensorParallelModule; parallelize() calls its check before changing anything.
+// - Errors (c10::Error, nothing changed yet): a rule that matches no module (the plan, the rule,
+//   the model's types), a colwise/rowwise module that is not Linear-like (a 2-D `weight`, an
+//   optional 1-D `bias`), sizes tp does not divide (module, sizes, tp), meta parameters
+//   (deferred init under TP is not supported yet), a model parallelized twice. Every rank
+//   reaches the same decision (same model, plan and sizes).
+// - fully_shard on a parallelized model (Mesh with tp): units flatten the TP-local parameters
+//   and all-gather / reduce-scatter over mesh.shard() only; gradients of replicated parameters
+//   are equal on every tp rank by construction (their upstream gradients are all-reduced by f).
+//   The setup fingerprint records the plan and tp size and is compared across the tp group;
+//   clip_grad_norm_ sums split parameters over tp and counts replicated ones once. A mesh with
+//   tp > 1 over a model that was not parallelized is an error. gather_full_params() and
+//   gather_full_grads() give the TP-local values (full over the shard group); local_slice()
+//   maps a full value to them. Checkpoints of a tp mesh are refused (no tp placement yet).
+// - Not yet (issue 51): sequence and loss parallelism, vocabulary-parallel embeddings, kv heads
+//   fewer than tp (replicated), deferred init on meta, checkpoints and Hugging Face loading
+//   under TP, bench/explain --tp.
+// - Thread rule: as fully_shard; the registry is shared by all ranks-as-threads.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "collectives/mesh.h"
+#include "wrap_policies/tp_plan.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+// Implemented by a module whose forward depends on how tensor parallelism splits its children
+// (attention: whole heads per rank). Called by parallelize() when a direct child is split.
+class TensorParallelModule {
+ public:
+  virtual ~TensorParallelModule() = default;
+  // Throws a c10::Error naming `path`, the sizes and `tp` when `tp` ranks cannot split it.
+  virtual void check_tensor_parallel(const std::string& path, int tp) const = 0;
+};
+
+struct TpModule {
+  std::string path;  // in the model's tree
+  TpStyle style = TpStyle::kReplicate;
+  int parts = 1;     // colwise/K
+  int rule = -1;     // the plan rule that matched it
+};
+
+class TensorParallel {
+ public:
+  TensorParallel(const TensorParallel&) = delete;
+  TensorParallel& operator=(const TensorParallel&) = delete;
+  ~TensorParallel();  // unregisters the modules: flatshard::call no longer splits them
+
+  const TpPlan& plan() const { return plan_; }
+  int tp_size() const { return tp_size_; }
+  int tp_rank() const { return tp_rank_; }
+  // The colwise and rowwise modules, in registration order.
+  const std::vector<TpModule>& modules() const { return modules_; }
+  // `param` (a parameter of the model) holds a slice, different on each tp rank.
+  bool is_split(const at::Tensor& param) const;
+  // This rank's slice of the full (unsplit) value of the parameter named `name`
+  // (named_parameters()); `full` itself for a replicated one.
+  at::Tensor local_slice(const std::string& name, const at::Tensor& full) const;
+  // One line per split module: "colwise/3 blocks.0.attn.qkv", for explain-like output.
+  std::string to_string() const;
+
+ private:
+  friend std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>&,
+                                                     const TpPlan&, const Mesh&);
+  TensorParallel() = default;
+  struct Slice {
+    TpStyle style;
+    int parts;
+    bool is_bias;
+  };
+  const torch::nn::Module* root_ = nullptr;
+  std::vector<const torch::nn::Module*> registered_;
+  TpPlan plan_;
+  int tp_size_ = 1, tp_rank_ = 0;
+  std::vector<TpModule> modules_;
+  std::unordered_set<const void*> split_;  // TensorImpl of each split parameter
+  std::map<std::string, Slice> slices_;     // by parameter name
+};
+
+std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>& model,
+                                            const TpPlan& plan, const Mesh& mesh);
+
+// The TensorParallel that parallelized `root`, or nullptr.
+const TensorParallel* find_tensor_parallel(const torch::nn::Module* root);
+
+}  // namespace flatshard

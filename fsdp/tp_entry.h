@@ -1,0 +1,46 @@
+// flatshard/fsdp/tp_entry.h — what flatshard::call (fsdp/call.h) needs to know about a module
+// that tensor parallelism splits (fsdp/tensor_parallel.h keeps the registry). Its own header so
+// call.h stays light.
+//
+// Contract
+//   * find_tp(m): kind == kNone when `m` is not a colwise/rowwise module of a live
+//     TensorParallel with more than one tp rank (the common case: one atomic load, no lock).
+//   * tp_enter_colwise(e, x): Megatron's f, identity forward, all-reduce (sum) of the input
+//     gradient over the tp group backward.
+//   * tp_exit_rowwise(e, m, y): Megatron's g, all-reduce (sum) of the output over the tp
+//     group forward, identity backward; `m`'s replicated bias (a parameter named "bias", if
+//     any) is added once, not once per rank.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace torch {
+namespace nn {
+class Module;
+}
+}  // namespace torch
+
+namespace flatshard {
+
+class Communicator;
+
+namespace detail {
+
+struct TpEntry {
+  enum class Kind : uint8_t { kNone, kColwise, kRowwise };
+  Kind kind = Kind::kNone;
+  Communicator* group = nullptr;     // the tp group
+  const std::string* path = nullptr;  // the module's path, for messages
+};
+
+TpEntry find_tp(const torch::nn::Module* m);
+at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x);
+at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const at::Tensor& y);
+// A module the TP plan names whose forward is not Tensor -> Tensor.
+[[noreturn]] void tp_bad_signature(const TpEntry& e);
+
+}  // namespace detail
+}  // namespace flatshard

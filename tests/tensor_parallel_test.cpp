@@ -1,0 +1,301 @@
+// Tensor parallelism composed with sharding (fsdp/tensor_parallel.h), ranks as threads on a
+// shard x tp mesh (collectives/thread_mesh.h run_mesh). The reference is one unsharded rank over
+// the union of the data-parallel ranks' batches (tests/parity_util.h): the ranks of one tp group
+// see the same batch. GPT (fused qkv: colwise/3) and LLaMA with grouped-query attention (4 query
+// heads over 2 kv heads), each family's default tp plan, a per-layer wrap policy, fp32:
+// - step-0 loss and every gradient within 1e-5 of the reference's (each rank's gathered
+//   gradient against its own slice of the reference's: TensorParallel::local_slice);
+// - parameters after 5 clipped AdamW steps within tests/fsdp_test.cpp's tolerances;
+// - the same with per-leaf units (each split Linear its own unit) and once on 8 ranks, HSDP
+//   2 replicas x shard 2 x tp 2;
+// - clip_grad_norm_'s total against the reference's norm (replicated parameters counted once);
+// - misuse: heads tp does not divide, a plan rule that matches nothing, ranks that disagree on
+//   the plan, a tp mesh over a model that was not parallelized, checkpoints (not yet). Each is refused before any
+//   collective (parallelize is local) or by the setup fingerprint's agreed check, on every rank
+//   alike, so run_mesh's failure propagation is enough: nothing can crash or hang.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <mutex>
+#include <set>
+
+#include "checkpoint/checkpoint.h"
+#include "collectives/thread_mesh.h"
+#include "fsdp/tensor_parallel.h"
+#include "models/family.h"
+#include "models/gpt.h"
+#include "models/llama.h"
+#include "parity_util.h"
+#include "wrap_policies/spec.h"
+
+using namespace flatshard;
+using namespace flatshard_test;
+
+namespace {
+
+ParitySpec gpt_spec(int world, int n_heads = 4) {
+  namespace g = flatshard::gpt;
+  ParitySpec s;
+  s.world = world;
+  s.make_model = [n_heads] {
+    g::GPTConfig c;
+    c.vocab = 97;
+    c.d_model = 36;  // head_dim 9: odd sizes, every flat parameter padded
+    c.n_heads = n_heads;
+    c.n_layers = 3;
+    c.seq_len = 11;
+    return std::static_pointer_cast<torch::nn::Module>(g::GPT(c, 11).ptr());
+  };
+  s.plan = [](torch::nn::Module& m) { return make_plan(m, parse_policy("type=Block")); };
+  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
+    auto model = std::static_pointer_cast<g::GPTImpl>(m);
+    auto [x, y] = g::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
+    return flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
+  };
+  return s;
+}
+
+ParitySpec llama_spec(int world) {
+  namespace ll = flatshard::llama;
+  ParitySpec s;
+  s.world = world;
+  s.make_model = [] {
+    ll::LlamaConfig c;
+    c.vocab = 97;
+    c.d_model = 40;  // head_dim 10 (RoPE needs it even)
+    c.n_heads = 4;
+    c.n_kv_heads = 2;  // grouped-query: one kv head per tp rank at tp 2
+    c.n_layers = 3;
+    c.seq_len = 11;
+    c.hidden = 50;
+    return std::static_pointer_cast<torch::nn::Module>(ll::Llama(c, 11).ptr());
+  };
+  s.plan = [](torch::nn::Module& m) { return make_plan(m, parse_policy("type=DecoderLayer")); };
+  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
+    auto model = std::static_pointer_cast<ll::LlamaImpl>(m);
+    auto [x, y] = ll::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
+    return flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
+  };
+  return s;
+}
+
+// One rank's results next to its slice of the reference.
+struct RankCheck {
+  std::string where;
+  std::vector<double> losses;
+  std::vector<std::tuple<std::string, at::Tensor, at::Tensor>> grads, params;  // name, got, want
+};
+
+std::vector<RankCheck> run_tp(const ParitySpec& s, const std::string& tp_plan, int shard, int tp,
+                              const ParityRun& ref, int replicate = 1) {
+  std::vector<RankCheck> out(replicate * shard * tp);
+  std::mutex mu;
+  run_mesh(MeshShape(shard, replicate, tp), [&](const Mesh& mesh) {
+    auto model = s.make_model();
+    auto par = parallelize(model, parse_tp_plan(tp_plan), mesh);
+    auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+    const int data_rank = mesh.coord(MeshDim::kReplicate) * shard + mesh.coord(MeshDim::kShard);
+    RankRun r = train_sharded_rank(s, model, *fsdp, data_rank);
+    RankCheck c;
+    c.where = mesh.describe_rank();
+    c.losses = r.losses;
+    for (auto& [name, g] : r.grads0) c.grads.emplace_back(name, g, par->local_slice(name, ref.grads.at(name)));
+    for (auto& [name, p] : r.params) c.params.emplace_back(name, p, par->local_slice(name, ref.params.at(name)));
+    std::lock_guard<std::mutex> lock(mu);
+    out[mesh.global_rank()] = std::move(c);
+  });
+  return out;
+}
+
+void require_tp_parity(const ParityRun& ref, const std::vector<RankCheck>& ranks) {
+  // The mean over every rank is the mean over the data-parallel ranks (a tp group's ranks
+  // share a batch); the reference's loss is the mean over their union.
+  std::vector<double> mean(ref.losses.size(), 0.0);
+  for (const RankCheck& c : ranks) {
+    REQUIRE(c.losses.size() == ref.losses.size());
+    for (size_t i = 0; i < mean.size(); ++i) mean[i] += c.losses[i] / ranks.size();
+  }
+  // Step 0: the same parameters and data, only the summation order differs.
+  CHECK(std::abs(mean[0] - ref.losses[0]) <= 1e-5 * (1 + std::abs(ref.losses[0])));
+  for (size_t i = 1; i < mean.size(); ++i)
+    CHECK(std::abs(mean[i] - ref.losses[i]) <= 1e-4 * (1 + std::abs(ref.losses[i])));
+  for (const RankCheck& c : ranks) {
+    CAPTURE(c.where);
+    REQUIRE(c.grads.size() == ref.grads.size());
+    for (const auto& [name, got, want] : c.grads) {
+      CAPTURE(name);
+      REQUIRE(got.sizes() == want.sizes());
+      CAPTURE((got - want).abs().max().item<double>());
+      CHECK(at::allclose(got, want, /*rtol=*/1e-5, /*atol=*/1e-5));
+    }
+    for (const auto& [name, got, want] : c.params) {
+      CAPTURE(name);
+      REQUIRE(got.sizes() == want.sizes());
+      CAPTURE((got - want).abs().max().item<double>());
+      CHECK(at::allclose(got, want, /*rtol=*/1e-4, /*atol=*/5e-5));  // tests/fsdp_test.cpp's
+    }
+  }
+}
+
+std::string gpt_plan() { return gpt::GPTConfig::family().modules().tp_plan; }
+std::string llama_plan() { return llama::LlamaConfig::family().modules().tp_plan; }
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("tensor parallel: GPT and LLaMA (GQA) at tp 2 x shard 1 and 2 match one rank",
+          "[tp][parity]") {
+  for (int shard : {1, 2}) {
+    for (bool llama : {false, true}) {
+      CAPTURE(shard, llama);
+      ParitySpec s = llama ? llama_spec(shard) : gpt_spec(shard);
+      // Below the gradient norm (~1.5 at step 0), so steps clip; far lower (0.05) pushes the
+      // rare embedding rows' gradients to AdamW's eps, where float noise is amplified ~100x
+      // even without tensor parallelism.
+      s.clip = 0.5;
+      const ParityRun ref = run_reference(s);
+      double sq = 0;
+      for (const auto& kv : ref.grads) sq += kv.second.pow(2).sum().item<double>();  // untied
+      CHECK(std::sqrt(sq) > 2 * s.clip);
+      require_tp_parity(ref, run_tp(s, llama ? llama_plan() : gpt_plan(), shard, 2, ref));
+    }
+  }
+}
+
+TEST_CASE("tensor parallel: per-leaf units, and HSDP 2 x shard 2 x tp 2", "[tp][parity]") {
+  SECTION("per-leaf plan: each split Linear is its own unit") {
+    for (bool llama : {false, true}) {
+      CAPTURE(llama);
+      ParitySpec s = llama ? llama_spec(2) : gpt_spec(2);
+      const std::string leaves = llama ? "type=Linear|RMSNorm|Embedding" : "type=Linear|LayerNorm|Embedding";
+      s.plan = [leaves](torch::nn::Module& m) { return make_plan(m, parse_policy(leaves)); };
+      s.clip = 0.5;
+      const ParityRun ref = run_reference(s);
+      require_tp_parity(ref, run_tp(s, llama ? llama_plan() : gpt_plan(), 2, 2, ref));
+    }
+  }
+  SECTION("8 ranks: 2 replicas of shard 2 x tp 2") {
+    ParitySpec s = llama_spec(4);
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, llama_plan(), 2, 2, ref, /*replicate=*/2));
+  }
+}
+
+TEST_CASE("tensor parallel: clip_grad_norm_ is the global norm, replicated parameters once",
+          "[tp][clip]") {
+  const ParitySpec s = gpt_spec(2);
+  // The reference norm of step 0's mean loss over both data ranks' batches.
+  auto ref = s.make_model();
+  at::Tensor loss = (s.loss(ref, 0, 0, 0) + s.loss(ref, 1, 0, 0)) / 2;
+  loss.backward();
+  // Each tensor once (a tied embedding is listed under two names).
+  double sq = 0;
+  std::set<const void*> seen;
+  for (const at::Tensor& p : ref->parameters(/*recurse=*/true))
+    if (seen.insert(p.unsafeGetTensorImpl()).second) sq += p.grad().pow(2).sum().item<double>();
+  const double want = std::sqrt(sq);
+  std::vector<double> got(4);
+  run_mesh(MeshShape(2, 1, 2), [&](const Mesh& mesh) {
+    auto model = s.make_model();
+    auto par = parallelize(model, parse_tp_plan(gpt_plan()), mesh);
+    auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+    s.loss(model, mesh.coord(MeshDim::kShard), 0, 0).backward();
+    got[mesh.global_rank()] = fsdp->clip_grad_norm_(1e30);
+  });
+  for (double n : got) CHECK(n == Approx(want).epsilon(1e-5));
+}
+
+TEST_CASE("tensor parallel: misuse is refused naming the module, sizes and fix", "[tp][misuse]") {
+  SECTION("heads tp does not divide") {
+    const ParitySpec s = gpt_spec(1, /*n_heads=*/3);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        parallelize(s.make_model(), parse_tp_plan(gpt_plan()), mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("module 'blocks.0.attn' (CausalSelfAttention) has n_heads = 3, "
+                                  "which tp 2 cannot split"));
+    CHECK_THAT(e, Catch::Contains("use a tp size that divides 3"));
+  }
+  SECTION("GQA kv heads tp does not divide") {
+    ParitySpec s = llama_spec(1);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 4), [&](const Mesh& mesh) {
+        parallelize(s.make_model(), parse_tp_plan(llama_plan()), mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("n_heads = 4 and n_kv_heads = 2, which tp 4"));
+  }
+  SECTION("a rule that matches nothing") {
+    const ParitySpec s = gpt_spec(1);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        parallelize(s.make_model(), parse_tp_plan("colwise:path=*.mlp.fc;rowwise:path=*.o_proj"),
+                    mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("tp plan rule 2 'rowwise:path=*.o_proj' matches no module"));
+    CHECK_THAT(e, Catch::Contains("CausalSelfAttention"));
+  }
+  SECTION("a module that is not Linear-like") {
+    const ParitySpec s = gpt_spec(1);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        parallelize(s.make_model(), parse_tp_plan("colwise:path=*.ln1|ln_f"), mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("not Linear-like"));
+  }
+  SECTION("ranks that disagree on the plan") {
+    const ParitySpec s = gpt_spec(1);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        const std::string extra = mesh.coord(MeshDim::kTp) == 1 ? ";replicate:path=ln_f" : "";
+        auto model = s.make_model();
+        auto par = parallelize(model, parse_tp_plan(gpt_plan() + extra), mesh);
+        fully_shard(model, s.plan(*model), mesh, s.options);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("tp plan"));
+    CHECK_THAT(e, Catch::Contains("every rank must call fully_shard with the same plan"));
+  }
+  SECTION("checkpoints, which do not record tp placement yet") {
+    const ParitySpec s = gpt_spec(1);
+    for (bool save : {true, false}) {
+      const std::string e = error_of([&] {
+        run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+          auto model = s.make_model();
+          auto par = parallelize(model, parse_tp_plan(gpt_plan()), mesh);
+          auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+          if (save)
+            save_checkpoint(*fsdp, nullptr, "/nonexistent/tp_ckpt");
+          else
+            load_checkpoint(*fsdp, nullptr, "/nonexistent/tp_ckpt");
+        });
+      });
+      CAPTURE(save);
+      CHECK_THAT(e, Catch::Contains("checkpoints do not record tp placement yet"));
+    }
+  }
+  SECTION("a tp mesh over a model that was not parallelized") {
+    const ParitySpec s = gpt_spec(1);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        auto model = s.make_model();
+        fully_shard(model, s.plan(*model), mesh, s.options);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("the mesh has tp 2 but the model was not parallelized"));
+  }
+}
