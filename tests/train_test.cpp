@@ -440,3 +440,51 @@ TEST_CASE("flatshard-train: a Hugging Face directory, resumed, saved back for tr
   const at::Tensor want = read_raw(tmp / "logits.bin", {2, 16, cfg.vocab()}, at::kFloat);
   CHECK((mine - want).abs().max().item<double>() < 1e-4);
 }
+
+// --device cuda: one process per GPU (cli/launch.h, cli/cuda_rank.h). This machine class has no
+// GPU (CUDA_VISIBLE_DEVICES is emptied so a GPU host answers the same): what is checked is each
+// usage error, one line with exit 2, before any file is read; tools/gpu_check.sh's train_cli
+// step runs it on a GPU.
+TEST_CASE("flatshard-train --device cuda: ranks from the launcher or --nproc, clear errors",
+          "[train]") {
+  TempDir tmp;
+  const std::vector<std::string> base = {"--data", tmp / "none.bin", "--out", tmp / "o"};
+  auto usage = [&](std::vector<std::string> extra, std::vector<std::string> env,
+                   const std::vector<std::string>& parts) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    flatshard_test::ToolRunOptions o = within(60);
+    o.env = std::move(env);
+    o.env.push_back("CUDA_VISIBLE_DEVICES=");
+    const ToolRun r = run_tool(tmp.path(), kExe, args, o);
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(r.err.rfind("flatshard-train: error: ", 0) == 0);
+    bool any = false;
+    for (const auto& p : parts) any = any || r.err.find(p) != std::string::npos;
+    CHECK(any);
+    CHECK_FALSE(flatshard::path_exists(tmp / "o"));  // nothing written
+  };
+  usage({"--device", "cuda", "--nproc", "2", "--world", "2"}, {},
+        {"--nproc 2 with --world 2: --world counts CPU threads"});
+  usage({"--nproc", "2"}, {}, {"--nproc 2 launches one process per GPU: it needs --device cuda"});
+  usage({"--device", "cuda", "--world", "3"}, {}, {"--world 3 counts CPU threads"});
+  // A malformed launcher variable: the parser's message (collectives/launch_env.h) names it.
+  usage({"--device", "cuda"}, {"RANK=-1", "WORLD_SIZE=2", "LOCAL_RANK=0"}, {"RANK", "-1"});
+  usage({"--device", "cuda"}, {"RANK=0", "WORLD_SIZE=junk", "LOCAL_RANK=0"}, {"WORLD_SIZE"});
+  // No GPU: said plainly, under a launcher (this rank's GPU) or not (what to launch on); a build
+  // without CUDA says that instead.
+  usage({"--device", "cuda"}, {}, {"--device cuda: no CUDA device is visible", "has no CUDA"});
+  usage({"--device", "cuda", "--nproc", "2"}, {},
+        {"--device cuda: no CUDA device is visible", "has no CUDA"});
+  usage({"--device", "cuda"}, {"RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=0"},
+        {"local rank 0 has no GPU: 0 visible", "has no CUDA"});
+  // The help names both.
+  {
+    const ToolRun r = run_tool(tmp.path(), kExe, {"--help"});
+    CHECK(r.exit_code == 0);
+    CHECK(r.out.find("--device") != std::string::npos);
+    CHECK(r.out.find("--nproc") != std::string::npos);
+  }
+}

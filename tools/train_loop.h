@@ -4,7 +4,10 @@
 // from them bit for bit, evaluation, JSONL metrics and progress lines.
 //
 // Contract
-// - train_rank() is collective over `comm` (every rank calls it with the same config). Every
+// - train_rank() is collective over `comm` (every rank calls it with the same config): ranks as
+//   threads (ThreadCommunicator) or one process per GPU (NCCL, cli/cuda_rank.h). The model,
+//   batches and loss live on comm.device(); `hooks` measure its memory (null memory_peak: the
+//   process's CPU tensors, profiling/counting_allocator.h). Every
 //   rank builds the model (a family preset or a Hugging Face directory, models/hf.h), shards it
 //   with config.policy and trains config.steps optimizer steps. Step s's global batch is the
 //   dataset's samples of (seed, s) (token_dataset.h), so a run's losses do not depend on when it
@@ -25,7 +28,8 @@
 //   pruned in its place).
 // - Output on rank 0: a progress line every log_every steps on stdout; <out>/metrics.jsonl gets
 //   one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s_per_rank",
-//   "peak_memory_bytes", "elapsed_s"}), per evaluation ({"step", "val_loss"}) and per start
+//   "peak_memory_bytes", "elapsed_s"}; peak memory: the process's CPU tensors, or the
+//   rank's device peak (CUDA caching allocator) with device hooks), per evaluation ({"step", "val_loss"}) and per start
 //   ({"event": "start" | "resume", "step"}), each line flushed as written; a resumed run
 //   appends. <out>/loss.svg: the loss curve of the whole run (read back from metrics.jsonl:
 //   each step's last loss since the last fresh start, so a resumed run draws every step).
@@ -35,6 +39,7 @@
 #include <functional>
 #include <string>
 
+#include "cli/cuda_rank.h"
 #include "collectives/communicator.h"
 #include "data/token_dataset.h"
 
@@ -95,7 +100,8 @@ struct TrainConfig {
 // The newest complete checkpoint (has manifest.json) in <out>/checkpoints; "" when none.
 std::string latest_checkpoint(const std::string& out);
 
-void train_rank(const TrainConfig& config, Communicator& comm);
+void train_rank(const TrainConfig& config, Communicator& comm,
+                const cli::DeviceHooks& hooks = cli::DeviceHooks{});
 
 }  // namespace train
 }  // namespace flatshard

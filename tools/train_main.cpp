@@ -4,9 +4,15 @@
 //   flatshard-train --data data/train.bin --val data/val.bin --out run/ --steps 200
 //   flatshard-train ... --resume                                      # from run/'s latest
 //   flatshard-train --config run.toml                                 # the same flags in a file
+//   flatshard-train ... --device cuda [--nproc N]      # one process per GPU (or under torchrun)
 //
-// Exit codes: 0 done; 1 the run failed (one line "flatshard-train: error: ..." on stderr);
-// 2 usage error (cli/exit.h). The loop is tools/train_loop.h's; only flags live here.
+// Exit codes: 0 done; 1 the run failed (one line "flatshard-train: error: ..." on stderr;
+// "flatshard-train: rank N: error: ..." from a launched rank N > 0); 2 usage error
+// (cli/exit.h). The loop is tools/train_loop.h's; only flags and the launch live here.
+// --device cuda: under torchrun / srun / mpirun (their rank variables, collectives/launch_env.h)
+// this process is one rank on GPU LOCAL_RANK; without a launcher it launches --nproc copies of
+// itself (default: one per visible GPU) and waits for them (cli/launch.h). The launcher's
+// variables are read only with --device cuda: a CPU run is the same wherever it is started.
 #include <c10/util/Exception.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +21,7 @@
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -22,7 +29,9 @@
 #include "models/family.h"
 #include "support/input_file.h"
 #include "support/output_file.h"
+#include "cli/cuda_rank.h"
 #include "cli/exit.h"
+#include "cli/launch.h"
 #include "cli/numbers.h"
 #include "tools/train_loop.h"
 
@@ -48,6 +57,8 @@ namespace fcli = flatshard::cli;
 // What the flags set beside TrainConfig: read into it after parsing.
 struct FlagText {
   int world = 2;
+  int nproc = 0;  // --device cuda without a launcher: processes to launch; 0: one per GPU
+  std::string device = "cpu";
   std::string param_dtype = "fp32", decay = "cosine", token_dtype = "uint16";
 };
 
@@ -138,9 +149,19 @@ void add_optimizer_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
 // Sharding (ranks, plan, dtypes, offload) and output (run folder, checkpoints, logging).
 void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_shard = "Sharding";
-  app.add_option("--world", x.world, "ranks, as threads on this CPU (default 2)")
+  app.add_option("--device", x.device,
+                 "cpu (default: ranks as threads) | cuda (one process per GPU, NCCL; under "
+                 "torchrun/srun/mpirun the launcher decides the ranks)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->group(g_shard);
+  app.add_option("--world", x.world, "cpu: ranks, as threads on this CPU (default 2)")
       ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::Range(1, 64))
+      ->group(g_shard);
+  app.add_option("--nproc", x.nproc,
+                 "cuda without a launcher: processes to launch on this host, one per GPU "
+                 "(default: every visible GPU)")
+      ->transform(fcli::integer(1, std::numeric_limits<int64_t>::max()))
       ->group(g_shard);
   app.add_option("--policy", c.policy,
                  "a named plan (layer, leaf, every-K, model, noshard) or a policy spec "
@@ -200,7 +221,8 @@ void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
 
 int main(int argc, char** argv) {
   ft::TrainConfig c;
-  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as threads)",
+  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as CPU "
+               "threads, or one process per GPU)",
                kProgram);
   app.footer(kFooter);
   app.set_config("--config", "", "read flags from this TOML/INI file (unknown keys are errors)");
@@ -236,6 +258,50 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return flatshard::tools::cli_exit(app, e, kProgram);
   }
+  // The device and the ranks: usage errors before anything is read or run.
+  const bool cuda = x.device == "cuda";
+  std::optional<flatshard::LaunchEnv> launched;
+  try {
+    const bool world_given = app.count("--world") > 0, nproc_given = app.count("--nproc") > 0;
+    if (world_given && nproc_given)
+      throw fcli::UsageError("--nproc " + std::to_string(x.nproc) + " with --world " +
+                             std::to_string(x.world) +
+                             ": --world counts CPU threads, --nproc the processes --device cuda "
+                             "launches; give one of them");
+    if (nproc_given && !cuda)
+      throw fcli::UsageError("--nproc " + std::to_string(x.nproc) +
+                             " launches one process per GPU: it needs --device cuda (on cpu, "
+                             "--world sets the ranks)");
+    if (world_given && cuda)
+      throw fcli::UsageError("--world " + std::to_string(x.world) +
+                             " counts CPU threads: with --device cuda, --nproc sets the processes "
+                             "(or torchrun / srun / mpirun does)");
+    if (cuda) {
+      launched = fcli::launcher_env();  // the parser's message, naming the variable
+      const std::string why = fcli::cuda_unavailable_reason();
+      if (!why.empty()) throw fcli::UsageError(why);
+      const int gpus = fcli::cuda_device_count();
+      if (launched && launched->local_rank >= gpus)
+        throw fcli::UsageError("local rank " + std::to_string(launched->local_rank) +
+                               " has no GPU: " + std::to_string(gpus) + " visible");
+      if (!launched) {
+        if (gpus < 1) throw fcli::UsageError("--device cuda: no CUDA device is visible");
+        const int n = nproc_given ? x.nproc : gpus;
+        if (n > gpus)
+          throw fcli::UsageError("--nproc " + std::to_string(n) + " exceeds the " +
+                                 std::to_string(gpus) + " visible GPUs (one rank per GPU)");
+        x.nproc = n;
+      }
+    }
+  } catch (const fcli::UsageError& e) {
+    const std::string who =
+        launched && launched->rank != 0 ? "rank " + std::to_string(launched->rank) + ": " : "";
+    std::cerr << kProgram << ": " << who << "error: " << e.what() << std::endl;
+    return flatshard::tools::kExitUsage;
+  }
+  // Each rank says its own failure; a launched rank other than 0 with its number.
+  const std::string who =
+      launched && launched->rank != 0 ? "rank " + std::to_string(launched->rank) + ": " : "";
   try {
     if (app.count("--resume") > 0 && c.resume.empty()) c.resume = "latest";
     c.token_dtype = flatshard::data::parse_token_dtype(x.token_dtype);
@@ -260,17 +326,26 @@ int main(int argc, char** argv) {
                 " is more than --steps ", c.steps);
     TORCH_CHECK(c.hf_dir.empty() || c.family == "llama", "--hf loads the llama family; --model ",
                 c.family, " cannot");
-    flatshard::run_ranks(
-        x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
-        std::chrono::minutes(10));
+    if (!cuda) {
+      flatshard::run_ranks(
+          x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
+          std::chrono::minutes(10));
+    } else if (!launched) {
+      // Every rank fails alike (same flags, same files), so any failure stops the others.
+      return fcli::launch_local_ranks(x.nproc, argv, /*failed_from=*/1);
+    } else {
+      fcli::CudaRank rank = fcli::open_cuda_rank(launched->local_rank, kProgram);
+      ft::train_rank(c, *rank.comm, rank.hooks);
+      rank.close();
+    }
     flatshard::flush_stdout();
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
     msg = msg.substr(0, msg.find('\n'));
-    std::cerr << kProgram << ": error: " << msg << std::endl;
+    std::cerr << kProgram << ": " << who << "error: " << msg << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << kProgram << ": error: " << e.what() << std::endl;
+    std::cerr << kProgram << ": " << who << "error: " << e.what() << std::endl;
     return 1;
   }
   return 0;
