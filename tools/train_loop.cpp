@@ -71,12 +71,7 @@ std::vector<std::string> checkpoint_names(const std::string& folder) {
 
 models::ModelConfig model_config(const TrainConfig& c) {
   if (!c.hf_dir.empty()) return models::hf_config(c.hf_dir);
-  models::ModelConfig m = models::ModelConfig::preset(c.family, c.preset);
-  if (c.vocab) m.vocab() = c.vocab;
-  if (c.d_model) m.d_model() = c.d_model;
-  if (c.n_heads) m.n_heads() = c.n_heads;
-  if (c.n_layers) m.n_layers() = c.n_layers;
-  if (c.seq) m.seq_len() = c.seq;
+  models::ModelConfig m = c.model.config("tiny");
   m.validate();
   return m;
 }
@@ -311,8 +306,7 @@ void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks
   const int64_t start = resume_step(c, cfg, &resume_dir);
 
   std::shared_ptr<torch::nn::Module> model;
-  ShardingOptions so;
-  so.mixed_precision.param_dtype = c.param_dtype == "bf16" ? c10::kBFloat16 : c10::kFloat;
+  ShardingOptions so = cli::sharding_options(c.sharding, c10::kFloat);
   if (!c.hf_dir.empty()) {
     MetaInit meta;  // shapes only: each rank reads its shard of the weights
     model = cfg.build(c.seed);
@@ -335,6 +329,15 @@ void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks
   std::shared_ptr<torch::optim::AdamW> opt =
       c.optimizer == "fused" ? std::make_shared<FusedAdamW>(fsdp->parameters(), adamw)
                              : std::make_shared<torch::optim::AdamW>(fsdp->parameters(), adamw);
+  // Note [Offload step in backward] / Note [Compute copy in the step]: those units step through
+  // an attached FusedAdamW (train_main refuses --offload-step modes without --optimizer fused),
+  // as flatshard-bench's runs do.
+  if (c.optimizer == "fused") {
+    const auto units = fsdp->units();
+    if (so.offload_step != OffloadStep::kAfterBackward ||
+        std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
+      fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(opt));
+  }
   if (!resume_dir.empty()) load_checkpoint(*fsdp, opt.get(), resume_dir);
 
   std::unique_ptr<Metrics> metrics;
@@ -412,14 +415,16 @@ void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks
     if (lead) {
       curve.emplace_back(step + 1, loss);
       const double tps = tokens_per_step / secs / world;
+      const std::optional<double> mfu = cli::mfu(tps, cfg.flops_per_token(), c.peak_tflops);
       const int64_t peak = peak_bytes();
       std::ostringstream s;
       s << "{\"step\": " << step + 1 << ", \"loss\": " << metric(loss) << ", \"lr\": " << metric(lr)
         << ", \"grad_norm\": " << metric(grad_norm)
         << ", \"tokens_per_s_per_rank\": " << metric(tps) << ", \"peak_memory_bytes\": " << peak
         << ", \"elapsed_s\": "
-        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count())
-        << "}";
+        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
+      if (mfu) s << ", \"mfu\": " << metric(*mfu);
+      s << "}";
       metrics->line(s.str());
       const int64_t done = step + 1 - start;
       if ((step + 1) % std::max<int64_t>(c.log_every, 1) == 0 || step + 1 == c.steps ||
@@ -428,7 +433,8 @@ void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks
             train_seconds / static_cast<double>(done) * static_cast<double>(c.steps - step - 1);
         std::cout << "step " << step + 1 << "/" << c.steps << " | loss " << format_fixed(loss, 4)
                   << " | lr " << format_lr(lr) << " | grad norm " << format_fixed(grad_norm, 3)
-                  << " | " << format_fixed(tps, 0) << " tok/s/rank | peak mem "
+                  << " | " << format_fixed(tps, 0) << " tok/s/rank"
+                  << (mfu ? " | mfu " + format_fixed(*mfu * 100, 2) + "%" : "") << " | peak mem "
                   << format_bytes(peak) << (device_memory ? " (device)" : " (process)") << " | eta " << format_eta(eta) << std::endl;
       }
     }

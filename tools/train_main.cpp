@@ -59,33 +59,21 @@ struct FlagText {
   int world = 2;
   int nproc = 0;  // --device cuda without a launcher: processes to launch; 0: one per GPU
   std::string device = "cpu";
-  std::string param_dtype = "fp32", decay = "cosine", token_dtype = "uint16";
+  std::string decay = "cosine", token_dtype = "uint16";
+  double peak_tflops = 0;
+  CLI::Option* peak = nullptr;
 };
 
 // The model (a preset or --hf and its overrides) and the data.
 void add_model_and_data_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_model = "Model";
-  app.add_option("--model", c.family,
-                 "model family (default llama): " + flatshard::models::families_help())
-      ->check(CLI::IsMember(flatshard::models::family_names()))
-      ->group(g_model);
-  app.add_option("--preset", c.preset, "the family's preset (default tiny)")
-      ->check(CLI::IsMember(flatshard::models::all_preset_names()))
-      ->group(g_model);
+  // The model flags of every tool (cli/options.h): same names, help and checks as bench and
+  // explain; this tool's default is the llama family's tiny preset.
+  fcli::add_model_flags(app, c.model, g_model, "default tiny",
+                        "override: sequence length (tokens per sample)");
   app.add_option("--hf", c.hf_dir,
                  "a Hugging Face model directory (LLaMA, Mistral, Qwen2): its config and weights "
                  "instead of --model/--preset")
-      ->group(g_model);
-  app.add_option("--layers", c.n_layers, "override: transformer blocks")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--d-model", c.d_model, "override: model width")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--heads", c.n_heads, "override: attention heads")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--vocab", c.vocab, "override: vocabulary size (every token must be below it)")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->group(g_model);
 
   const char* g_data = "Data";
@@ -167,9 +155,9 @@ void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
                  "a named plan (layer, leaf, every-K, model, noshard) or a policy spec "
                  "(docs/vocabulary.md; default layer)")
       ->group(g_shard);
-  app.add_option("--param-dtype", x.param_dtype, "fp32 (default) | bf16: gathered params, compute")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
-      ->group(g_shard);
+  // --strategy, --param-dtype, --reduce-dtype, --prefetch, --offload-step,
+  // --keep-low-precision-grads, --keep-compute-shard: as in bench and explain.
+  fcli::add_sharding_flags(app, c.sharding, g_shard, "fp32");
   app.add_flag("--recompute", c.recompute,
                "recompute every non-root unit's forward in backward (activation checkpointing)")
       ->group(g_shard);
@@ -216,6 +204,7 @@ void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   app.add_option("--save-hf", c.save_hf,
                  "after the last step, write the model in Hugging Face's layout (LLaMA family)")
       ->group(g_out);
+  x.peak = fcli::add_peak_tflops_flag(app, x.peak_tflops, g_out);
 
 }
 
@@ -276,6 +265,11 @@ int main(int argc, char** argv) {
       throw fcli::UsageError("--world " + std::to_string(x.world) +
                              " counts CPU threads: with --device cuda, --nproc sets the processes "
                              "(or torchrun / srun / mpirun does)");
+    c.peak_tflops = fcli::peak_tflops(*x.peak, x.peak_tflops, cuda);
+    if (c.sharding.param_dtype == "fp16")
+      throw fcli::UsageError("--param-dtype fp16 needs a gradient scaler, which flatshard-train "
+                             "does not have: use bf16");
+    fcli::check_offload_step_optimizer(c.sharding, c.optimizer == "fused");
     if (cuda) {
       launched = fcli::launcher_env();  // the parser's message, naming the variable
       const std::string why = fcli::cuda_unavailable_reason();
@@ -305,7 +299,6 @@ int main(int argc, char** argv) {
   try {
     if (app.count("--resume") > 0 && c.resume.empty()) c.resume = "latest";
     c.token_dtype = flatshard::data::parse_token_dtype(x.token_dtype);
-    c.param_dtype = x.param_dtype;
     c.schedule.decay = x.decay == "cosine"   ? ft::Decay::kCosine
                        : x.decay == "linear" ? ft::Decay::kLinear
                                            : ft::Decay::kConstant;
@@ -324,8 +317,8 @@ int main(int argc, char** argv) {
                 ": expected 0 <= min-lr <= lr and lr > 0");
     TORCH_CHECK(c.schedule.warmup <= c.steps, "--warmup ", c.schedule.warmup,
                 " is more than --steps ", c.steps);
-    TORCH_CHECK(c.hf_dir.empty() || c.family == "llama", "--hf loads the llama family; --model ",
-                c.family, " cannot");
+    TORCH_CHECK(c.hf_dir.empty() || c.model.family == "llama",
+                "--hf loads the llama family; --model ", c.model.family, " cannot");
     if (!cuda) {
       flatshard::run_ranks(
           x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
