@@ -250,6 +250,10 @@ int main(int argc, char** argv) {
   // The device and the ranks: usage errors before anything is read or run.
   const bool cuda = x.device == "cuda";
   std::optional<flatshard::LaunchEnv> launched;
+  // Each rank says its own error; a launched rank other than 0 with its number.
+  auto who = [&]() -> std::string {
+    return launched && launched->rank != 0 ? "rank " + std::to_string(launched->rank) + ": " : "";
+  };
   try {
     const bool world_given = app.count("--world") > 0, nproc_given = app.count("--nproc") > 0;
     if (world_given && nproc_given)
@@ -288,14 +292,9 @@ int main(int argc, char** argv) {
       }
     }
   } catch (const fcli::UsageError& e) {
-    const std::string who =
-        launched && launched->rank != 0 ? "rank " + std::to_string(launched->rank) + ": " : "";
-    std::cerr << kProgram << ": " << who << "error: " << e.what() << std::endl;
+    std::cerr << kProgram << ": " << who() << "error: " << e.what() << std::endl;
     return flatshard::tools::kExitUsage;
   }
-  // Each rank says its own failure; a launched rank other than 0 with its number.
-  const std::string who =
-      launched && launched->rank != 0 ? "rank " + std::to_string(launched->rank) + ": " : "";
   try {
     if (app.count("--resume") > 0 && c.resume.empty()) c.resume = "latest";
     c.token_dtype = flatshard::data::parse_token_dtype(x.token_dtype);
@@ -324,8 +323,10 @@ int main(int argc, char** argv) {
           x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
           std::chrono::minutes(10));
     } else if (!launched) {
-      // Every rank fails alike (same flags, same files), so any failure stops the others.
-      return fcli::launch_local_ranks(x.nproc, argv, /*failed_from=*/1);
+      // Every rank fails alike (same flags, same files), so any failure stops the others. The
+      // ranks said why; this tool's exit codes stay its own (the others' SIGTERM is not one).
+      const int rc = fcli::launch_local_ranks(x.nproc, argv, /*failed_from=*/1);
+      return rc == 0 ? 0 : rc == flatshard::tools::kExitUsage ? rc : 1;
     } else {
       fcli::CudaRank rank = fcli::open_cuda_rank(launched->local_rank, kProgram);
       ft::train_rank(c, *rank.comm, rank.hooks);
@@ -335,10 +336,10 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
     msg = msg.substr(0, msg.find('\n'));
-    std::cerr << kProgram << ": " << who << "error: " << msg << std::endl;
+    std::cerr << kProgram << ": " << who() << "error: " << msg << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << kProgram << ": " << who << "error: " << e.what() << std::endl;
+    std::cerr << kProgram << ": " << who() << "error: " << e.what() << std::endl;
     return 1;
   }
   return 0;
