@@ -1,7 +1,7 @@
 // flatshard/benchmarks/bench_main.cpp — flatshard-bench: command line, runs, report.
 //
 // Flow: parse and validate the flags; on cuda without a launcher, launch one process per GPU
-// and wait (bench_launch.h); build one planning model and resolve every granularity into a
+// and wait (cli/launch.h); build one planning model and resolve every granularity into a
 // plan (so a bad spec fails before anything runs); run the granularities one after another with
 // the same seed and data; rank 0 prints the table and writes JSON/CSV/SVG.
 //
@@ -28,7 +28,6 @@
 
 #include "benchmarks/bench_cuda.h"
 #include "benchmarks/bench_granularity.h"
-#include "benchmarks/bench_launch.h"
 #include "benchmarks/bench_memory.h"
 #include "benchmarks/bench_options.h"
 #include "benchmarks/bench_plot.h"
@@ -36,6 +35,7 @@
 #include "benchmarks/bench_progress.h"
 #include "benchmarks/bench_report.h"
 #include "benchmarks/bench_run.h"
+#include "cli/launch.h"
 #include "collectives/env.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/trace.h"
@@ -218,7 +218,7 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
   fb::check_memory(o, env.world_size, fb::cuda_device_memory(env.local_rank));
   const auto grans = plan_granularities(o);
   if (env.rank == 0) check_outputs(o);
-  fb::CudaRank rank = fb::open_cuda_rank(env.local_rank);
+  fb::CudaRank rank = fb::open_cuda_rank(env.local_rank, "flatshard-bench");
   const fb::RunConfig config = run_config(o);
   fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());
   std::vector<fb::RunResult> results;
@@ -280,7 +280,9 @@ int run(const fb::BenchOptions& o, char** argv, const std::optional<flatshard::L
     throw fb::UsageError("--world " + std::to_string(n) + " exceeds the " +
                          std::to_string(gpus) + " visible GPUs (one rank per GPU)");
   fb::check_memory(o, n, fb::cuda_device_memory(0));  // before n processes allocate anything
-  return fb::launch_local_ranks(n, argv);
+  // Exit 1 is a failed result check on rank 0 after every rank finished: not a reason to stop
+  // the others.
+  return flatshard::cli::launch_local_ranks(n, argv, /*failed_from=*/2);
 }
 
 }  // namespace
@@ -301,7 +303,7 @@ int main(int argc, char** argv) {
       flatshard::flush_stdout();
       return 0;
     }
-    const std::optional<flatshard::LaunchEnv> env = fb::launcher_env();
+    const std::optional<flatshard::LaunchEnv> env = flatshard::cli::launcher_env();
     launched = env.has_value();
     rank = env ? env->rank : 0;
     // A command-line error is printed whatever RANK says: every rank has the same command line,

@@ -168,11 +168,7 @@ void add_run_flags(CLI::App& app, Flags& f, BenchOptions& o) {
                         "caller's stack): what makes a step's host wait for the device (with "
                         "CPU offload, the end of backward's one sync is expected)")
                ->group(group);
-  f.peak = app.add_option("--peak-tflops", f.peak_tflops,
-                          "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 bf16 "
-                          "dense; cpu: MFU is - unless given)")
-               ->check(cli::number())
-               ->group(group);
+  f.peak = cli::add_peak_tflops_flag(app, f.peak_tflops, group);
 }
 
 void add_output_flags(CLI::App& app, Flags& f, BenchOptions& o) {
@@ -243,9 +239,7 @@ void resolve_sharding(const Flags& f, bool cuda, BenchOptions& o) {
     throw UsageError("--adamw-moments bf16 is a flatshard::FusedAdamW option: add --optimizer fused");
   o.sharding = cli::sharding_options(f.sharding, cuda ? c10::kBFloat16 : c10::kFloat);
   const std::string& step = f.sharding.offload_step;
-  if (o.sharding.offload_step != OffloadStep::kAfterBackward && !o.fused_optimizer)
-    throw UsageError("--offload-step " + step +
-                     " steps units through flatshard::FusedAdamW: add --optimizer fused");
+  cli::check_offload_step_optimizer(f.sharding, o.fused_optimizer);
   const auto& mp = o.sharding.mixed_precision;
   if (mp.param_dtype == c10::kHalf && mp.keep_low_precision_grads)
     throw UsageError("--keep-low-precision-grads cannot run with --param-dtype fp16: its "
@@ -290,12 +284,7 @@ void resolve_run(const Flags& f, bool cuda, BenchOptions& o) {
       throw UsageError("--sync-debug watches CUDA synchronisation: it needs --device cuda");
     o.sync_debug = true;
   }
-  if (f.peak->count()) {
-    require(f.peak_tflops > 0, "--peak-tflops", "> 0", f.peak_tflops);
-    o.peak_tflops = f.peak_tflops;
-  } else if (cuda) {
-    o.peak_tflops = 989.0;
-  }
+  o.peak_tflops = cli::peak_tflops(*f.peak, f.peak_tflops, cuda);
 }
 
 }  // namespace

@@ -28,17 +28,16 @@
 #include <string>
 #include <vector>
 
+#include "cli/launch.h"
 #include "fsdp/options.h"
 #include "models/family.h"
 
 namespace flatshard {
 namespace bench {
 
-// A user error: bad flag, bad value, impossible configuration. One line, no "error:" prefix.
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+// A user error: bad flag, bad value, impossible configuration. One line, no "error:" prefix
+// (cli/launch.h: one type for every tool).
+using UsageError = cli::UsageError;
 
 enum class DeviceKind { kCpu, kCuda };
 const char* to_string(DeviceKind d);

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "cli/options.h"
 #include "support/dtype_name.h"
 #include "support/format.h"
 #include "support/json.h"
@@ -135,9 +136,8 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
     const double tokens = static_cast<double>(options.batch * options.model.seq_len());
     row.tokens_per_s_per_gpu = tokens / (row.median_ms * 1e-3);
-    if (options.peak_tflops)
-      row.mfu = row.tokens_per_s_per_gpu * options.model.flops_per_token() /
-                (*options.peak_tflops * 1e12);
+    row.mfu = cli::mfu(row.tokens_per_s_per_gpu, options.model.flops_per_token(),
+                       options.peak_tflops);
     row.run = std::move(run);
     rep.rows.push_back(std::move(row));
   }

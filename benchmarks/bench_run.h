@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "benchmarks/bench_granularity.h"
+#include "cli/cuda_rank.h"
 #include "collectives/communicator.h"
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
@@ -76,22 +77,8 @@ struct RunConfig {
   int64_t input_seq = 0;
 };
 
-// The device side of a rank.
-struct DeviceHooks {
-  c10::Device device{c10::kCPU};
-  std::function<void()> synchronize = [] {};  // waits for queued device work
-  std::function<int64_t()> memory_current;    // live bytes; null: memory not measured
-  std::function<int64_t()> memory_peak;       // peak live bytes since the last reset
-  std::function<void()> memory_reset_peak;
-  // Phase marks on the device's work queue: mark(i), i in [0, kMarks), notes when the device
-  // reaches this point of the queued work; after synchronize(), elapsed_ms(a, b) is the time
-  // from mark a to mark b. Null: host clock (right for CPU, where work is synchronous).
-  static constexpr int kMarks = 3;
-  std::function<void(int)> mark;
-  std::function<double(int, int)> elapsed_ms;
-  // Warn at every synchronizing device call while on (cuda: c10's sync debug mode); null: none.
-  std::function<void(bool)> sync_debug;
-};
+// The device side of a rank (cli/cuda_rank.h: shared with flatshard-train).
+using DeviceHooks = cli::DeviceHooks;
 
 // Called on rank 0 after each step: step index over warmup + measured, the total, its time.
 using ProgressFn = std::function<void(int step, int total, double ms)>;

@@ -2,7 +2,9 @@
 #include "cli/options.h"
 
 #include <limits>
+#include <sstream>
 
+#include "cli/launch.h"
 #include "cli/numbers.h"
 #include "support/dtype_name.h"
 
@@ -35,7 +37,7 @@ ModelOptions add_model_flags(CLI::App& app, ModelFlags& f, const std::string& gr
                              const std::string& preset_help, const std::string& seq_help) {
   ModelOptions o;
   o.family = app.add_option("--model", f.family,
-                            "model family (models/family.h; default gpt): " +
+                            "model family (models/family.h; default " + f.family + "): " +
                                 models::families_help())
                  ->check(CLI::IsMember(models::family_names()))
                  ->group(group);
@@ -111,6 +113,39 @@ ShardingOptions sharding_options(const ShardingFlags& f, c10::ScalarType default
     o.backward_prefetch = f.prefetch;
   }
   return o;
+}
+
+void check_offload_step_optimizer(const ShardingFlags& f, bool fused_optimizer) {
+  if (f.offload_step != "after" && !fused_optimizer)
+    throw UsageError("--offload-step " + f.offload_step +
+                     " steps units through flatshard::FusedAdamW: add --optimizer fused");
+}
+
+CLI::Option* add_peak_tflops_flag(CLI::App& app, double& tflops, const std::string& group) {
+  return app.add_option("--peak-tflops", tflops,
+                        "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 bf16 "
+                        "dense; cpu: MFU is - unless given)")
+      ->check(number())
+      ->group(group);
+}
+
+std::optional<double> peak_tflops(const CLI::Option& option, double tflops, bool cuda) {
+  if (option.count() > 0) {
+    if (!(tflops > 0)) {
+      std::ostringstream os;
+      os << "--peak-tflops must be > 0, got " << tflops;
+      throw UsageError(os.str());
+    }
+    return tflops;
+  }
+  if (cuda) return kCudaPeakTflops;
+  return std::nullopt;
+}
+
+std::optional<double> mfu(double tokens_per_s_per_rank, double flops_per_token,
+                          std::optional<double> peak_tflops) {
+  if (!peak_tflops) return std::nullopt;
+  return tokens_per_s_per_rank * flops_per_token / (*peak_tflops * 1e12);
 }
 
 }  // namespace cli

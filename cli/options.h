@@ -1,12 +1,13 @@
-// flatshard/cli/options.h — the flags flatshard-bench and flatshard-explain share, defined once:
-// the reference model (--model, --preset and the size overrides) and the sharding options
-// (--strategy, --param-dtype, --reduce-dtype, --keep-low-precision-grads, --offload-step,
-// --prefetch). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
+// flatshard/cli/options.h — the flags flatshard-bench, flatshard-explain and flatshard-train
+// share, defined once: the reference model (--model, --preset and the size overrides), the
+// sharding options (--strategy, --param-dtype, --reduce-dtype, --keep-low-precision-grads,
+// --offload-step, --prefetch) and the peak for MFU (--peak-tflops). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
 // and a ShardingOptions with the functions below, so a flag has one name, one default, one
 // meaning and one check in both tools (docs/vocabulary.md).
 //
 // Contract
-// - add_model_flags(): --model (default gpt), --preset, --layers, --d-model, --heads, --vocab,
+// - add_model_flags(): --model (default: `flags.family` as given, gpt unless the tool sets
+//   another first), --preset, --layers, --d-model, --heads, --vocab,
 //   --seq. The sizes are decimal integers >= 1 (cli/numbers.h): "--layers: must be >= 1, got 0".
 //   ModelFlags::config() is the family's preset (the given one, else the tool's default) with
 //   the given overrides applied; it does not validate (explain checks its size bounds before
@@ -18,12 +19,18 @@
 //   --reduce-dtype stays unset: the param dtype), keep_low_precision_grads, offload_step, and --prefetch as
 //   both depths when given. Cross-option rules are not repeated here: what a unit cannot run is
 //   resolve_unit's (fsdp/resolve.h), which the tools call on the options.
+// - add_peak_tflops_flag(): --peak-tflops, a decimal number; peak_tflops() is the peak MFU is
+//   computed against: the given value (UsageError unless > 0), else kCudaPeakTflops on cuda,
+//   else none. mfu() is model FLOPs utilisation by the PaLM convention (the family's
+//   flops_per_token, models/family.h): tokens/s per rank x FLOPs per token / peak FLOP/s;
+//   nullopt without a peak.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "fsdp/options.h"
@@ -68,6 +75,21 @@ void add_sharding_flags(CLI::App& app, ShardingFlags& flags, const std::string& 
 // ShardingOptions from the flags; `default_param_dtype` when --param-dtype was not given.
 // The other fields (reshard, offload level, align, ...) keep ShardingOptions' defaults.
 ShardingOptions sharding_options(const ShardingFlags& flags, c10::ScalarType default_param_dtype);
+
+// --offload-step backward / delayed step units through an attached flatshard::FusedAdamW: a
+// UsageError naming the flag unless the tool's optimizer is that (`fused_optimizer`).
+void check_offload_step_optimizer(const ShardingFlags& flags, bool fused_optimizer);
+
+// H100 / H200 dense bf16 TFLOP/s: the peak assumed on cuda when --peak-tflops is not given.
+constexpr double kCudaPeakTflops = 989.0;
+
+CLI::Option* add_peak_tflops_flag(CLI::App& app, double& tflops, const std::string& group);
+
+// `option`: add_peak_tflops_flag's; `tflops` its value.
+std::optional<double> peak_tflops(const CLI::Option& option, double tflops, bool cuda);
+
+std::optional<double> mfu(double tokens_per_s_per_rank, double flops_per_token,
+                          std::optional<double> peak_tflops);
 
 }  // namespace cli
 }  // namespace flatshard

@@ -23,6 +23,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/file_io.h"
+#include "models/family.h"
 #include "models/hf.h"
 #include "support/json.h"
 #include "temp_dir.h"
@@ -439,4 +440,131 @@ TEST_CASE("flatshard-train: a Hugging Face directory, resumed, saved back for tr
   REQUIRE(std::system(cmd.c_str()) == 0);
   const at::Tensor want = read_raw(tmp / "logits.bin", {2, 16, cfg.vocab()}, at::kFloat);
   CHECK((mine - want).abs().max().item<double>() < 1e-4);
+}
+
+// --device cuda: one process per GPU (cli/launch.h, cli/cuda_rank.h). This machine class has no
+// GPU (CUDA_VISIBLE_DEVICES is emptied so a GPU host answers the same): what is checked is each
+// usage error, one line with exit 2, before any file is read; tools/gpu_check.sh's train_cli
+// step runs it on a GPU.
+TEST_CASE("flatshard-train --device cuda: ranks from the launcher or --nproc, clear errors",
+          "[train]") {
+  TempDir tmp;
+  const std::vector<std::string> base = {"--data", tmp / "none.bin", "--out", tmp / "o"};
+  auto usage = [&](std::vector<std::string> extra, std::vector<std::string> env,
+                   const std::vector<std::string>& parts) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    flatshard_test::ToolRunOptions o = within(60);
+    o.env = std::move(env);
+    o.env.push_back("CUDA_VISIBLE_DEVICES=");
+    const ToolRun r = run_tool(tmp.path(), kExe, args, o);
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(r.err.rfind("flatshard-train: error: ", 0) == 0);
+    bool any = false;
+    for (const auto& p : parts) any = any || r.err.find(p) != std::string::npos;
+    CHECK(any);
+    CHECK_FALSE(flatshard::path_exists(tmp / "o"));  // nothing written
+  };
+  usage({"--device", "cuda", "--nproc", "2", "--world", "2"}, {},
+        {"--nproc 2 with --world 2: --world counts CPU threads"});
+  usage({"--nproc", "2"}, {}, {"--nproc 2 launches one process per GPU: it needs --device cuda"});
+  usage({"--device", "cuda", "--world", "3"}, {}, {"--world 3 counts CPU threads"});
+  // A malformed launcher variable: the parser's message (collectives/launch_env.h) names it.
+  usage({"--device", "cuda"}, {"RANK=-1", "WORLD_SIZE=2", "LOCAL_RANK=0"}, {"RANK", "-1"});
+  usage({"--device", "cuda"}, {"RANK=0", "WORLD_SIZE=junk", "LOCAL_RANK=0"}, {"WORLD_SIZE"});
+  // No GPU: said plainly, under a launcher (this rank's GPU) or not (what to launch on); a build
+  // without CUDA says that instead.
+  usage({"--device", "cuda"}, {}, {"--device cuda: no CUDA device is visible", "has no CUDA"});
+  usage({"--device", "cuda", "--nproc", "2"}, {},
+        {"--device cuda: no CUDA device is visible", "has no CUDA"});
+  usage({"--device", "cuda"}, {"RANK=0", "WORLD_SIZE=1", "LOCAL_RANK=0"},
+        {"local rank 0 has no GPU: 0 visible", "has no CUDA"});
+  // The help names both.
+  {
+    const ToolRun r = run_tool(tmp.path(), kExe, {"--help"});
+    CHECK(r.exit_code == 0);
+    CHECK(r.out.find("--device") != std::string::npos);
+    CHECK(r.out.find("--nproc") != std::string::npos);
+  }
+}
+
+// The model and sharding flags are cli/options.h's (the names, help and checks of bench and
+// explain; config-file keys are the same names); MFU with --peak-tflops, as the bench computes
+// it (cli::mfu: tokens/s per rank x the model's flops_per_token / peak FLOP/s).
+TEST_CASE("flatshard-train: the shared model and sharding flags, MFU with --peak-tflops",
+          "[train]") {
+  TempDir tmp;
+  const std::string data = tmp / "data";
+  prepare(tmp.path(), data);
+  {
+    const ToolRun r = run_tool(tmp.path(), kExe, {"--help"});
+    REQUIRE(r.exit_code == 0);
+    for (const char* part : {"model family (models/family.h; default llama)", "--strategy",
+                             "--reduce-dtype", "--prefetch", "--offload-step",
+                             "--keep-low-precision-grads", "--keep-compute-shard",
+                             "--peak-tflops"})
+      CHECK(r.out.find(part) != std::string::npos);
+  }
+  // The shared flags on the command line, and a peak: every step's metrics line has "mfu".
+  auto f = flags(data, tmp / "o1", 1, 3);
+  for (const char* a : {"--strategy", "grad_op", "--prefetch", "2", "--reduce-dtype", "fp32",
+                        "--peak-tflops", "0.001"})
+    f.push_back(a);
+  {
+    const ToolRun r = run_tool(tmp.path(), kExe, f, within(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.out.find("tok/s/rank | mfu ") != std::string::npos);
+    auto cfg = flatshard::models::ModelConfig::preset("llama", "tiny");
+    cfg.d_model() = 32;
+    cfg.n_heads() = 2;
+    cfg.seq_len() = 32;
+    cfg.vocab() = 256;
+    int steps = 0;
+    std::istringstream in(flatshard_test::slurp(tmp / "o1/metrics.jsonl"));
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = flatshard::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ++steps;
+      REQUIRE(j.contains("mfu"));
+      const double want = j["tokens_per_s_per_rank"].get<double>() * cfg.flops_per_token() / 1e9;
+      CHECK(j["mfu"].get<double>() == Approx(want).epsilon(1e-9));
+    }
+    CHECK(steps == 3);
+  }
+  // The same flags from a config file (keys = flag names), bf16 parameters, no peak on cpu:
+  // no "mfu".
+  flatshard_test::write_bytes(tmp / "run.toml",
+                              "param-dtype = \"bf16\"\nreduce-dtype = \"fp32\"\nprefetch = 2\n"
+                              "strategy = \"grad_op\"\nmodel = \"llama\"\npreset = \"tiny\"\n");
+  {
+    auto g = flags(data, tmp / "o2", 1, 3);
+    g.push_back("--config");
+    g.push_back(tmp / "run.toml");
+    const ToolRun r = run_tool(tmp.path(), kExe, g, within(120));
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.out.find("mfu") == std::string::npos);
+    CHECK(flatshard_test::slurp(tmp / "o2/metrics.jsonl").find("mfu") == std::string::npos);
+  }
+  // Usage errors: one line, exit 2, before anything runs.
+  auto usage = [&](std::vector<std::string> extra, const std::string& part) {
+    auto args = flags(data, tmp / "o3", 1, 3);
+    args.insert(args.end(), extra.begin(), extra.end());
+    const ToolRun r = run_tool(tmp.path(), kExe, args, within(60));
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(part) != std::string::npos);
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK_FALSE(flatshard::path_exists(tmp / "o3"));
+  };
+  usage({"--peak-tflops", "0"}, "--peak-tflops must be > 0, got 0");
+  usage({"--param-dtype", "fp16"}, "--param-dtype fp16 needs a gradient scaler");
+  usage({"--offload", "1", "--offload-step", "backward"},
+        "--offload-step backward steps units through flatshard::FusedAdamW: add --optimizer fused");
+  usage({"--layers", "0"}, "--layers");
+  usage({"--strategy", "zero3"}, "--strategy");
 }

@@ -21,6 +21,10 @@
 #               stream (the breakdown of the row's overhead; summary prints it)
 #   train_fused the same at 4 sequences per GPU for local, layer and leaf with
 #               --optimizer fused (flatshard::FusedAdamW, the floor included)
+#   train_cli   flatshard-train on GPUs (a smoke run, seconds): tools/prepare_tokens.py
+#               --byte-level on README.md, then a tiny LLaMA for 4 steps with --device cuda
+#               --nproc 1 (self-launched: one process), 2 more with --resume under torchrun on
+#               $NPROC GPUs (the launcher's variables); each must exit 0 and log finite losses
 #   setup       flatshard-bench --init eager vs --init deferred (fsdp/deferred_init.h), per-layer
 #               units: setup time and setup peak per run, and the process's max RSS (host
 #               memory), on the 1B GPT and (GPU_CHECK_SETUP_LARGE=1) a 6.7B GPT at 1 sequence/GPU
@@ -118,7 +122,7 @@ step_configure() {
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
                  gpu_hsdp_test gpu_checkpoint_test flatshard-collectives-bench flatshard-bench flatshard-trace
-                 flatshard-explain)
+                 flatshard-explain flatshard-train)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
 }
@@ -210,6 +214,26 @@ step_train_fused() {
   "$BUILD/benchmarks/flatshard-bench" --device cuda --world "$NPROC" --preset 1b --batch 4 \
     --warmup 3 --steps 10 --policy local,layer,leaf --optimizer fused \
     --json "$LOGDIR/train_fused_b4.json" ${GPU_CHECK_TRAIN_ARGS:-} | tee "$LOGDIR/train_fused_b4.txt"
+}
+
+step_train_cli() {
+  local dir="$LOGDIR/train_cli" args
+  rm -rf "$dir"
+  "$PYTHON" tools/prepare_tokens.py --byte-level README.md "$dir/data" || return 1
+  args=(--device cuda --data "$dir/data/train.bin" --val "$dir/data/val.bin" --vocab 256
+        --d-model 64 --heads 4 --seq 64 --global-batch 8 --micro-batch 2 --log-every 1
+        --out "$dir/run")
+  "$BUILD/tools/flatshard-train" "${args[@]}" --nproc 1 --steps 4 || return 1
+  "${TORCHRUN[@]}" --no-python "$BUILD/tools/flatshard-train" "${args[@]}" --steps 6 \
+    --resume || return 1
+  # Every step's loss finite (null is what metrics.jsonl writes for NaN/inf).
+  "$PYTHON" - "$dir/run/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+losses = [r["loss"] for r in rows if "loss" in r]
+assert len(losses) == 6 and all(isinstance(x, float) for x in losses), losses
+print("train_cli: losses", " ".join(f"{x:.4f}" for x in losses))
+PY
 }
 
 step_setup() {
@@ -387,7 +411,7 @@ step_sanitize() {
 }
 
 # ------------------------------------------------------------------------------------------------
-STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused setup trace vs_torch offload advisor)
+STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused train_cli setup trace vs_torch offload advisor)
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"

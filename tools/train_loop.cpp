@@ -71,12 +71,7 @@ std::vector<std::string> checkpoint_names(const std::string& folder) {
 
 models::ModelConfig model_config(const TrainConfig& c) {
   if (!c.hf_dir.empty()) return models::hf_config(c.hf_dir);
-  models::ModelConfig m = models::ModelConfig::preset(c.family, c.preset);
-  if (c.vocab) m.vocab() = c.vocab;
-  if (c.d_model) m.d_model() = c.d_model;
-  if (c.n_heads) m.n_heads() = c.n_heads;
-  if (c.n_layers) m.n_layers() = c.n_layers;
-  if (c.seq) m.seq_len() = c.seq;
+  models::ModelConfig m = c.model.config("tiny");
   m.validate();
   return m;
 }
@@ -98,7 +93,7 @@ Plan make_train_plan(const TrainConfig& c, const torch::nn::Module& model,
 
 double mean_over_ranks(Communicator& comm, double v) {
   // fp32, the dtype every backend reduces; the sum's order is fixed, so the result is too.
-  at::Tensor t = at::full({1}, v, at::kFloat);
+  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kFloat).device(comm.device()));
   comm.all_reduce(t, ReduceOp::kSum, comm.current_stream());
   return t.item<double>() / comm.world_size();
 }
@@ -113,6 +108,11 @@ std::string format_eta(double s) {
     std::snprintf(buf, sizeof buf, "%lldm%02llds", static_cast<long long>(t / 60),
                   static_cast<long long>(t % 60));
   return buf;
+}
+
+c10::Device model_device(const torch::nn::Module& m) {
+  const auto params = m.parameters();
+  return params.empty() ? c10::Device(c10::kCPU) : params.front().device();
 }
 
 // A measured value for metrics.jsonl: JSON has no NaN or infinity, and a diverged step (a NaN
@@ -278,10 +278,18 @@ void announce_start(const TrainConfig& c, const models::ModelConfig& cfg,
 
 }  // namespace
 
-void train_rank(const TrainConfig& c, Communicator& comm) {
+void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks& hooks) {
   const int rank = comm.rank(), world = comm.world_size();
   const bool lead = rank == 0;
+  const c10::Device dev = comm.device();
+  // Peak memory: the device's (hooks) or, on CPU, the process's live CPU tensors.
   profiling::CountingCpuAllocator& mem = profiling::CountingCpuAllocator::install();
+  const bool device_memory = static_cast<bool>(hooks.memory_peak);
+  auto peak_bytes = [&] { return device_memory ? hooks.memory_peak() : mem.peak_bytes(); };
+  auto reset_peak = [&] {
+    if (device_memory && hooks.memory_reset_peak) hooks.memory_reset_peak();
+    mem.reset_peak();
+  };
 
   // Model, data and the batch layout first: any mistake there is found before anything runs.
   const models::ModelConfig cfg = model_config(c);
@@ -298,14 +306,14 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
   const int64_t start = resume_step(c, cfg, &resume_dir);
 
   std::shared_ptr<torch::nn::Module> model;
-  ShardingOptions so;
-  so.mixed_precision.param_dtype = c.param_dtype == "bf16" ? c10::kBFloat16 : c10::kFloat;
+  ShardingOptions so = cli::sharding_options(c.sharding, c10::kFloat);
   if (!c.hf_dir.empty()) {
     MetaInit meta;  // shapes only: each rank reads its shard of the weights
     model = cfg.build(c.seed);
     so.load = models::hf_loader(c.hf_dir, cfg);
   } else {
-    model = cfg.build(c.seed);
+    model = cfg.build(c.seed);  // on the host, from the seed: the same weights on every device
+    if (dev != model_device(*model)) model->to(dev);
   }
   Plan plan = make_train_plan(c, *model, cfg.family().modules());
   if (c.recompute && plan.units.size() > 1) {
@@ -321,6 +329,15 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
   std::shared_ptr<torch::optim::AdamW> opt =
       c.optimizer == "fused" ? std::make_shared<FusedAdamW>(fsdp->parameters(), adamw)
                              : std::make_shared<torch::optim::AdamW>(fsdp->parameters(), adamw);
+  // Note [Offload step in backward] / Note [Compute copy in the step]: those units step through
+  // an attached FusedAdamW (train_main refuses --offload-step modes without --optimizer fused),
+  // as flatshard-bench's runs do.
+  if (c.optimizer == "fused") {
+    const auto units = fsdp->units();
+    if (so.offload_step != OffloadStep::kAfterBackward ||
+        std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
+      fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(opt));
+  }
   if (!resume_dir.empty()) load_checkpoint(*fsdp, opt.get(), resume_dir);
 
   std::unique_ptr<Metrics> metrics;
@@ -338,6 +355,8 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     double sum = 0;
     for (int64_t b = 0; b < c.eval_batches; ++b) {
       auto [x, y] = val_data->eval_batch((b * world + rank) * c.micro_batch, c.micro_batch);
+      x = x.to(dev);
+      y = y.to(dev);
       sum += enter(model, [&] { return cfg.loss(*model, x, y); }).item<double>();
     }
     const double val = mean_over_ranks(comm, sum / static_cast<double>(c.eval_batches));
@@ -369,7 +388,7 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
   std::vector<std::pair<int64_t, double>> curve;
   const auto t_start = std::chrono::steady_clock::now();
   double train_seconds = 0;
-  mem.reset_peak();
+  reset_peak();
   for (int64_t step = start; step < c.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const double lr = lr_at(c.schedule, step);
@@ -379,6 +398,8 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     double local = 0;
     for (int64_t m = 0; m < accum; ++m) {
       auto [x, y] = train_data.micro_batch(c.seed, step, layout, m);
+      x = x.to(dev);
+      y = y.to(dev);
       fsdp->set_requires_gradient_sync(m == accum - 1);
       at::Tensor loss = enter(model, [&] { return cfg.loss(*model, x, y); });
       (loss / static_cast<double>(accum)).backward();
@@ -387,20 +408,23 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
     const double grad_norm = fsdp->clip_grad_norm_(c.clip > 0 ? c.clip : INFINITY);
     opt->step();
     const double loss = mean_over_ranks(comm, local / static_cast<double>(accum));
+    hooks.synchronize();  // the step's time includes its device work
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     train_seconds += secs;
     if (lead) {
       curve.emplace_back(step + 1, loss);
       const double tps = tokens_per_step / secs / world;
-      const int64_t peak = mem.peak_bytes();
+      const std::optional<double> mfu = cli::mfu(tps, cfg.flops_per_token(), c.peak_tflops);
+      const int64_t peak = peak_bytes();
       std::ostringstream s;
       s << "{\"step\": " << step + 1 << ", \"loss\": " << metric(loss) << ", \"lr\": " << metric(lr)
         << ", \"grad_norm\": " << metric(grad_norm)
         << ", \"tokens_per_s_per_rank\": " << metric(tps) << ", \"peak_memory_bytes\": " << peak
         << ", \"elapsed_s\": "
-        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count())
-        << "}";
+        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
+      if (mfu) s << ", \"mfu\": " << metric(*mfu);
+      s << "}";
       metrics->line(s.str());
       const int64_t done = step + 1 - start;
       if ((step + 1) % std::max<int64_t>(c.log_every, 1) == 0 || step + 1 == c.steps ||
@@ -409,8 +433,9 @@ void train_rank(const TrainConfig& c, Communicator& comm) {
             train_seconds / static_cast<double>(done) * static_cast<double>(c.steps - step - 1);
         std::cout << "step " << step + 1 << "/" << c.steps << " | loss " << format_fixed(loss, 4)
                   << " | lr " << format_lr(lr) << " | grad norm " << format_fixed(grad_norm, 3)
-                  << " | " << format_fixed(tps, 0) << " tok/s/rank | peak mem "
-                  << format_bytes(peak) << " (process) | eta " << format_eta(eta) << std::endl;
+                  << " | " << format_fixed(tps, 0) << " tok/s/rank"
+                  << (mfu ? " | mfu " + format_fixed(*mfu * 100, 2) + "%" : "") << " | peak mem "
+                  << format_bytes(peak) << (device_memory ? " (device)" : " (process)") << " | eta " << format_eta(eta) << std::endl;
       }
     }
     const bool last = step + 1 == c.steps;

@@ -4,7 +4,10 @@
 // from them bit for bit, evaluation, JSONL metrics and progress lines.
 //
 // Contract
-// - train_rank() is collective over `comm` (every rank calls it with the same config). Every
+// - train_rank() is collective over `comm` (every rank calls it with the same config): ranks as
+//   threads (ThreadCommunicator) or one process per GPU (NCCL, cli/cuda_rank.h). The model,
+//   batches and loss live on comm.device(); `hooks` measure its memory (null memory_peak: the
+//   process's CPU tensors, profiling/counting_allocator.h). Every
 //   rank builds the model (a family preset or a Hugging Face directory, models/hf.h), shards it
 //   with config.policy and trains config.steps optimizer steps. Step s's global batch is the
 //   dataset's samples of (seed, s) (token_dataset.h), so a run's losses do not depend on when it
@@ -25,7 +28,9 @@
 //   pruned in its place).
 // - Output on rank 0: a progress line every log_every steps on stdout; <out>/metrics.jsonl gets
 //   one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s_per_rank",
-//   "peak_memory_bytes", "elapsed_s"}), per evaluation ({"step", "val_loss"}) and per start
+//   "peak_memory_bytes", "elapsed_s"}, and "mfu" where peak_tflops is known: cli::mfu() with
+//   the model's flops_per_token, as flatshard-bench computes it; peak memory: the process's CPU tensors, or the
+//   rank's device peak (CUDA caching allocator) with device hooks), per evaluation ({"step", "val_loss"}) and per start
 //   ({"event": "start" | "resume", "step"}), each line flushed as written; a resumed run
 //   appends. <out>/loss.svg: the loss curve of the whole run (read back from metrics.jsonl:
 //   each step's last loss since the last fresh start, so a resumed run draws every step).
@@ -33,8 +38,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
+#include "cli/cuda_rank.h"
+#include "cli/options.h"
 #include "collectives/communicator.h"
 #include "data/token_dataset.h"
 
@@ -58,11 +66,17 @@ struct Schedule {
 double lr_at(const Schedule& s, int64_t step);
 const char* decay_name(Decay d);
 
+// The model flags' defaults for this tool: the llama family (its tiny preset: TrainConfig).
+inline cli::ModelFlags llama_model_flags() {
+  cli::ModelFlags m;
+  m.family = "llama";
+  return m;
+}
+
 struct TrainConfig {
-  // Model: a family and its config, or a Hugging Face directory.
-  std::string family = "llama";
-  std::string preset = "tiny";
-  int64_t vocab = 0, d_model = 0, n_heads = 0, n_layers = 0, seq = 0;  // 0: the preset's
+  // Model: a family preset (default llama tiny) with the shared flags' overrides
+  // (cli/options.h), or a Hugging Face directory.
+  cli::ModelFlags model = llama_model_flags();
   std::string hf_dir;  // set: the model and its weights from this directory
   // Data.
   std::string data, val;
@@ -70,10 +84,12 @@ struct TrainConfig {
   int64_t global_batch = 8, micro_batch = 2;
   uint64_t seed = 0;
   // Sharding.
-  std::string policy = "layer";      // a named plan (cli/named_plans.h) or a policy spec
-  std::string param_dtype = "fp32";  // fp32 | bf16
-  bool recompute = false;            // every non-root unit recomputes its forward in backward
-  int offload = 0;                   // ShardingOptions::offload level (0, 1, 2) of every unit
+  std::string policy = "layer";  // a named plan (cli/named_plans.h) or a policy spec
+  // The shared sharding flags (cli/options.h: strategy, dtypes, prefetch, offload step, ...);
+  // an unset --param-dtype is fp32.
+  cli::ShardingFlags sharding;
+  bool recompute = false;  // every non-root unit recomputes its forward in backward
+  int offload = 0;         // ShardingOptions::offload level (0, 1, 2) of every unit
   // Optimizer.
   std::string optimizer = "adamw";  // adamw | fused
   Schedule schedule;
@@ -89,13 +105,16 @@ struct TrainConfig {
   int64_t keep = 3;
   std::string resume;  // "": fresh; "latest" or a checkpoint directory
   int64_t log_every = 10;
+  // Per rank, for MFU in the progress lines and metrics (cli::peak_tflops); none: no MFU.
+  std::optional<double> peak_tflops;
   std::string save_hf;  // set: the trained model in Hugging Face's layout at the end (llama)
 };
 
 // The newest complete checkpoint (has manifest.json) in <out>/checkpoints; "" when none.
 std::string latest_checkpoint(const std::string& out);
 
-void train_rank(const TrainConfig& config, Communicator& comm);
+void train_rank(const TrainConfig& config, Communicator& comm,
+                const cli::DeviceHooks& hooks = cli::DeviceHooks{});
 
 }  // namespace train
 }  // namespace flatshard

@@ -4,9 +4,15 @@
 //   flatshard-train --data data/train.bin --val data/val.bin --out run/ --steps 200
 //   flatshard-train ... --resume                                      # from run/'s latest
 //   flatshard-train --config run.toml                                 # the same flags in a file
+//   flatshard-train ... --device cuda [--nproc N]      # one process per GPU (or under torchrun)
 //
-// Exit codes: 0 done; 1 the run failed (one line "flatshard-train: error: ..." on stderr);
-// 2 usage error (cli/exit.h). The loop is tools/train_loop.h's; only flags live here.
+// Exit codes: 0 done; 1 the run failed (one line "flatshard-train: error: ..." on stderr;
+// "flatshard-train: rank N: error: ..." from a launched rank N > 0); 2 usage error
+// (cli/exit.h). The loop is tools/train_loop.h's; only flags and the launch live here.
+// --device cuda: under torchrun / srun / mpirun (their rank variables, collectives/launch_env.h)
+// this process is one rank on GPU LOCAL_RANK; without a launcher it launches --nproc copies of
+// itself (default: one per visible GPU) and waits for them (cli/launch.h). The launcher's
+// variables are read only with --device cuda: a CPU run is the same wherever it is started.
 #include <c10/util/Exception.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +21,7 @@
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -22,7 +29,9 @@
 #include "models/family.h"
 #include "support/input_file.h"
 #include "support/output_file.h"
+#include "cli/cuda_rank.h"
 #include "cli/exit.h"
+#include "cli/launch.h"
 #include "cli/numbers.h"
 #include "tools/train_loop.h"
 
@@ -48,33 +57,23 @@ namespace fcli = flatshard::cli;
 // What the flags set beside TrainConfig: read into it after parsing.
 struct FlagText {
   int world = 2;
-  std::string param_dtype = "fp32", decay = "cosine", token_dtype = "uint16";
+  int nproc = 0;  // --device cuda without a launcher: processes to launch; 0: one per GPU
+  std::string device = "cpu";
+  std::string decay = "cosine", token_dtype = "uint16";
+  double peak_tflops = 0;
+  CLI::Option* peak = nullptr;
 };
 
 // The model (a preset or --hf and its overrides) and the data.
 void add_model_and_data_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_model = "Model";
-  app.add_option("--model", c.family,
-                 "model family (default llama): " + flatshard::models::families_help())
-      ->check(CLI::IsMember(flatshard::models::family_names()))
-      ->group(g_model);
-  app.add_option("--preset", c.preset, "the family's preset (default tiny)")
-      ->check(CLI::IsMember(flatshard::models::all_preset_names()))
-      ->group(g_model);
+  // The model flags of every tool (cli/options.h): same names, help and checks as bench and
+  // explain; this tool's default is the llama family's tiny preset.
+  fcli::add_model_flags(app, c.model, g_model, "default tiny",
+                        "override: sequence length (tokens per sample)");
   app.add_option("--hf", c.hf_dir,
                  "a Hugging Face model directory (LLaMA, Mistral, Qwen2): its config and weights "
                  "instead of --model/--preset")
-      ->group(g_model);
-  app.add_option("--layers", c.n_layers, "override: transformer blocks")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--d-model", c.d_model, "override: model width")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--heads", c.n_heads, "override: attention heads")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--seq", c.seq, "override: sequence length (tokens per sample)")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))->group(g_model);
-  app.add_option("--vocab", c.vocab, "override: vocabulary size (every token must be below it)")
-      ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->group(g_model);
 
   const char* g_data = "Data";
@@ -138,17 +137,27 @@ void add_optimizer_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
 // Sharding (ranks, plan, dtypes, offload) and output (run folder, checkpoints, logging).
 void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   const char* g_shard = "Sharding";
-  app.add_option("--world", x.world, "ranks, as threads on this CPU (default 2)")
+  app.add_option("--device", x.device,
+                 "cpu (default: ranks as threads) | cuda (one process per GPU, NCCL; under "
+                 "torchrun/srun/mpirun the launcher decides the ranks)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->group(g_shard);
+  app.add_option("--world", x.world, "cpu: ranks, as threads on this CPU (default 2)")
       ->transform(fcli::integer(0, std::numeric_limits<int64_t>::max()))
       ->check(CLI::Range(1, 64))
+      ->group(g_shard);
+  app.add_option("--nproc", x.nproc,
+                 "cuda without a launcher: processes to launch on this host, one per GPU "
+                 "(default: every visible GPU)")
+      ->transform(fcli::integer(1, std::numeric_limits<int64_t>::max()))
       ->group(g_shard);
   app.add_option("--policy", c.policy,
                  "a named plan (layer, leaf, every-K, model, noshard) or a policy spec "
                  "(docs/vocabulary.md; default layer)")
       ->group(g_shard);
-  app.add_option("--param-dtype", x.param_dtype, "fp32 (default) | bf16: gathered params, compute")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
-      ->group(g_shard);
+  // --strategy, --param-dtype, --reduce-dtype, --prefetch, --offload-step,
+  // --keep-low-precision-grads, --keep-compute-shard: as in bench and explain.
+  fcli::add_sharding_flags(app, c.sharding, g_shard, "fp32");
   app.add_flag("--recompute", c.recompute,
                "recompute every non-root unit's forward in backward (activation checkpointing)")
       ->group(g_shard);
@@ -195,12 +204,14 @@ void add_run_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   app.add_option("--save-hf", c.save_hf,
                  "after the last step, write the model in Hugging Face's layout (LLaMA family)")
       ->group(g_out);
+  x.peak = fcli::add_peak_tflops_flag(app, x.peak_tflops, g_out);
 
 }
 
 int main(int argc, char** argv) {
   ft::TrainConfig c;
-  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as threads)",
+  CLI::App app("flatshard-train: train a model on token files with flatshard (ranks as CPU "
+               "threads, or one process per GPU)",
                kProgram);
   app.footer(kFooter);
   app.set_config("--config", "", "read flags from this TOML/INI file (unknown keys are errors)");
@@ -236,10 +247,57 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return flatshard::tools::cli_exit(app, e, kProgram);
   }
+  // The device and the ranks: usage errors before anything is read or run.
+  const bool cuda = x.device == "cuda";
+  std::optional<flatshard::LaunchEnv> launched;
+  // Each rank says its own error; a launched rank other than 0 with its number.
+  auto who = [&]() -> std::string {
+    return launched && launched->rank != 0 ? "rank " + std::to_string(launched->rank) + ": " : "";
+  };
+  try {
+    const bool world_given = app.count("--world") > 0, nproc_given = app.count("--nproc") > 0;
+    if (world_given && nproc_given)
+      throw fcli::UsageError("--nproc " + std::to_string(x.nproc) + " with --world " +
+                             std::to_string(x.world) +
+                             ": --world counts CPU threads, --nproc the processes --device cuda "
+                             "launches; give one of them");
+    if (nproc_given && !cuda)
+      throw fcli::UsageError("--nproc " + std::to_string(x.nproc) +
+                             " launches one process per GPU: it needs --device cuda (on cpu, "
+                             "--world sets the ranks)");
+    if (world_given && cuda)
+      throw fcli::UsageError("--world " + std::to_string(x.world) +
+                             " counts CPU threads: with --device cuda, --nproc sets the processes "
+                             "(or torchrun / srun / mpirun does)");
+    c.peak_tflops = fcli::peak_tflops(*x.peak, x.peak_tflops, cuda);
+    if (c.sharding.param_dtype == "fp16")
+      throw fcli::UsageError("--param-dtype fp16 needs a gradient scaler, which flatshard-train "
+                             "does not have: use bf16");
+    fcli::check_offload_step_optimizer(c.sharding, c.optimizer == "fused");
+    if (cuda) {
+      launched = fcli::launcher_env();  // the parser's message, naming the variable
+      const std::string why = fcli::cuda_unavailable_reason();
+      if (!why.empty()) throw fcli::UsageError(why);
+      const int gpus = fcli::cuda_device_count();
+      if (launched && launched->local_rank >= gpus)
+        throw fcli::UsageError("local rank " + std::to_string(launched->local_rank) +
+                               " has no GPU: " + std::to_string(gpus) + " visible");
+      if (!launched) {
+        if (gpus < 1) throw fcli::UsageError("--device cuda: no CUDA device is visible");
+        const int n = nproc_given ? x.nproc : gpus;
+        if (n > gpus)
+          throw fcli::UsageError("--nproc " + std::to_string(n) + " exceeds the " +
+                                 std::to_string(gpus) + " visible GPUs (one rank per GPU)");
+        x.nproc = n;
+      }
+    }
+  } catch (const fcli::UsageError& e) {
+    std::cerr << kProgram << ": " << who() << "error: " << e.what() << std::endl;
+    return flatshard::tools::kExitUsage;
+  }
   try {
     if (app.count("--resume") > 0 && c.resume.empty()) c.resume = "latest";
     c.token_dtype = flatshard::data::parse_token_dtype(x.token_dtype);
-    c.param_dtype = x.param_dtype;
     c.schedule.decay = x.decay == "cosine"   ? ft::Decay::kCosine
                        : x.decay == "linear" ? ft::Decay::kLinear
                                            : ft::Decay::kConstant;
@@ -258,19 +316,30 @@ int main(int argc, char** argv) {
                 ": expected 0 <= min-lr <= lr and lr > 0");
     TORCH_CHECK(c.schedule.warmup <= c.steps, "--warmup ", c.schedule.warmup,
                 " is more than --steps ", c.steps);
-    TORCH_CHECK(c.hf_dir.empty() || c.family == "llama", "--hf loads the llama family; --model ",
-                c.family, " cannot");
-    flatshard::run_ranks(
-        x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
-        std::chrono::minutes(10));
+    TORCH_CHECK(c.hf_dir.empty() || c.model.family == "llama",
+                "--hf loads the llama family; --model ", c.model.family, " cannot");
+    if (!cuda) {
+      flatshard::run_ranks(
+          x.world, [&](flatshard::Communicator& comm) { ft::train_rank(c, comm); },
+          std::chrono::minutes(10));
+    } else if (!launched) {
+      // Every rank fails alike (same flags, same files), so any failure stops the others. The
+      // ranks said why; this tool's exit codes stay its own (the others' SIGTERM is not one).
+      const int rc = fcli::launch_local_ranks(x.nproc, argv, /*failed_from=*/1);
+      return rc == 0 ? 0 : rc == flatshard::tools::kExitUsage ? rc : 1;
+    } else {
+      fcli::CudaRank rank = fcli::open_cuda_rank(launched->local_rank, kProgram);
+      ft::train_rank(c, *rank.comm, rank.hooks);
+      rank.close();
+    }
     flatshard::flush_stdout();
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
     msg = msg.substr(0, msg.find('\n'));
-    std::cerr << kProgram << ": error: " << msg << std::endl;
+    std::cerr << kProgram << ": " << who() << "error: " << msg << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << kProgram << ": error: " << e.what() << std::endl;
+    std::cerr << kProgram << ": " << who() << "error: " << e.what() << std::endl;
     return 1;
   }
   return 0;

@@ -1,5 +1,5 @@
-// flatshard/benchmarks/bench_launch.cpp — see bench_launch.h for the contract.
-#include "benchmarks/bench_launch.h"
+// flatshard/cli/launch.cpp — see launch.h for the contract.
+#include "cli/launch.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -19,12 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/bench_options.h"
-
 extern char** environ;
 
 namespace flatshard {
-namespace bench {
+namespace cli {
 
 namespace {
 
@@ -58,7 +56,7 @@ std::optional<LaunchEnv> launcher_env() {
   }
 }
 
-int launch_local_ranks(int nproc, char** argv) {
+int launch_local_ranks(int nproc, char** argv, int failed_from) {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> ours = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                          "MASTER_ADDR", "MASTER_PORT"};
@@ -106,14 +104,14 @@ int launch_local_ranks(int nproc, char** argv) {
     running.erase(it);
     const int code = WIFEXITED(status) ? WEXITSTATUS(status)
                                        : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1);
-    // A failed rank (not a failed result check, exit 1 on rank 0 after it finished) strands the
-    // others inside collectives: stop them instead of waiting for the timeout.
-    if (code > 1 && worst <= 1)
+    // A failed rank strands the others inside collectives: stop them instead of waiting for the
+    // timeout (once: the first failure's SIGTERM is enough).
+    if (code >= failed_from && worst < failed_from)
       for (pid_t p : running) ::kill(p, SIGTERM);
     worst = std::max(worst, code);
   }
   return worst;
 }
 
-}  // namespace bench
+}  // namespace cli
 }  // namespace flatshard
