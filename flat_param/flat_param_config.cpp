@@ -15,6 +15,30 @@ void FlatParamConfig::validate(const std::string& unit) const {
               "': MixedPrecision::keep_low_precision_grads cannot be combined with offload "
               "(level ", offload, "): offloaded gradients take the host path (Note [Host "
               "compute copy]); turn one of them off");
+  if (gather_dtype == GatherDtype::kParam) return;
+  TORCH_CHECK(sharded, "unit '", unit, "': gather dtype ", gather_dtype_name(gather_dtype),
+              " needs a sharded unit (a NO_SHARD unit gathers nothing); use gather dtype param");
+  TORCH_CHECK(offload == 0, "unit '", unit, "': gather dtype ", gather_dtype_name(gather_dtype),
+              " cannot be combined with offload (level ", offload,
+              "): the offloaded gathers upload the compute dtype; turn one of them off");
+}
+
+const char* gather_dtype_name(GatherDtype d) {
+  switch (d) {
+    case GatherDtype::kParam:
+      return "param";
+    case GatherDtype::kFp8:
+      return "fp8";
+    case GatherDtype::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
+std::optional<GatherDtype> gather_dtype_from_name(const std::string& name) {
+  for (GatherDtype d : {GatherDtype::kParam, GatherDtype::kFp8, GatherDtype::kInt8})
+    if (name == gather_dtype_name(d)) return d;
+  return std::nullopt;
 }
 
 int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {

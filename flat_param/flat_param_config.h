@@ -7,10 +7,21 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace flatshard {
+
+// What a sharded unit's all-gather puts on the wire (flat_param/quantized_gather.h):
+// kParam the shard in param_dtype (the default); kFp8 float8_e4m3fn with one fp32 scale per
+// original parameter; kInt8 block-wise symmetric int8, one fp32 scale per kInt8BlockSize
+// elements of the shard. Either way full() is param_dtype and the master stays fp32.
+enum class GatherDtype { kParam, kFp8, kInt8 };
+// "param", "fp8", "int8": the names options, specs and explain use.
+const char* gather_dtype_name(GatherDtype d);
+// The inverse, exactly; nullopt for anything else.
+std::optional<GatherDtype> gather_dtype_from_name(const std::string& name);
 
 struct FlatParamConfig {
   bool sharded = true;                          // false: replicated (NO_SHARD)
@@ -27,11 +38,15 @@ struct FlatParamConfig {
   // Note [Low-precision master gradient] (collective_plan.h): master().grad keeps the reduce
   // dtype instead of being upcast to fp32. Not with offload (fsdp/resolve.cpp refuses it).
   bool keep_low_precision_grads = false;
+  // The all-gather's wire format (sharded units; fsdp/resolve.cpp leaves NO_SHARD units at
+  // kParam: they gather nothing). Not with offload.
+  GatherDtype gather_dtype = GatherDtype::kParam;
   // The dtype of master().grad.
   at::ScalarType grad_dtype() const { return keep_low_precision_grads ? reduce_dtype : at::kFloat; }
   // The one home of the rules between these fields (fsdp/resolve.cpp, the plan factories and
-  // the planner call it): the offload level (check_offload_level) and no
-  // keep_low_precision_grads with offload. Throws c10::Error naming `unit`.
+  // the planner call it): the offload level (check_offload_level), no
+  // keep_low_precision_grads with offload, a quantized gather_dtype only on a sharded,
+  // not offloaded unit. Throws c10::Error naming `unit`.
   void validate(const std::string& unit) const;
 };
 

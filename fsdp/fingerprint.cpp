@@ -117,6 +117,9 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
   fp.push_back({setup, "option mixed_precision.reduce_dtype",
                 options.mixed_precision.reduce_dtype ? str(*options.mixed_precision.reduce_dtype)
                                                      : "default"});
+  // A rank quantizing its gathers while another does not would all-gather different sizes.
+  fp.push_back({setup, "option mixed_precision.gather_dtype",
+                gather_dtype_name(options.mixed_precision.gather_dtype)});
   fp.push_back({setup, "option mixed_precision.buffer_dtype",
                 options.mixed_precision.buffer_dtype ? str(*options.mixed_precision.buffer_dtype)
                                                      : "default"});

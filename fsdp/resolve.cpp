@@ -44,6 +44,8 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
               "offload_step = backward");
   // Note [Low-precision master gradient] (flat_param/collective_plan.h).
   r.flat.keep_low_precision_grads = mp.keep_low_precision_grads;
+  // flat_param/quantized_gather.h: only a sharded unit has a wire.
+  r.flat.gather_dtype = r.flat.sharded ? mp.gather_dtype : GatherDtype::kParam;
   r.flat.validate(spec.name);
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
