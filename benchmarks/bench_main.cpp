@@ -64,6 +64,8 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
     if (o.recompute) g = fb::with_recompute(std::move(g));
     if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";
+    if (o.sharding.mixed_precision.gather_dtype != flatshard::GatherDtype::kParam && !g.local)
+      g.label += std::string("+") + flatshard::gather_dtype_name(o.sharding.mixed_precision.gather_dtype);
     if (g.local) {
       out.push_back(std::move(g));
       continue;

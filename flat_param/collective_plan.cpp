@@ -334,6 +334,10 @@ int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout
   return config.sharded ? layout.shard_numel * c10::elementSize(config.param_dtype) : 0;
 }
 
+int64_t gather_all_reduces(const FlatParamConfig& config) {
+  return config.sharded && config.gather_dtype == GatherDtype::kFp8 ? 1 : 0;
+}
+
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
   return layout.padded_numel * c10::elementSize(config.reduce_dtype);
 }

@@ -246,6 +246,9 @@ bool full_aliases_master(const FlatParamConfig& config);
 // Reduce: the padded flat gradient in reduce_dtype. Replicate (HSDP, `hybrid`): what the
 // reduction leaves on this rank (its shard; a replicated unit's whole buffer) in reduce_dtype.
 int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
+// All-reduces one gather issues besides its all-gather: 1 for an fp8 gather (its amax,
+// flat_param/quantized_gather.h; the bytes are in all_gather_bytes()), else 0.
+int64_t gather_all_reduces(const FlatParamConfig& config);
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid);
 
