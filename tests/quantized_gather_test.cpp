@@ -422,3 +422,29 @@ TEST_CASE("sharded training with fp8 and int8 gathers equals the quantize-dequan
       CHECK(std::abs(flatshard_test::run_reference(plain).losses[0] - ref.losses[0]) > 1e-5);
     }
 }
+
+TEST_CASE("ranks that disagree on the gather dtype fail at setup, naming the option",
+          "[quantized_gather][fingerprint]") {
+  // Without the fingerprint entry the ranks would all-gather different byte counts.
+  std::vector<std::string> errors(2);
+  std::mutex mu;
+  run_ranks(2, [&](Communicator& comm) {
+    auto net = TinyNet(5, 7, 2);
+    ShardingOptions o;
+    if (comm.rank() == 1) o.mixed_precision.gather_dtype = GatherDtype::kInt8;
+    std::string e;
+    try {
+      fully_shard(net.ptr(), flatshard_test::manual_plan(*net, {{"blocks.0"}, {"blocks.1"}}), comm,
+                  o);
+    } catch (const c10::Error& err) {
+      e = err.msg();
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    errors[comm.rank()] = e;
+  });
+  for (const std::string& e : errors) {
+    CAPTURE(e);
+    CHECK(e.find("option mixed_precision.gather_dtype") != std::string::npos);
+    CHECK(e.find("int8") != std::string::npos);
+  }
+}
