@@ -23,23 +23,6 @@ void FlatParamConfig::validate(const std::string& unit) const {
               "): the offloaded gathers upload the compute dtype; turn one of them off");
 }
 
-const char* gather_dtype_name(GatherDtype d) {
-  switch (d) {
-    case GatherDtype::kParam:
-      return "param";
-    case GatherDtype::kFp8:
-      return "fp8";
-    case GatherDtype::kInt8:
-      return "int8";
-  }
-  return "?";
-}
-
-std::optional<GatherDtype> gather_dtype_from_name(const std::string& name) {
-  for (GatherDtype d : {GatherDtype::kParam, GatherDtype::kFp8, GatherDtype::kInt8})
-    if (name == gather_dtype_name(d)) return d;
-  return std::nullopt;
-}
 
 int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {
   int64_t v = static_cast<int64_t>(master._version());

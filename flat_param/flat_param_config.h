@@ -11,17 +11,9 @@
 #include <string>
 #include <vector>
 
-namespace flatshard {
+#include "support/dtype_name.h"  // GatherDtype
 
-// What a sharded unit's all-gather puts on the wire (flat_param/quantized_gather.h):
-// kParam the shard in param_dtype (the default); kFp8 float8_e4m3fn with one fp32 scale per
-// original parameter; kInt8 block-wise symmetric int8, one fp32 scale per kInt8BlockSize
-// elements of the shard. Either way full() is param_dtype and the master stays fp32.
-enum class GatherDtype { kParam, kFp8, kInt8 };
-// "param", "fp8", "int8": the names options, specs and explain use.
-const char* gather_dtype_name(GatherDtype d);
-// The inverse, exactly; nullopt for anything else.
-std::optional<GatherDtype> gather_dtype_from_name(const std::string& name);
+namespace flatshard {
 
 struct FlatParamConfig {
   bool sharded = true;                          // false: replicated (NO_SHARD)

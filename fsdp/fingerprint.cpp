@@ -151,6 +151,9 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
     fp.push_back({where, "reshard_after_forward", str(u.options.reshard_after_forward)});
     fp.push_back({where, "recompute", str(u.options.recompute)});
     fp.push_back({where, "offload", str(u.options.offload)});
+    fp.push_back({where, "gather_dtype", u.options.gather_dtype
+                                             ? gather_dtype_name(*u.options.gather_dtype)
+                                             : "default"});
     fp.push_back({where, "modules", str(u.module_paths.size())});
     for (size_t k = 0; k < u.module_paths.size(); ++k)
       fp.push_back({where, "module " + std::to_string(k), u.module_paths[k]});

@@ -44,8 +44,10 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
               "offload_step = backward");
   // Note [Low-precision master gradient] (flat_param/collective_plan.h).
   r.flat.keep_low_precision_grads = mp.keep_low_precision_grads;
-  // flat_param/quantized_gather.h: only a sharded unit has a wire.
-  r.flat.gather_dtype = r.flat.sharded ? mp.gather_dtype : GatherDtype::kParam;
+  // flat_param/quantized_gather.h: only a sharded unit has a wire. MixedPrecision's applies to
+  // the sharded units; a plan's option asks for this unit (validate() refuses it on NO_SHARD).
+  r.flat.gather_dtype = spec.options.gather_dtype.value_or(
+      r.flat.sharded ? mp.gather_dtype : GatherDtype::kParam);
   r.flat.validate(spec.name);
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;

@@ -25,6 +25,8 @@
 #include "flat_param/collective_plan.h"
 #include "flat_param/flat_param.h"
 #include "flat_param/quantized_gather.h"
+#include "fsdp/resolve.h"
+#include "wrap_policies/spec.h"
 #include "parity_util.h"
 #include "rank_require.h"
 #include "tiny_net.h"
@@ -340,12 +342,15 @@ std::vector<std::vector<std::string>> layer_units() {
 
 // The reference's quantize-dequantize of every parameter, with the scales the sharded run
 // uses: fp8 per parameter from its amax; int8 per 256-element block of each rank's shard of
-// its unit's flat buffer (the layout FlatLayout::make gives the unit's parameters).
-void quantize_for_use(torch::nn::Module& model, const Plan& plan, GatherDtype g, int world,
+// its unit's flat buffer (the layout FlatLayout::make gives the unit's parameters). A unit's
+// own gather option wins over `global` (all units here are sharded).
+void quantize_for_use(torch::nn::Module& model, const Plan& plan, GatherDtype global, int world,
                       int64_t align) {
   std::map<std::string, at::Tensor> byname;
   for (auto& p : model.named_parameters()) byname[p.key()] = p.value();
   for (const UnitSpec& u : plan.units) {
+    const GatherDtype g = u.options.gather_dtype.value_or(global);
+    if (g == GatherDtype::kParam) continue;
     std::vector<at::Tensor> ps;
     std::vector<std::vector<int64_t>> shapes;
     for (const std::string& n : u.param_names) {
@@ -446,5 +451,47 @@ TEST_CASE("ranks that disagree on the gather dtype fail at setup, naming the opt
     CAPTURE(e);
     CHECK(e.find("option mixed_precision.gather_dtype") != std::string::npos);
     CHECK(e.find("int8") != std::string::npos);
+  }
+}
+
+TEST_CASE("per-unit gather dtypes: a plan's option wins, NO_SHARD refuses one, parity holds",
+          "[quantized_gather][parity][resolve]") {
+  ShardingOptions o;
+  o.mixed_precision.gather_dtype = GatherDtype::kFp8;
+  UnitSpec u;
+  u.name = "blocks.0";
+  CHECK(resolve_unit(u, o, 2).flat.gather_dtype == GatherDtype::kFp8);
+  u.options.gather_dtype = GatherDtype::kInt8;
+  CHECK(resolve_unit(u, o, 2).flat.gather_dtype == GatherDtype::kInt8);
+  u.options.gather_dtype = GatherDtype::kParam;
+  CHECK(resolve_unit(u, o, 2).flat.gather_dtype == GatherDtype::kParam);
+  u.options.gather_dtype.reset();
+  u.options.strategy = ShardingStrategy::kNoShard;  // MixedPrecision's: NO_SHARD gathers nothing
+  CHECK(resolve_unit(u, o, 2).flat.gather_dtype == GatherDtype::kParam);
+  u.options.gather_dtype = GatherDtype::kFp8;  // asked of this unit: an error naming it
+  CHECK_THROWS_WITH(resolve_unit(u, o, 2),
+                    Catch::Contains("unit 'blocks.0': gather dtype fp8 needs a sharded unit"));
+
+  // blocks.0 fp8, blocks.1 int8 (from a spec's words), blocks.2 and the root the param dtype.
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    flatshard_test::ParitySpec s = quantized_spec(world, GatherDtype::kParam);
+    s.plan = [](torch::nn::Module& m) {
+      UnitOptions fp8, int8;
+      fp8.gather_dtype = GatherDtype::kFp8;
+      int8.gather_dtype = parse_policy("gather_int8:path=x").rules[0].options.gather_dtype;
+      return flatshard_test::manual_plan(m, layer_units(), {fp8, int8});
+    };
+    auto plan_of = s.plan;
+    const int64_t align = s.options.align;
+    s.before_use = [=](torch::nn::Module& m) {
+      quantize_for_use(m, plan_of(m), GatherDtype::kParam, world, align);
+    };
+    flatshard_test::ParityTolerance tol;
+    tol.grad_rtol = 1e-5;
+    tol.grad_atol = 1e-5;
+    tol.param_atol = 5e-5;
+    flatshard_test::require_parity(flatshard_test::run_reference(s),
+                                   flatshard_test::run_sharded(s), tol);
   }
 }
