@@ -15,7 +15,11 @@
 namespace flatshard {
 
 at::Tensor scales_from_amax(const at::Tensor& amax, double qmax) {
-  const at::Tensor s = at::clamp_min(amax / qmax, static_cast<double>(FLT_MIN));
+  // Divided by a tensor, not a Scalar: ATen's CUDA division by a CPU scalar multiplies by its
+  // reciprocal (one ulp off at times), its CPU one divides; a tensor divides on both, as the
+  // Python reference and the CUDA kernels (quantize_kernel.h) do.
+  const at::Tensor s = at::clamp_min(amax / at::full({}, qmax, amax.options()),
+                                     static_cast<double>(FLT_MIN));
   return at::where(amax == 0, at::ones_like(s), s);
 }
 
