@@ -108,7 +108,7 @@ cudaError_t int8_dequantize(const uint8_t* wire, int64_t wire_bytes, int64_t n, 
   const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(world));
   int8_dequantize_kernel<<<grid, kThreads, 0, stream>>>(wire, wire_bytes, n, blocks, out,
-                                                         out_dtype);
+                                                        out_dtype);
   return cudaGetLastError();
 }
 

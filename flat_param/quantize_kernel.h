@@ -27,8 +27,7 @@ constexpr int kQuantBlock = 256;  // = kInt8BlockSize (quantized_gather.h); one 
 
 // int8, this rank's part of the wire: `x` [n] fp32 -> scales [ceil(n / 256)] fp32 at `scales`
 // and int8 data [n] at `q` (the wire slot's two regions). Returns the launch error.
-cudaError_t int8_quantize(const float* x, int64_t n, float* scales, int8_t* q,
-                          cudaStream_t stream);
+cudaError_t int8_quantize(const float* x, int64_t n, float* scales, int8_t* q, cudaStream_t stream);
 // int8, every rank's part: rank r's scales at wire + r * wire_bytes, its data 4 * blocks bytes
 // after them; out + r * n (of out_dtype) gets q * scale.
 cudaError_t int8_dequantize(const uint8_t* wire, int64_t wire_bytes, int64_t n, int world,

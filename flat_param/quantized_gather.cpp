@@ -18,8 +18,8 @@ at::Tensor scales_from_amax(const at::Tensor& amax, double qmax) {
   // Divided by a tensor, not a Scalar: ATen's CUDA division by a CPU scalar multiplies by its
   // reciprocal (one ulp off at times), its CPU one divides; a tensor divides on both, as the
   // Python reference and the CUDA kernels (quantize_kernel.h) do.
-  const at::Tensor s = at::clamp_min(amax / at::full({}, qmax, amax.options()),
-                                     static_cast<double>(FLT_MIN));
+  const at::Tensor s =
+      at::clamp_min(amax / at::full({}, qmax, amax.options()), static_cast<double>(FLT_MIN));
   return at::where(amax == 0, at::ones_like(s), s);
 }
 
@@ -135,7 +135,8 @@ class Fp8AllGather final : public QuantizedGather {
     // every rank sees the same non-finite maximum (NCCL's max need not propagate NaN).
     at::Tensor amax = at::zeros({static_cast<int64_t>(layout_.numels.size())}, fopt);
     for (const Local& l : local_)
-      amax.narrow(0, l.param, 1).copy_(args_.master.narrow(0, l.begin, l.numel).abs().amax().view({1}));
+      amax.narrow(0, l.param, 1)
+          .copy_(args_.master.narrow(0, l.begin, l.numel).abs().amax().view({1}));
     const double inf = std::numeric_limits<double>::infinity();
     amax = at::nan_to_num(amax, inf, inf, inf);
     comm_.all_reduce(amax, ReduceOp::kMax, stream, Lane::kAllGather);
@@ -147,8 +148,8 @@ class Fp8AllGather final : public QuantizedGather {
     const at::Tensor mine8 = mine.view(at::kFloat8_e4m3fn);
     for (const Local& l : local_)
       mine8.narrow(0, l.begin, l.numel)
-          .copy_(fp8_quantize(args_.master.narrow(0, l.begin, l.numel),
-                              scales.narrow(0, l.param, 1)));
+          .copy_(
+              fp8_quantize(args_.master.narrow(0, l.begin, l.numel), scales.narrow(0, l.param, 1)));
     comm_.all_gather(mine, wire, stream);
     // The gathered wire is the whole flat buffer in fp8.
     const at::Tensor all8 = wire.view(at::kFloat8_e4m3fn);
@@ -174,7 +175,8 @@ class Fp8AllGather final : public QuantizedGather {
     TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): parameter ", param_name(i),
                 " holds inf or nan in its fp32 master (its amax over all shards is not finite), "
                 "which the fp8 gather cannot carry; ",
-                bad.size(0), " parameter(s) of the unit are affected. Find where the values "
+                bad.size(0),
+                " parameter(s) of the unit are affected. Find where the values "
                 "became non-finite (a loss spike, a learning rate too high), or gather in the "
                 "param dtype (gather dtype param)");
   }
@@ -217,8 +219,11 @@ class Int8AllGather final : public QuantizedGather {
     const int64_t end = std::min(begin + kInt8BlockSize, (r + 1) * layout_.shard_numel);
     TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): the fp32 master of rank ", r,
                 " holds inf or nan in int8 block ", b, " (flat elements [", begin, ", ", end,
-                "), parameter(s) ", params_in(begin, end), "), which the int8 gather cannot "
-                "carry; ", bad.size(0), " block(s) of the unit are affected. Find where the "
+                "), parameter(s) ", params_in(begin, end),
+                "), which the int8 gather cannot "
+                "carry; ",
+                bad.size(0),
+                " block(s) of the unit are affected. Find where the "
                 "values became non-finite (a loss spike, a learning rate too high), or gather "
                 "in the param dtype (gather dtype param)");
   }
@@ -245,8 +250,8 @@ std::unique_ptr<GatherPlan> make_quantized_gather(const std::string& unit_name,
   TORCH_INTERNAL_ASSERT(config.sharded && config.offload == 0, "unit '", unit_name,
                         "': a quantized gather needs a sharded unit without offload");
   if (config.gather_dtype == GatherDtype::kFp8)
-    return std::make_unique<Fp8AllGather>(unit_name, std::move(args), layout,
-                                          config.param_dtype, comm);
+    return std::make_unique<Fp8AllGather>(unit_name, std::move(args), layout, config.param_dtype,
+                                          comm);
   TORCH_INTERNAL_ASSERT(config.gather_dtype == GatherDtype::kInt8);
   return std::make_unique<Int8AllGather>("Int8AllGather", unit_name, std::move(args), layout,
                                          config.param_dtype, comm);

@@ -22,8 +22,9 @@
 //         s = FLT_MIN (2^-126) where amax / Q is below it (denormal amax: no subnormal or zero
 //         scale, which flush-to-zero hardware would turn into inf; such values quantize
 //         relative to FLT_MIN, their absolute error stays below FLT_MIN * Q / 2).
-//     fp8:  q = clamp(x / s, -448, 448).to(float8_e4m3fn)    int8: q = clamp(round(x / s),
-//           -127, 127).to(int8) (round half to even);   dequantized: (q.to(fp32) * s).to(param_dtype).
+//     fp8:  q = clamp(x / s, -448, 448).to(float8_e4m3fn)
+//     int8: q = clamp(round(x / s), -127, 127).to(int8)   (round half to even)
+//     dequantized: (q.to(fp32) * s).to(param_dtype)
 //   Padding (master zeros) goes on the wire as zeros and comes out as zeros.
 // - Non-finite masters (inf or nan): an error, never a silent NaN spread. fp8: a non-finite
 //   local amax is sent as +inf, so after the all-reduce every rank sees the same non-finite

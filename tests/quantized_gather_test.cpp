@@ -26,23 +26,23 @@
 #include "flat_param/flat_param.h"
 #include "flat_param/quantized_gather.h"
 #include "fsdp/resolve.h"
-#include "wrap_policies/spec.h"
 #include "parity_util.h"
 #include "rank_require.h"
-#include "tiny_net.h"
 #include "temp_dir.h"
+#include "tiny_net.h"
+#include "wrap_policies/spec.h"
 
 #ifndef FLATSHARD_PYTHON_EXE
 #error "FLATSHARD_PYTHON_EXE (the venv's python) must be defined by CMake"
 #endif
 
 using namespace flatshard;
+using flatshard_test::init_params;
 using flatshard_test::read_bytes;
 using flatshard_test::TempDir;
-using flatshard_test::write_bytes;
-using flatshard_test::init_params;
 using flatshard_test::TinyNet;
 using flatshard_test::TinyNetImpl;
+using flatshard_test::write_bytes;
 
 namespace {
 
@@ -104,9 +104,9 @@ std::string bytes_of(const at::Tensor& t) {
 at::Tensor wire_input() {
   auto gen = at::detail::createCPUGenerator(53);
   at::Tensor x = at::empty({6 * 256 + 37});
-  x.narrow(0, 0, 256).copy_(at::randn({256}, gen) * 3);           // ordinary values
-  x.narrow(0, 256, 256).zero_();                                  // amax 0: scale 1
-  x.narrow(0, 512, 256).fill_(0.7);                               // all equal
+  x.narrow(0, 0, 256).copy_(at::randn({256}, gen) * 3);  // ordinary values
+  x.narrow(0, 256, 256).zero_();                         // amax 0: scale 1
+  x.narrow(0, 512, 256).fill_(0.7);                      // all equal
   at::Tensor ties = at::arange(256, at::kFloat).remainder_(9).sub_(4).add_(0.5);
   ties[0] = 127;  // int8 scale 1: every other value is a rounding tie
   x.narrow(0, 768, 256).copy_(ties);
@@ -114,8 +114,8 @@ at::Tensor wire_input() {
   den.narrow(0, 0, 128).neg_();
   x.narrow(0, 1024, 256).copy_(den);
   at::Tensor mags = at::pow(10.0, at::rand({256}, gen).mul_(40).sub_(20));
-  x.narrow(0, 1280, 256).copy_(at::randn({256}, gen) * mags);   // 40 decades
-  x.narrow(0, 1536, 37).copy_(at::randn({37}, gen) * 1000);     // the short block
+  x.narrow(0, 1280, 256).copy_(at::randn({256}, gen) * mags);  // 40 decades
+  x.narrow(0, 1536, 37).copy_(at::randn({37}, gen) * 1000);    // the short block
   return x;
 }
 
@@ -159,9 +159,9 @@ TEST_CASE("fp8 and int8 wire formats equal the Python reference bit for bit",
   CHECK(bytes_of(int8_dequantize(qi, si, at::kBFloat16)) == read_bytes(tmp / "int8_d16"));
 
   // The documented edge values, stated directly.
-  CHECK(si[1].item<float>() == 1.0f);              // zeros: scale 1
-  CHECK(si[4].item<float>() == FLT_MIN);           // subnormal amax: scale FLT_MIN
-  CHECK(si[3].item<float>() == 1.0f);              // amax 127
+  CHECK(si[1].item<float>() == 1.0f);                     // zeros: scale 1
+  CHECK(si[4].item<float>() == FLT_MIN);                  // subnormal amax: scale FLT_MIN
+  CHECK(si[3].item<float>() == 1.0f);                     // amax 127
   CHECK(static_cast<int>(qi[769].item<int8_t>()) == -2);  // -2.5 rounds half to even
   CHECK(static_cast<int>(qi[770].item<int8_t>()) == -2);  // and so does -1.5
   CHECK(at::isfinite(at::cat(d8)).all().item<bool>());
@@ -303,12 +303,12 @@ TEST_CASE("a non-finite master is the same clear error on every rank, never a Na
       });
       for (int r = 0; r < 3; ++r) {
         CAPTURE(r, errors[r]);
-        CHECK_THAT(errors[r], Catch::Contains("unit 'blocks.1'") &&
-                                  Catch::Contains("inf or nan") && Catch::Contains("'p1'"));
+        CHECK_THAT(errors[r], Catch::Contains("unit 'blocks.1'") && Catch::Contains("inf or nan") &&
+                                  Catch::Contains("'p1'"));
         if (g == GatherDtype::kInt8)
-          CHECK_THAT(errors[r], Catch::Contains(
-                                    "rank 1 holds inf or nan in int8 block " +
-                                    std::to_string((at_flat - l.shard_begin(owner)) / 256)));
+          CHECK_THAT(errors[r],
+                     Catch::Contains("rank 1 holds inf or nan in int8 block " +
+                                     std::to_string((at_flat - l.shard_begin(owner)) / 256)));
       }
     }
 }
@@ -491,7 +491,7 @@ TEST_CASE("per-unit gather dtypes: a plan's option wins, NO_SHARD refuses one, p
     tol.grad_rtol = 1e-5;
     tol.grad_atol = 1e-5;
     tol.param_atol = 5e-5;
-    flatshard_test::require_parity(flatshard_test::run_reference(s),
-                                   flatshard_test::run_sharded(s), tol);
+    flatshard_test::require_parity(flatshard_test::run_reference(s), flatshard_test::run_sharded(s),
+                                   tol);
   }
 }
