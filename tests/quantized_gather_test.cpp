@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "collectives/thread_communicator.h"
+#include "collectives/thread_mesh.h"
 #include "flat_param/collective_plan.h"
 #include "flat_param/flat_param.h"
 #include "flat_param/quantized_gather.h"
@@ -254,6 +255,24 @@ TEST_CASE("quantized gathers fill full() with each parameter's quantize-dequanti
           RANK_REQUIRE(c.counters().bytes == 2 * closed);
         });
       }
+}
+
+TEST_CASE("quantized gathers under HSDP stay inside the shard group",
+          "[flat_param][quantized_gather][hsdp]") {
+  // 2 replicas of 2-rank shard groups: the same full() as a 2-rank world, on every rank.
+  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8}) {
+    CAPTURE(gather_dtype_name(g));
+    const FlatParamConfig cfg = quantized_config(g, at::kBFloat16);
+    const at::Tensor expect =
+        expected_full(make_params(), FlatLayout::make(kShapes, 2, cfg.align), g, at::kBFloat16);
+    run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
+      auto ps = make_params();
+      FlatParam fp("unit", refs(ps), Mesh(shard, &rep), cfg);
+      fp.unshard(shard.current_stream());
+      RANK_REQUIRE(at::equal(fp.full(), expect));
+      RANK_REQUIRE(rep.counters().all_gathers + rep.counters().all_reduces == 0);
+    });
+  }
 }
 
 TEST_CASE("quantized gathers: the wire is smaller than bf16's by the expected ratio",
