@@ -66,6 +66,9 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
     if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";
     if (o.sharding.keep_compute_shard && !g.local) g.label += "+kept";
     if (o.bf16_moments && !g.local) g.label += "+bf16m";
+    if (o.sharding.mixed_precision.gather_dtype != flatshard::GatherDtype::kParam && !g.local)
+      g.label +=
+          std::string("+") + flatshard::gather_dtype_name(o.sharding.mixed_precision.gather_dtype);
     if (g.local) {
       out.push_back(std::move(g));
       continue;

@@ -73,6 +73,13 @@ void add_sharding_flags(CLI::App& app, ShardingFlags& f, const std::string& grou
                  dtype_list() + ": gradient reduction (default: the param dtype)")
       ->check(CLI::IsMember(dtype_names()))
       ->group(group);
+  app.add_option("--gather-dtype", f.gather_dtype,
+                 "param | fp8 | int8: what sharded units' all-gathers send (MixedPrecision::"
+                 "gather_dtype; default param, the shard in the param dtype): fp8 e4m3 with one "
+                 "scale per parameter (plus an amax all-reduce per gather) or block-wise int8 "
+                 "(one scale per 256 elements); gathered params are still the param dtype")
+      ->check(CLI::IsMember({"param", "fp8", "int8"}))
+      ->group(group);
   app.add_flag("--keep-low-precision-grads", f.keep_low_precision_grads,
                "master gradients stay in the reduce dtype (MixedPrecision::"
                "keep_low_precision_grads): no upcast, half the gradient memory; not with "
@@ -105,6 +112,7 @@ ShardingOptions sharding_options(const ShardingFlags& f, c10::ScalarType default
     o.mixed_precision.reduce_dtype = dtype_from_name(f.reduce_dtype).value();
   o.mixed_precision.keep_low_precision_grads = f.keep_low_precision_grads;
   o.keep_compute_shard = f.keep_compute_shard;
+  o.mixed_precision.gather_dtype = gather_dtype_from_name(f.gather_dtype).value();
   o.offload_step = f.offload_step == "backward"  ? OffloadStep::kBackward
                    : f.offload_step == "delayed" ? OffloadStep::kDelayed
                                                  : OffloadStep::kAfterBackward;

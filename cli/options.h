@@ -1,7 +1,9 @@
 // flatshard/cli/options.h — the flags flatshard-bench, flatshard-explain and flatshard-train
 // share, defined once: the reference model (--model, --preset and the size overrides), the
-// sharding options (--strategy, --param-dtype, --reduce-dtype, --keep-low-precision-grads,
-// --offload-step, --prefetch) and the peak for MFU (--peak-tflops). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
+// sharding options (--strategy, --param-dtype, --reduce-dtype, --gather-dtype,
+// --keep-low-precision-grads, --keep-compute-shard, --offload-step, --prefetch) and the peak for
+// MFU (--peak-tflops). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
+Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
 // and a ShardingOptions with the functions below, so a flag has one name, one default, one
 // meaning and one check in both tools (docs/vocabulary.md).
 //
@@ -16,7 +18,8 @@
 // - add_sharding_flags(): the values are checked while parsing (CLI11 IsMember, cli/numbers.h);
 //   sharding_options() maps them (support/dtype_name.h for the dtypes) onto ShardingOptions:
 //   strategy, mixed precision (an unset --param-dtype is the tool's default, an unset
-//   --reduce-dtype stays unset: the param dtype), keep_low_precision_grads, offload_step, and --prefetch as
+//   --reduce-dtype stays unset: the param dtype; --gather-dtype param | fp8 | int8 through
+//   gather_dtype_from_name, flat_param/flat_param_config.h), keep_low_precision_grads, offload_step, and --prefetch as
 //   both depths when given. Cross-option rules are not repeated here: what a unit cannot run is
 //   resolve_unit's (fsdp/resolve.h), which the tools call on the options.
 // - add_peak_tflops_flag(): --peak-tflops, a decimal number; peak_tflops() is the peak MFU is
@@ -62,6 +65,7 @@ struct ShardingFlags {
   std::string strategy = "full";       // --strategy: full | grad_op | noshard
   std::string param_dtype;             // --param-dtype; "": the tool's default
   std::string reduce_dtype;            // --reduce-dtype; "": the param dtype
+  std::string gather_dtype = "param";  // --gather-dtype: param | fp8 | int8
   std::string offload_step = "after";  // --offload-step: after | backward | delayed
   int prefetch = -1;                   // --prefetch, both depths; -1: not given
   bool keep_low_precision_grads = false;  // --keep-low-precision-grads

@@ -13,6 +13,8 @@ const char* to_string(ReduceOp op) {
       return "sum";
     case ReduceOp::kAvg:
       return "avg";
+    case ReduceOp::kMax:
+      return "max";
   }
   return "?";
 }
@@ -28,12 +30,13 @@ c10::Stream Communicator::current_stream() const {
 namespace detail {
 
 void check_tensor(const char* call, int rank, const char* what, const at::Tensor& t,
-                  c10::Device device) {
+                  c10::Device device, bool bytes_ok) {
   TORCH_CHECK(t.defined(), call, " (rank ", rank, "): ", what, " is an undefined tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
-                  t.scalar_type() == at::kHalf,
+                  t.scalar_type() == at::kHalf || (bytes_ok && t.scalar_type() == at::kByte),
               call, " (rank ", rank, "): ", what, " has dtype ", t.scalar_type(),
-              "; supported dtypes are float32, bfloat16 and float16");
+              "; supported dtypes are float32, bfloat16 and float16",
+              bytes_ok ? " (and uint8 here)" : "");
   TORCH_CHECK(t.is_contiguous(), call, " (rank ", rank, "): ", what,
               " must be contiguous (sizes ", t.sizes(), ", strides ", t.strides(), ")");
   TORCH_CHECK(t.device() == device, call, " (rank ", rank, "): ", what, " is on ", t.device(),
@@ -47,8 +50,8 @@ void check_same_dtype(const char* call, int rank, const at::Tensor& a, const at:
 
 void check_all_gather(const char* call, int rank, int world, const at::Tensor& input,
                       const at::Tensor& output, c10::Device device) {
-  check_tensor(call, rank, "input", input, device);
-  check_tensor(call, rank, "output", output, device);
+  check_tensor(call, rank, "input", input, device, /*bytes_ok=*/true);
+  check_tensor(call, rank, "output", output, device, /*bytes_ok=*/true);
   check_same_dtype(call, rank, input, output);
   TORCH_CHECK(output.numel() == input.numel() * world, call, " (rank ", rank,
               "): output has ", output.numel(), " elements, expected input.numel() * world_size = ",

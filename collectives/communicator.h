@@ -4,7 +4,8 @@
 // - One Communicator per rank per process group. Every rank must issue the same collectives in
 //   the same order (host order). Collectives of one Communicator may run concurrently with those
 //   of another (the NCCL backend uses separate NCCL communicators per Lane for that).
-// - Buffers: contiguous, same dtype (float32, bfloat16 or float16) and device on every rank,
+// - Buffers: contiguous, same dtype (float32, bfloat16 or float16; all_gather also uint8, the
+//   wire of the quantized gathers, flat_param/quantized_gather.h) and device on every rank,
 //   equal sizes across ranks. Violations throw c10::Error naming the call, the rank and the
 //   values.
 // - Streams: each call takes the stream it is enqueued on (`c10::Stream`). CUDA backends launch
@@ -31,7 +32,8 @@ class Tensor;
 
 namespace flatshard {
 
-enum class ReduceOp { kSum, kAvg };
+// kMax: the quantized gathers' amax (flat_param/quantized_gather.h).
+enum class ReduceOp { kSum, kAvg, kMax };
 const char* to_string(ReduceOp op);
 
 // Which underlying channel a collective uses. Collectives on different lanes may overlap on the
@@ -89,8 +91,9 @@ class Communicator {
 
 // Argument checks shared by all backends. Throw c10::Error with the call name, rank and values.
 namespace detail {
+// `bytes_ok`: uint8 is accepted too (all_gather only: bytes are gathered, never reduced).
 void check_tensor(const char* call, int rank, const char* what, const at::Tensor& t,
-                  c10::Device device);
+                  c10::Device device, bool bytes_ok = false);
 void check_same_dtype(const char* call, int rank, const at::Tensor& a, const at::Tensor& b);
 void check_all_gather(const char* call, int rank, int world, const at::Tensor& input,
                       const at::Tensor& output, c10::Device device);

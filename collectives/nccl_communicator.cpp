@@ -32,6 +32,8 @@ ncclDataType_t nccl_dtype(at::ScalarType t) {
       return ncclBfloat16;
     case at::kHalf:
       return ncclFloat16;
+    case at::kByte:  // all_gather only (detail::check_all_gather)
+      return ncclUint8;
     default:
       TORCH_INTERNAL_ASSERT(false, "nccl_dtype: unsupported dtype ", t,
                             " passed the argument checks");
@@ -39,7 +41,17 @@ ncclDataType_t nccl_dtype(at::ScalarType t) {
   return ncclFloat32;  // unreachable
 }
 
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kAvg ? ncclAvg : ncclSum; }
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kAvg:
+      return ncclAvg;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kSum:
+      break;
+  }
+  return ncclSum;
+}
 
 // The n-th communicator created with `prefix` in this process (all ranks create in one order).
 int next_instance(const std::string& prefix) {

@@ -177,7 +177,13 @@ void run_collective(ThreadWorld::Impl& w, int rank, Post post, Compute compute, 
 at::Tensor reduce(const std::vector<at::Tensor>& parts, ReduceOp op) {
   // Accumulate in fp32 in rank order so every rank computes bit-identical results.
   at::Tensor acc = parts[0].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-  for (size_t r = 1; r < parts.size(); ++r) acc.add_(parts[r].to(at::kFloat));
+  for (size_t r = 1; r < parts.size(); ++r) {
+    if (op == ReduceOp::kMax) {
+      at::maximum_out(acc, acc, parts[r].to(at::kFloat));  // NaN propagates
+    } else {
+      acc.add_(parts[r].to(at::kFloat));
+    }
+  }
   if (op == ReduceOp::kAvg) acc.div_(static_cast<double>(parts.size()));
   return acc;
 }

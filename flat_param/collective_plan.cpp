@@ -2,6 +2,7 @@
 
 #include "flat_param/offload.h"
 #include "flat_param/offload_state.h"
+#include "flat_param/quantized_gather.h"
 #include "flat_param/upcast.h"
 
 namespace flatshard {
@@ -353,12 +354,18 @@ class OneRankReduce final : public ReducePlan {
 }  // namespace
 
 int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
+  if (config.sharded && config.gather_dtype != GatherDtype::kParam)
+    return quantized_gather_bytes(config, layout);
   return config.sharded ? layout.shard_numel * c10::elementSize(config.param_dtype) : 0;
 }
 
 int64_t kept_shard_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
   const bool kept = config.offload == 1 || (config.offload == 0 && config.keep_compute_shard);
   return config.sharded && kept ? layout.shard_numel * c10::elementSize(config.param_dtype) : 0;
+}
+
+int64_t gather_all_reduces(const FlatParamConfig& config) {
+  return config.sharded && config.gather_dtype == GatherDtype::kFp8 ? 1 : 0;
 }
 
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
@@ -373,9 +380,12 @@ int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout,
 
 namespace {
 
-std::unique_ptr<GatherPlan> choose_gather_plan(const FlatParamConfig& config,
+std::unique_ptr<GatherPlan> choose_gather_plan(const std::string& unit_name,
+                                               const FlatParamConfig& config,
                                                const FlatLayout& layout, Communicator& comm,
                                                GatherArgs args) {
+  if (config.sharded && config.gather_dtype != GatherDtype::kParam)
+    return make_quantized_gather(unit_name, config, layout, comm, std::move(args));
   if (!config.sharded) {
     if (config.offload > 0) return std::make_unique<ReplicatedUpload>(std::move(args));
     return std::make_unique<ReplicatedRecast>(std::move(args), !full_aliases_master(config));
@@ -425,7 +435,7 @@ std::unique_ptr<GatherPlan> make_gather_plan(const std::string& unit_name,
                                              const FlatLayout& layout, const Mesh& mesh,
                                              GatherArgs args) {
   config.validate(unit_name);
-  auto plan = choose_gather_plan(config, layout, mesh.shard(), std::move(args));
+  auto plan = choose_gather_plan(unit_name, config, layout, mesh.shard(), std::move(args));
   TORCH_INTERNAL_ASSERT(plan->bytes() == all_gather_bytes(config, layout), "unit '", unit_name,
                         "': ", plan->name(), " sends ", plan->bytes(), " bytes, the closed form ",
                         all_gather_bytes(config, layout));

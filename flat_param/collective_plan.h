@@ -25,10 +25,12 @@
 //                       its pass: Note [Compute copy in the step] —, or nothing when full()
 //                       is the fp32 master itself: full_aliases_master()),
 //                       ReplicatedUpload (offload 1 or 2: upload when master_version changed);
-//             sharded:  AllGather (offload 0: cast master into this rank's slot, all-gather),
+//             sharded:  Fp8AllGather / Int8AllGather (gather_dtype fp8 / int8, offload 0:
+//                       quantize, all-gather bytes, dequantize; flat_param/quantized_gather.h),
 //                       KeptShardAllGather (offload 0 with keep_compute_shard: all-gather the
 //                       kept compute-dtype shard, recast only when the master changed since
 //                       and no step wrote it: Note [Kept compute shard]),
+//                       AllGather (offload 0: cast master into this rank's slot, all-gather),
 //                       ResidentAllGather (offload 1: the device's compute-dtype shard, uploaded
 //                       when master_version changed, or by its OffloadCopy's refresh() right
 //                       after a step, is the all-gather's input),
@@ -135,6 +137,7 @@ struct GatherArgs {
   at::Tensor master;             // fp32 shard, detached (master()'s storage and version counter)
   at::Tensor full;               // unsharded buffer (param dtype); sharded: storage when gathered
   std::vector<ShardView> views;  // with `master`: what master_version() sums
+  std::vector<std::string> names;  // the parameters' names, for errors (empty: "#<index>")
   // Sum of the version counters of master and the views (FlatParam::master_version()).
   int64_t master_version() const;
 };
@@ -259,10 +262,14 @@ bool full_aliases_master(const FlatParamConfig& config);
 // The bytes one rank sends per collective of a unit configured as `config` over `layout`, in
 // closed form: what the chosen plans' bytes() / replicate_bytes() report (the factories check
 // it) and what explain (planner/explain.cpp) counts, so the two agree by construction.
-// Gather: the shard in param_dtype (0 for a replicated unit, whose gather is a local cast).
+// Gather: the shard in param_dtype (0 for a replicated unit, whose gather is a local cast);
+// with a quantized gather_dtype, quantized_gather_bytes() (flat_param/quantized_gather.h).
 // Reduce: the padded flat gradient in reduce_dtype. Replicate (HSDP, `hybrid`): what the
 // reduction leaves on this rank (its shard; a replicated unit's whole buffer) in reduce_dtype.
 int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
+// All-reduces one gather issues besides its all-gather: 1 for an fp8 gather (its amax,
+// flat_param/quantized_gather.h; the bytes are in all_gather_bytes()), else 0.
+int64_t gather_all_reduces(const FlatParamConfig& config);
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid);
 // Device bytes a sharded unit's gather plan keeps between gathers: the compute-dtype shard of

@@ -243,8 +243,11 @@ void FlatParam::make_full_buffer() {
   // The gather plan keeps the buffers from now on: master_ and full_ are never reassigned after
   // this. Replicated: full_ gets the master's values; offload 1: the resident shard (uploaded at
   // the first unshard()).
+  std::vector<std::string> names;
+  names.reserve(params_.size());
+  for (const ParamRef& p : params_) names.push_back(p.name);
   gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_,
-                             GatherArgs{master_.detach(), full_, views_});
+                             GatherArgs{master_.detach(), full_, views_, std::move(names)});
   const GatherExtras extras = gather_->extras();
   offload_copy_ = extras.offload;
   step_copy_ = extras.step;

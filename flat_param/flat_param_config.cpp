@@ -16,11 +16,20 @@ void FlatParamConfig::validate(const std::string& unit) const {
               "(level ", offload, "): offloaded gradients take the host path (Note [Host "
               "compute copy]); turn one of them off");
   // Note [Kept compute shard]: fsdp/resolve.cpp sets it only where it applies.
-  TORCH_CHECK(!keep_compute_shard || (sharded && offload == 0 && param_dtype != at::kFloat),
+  TORCH_CHECK(!keep_compute_shard || (sharded && offload == 0 && param_dtype != at::kFloat &&
+                                       gather_dtype == GatherDtype::kParam),
               "unit '", unit, "': keep_compute_shard applies to sharded units below fp32 that "
-              "are not offloaded (sharded ", sharded, ", offload ", offload, ", param dtype ",
-              param_dtype, ")");
+              "are not offloaded and gather their param dtype (sharded ", sharded, ", offload ",
+              offload, ", param dtype ", param_dtype, ", gather dtype ",
+              gather_dtype_name(gather_dtype), ")");
+  if (gather_dtype == GatherDtype::kParam) return;
+  TORCH_CHECK(sharded, "unit '", unit, "': gather dtype ", gather_dtype_name(gather_dtype),
+              " needs a sharded unit (a NO_SHARD unit gathers nothing); use gather dtype param");
+  TORCH_CHECK(offload == 0, "unit '", unit, "': gather dtype ", gather_dtype_name(gather_dtype),
+              " cannot be combined with offload (level ", offload,
+              "): the offloaded gathers upload the compute dtype; turn one of them off");
 }
+
 
 int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views) {
   int64_t v = static_cast<int64_t>(master._version());

@@ -7,8 +7,11 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "support/dtype_name.h"  // GatherDtype
 
 namespace flatshard {
 
@@ -30,11 +33,16 @@ struct FlatParamConfig {
   // Note [Kept compute shard] (collective_plan.h): a sharded unit below fp32, not offloaded,
   // keeps its master shard's compute-dtype cast on the device between gathers.
   bool keep_compute_shard = false;
+  // The all-gather's wire format (sharded units; fsdp/resolve.cpp leaves NO_SHARD units at
+  // kParam: they gather nothing). Not with offload.
+  GatherDtype gather_dtype = GatherDtype::kParam;
   // The dtype of master().grad.
   at::ScalarType grad_dtype() const { return keep_low_precision_grads ? reduce_dtype : at::kFloat; }
   // The one home of the rules between these fields (fsdp/resolve.cpp, the plan factories and
   // the planner call it): the offload level (check_offload_level), no
-  // keep_low_precision_grads with offload, keep_compute_shard only where it means something. Throws c10::Error naming `unit`.
+  // keep_low_precision_grads with offload, keep_compute_shard only where it means something, a
+  // quantized gather_dtype only on a sharded, not offloaded unit. Throws c10::Error naming
+  // `unit`.
   void validate(const std::string& unit) const;
 };
 

@@ -124,6 +124,9 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
   fp.push_back({setup, "option mixed_precision.reduce_dtype",
                 options.mixed_precision.reduce_dtype ? str(*options.mixed_precision.reduce_dtype)
                                                      : "default"});
+  // A rank quantizing its gathers while another does not would all-gather different sizes.
+  fp.push_back({setup, "option mixed_precision.gather_dtype",
+                gather_dtype_name(options.mixed_precision.gather_dtype)});
   fp.push_back({setup, "option mixed_precision.buffer_dtype",
                 options.mixed_precision.buffer_dtype ? str(*options.mixed_precision.buffer_dtype)
                                                      : "default"});
@@ -155,6 +158,9 @@ std::vector<FingerprintEntry> setup_fingerprint(const torch::nn::Module& model, 
     fp.push_back({where, "reshard_after_forward", str(u.options.reshard_after_forward)});
     fp.push_back({where, "recompute", str(u.options.recompute)});
     fp.push_back({where, "offload", str(u.options.offload)});
+    fp.push_back({where, "gather_dtype", u.options.gather_dtype
+                                             ? gather_dtype_name(*u.options.gather_dtype)
+                                             : "default"});
     fp.push_back({where, "modules", str(u.module_paths.size())});
     for (size_t k = 0; k < u.module_paths.size(); ++k)
       fp.push_back({where, "module " + std::to_string(k), u.module_paths[k]});

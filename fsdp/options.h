@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "flat_param/flat_param_config.h"
 #include "wrap_policies/plan.h"
 
 namespace at {
@@ -75,6 +76,13 @@ struct MixedPrecision {
   // gradient], flat_param/collective_plan.h). Not with offload or the gradient scaler.
   // Default: off (fp32 gradients, as FSDP1's keep_low_precision_grads=False and FSDP2).
   bool keep_low_precision_grads = false;
+  // What sharded units' all-gathers put on the wire (forward and backward gathers alike):
+  // kParam the shard in param_dtype; kFp8 float8_e4m3fn with one scale per parameter (plus
+  // one small all-reduce(max) per gather); kInt8 block-wise int8 (one scale per 256
+  // elements). The gathered parameters are param_dtype either way; gradients, reductions and
+  // the fp32 masters are unchanged (flat_param/quantized_gather.h, docs/mixed-precision.md).
+  // NO_SHARD units gather nothing and ignore it; not with offload. Default: kParam.
+  GatherDtype gather_dtype = GatherDtype::kParam;
   // dtype floating-point buffers (module.named_buffers()) are cast to at setup; integer and
   // bool buffers keep theirs. Default: every buffer keeps its own dtype, whatever param_dtype
   // is — buffers are not parameters and are not cast with them (a rotary inv_freq, for one,

@@ -20,7 +20,9 @@
 //   "matched no module" warning; check_recompute_policy() makes that an error naming the unit.
 //   check_recompute_plan() rejects a recompute unit whose member modules contain another
 //   unit's members.
-// - FlatParamConfig: sharded unless NO_SHARD; param dtype = mixed_precision.param_dtype; reduce
+// - FlatParamConfig: sharded unless NO_SHARD; gather dtype = mixed_precision.gather_dtype on
+//   sharded units (NO_SHARD: param, it gathers nothing), the plan's option when set (fp8 or int8
+//   on NO_SHARD: an error naming the unit); param dtype = mixed_precision.param_dtype; reduce
 //   dtype = mixed_precision.reduce_dtype, else the param dtype; align and sync_module_states from
 //   the options; padding poisoned when FLATSHARD_DEBUG is on (collectives/env.h).
 // - offload: the plan's unit option, else ShardingOptions::offload; 0, 1 or 2 (else an error

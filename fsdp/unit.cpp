@@ -19,6 +19,7 @@ UnitCounters& UnitCounters::operator+=(const UnitCounters& o) {
   reduce_scatters += o.reduce_scatters;
   all_reduces += o.all_reduces;
   replicate_all_reduces += o.replicate_all_reduces;
+  gather_all_reduces += o.gather_all_reduces;
   bytes += o.bytes;
   replicate_bytes += o.replicate_bytes;
   host_forward_ns += o.host_forward_ns;
@@ -170,6 +171,7 @@ void Unit::unshard(bool for_backward) {
   if (has_collectives() && strategy_ != ShardingStrategy::kNoShard) {
     (for_backward ? counters_.backward_all_gathers : counters_.forward_all_gathers) += 1;
     counters_.bytes += flat_->gather_plan().bytes();
+    counters_.gather_all_reduces += gather_all_reduces(flat_->config());
   }
 }
 

@@ -57,6 +57,9 @@ struct UnitCounters {
   // HSDP: all-reduces of sharded units' gradient shards across the replicate group (one per
   // reduce-scatter when there are replicas; 0 without HSDP).
   int64_t replicate_all_reduces = 0;
+  // fp8 gathers' amax all-reduces over the shard group, one per gather (flat_param/
+  // quantized_gather.h); their bytes are in `bytes`, as part of the gather's.
+  int64_t gather_all_reduces = 0;
   int64_t bytes = 0;  // bytes this rank sent into those collectives (replicate ones included)
   int64_t replicate_bytes = 0;  // of which across the replicate group (inter-node with HSDP)
   // Host time inside this unit's hooks (HookClock below): forward = pre- and post-forward (the

@@ -68,7 +68,8 @@ std::string collectives_text(const UnitCounters& c) {
   if (!c.forward_all_gathers && !c.reduce_scatters) return "-";
   return "AG " + std::to_string(c.forward_all_gathers) + "+" +
          std::to_string(c.backward_all_gathers) + ", RS " + std::to_string(c.reduce_scatters) +
-         (c.replicate_all_reduces ? ", rAR " + std::to_string(c.replicate_all_reduces) : "");
+         (c.replicate_all_reduces ? ", rAR " + std::to_string(c.replicate_all_reduces) : "") +
+         (c.gather_all_reduces ? ", amax AR " + std::to_string(c.gather_all_reduces) : "");
 }
 
 // The most trainable elements one rank's shard holds (shard r is [r*S, (r+1)*S)), in
@@ -127,6 +128,7 @@ UnitCounters expected_counters(const UnitExplanation& u, int64_t replicate_bytes
   }
   c.forward_all_gathers = 1;
   c.backward_all_gathers = u.reshard_after_forward && u.backward_reads_params ? 1 : 0;
+  c.gather_all_reduces = (c.forward_all_gathers + c.backward_all_gathers) * u.gather_all_reduces;
   if (u.frozen) {  // Note [Frozen parameters]: no gradient, no reduction
     c.replicate_bytes = 0;
     c.bytes = (c.forward_all_gathers + c.backward_all_gathers) * u.all_gather_bytes;
@@ -142,7 +144,7 @@ UnitCounters expected_counters(const UnitExplanation& u, int64_t replicate_bytes
 // Collectives one rank issues per step for these counters: HSDP's two-hop all-reduce of a
 // NO_SHARD unit is two collectives.
 int64_t collective_count(const UnitCounters& c) {
-  return c.forward_all_gathers + c.backward_all_gathers + c.reduce_scatters +
+  return c.forward_all_gathers + c.backward_all_gathers + c.gather_all_reduces + c.reduce_scatters +
          c.all_reduces * (c.replicate_bytes > 0 ? 2 : 1) + c.replicate_all_reduces;
 }
 
@@ -584,6 +586,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
     u.shard_numel = layout.shard_numel;
     // The plans' own closed forms (flat_param/collective_plan.h): equal to the runtime's bytes.
     u.all_gather_bytes = all_gather_bytes(settings.flat, layout);
+    u.gather_all_reduces = gather_all_reduces(settings.flat);
     u.reduce_bytes = reduce_bytes(settings.flat, layout);
     // A replicated fp32 unit computes on its master directly, unless the master is offloaded.
     u.gathered_bytes =
@@ -651,7 +654,10 @@ std::string Explanation::to_string() const {
        << " ranks)";
   os << ", default strategy " << flatshard::to_string(options.strategy)
      << ", param " << dtype_name(mp.param_dtype) << ", reduce "
-     << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype)) << ", align " << options.align
+     << dtype_name(mp.reduce_dtype.value_or(mp.param_dtype));
+  if (mp.gather_dtype != GatherDtype::kParam)
+    os << ", gather " << gather_dtype_name(mp.gather_dtype);
+  os << ", align " << options.align
      << ", prefetch fwd " << options.forward_prefetch << " / bwd " << options.backward_prefetch
      << "\n";
 
@@ -681,8 +687,10 @@ std::string Explanation::to_string() const {
   os << "per step and rank: " << per_step.forward_all_gathers + per_step.backward_all_gathers
      << " all-gathers (" << per_step.forward_all_gathers << " forward, "
      << per_step.backward_all_gathers << " backward), " << per_step.reduce_scatters
-     << " reduce-scatters, " << per_step.all_reduces << " all-reduces, "
-     << format_bytes(per_step.bytes) << " sent (" << per_step.bytes << " B)";
+     << " reduce-scatters, " << per_step.all_reduces << " all-reduces, ";
+  if (per_step.gather_all_reduces)
+    os << per_step.gather_all_reduces << " fp8 amax all-reduces, ";
+  os << format_bytes(per_step.bytes) << " sent (" << per_step.bytes << " B)";
   if (replicate_size > 1)
     os << ", of which " << format_bytes(per_step.replicate_bytes) << " across replicas ("
        << per_step.replicate_all_reduces << " replicate all-reduces"

@@ -20,7 +20,9 @@
 //     FULL_SHARD keep (root)   1 forward all-gather                        + 1 reduce-scatter
 //     SHARD_GRAD_OP            1 forward all-gather                        + 1 reduce-scatter
 //     NO_SHARD                 1 all-reduce
-//   bytes: an all-gather sends shard_numel * sizeof(param_dtype), a reduction sends
+//   bytes: an all-gather sends shard_numel * sizeof(param_dtype) (a quantized gather dtype:
+//   quantized_gather_bytes(), flat_param/quantized_gather.h, fp8's amax all-reduce included
+//   and counted in gather_all_reduces), a reduction sends
 //   padded_numel * sizeof(reduce_dtype). HSDP (replicate_size R > 1; world_size is then the
 //   shard group's size S): each reduction is followed by an all-reduce across the R replicas of
 //   the reduced gradient — shard_numel (NO_SHARD: padded_numel) * sizeof(reduce_dtype) bytes,
@@ -85,6 +87,7 @@ struct UnitExplanation {
   int64_t resident_bytes = 0;
 
   int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends (0 for NO_SHARD)
+  int64_t gather_all_reduces = 0;  // all-reduces per gather besides it (fp8's amax: 1)
   int64_t reduce_bytes = 0;      // one reduce-scatter / all-reduce: bytes this rank sends
   // Bytes of the unsharded buffer while gathered (padded_numel * param dtype). For NO_SHARD it is
   // the compute copy, held always (0 when it aliases the fp32 master).

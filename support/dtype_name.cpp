@@ -34,4 +34,22 @@ const std::vector<std::string>& dtype_names() {
   return names;
 }
 
+const char* gather_dtype_name(GatherDtype d) {
+  switch (d) {
+    case GatherDtype::kParam:
+      return "param";
+    case GatherDtype::kFp8:
+      return "fp8";
+    case GatherDtype::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
+std::optional<GatherDtype> gather_dtype_from_name(const std::string& name) {
+  for (GatherDtype d : {GatherDtype::kParam, GatherDtype::kFp8, GatherDtype::kInt8})
+    if (name == gather_dtype_name(d)) return d;
+  return std::nullopt;
+}
+
 }  // namespace flatshard

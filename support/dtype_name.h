@@ -23,4 +23,17 @@ std::string dtype_name(c10::ScalarType t);
 std::optional<c10::ScalarType> dtype_from_name(const std::string& name);
 const std::vector<std::string>& dtype_names();
 
+// What a sharded unit's all-gather puts on the wire (flat_param/quantized_gather.h):
+// kParam the shard in param_dtype (the default); kFp8 float8_e4m3fn with one fp32 scale per
+// original parameter; kInt8 block-wise symmetric int8, one fp32 scale per 256 elements of the
+// shard. Either way the gathered parameters are param_dtype and the masters stay fp32. Here,
+// at the bottom, because MixedPrecision (fsdp/), FlatParamConfig (flat_param/) and a plan's
+// UnitOptions (wrap_policies/) all name it.
+enum class GatherDtype { kParam, kFp8, kInt8 };
+// "param", "fp8", "int8": the names options, flags and explain use (a spec's words are
+// "gather_" + the name).
+const char* gather_dtype_name(GatherDtype d);
+// The inverse, exactly; nullopt for anything else.
+std::optional<GatherDtype> gather_dtype_from_name(const std::string& name);
+
 }  // namespace flatshard

@@ -189,3 +189,23 @@ TEST_CASE("bench: integers are decimal; an error names the flag and the text", "
     CHECK(o.err.find(c.says) != std::string::npos);
   }
 }
+
+TEST_CASE("--gather-dtype: explain shows the wire; unknown names are refused", "[cli][explain]") {
+  // flat_param/quantized_gather.h; the bytes themselves are held equal to the runtime's
+  // counters by tests/explain_test.cpp.
+  const auto fp8 = run(FLATSHARD_EXPLAIN_EXE,
+                       {"--preset", "tiny", "--world", "2", "--param-dtype", "bf16",
+                        "--gather-dtype", "fp8"});
+  CAPTURE(fp8.out, fp8.err);
+  CHECK(fp8.exit_code == 0);
+  CHECK(fp8.out.find(", gather fp8,") != std::string::npos);
+  CHECK(fp8.out.find("fp8 amax all-reduces") != std::string::npos);
+  const auto bad = run(FLATSHARD_EXPLAIN_EXE, {"--preset", "tiny", "--gather-dtype", "FP8"});
+  CAPTURE(bad.out, bad.err);
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.err.find("--gather-dtype") != std::string::npos);
+  const auto bench = run(FLATSHARD_BENCH_EXE, {"--gather-dtype", "e5m2", "--steps", "1"});
+  CAPTURE(bench.out, bench.err);
+  CHECK(bench.exit_code == 2);
+  CHECK(bench.err.find("--gather-dtype") != std::string::npos);
+}

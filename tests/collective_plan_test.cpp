@@ -227,7 +227,7 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
     const at::Tensor master =
         at::zeros({c.sharded ? layout.shard_numel : layout.padded_numel}, at::kFloat);
     const at::Tensor full = at::empty({layout.padded_numel}, c.param);
-    auto gather = make_gather_plan("blk", cfg, layout, comm, GatherArgs{master, full, {}});
+    auto gather = make_gather_plan("blk", cfg, layout, comm, GatherArgs{master, full, {}, {}});
     auto reduce = make_reduce_plan("blk", cfg, layout, Mesh(comm, replicate));
     CHECK(gather->name() == c.gather);
     CHECK(reduce->name() == c.reduction);
@@ -450,7 +450,7 @@ TEST_CASE("plans work on the buffers they are given, without a FlatParam",
     // Rank k's master: k * 100 + its element index.
     const at::Tensor master = at::arange(l.shard_numel, at::kFloat).add_(100.0 * c.rank());
     const at::Tensor full = at::empty({l.padded_numel}, at::kBFloat16);
-    auto gather = make_gather_plan("seam", cfg, l, c, GatherArgs{master, full, {}});
+    auto gather = make_gather_plan("seam", cfg, l, c, GatherArgs{master, full, {}, {}});
     gather->gather(c.current_stream());
     std::vector<at::Tensor> parts;
     for (int k = 0; k < 3; ++k)

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "collectives/thread_communicator.h"
 #include "rank_require.h"
 
@@ -121,6 +123,37 @@ TEST_CASE("counters count calls and bytes", "[collectives]") {
   });
 }
 
+TEST_CASE("all_reduce max: the largest rank's values; uint8 all_gather; NaN propagates",
+          "[collectives]") {
+  // kMax and uint8 exist for the quantized gathers (flat_param/quantized_gather.h).
+  for (int world = 1; world <= 4; ++world)
+    for (int64_t n : kCounts) {
+      CAPTURE(world, n);
+      flatshard::run_ranks(world, [&](Communicator& c) {
+        // Rank r's element i is value(r, i) for even i and value(world - 1 - r, i) for odd i:
+        // either way the max over ranks is value(world - 1, i).
+        auto t = at::empty({n}, at::kDouble);
+        for (int64_t i = 0; i < n; ++i)
+          t[i] = value(i % 2 ? world - 1 - c.rank() : c.rank(), i);
+        t = t.to(at::kFloat);
+        c.all_reduce(t, ReduceOp::kMax, c.current_stream(), flatshard::Lane::kAllGather);
+        RANK_REQUIRE(at::equal(t, rank_tensor(world - 1, n, at::kFloat)));
+        // Bytes: rank r sends n bytes of value r.
+        auto out = at::zeros({n * world}, at::kByte);
+        c.all_gather(at::full({n}, c.rank() + 200, at::kByte), out, c.current_stream());
+        for (int q = 0; q < world; ++q)
+          RANK_REQUIRE(at::equal(out.narrow(0, q * n, n), at::full({n}, q + 200, at::kByte)));
+      });
+    }
+  flatshard::run_ranks(3, [](Communicator& c) {
+    auto t = at::full({2}, 1.0f);
+    if (c.rank() == 1) t[1] = std::nanf("");
+    c.all_reduce(t, ReduceOp::kMax, c.current_stream());
+    RANK_REQUIRE(t[0].item<float>() == 1.0f);
+    RANK_REQUIRE(std::isnan(t[1].item<float>()));
+  });
+}
+
 TEST_CASE("bad arguments give clear errors naming call and rank", "[collectives][errors]") {
   flatshard::run_ranks(1, [](Communicator& c) {
     auto s = c.current_stream();
@@ -137,6 +170,12 @@ TEST_CASE("bad arguments give clear errors naming call and rank", "[collectives]
     REQUIRE_THROWS_WITH(c.reduce_scatter(at::ones({5}), at::empty({2}), ReduceOp::kSum, s),
                         Catch::Contains("reduce_scatter (rank 0): input has 5 elements"));
     REQUIRE_THROWS_WITH(c.broadcast(at::ones({2}), 3, s), Catch::Contains("root 3 out of range"));
+    // Bytes are gathered, never reduced.
+    REQUIRE_THROWS_WITH(c.all_reduce(at::ones({3}, at::kByte), ReduceOp::kMax, s),
+                        Catch::Contains("all_reduce (rank 0): tensor has dtype Byte"));
+    REQUIRE_THROWS_WITH(c.reduce_scatter(at::ones({3}, at::kByte), at::empty({3}, at::kByte),
+                                         ReduceOp::kSum, s),
+                        Catch::Contains("dtype Byte"));
   });
 }
 

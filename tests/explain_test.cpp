@@ -178,7 +178,15 @@ TEST_CASE("explain agrees with the runtime's counters", "[diagnostics][explain]"
   ShardingOptions grad_op;
   grad_op.strategy = ShardingStrategy::kShardGradOp;
   grad_op.forward_prefetch = 2;
+  // flat_param/quantized_gather.h: the wire's bytes, and fp8's amax all-reduce per gather.
+  ShardingOptions fp8 = bf16, int8 = bf16;
+  fp8.mixed_precision.gather_dtype = GatherDtype::kFp8;
+  int8.mixed_precision.gather_dtype = GatherDtype::kInt8;
   const std::vector<Case> cases = {
+      {kPerLayer, 2, fp8},
+      {"noshard:path=lm_head;grad_op:path=blocks.1;type=Block", 3, fp8},
+      {kPerLayer, 3, int8},
+      {kPerLeaf, 2, int8},
       {kPerLayer, 2, {}},
       {kPerLeaf, 2, {}},
       {"noshard:path=lm_head;grad_op:path=blocks.1;type=Block", 2, bf16},
@@ -203,13 +211,14 @@ TEST_CASE("explain agrees with the runtime's counters", "[diagnostics][explain]"
       CHECK(got.backward_all_gathers == want.per_step.backward_all_gathers);
       CHECK(got.reduce_scatters == want.per_step.reduce_scatters);
       CHECK(got.all_reduces == want.per_step.all_reduces);
+      CHECK(got.gather_all_reduces == want.per_step.gather_all_reduces);
       CHECK(got.bytes == want.per_step.bytes);
     }
     // The wire agrees too: the communicator saw exactly these collectives and bytes.
     CHECK(run.comm.all_gathers ==
           e.per_step.forward_all_gathers + e.per_step.backward_all_gathers);
     CHECK(run.comm.reduce_scatters == e.per_step.reduce_scatters);
-    CHECK(run.comm.all_reduces == e.per_step.all_reduces);
+    CHECK(run.comm.all_reduces == e.per_step.all_reduces + e.per_step.gather_all_reduces);
     CHECK(run.comm.bytes == e.per_step.bytes);
   }
 }

@@ -81,6 +81,10 @@ struct ParitySpec {
   // Reference side, Note [Delayed offload step] (fsdp/offload_step.h): the parameters it names
   // are one step stale in forward and backward (step k reads the values of after step k-2).
   std::function<bool(const std::string&)> delayed;
+  // Reference side: rewrites the parameters' values in place before each step's forward (the
+  // quantized gathers' quantize-dequantize, tests/quantized_gather_test.cpp); the step's
+  // gradients are taken there and the optimizer updates the values from before it.
+  std::function<void(torch::nn::Module&)> before_use;
   // Builds the model on CPU with deterministic parameters.
   std::function<std::shared_ptr<torch::nn::Module>()> make_model;
   // Plan for a freshly built model.
@@ -144,6 +148,12 @@ inline ParityRun run_reference(const ParitySpec& s) {
       current.push_back(p.detach().clone());
       p.detach().copy_(old);
     }
+    std::vector<at::Tensor> all = model->parameters(), unquantized;  // s.before_use's undo
+    if (s.before_use) {
+      at::NoGradGuard no_grad;
+      for (auto& p : all) unquantized.push_back(p.detach().clone());
+      s.before_use(*model);
+    }
     double loss_sum = 0;
     for (int m = 0; m < s.micro_batches; ++m) {
       // The union batch: mean over ranks of the per-rank mean losses.
@@ -161,6 +171,10 @@ inline ParityRun run_reference(const ParitySpec& s) {
       at::NoGradGuard no_grad;
       stale[i].first.detach().copy_(current[i]);
       stale[i].second = current[i];
+    }
+    for (size_t i = 0; i < unquantized.size(); ++i) {
+      at::NoGradGuard no_grad;
+      all[i].detach().copy_(unquantized[i]);
     }
     // Parameters that got no gradient get zeros, as flat parameters do.
     for (auto& p : params)

@@ -154,7 +154,14 @@ TEST_CASE("spec errors point at the offending token", "[policy][spec]") {
       {"type=Block;", 12, "empty rule", "a rule such as type=Block"},
       {" ; type=Block", 2, "empty rule", "a rule such as"},
       {"nosahrd:type=Block", 1, "unknown option 'nosahrd'",
-       "noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2, root"},
+       "noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2, "
+       "gather_param, gather_fp8, gather_int8, root"},
+      {"gather_bf16:type=Block", 1, "unknown option 'gather_bf16'", "gather_fp8, gather_int8"},
+      {"gather_fp8+keep+gather_int8:type=Block", 17, "second gather option 'gather_int8'",
+       "at most one gather dtype per rule"},
+      {"root:gather_fp8", 6, "unknown option 'gather_fp8'", "noshard, grad_op, full, keep"},
+      {"type=Block,gather_fp8:path=x", 12, "option prefix 'gather_fp8:' in the middle",
+       "a rule takes one prefix"},
       {"root:sideways", 6, "unknown option 'sideways'", "noshard, grad_op, full, keep"},
       {"root:", 6, "missing option after 'root:'", "noshard"},
       {"root:keep,type=Block", 10, "unexpected ',' after root option", "';' or end of spec"},
@@ -199,6 +206,10 @@ TEST_CASE("to_spec prints a canonical spec that parses back to the same policy",
       {"root:grad_op;type=Block", "type=Block;root:grad_op"},
       {"none", "none"},
       {"root:keep", "root:keep"},
+      // flat_param/quantized_gather.h's wire formats per rule.
+      {"gather_fp8:type=Block", "gather_fp8:type=Block"},
+      {"gather_int8+keep+offload0:type=Block;gather_param:path=head",
+       "keep+offload0+gather_int8:type=Block;gather_param:path=head"},
       {"\tpath=blocks.[!0-3]* ,\nsize>=1e3", "path=blocks.[!0-3]*,size>=1k"},
   };
   for (const auto& [spec, canonical] : cases) {
@@ -220,6 +231,10 @@ TEST_CASE("to_spec prints a canonical spec that parses back to the same policy",
   REQUIRE(p.rules[1].terms[0].names == Strings{"head"});
   REQUIRE(p.rules[1].options == UnitOptions{});
   REQUIRE(p.root_options == UnitOptions{});
+  const Policy g = parse_policy("recompute+gather_int8:type=Block");
+  REQUIRE(g.rules[0].options.gather_dtype == GatherDtype::kInt8);
+  REQUIRE(g.rules[0].options.recompute == true);
+  REQUIRE_FALSE(g.rules[0].options.strategy.has_value());
 }
 
 // Random and mutated specs: each must parse or throw c10::Error with a located message, never

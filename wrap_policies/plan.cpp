@@ -53,6 +53,7 @@ std::string options_text(const UnitOptions& o) {
   if (o.reshard_after_forward) s += *o.reshard_after_forward ? " reshard" : " keep";
   if (o.recompute) s += *o.recompute ? " recompute" : " no-recompute";
   if (o.offload) s += " offload" + std::to_string(*o.offload);
+  if (o.gather_dtype) s += std::string(" gather_") + gather_dtype_name(*o.gather_dtype);
   return s;
 }
 

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "support/dtype_name.h"  // GatherDtype
+
 namespace flatshard {
 
 // Per-unit sharding strategy (FSDP's names).
@@ -33,9 +35,13 @@ struct UnitOptions {
   // shard, its gradient and the optimizer's state in host memory, the device keeping a
   // compute-dtype shard; 2 that shard on the host too. Unset: ShardingOptions::offload.
   std::optional<int> offload;
+  // The all-gathers' wire format (flat_param/quantized_gather.h; spec words gather_param,
+  // gather_fp8, gather_int8). Unset: MixedPrecision::gather_dtype. A sharded unit only: set to
+  // fp8 or int8 on a NO_SHARD unit it is an error (fsdp/resolve.h).
+  std::optional<GatherDtype> gather_dtype;
   bool operator==(const UnitOptions& o) const {
     return strategy == o.strategy && reshard_after_forward == o.reshard_after_forward &&
-           recompute == o.recompute && offload == o.offload;
+           recompute == o.recompute && offload == o.offload && gather_dtype == o.gather_dtype;
   }
   bool operator!=(const UnitOptions& o) const { return !(*this == o); }
 };

@@ -43,6 +43,7 @@ std::string prefix_text(const UnitOptions& o) {
   UnitOptions base = o;
   base.recompute.reset();
   base.offload.reset();
+  base.gather_dtype.reset();
   std::string s;
   if (base == no_shard()) s = "noshard";
   if (base == shard_grad_op()) s = "grad_op";
@@ -55,6 +56,10 @@ std::string prefix_text(const UnitOptions& o) {
       const std::string word = *o.offload == 1 ? "offload" : "offload" + std::to_string(*o.offload);
       s += s.empty() ? word : "+" + word;
     }
+    if (o.gather_dtype) {
+      const std::string word = std::string("gather_") + gather_dtype_name(*o.gather_dtype);
+      s += s.empty() ? word : "+" + word;
+    }
     return s;
   }
   s = "<options strategy=";
@@ -63,6 +68,7 @@ std::string prefix_text(const UnitOptions& o) {
   s += o.reshard_after_forward ? (*o.reshard_after_forward ? "true" : "false") : "default";
   if (o.recompute) s += *o.recompute ? " recompute=true" : " recompute=false";
   if (o.offload) s += " offload=" + std::to_string(*o.offload);
+  if (o.gather_dtype) s += std::string(" gather=") + gather_dtype_name(*o.gather_dtype);
   return s + ">";
 }
 

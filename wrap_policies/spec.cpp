@@ -18,7 +18,8 @@ namespace {
 
 const char* const kKeys = "one of: type, size, path, every";
 const char* const kOptions =
-    "one of: noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2";
+    "one of: noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2, "
+    "gather_param, gather_fp8, gather_int8";
 const char* const kRootOptions = "one of: noshard, grad_op, full, keep";
 const char* const kCountHelp = "a whole number such as 10000000, 1e7, 10M or 1.5k";
 constexpr int64_t kCountLimit = int64_t{1} << 62;
@@ -51,6 +52,13 @@ std::optional<int> offload_level_named(const std::string& word) {
   if (word == "offload0") return 0;
   if (word == "offload2") return 2;
   return std::nullopt;
+}
+
+// "gather_fp8" -> kFp8 (flat_param/quantized_gather.h); "gather_param" turns it off for the
+// rule's units when MixedPrecision::gather_dtype is on.
+std::optional<GatherDtype> gather_named(const std::string& word) {
+  if (word.rfind("gather_", 0) != 0) return std::nullopt;
+  return gather_dtype_from_name(word.substr(7));
 }
 
 std::optional<UnitOptions> option_named(const std::string& word) {
@@ -266,6 +274,10 @@ class Parser {
         if (o.offload)
           fail(pos, "second offload option '" + word + "'", "at most one offload level per rule");
         o.offload = *level;
+      } else if (auto gather = gather_named(word)) {
+        if (o.gather_dtype)
+          fail(pos, "second gather option '" + word + "'", "at most one gather dtype per rule");
+        o.gather_dtype = *gather;
       } else {
         auto opts = option_named(word);
         if (!opts) fail(pos, "unknown option '" + word + "'", std::string(kOptions) + ", root");
@@ -335,7 +347,8 @@ class Parser {
     if (key.empty()) fail(pos, "unexpected " + quoted_token(pos), std::string("a term: ") + kKeys);
     const size_t after_key = i_;
     if (colon_follows()) {
-      if (key == "root" || key == "recompute" || offload_level_named(key) || option_named(key))
+      if (key == "root" || key == "recompute" || offload_level_named(key) || gather_named(key) ||
+          option_named(key))
         fail(pos, "option prefix '" + key + ":' in the middle of a rule",
              "a term; a rule takes one prefix, first, and root:OPTION stands alone");
     }

@@ -3,8 +3,9 @@
 //   spec    := 'none' | item (';' item)*
 //   item    := 'root' ':' strategy               options of the root unit (at most once)
 //            | [options ':'] term (',' term)*    one rule; terms are AND-ed
-//   options := option ('+' option)*              at most one strategy, one 'recompute', one offload
-//   option  := strategy | 'recompute' | offload
+//   options := option ('+' option)*              at most one strategy, one 'recompute', one
+//                                                offload, one gather
+//   option  := strategy | 'recompute' | offload | gather
 //   strategy:= 'noshard' | 'grad_op' | 'full' | 'keep'
 //                noshard    NO_SHARD (replicated; gradients all-reduced)
 //                grad_op    SHARD_GRAD_OP
@@ -22,6 +23,11 @@
 //                           too), offload0 (off, overriding ShardingOptions::offload); with a
 //                           strategy or recompute in any order ("keep+offload2:type=Block").
 //                           The root takes ShardingOptions::offload.
+//   gather  := 'gather_param' | 'gather_fp8' | 'gather_int8'
+//                           the all-gathers' wire format of the rule's units
+//                           (flat_param/quantized_gather.h), overriding
+//                           MixedPrecision::gather_dtype; with the other options in any order
+//                           ("keep+gather_fp8:type=Block"). The root takes MixedPrecision's.
 //   term    := 'type'  '='  type  ('|' type)*    module type (see by_type in policy.h)
 //            | 'size'  '>=' count                unclaimed parameter numel (by_size)
 //            | 'path'  '='  glob  ('|' glob)*    module path glob (glob.h)

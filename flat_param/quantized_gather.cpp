@@ -1,0 +1,260 @@
+#include "flat_param/quantized_gather.h"
+
+#include <c10/util/Exception.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "flat_param/collective_plan.h"
+
+namespace flatshard {
+
+at::Tensor scales_from_amax(const at::Tensor& amax, double qmax) {
+  // Divided by a tensor, not a Scalar: ATen's CUDA division by a CPU scalar multiplies by its
+  // reciprocal (one ulp off at times), its CPU one divides; a tensor divides on both, as the
+  // Python reference and the CUDA kernels (quantize_kernel.h) do.
+  const at::Tensor s =
+      at::clamp_min(amax / at::full({}, qmax, amax.options()), static_cast<double>(FLT_MIN));
+  return at::where(amax == 0, at::ones_like(s), s);
+}
+
+at::Tensor fp8_quantize(const at::Tensor& x, const at::Tensor& s) {
+  return at::clamp(x / s, -kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn);
+}
+
+at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& s, at::ScalarType dtype) {
+  return (q.to(at::kFloat) * s).to(dtype);
+}
+
+int64_t int8_num_blocks(int64_t n) { return (n + kInt8BlockSize - 1) / kInt8BlockSize; }
+
+namespace {
+
+// `x` zero-padded to whole blocks, as [blocks, kInt8BlockSize] fp32.
+at::Tensor as_blocks(const at::Tensor& x) {
+  const int64_t n = x.numel(), nb = int8_num_blocks(n);
+  at::Tensor padded = at::zeros({nb * kInt8BlockSize}, x.options().dtype(at::kFloat));
+  padded.narrow(0, 0, n).copy_(x.reshape({-1}));
+  return padded.view({nb, kInt8BlockSize});
+}
+
+}  // namespace
+
+at::Tensor int8_block_scales(const at::Tensor& x) {
+  at::Tensor blocks = as_blocks(x);
+  if (blocks.size(0) == 0) return at::empty({0}, blocks.options());
+  return scales_from_amax(blocks.abs().amax(1), kInt8Max);
+}
+
+at::Tensor int8_quantize(const at::Tensor& x, const at::Tensor& scales) {
+  const int64_t n = x.numel();
+  at::Tensor q = at::clamp(at::round(as_blocks(x) / scales.unsqueeze(1)), -kInt8Max, kInt8Max);
+  return q.to(at::kChar).view({-1}).narrow(0, 0, n);
+}
+
+at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::ScalarType dtype) {
+  const int64_t n = q.numel();
+  return (as_blocks(q) * scales.unsqueeze(1)).view({-1}).narrow(0, 0, n).to(dtype);
+}
+
+namespace {
+
+int64_t round_up4(int64_t n) { return (n + 3) / 4 * 4; }
+
+// Per rank, the int8 wire: [scales | data | pad to 4 B].
+int64_t int8_wire_bytes(int64_t shard_numel) {
+  return 4 * int8_num_blocks(shard_numel) + round_up4(shard_numel);
+}
+
+// What both quantized gathers share: the shard's place in the layout and the names for errors.
+class QuantizedGather : public GatherPlan {
+ public:
+  QuantizedGather(std::string name, std::string unit, GatherArgs args, const FlatLayout& layout,
+                  at::ScalarType param_dtype, Communicator& comm)
+      : GatherPlan(std::move(name), std::move(args)),
+        unit_(std::move(unit)),
+        layout_(layout),
+        param_dtype_(param_dtype),
+        comm_(comm),
+        rank_(comm.rank()),
+        world_(comm.world_size()) {}
+
+ protected:
+  std::string param_name(size_t i) const {
+    if (i < args_.names.size()) return "'" + args_.names[i] + "'";
+    return "#" + std::to_string(i);
+  }
+  // The parameters (names) that overlap the flat range [b, e).
+  std::string params_in(int64_t b, int64_t e) const {
+    std::string out;
+    for (size_t i = 0; i < layout_.numels.size(); ++i) {
+      const int64_t pb = layout_.offsets[i], pe = pb + layout_.numels[i];
+      if (pb < e && b < pe) out += (out.empty() ? "" : ", ") + param_name(i);
+    }
+    return out.empty() ? "padding only" : out;
+  }
+
+  std::string unit_;
+  FlatLayout layout_;
+  at::ScalarType param_dtype_;
+  Communicator& comm_;
+  int rank_, world_;
+};
+
+// fp8: amax per original parameter (all-reduce max), fp8 bytes on the wire.
+class Fp8AllGather final : public QuantizedGather {
+ public:
+  Fp8AllGather(std::string unit, GatherArgs args, const FlatLayout& layout,
+               at::ScalarType param_dtype, Communicator& comm)
+      : QuantizedGather("Fp8AllGather", std::move(unit), std::move(args), layout, param_dtype,
+                        comm) {
+    const int64_t sb = layout_.shard_begin(rank_), se = layout_.shard_end(rank_);
+    int64_t at = 0;  // end of the last parameter: what lies between is padding
+    for (size_t i = 0; i < layout_.numels.size(); ++i) {
+      const int64_t pb = layout_.offsets[i], pe = pb + layout_.numels[i];
+      if (pb > at) gaps_.emplace_back(at, pb - at);
+      at = std::max(at, pe);
+      const int64_t b = std::max(pb, sb), e = std::min(pe, se);
+      if (b < e) local_.push_back({i, b - sb, e - b});
+    }
+    if (layout_.padded_numel > at) gaps_.emplace_back(at, layout_.padded_numel - at);
+  }
+  int64_t bytes() const override {
+    return layout_.shard_numel + 4 * static_cast<int64_t>(layout_.numels.size());
+  }
+  void gather(c10::Stream stream) override {
+    if (layout_.padded_numel == 0) return;
+    const int64_t n = layout_.shard_numel;
+    const auto fopt = args_.master.options().dtype(at::kFloat);
+    // amax per parameter over this rank's part of it; a non-finite one goes out as +inf, so
+    // every rank sees the same non-finite maximum (NCCL's max need not propagate NaN).
+    at::Tensor amax = at::zeros({static_cast<int64_t>(layout_.numels.size())}, fopt);
+    for (const Local& l : local_)
+      amax.narrow(0, l.param, 1)
+          .copy_(args_.master.narrow(0, l.begin, l.numel).abs().amax().view({1}));
+    const double inf = std::numeric_limits<double>::infinity();
+    amax = at::nan_to_num(amax, inf, inf, inf);
+    comm_.all_reduce(amax, ReduceOp::kMax, stream, Lane::kAllGather);
+    const at::Tensor scales = scales_from_amax(amax, kFp8Max);
+    check_finite(amax);
+    at::Tensor wire = at::empty({world_ * n}, fopt.dtype(at::kByte));
+    at::Tensor mine = wire.narrow(0, rank_ * n, n);
+    mine.zero_();  // padding: fp8 0x00 is +0
+    const at::Tensor mine8 = mine.view(at::kFloat8_e4m3fn);
+    for (const Local& l : local_)
+      mine8.narrow(0, l.begin, l.numel)
+          .copy_(
+              fp8_quantize(args_.master.narrow(0, l.begin, l.numel), scales.narrow(0, l.param, 1)));
+    comm_.all_gather(mine, wire, stream);
+    // The gathered wire is the whole flat buffer in fp8.
+    const at::Tensor all8 = wire.view(at::kFloat8_e4m3fn);
+    for (size_t i = 0; i < layout_.numels.size(); ++i) {
+      const int64_t off = layout_.offsets[i], numel = layout_.numels[i];
+      if (numel == 0) continue;
+      args_.full.narrow(0, off, numel)
+          .copy_(fp8_dequantize(all8.narrow(0, off, numel), scales.narrow(0, i, 1), param_dtype_));
+    }
+    for (const auto& [b, len] : gaps_) args_.full.narrow(0, b, len).zero_();
+  }
+
+ private:
+  struct Local {
+    size_t param;
+    int64_t begin, numel;  // in the master shard
+  };
+
+  void check_finite(const at::Tensor& amax) const {
+    if (at::isfinite(amax).all().item<bool>()) return;
+    const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(amax))).to(at::kCPU);
+    const int64_t i = bad[0][0].item<int64_t>();
+    TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): parameter ", param_name(i),
+                " holds inf or nan in its fp32 master (its amax over all shards is not finite), "
+                "which the fp8 gather cannot carry; ",
+                bad.size(0),
+                " parameter(s) of the unit are affected. Find where the values "
+                "became non-finite (a loss spike, a learning rate too high), or gather in the "
+                "param dtype (gather dtype param)");
+  }
+
+  std::vector<Local> local_;                       // this rank's parts of the parameters
+  std::vector<std::pair<int64_t, int64_t>> gaps_;  // {begin, length} of full()'s padding
+};
+
+// int8: block-wise scales of the shard, packed with the data in one byte buffer per rank.
+class Int8AllGather final : public QuantizedGather {
+ public:
+  using QuantizedGather::QuantizedGather;
+  int64_t bytes() const override { return int8_wire_bytes(layout_.shard_numel); }
+  void gather(c10::Stream stream) override {
+    if (layout_.padded_numel == 0) return;
+    const int64_t n = layout_.shard_numel, nb = int8_num_blocks(n), w = bytes();
+    at::Tensor wire = at::empty({world_ * w}, args_.master.options().dtype(at::kByte));
+    at::Tensor mine = wire.narrow(0, rank_ * w, w);
+    const at::Tensor scales = int8_block_scales(args_.master);
+    mine.narrow(0, 0, 4 * nb).view(at::kFloat).copy_(scales);
+    mine.narrow(0, 4 * nb, n).view(at::kChar).copy_(int8_quantize(args_.master, scales));
+    if (w > 4 * nb + n) mine.narrow(0, 4 * nb + n, w - 4 * nb - n).zero_();
+    comm_.all_gather(mine, wire, stream);
+    const at::Tensor per_rank = wire.view({world_, w});
+    const at::Tensor all_scales = per_rank.narrow(1, 0, 4 * nb).view(at::kFloat);  // [world, nb]
+    check_finite(all_scales);
+    const at::Tensor all_data = per_rank.narrow(1, 4 * nb, n).view(at::kChar);  // [world, n]
+    for (int r = 0; r < world_; ++r)
+      args_.full.narrow(0, r * n, n)
+          .copy_(int8_dequantize(all_data[r], all_scales[r], param_dtype_));
+  }
+
+ private:
+  // The gathered scales, the same on every rank: every rank throws the same error.
+  void check_finite(const at::Tensor& scales) const {
+    if (at::isfinite(scales).all().item<bool>()) return;
+    const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(scales))).to(at::kCPU);
+    const int64_t r = bad[0][0].item<int64_t>(), b = bad[0][1].item<int64_t>();
+    const int64_t begin = r * layout_.shard_numel + b * kInt8BlockSize;
+    const int64_t end = std::min(begin + kInt8BlockSize, (r + 1) * layout_.shard_numel);
+    TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): the fp32 master of rank ", r,
+                " holds inf or nan in int8 block ", b, " (flat elements [", begin, ", ", end,
+                "), parameter(s) ", params_in(begin, end),
+                "), which the int8 gather cannot "
+                "carry; ",
+                bad.size(0),
+                " block(s) of the unit are affected. Find where the "
+                "values became non-finite (a loss spike, a learning rate too high), or gather "
+                "in the param dtype (gather dtype param)");
+  }
+};
+
+}  // namespace
+
+int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
+  switch (config.gather_dtype) {
+    case GatherDtype::kFp8:
+      return layout.shard_numel + 4 * static_cast<int64_t>(layout.numels.size());
+    case GatherDtype::kInt8:
+      return int8_wire_bytes(layout.shard_numel);
+    case GatherDtype::kParam:
+      break;
+  }
+  return 0;
+}
+
+std::unique_ptr<GatherPlan> make_quantized_gather(const std::string& unit_name,
+                                                  const FlatParamConfig& config,
+                                                  const FlatLayout& layout, Communicator& comm,
+                                                  GatherArgs args) {
+  TORCH_INTERNAL_ASSERT(config.sharded && config.offload == 0, "unit '", unit_name,
+                        "': a quantized gather needs a sharded unit without offload");
+  if (config.gather_dtype == GatherDtype::kFp8)
+    return std::make_unique<Fp8AllGather>(unit_name, std::move(args), layout, config.param_dtype,
+                                          comm);
+  TORCH_INTERNAL_ASSERT(config.gather_dtype == GatherDtype::kInt8);
+  return std::make_unique<Int8AllGather>("Int8AllGather", unit_name, std::move(args), layout,
+                                         config.param_dtype, comm);
+}
+
+}  // namespace flatshard

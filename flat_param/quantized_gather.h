@@ -1,0 +1,89 @@
+// flatshard/flat_param/quantized_gather.h — low-precision all-gathers: fp8 and int8 weights on
+// the wire (FlatParamConfig::gather_dtype), and their wire formats as plain functions.
+//
+// Contract
+// - A quantized gather is a GatherPlan (flat_param/collective_plan.h) chosen by
+//   make_gather_plan() for a sharded, not offloaded unit whose gather_dtype is kFp8 or kInt8.
+//   gather() quantizes this rank's fp32 master shard into a byte buffer (the wire), all-gathers
+//   it as ONE uint8 collective on the shard group, and dequantizes every rank's part into full()
+//   in param_dtype. Forward and backward gathers are the same call; reductions are unchanged.
+//   The master stays fp32 (optimizer, checkpoints and offload never see the wire).
+// - fp8 (float8_e4m3fn, max 448): one fp32 scale per ORIGINAL parameter from its amax, the max
+//   of |x| over the whole parameter, i.e. over its shards: one all-reduce(max) of a float vector
+//   [number of parameters of the unit] on the shard group per gather (lane kAllGather), before
+//   the all-gather. Every rank then holds every scale, so the wire carries the fp8 bytes only.
+// - int8: block-wise symmetric (DeepSpeed ZeRO++ qwZ): the shard is cut into blocks of
+//   kInt8BlockSize elements (the last one shorter), one fp32 scale per block. Per rank the wire
+//   is [scales: 4 B per block | int8 data: shard_numel B | 0-3 B to a multiple of 4], so every
+//   rank's scales start 4-byte aligned in the gathered buffer.
+// - Formulas (the reference test, tests/quantized_gather_test.cpp, recomputes them in Python
+//   with torch's own casts and checks bit for bit):
+//     s = amax / Q, where Q = 448 (fp8) or 127 (int8), in fp32; s = 1 where amax == 0, and
+//         s = FLT_MIN (2^-126) where amax / Q is below it (denormal amax: no subnormal or zero
+//         scale, which flush-to-zero hardware would turn into inf; such values quantize
+//         relative to FLT_MIN, their absolute error stays below FLT_MIN * Q / 2).
+//     fp8:  q = clamp(x / s, -448, 448).to(float8_e4m3fn)
+//     int8: q = clamp(round(x / s), -127, 127).to(int8)   (round half to even)
+//     dequantized: (q.to(fp32) * s).to(param_dtype)
+//   Padding (master zeros) goes on the wire as zeros and comes out as zeros.
+// - Non-finite masters (inf or nan): an error, never a silent NaN spread. fp8: a non-finite
+//   local amax is sent as +inf, so after the all-reduce every rank sees the same non-finite
+//   scale and throws the same c10::Error naming the unit and the parameter. int8: the check
+//   reads the GATHERED scales, so every rank throws the same error, naming the rank, the block
+//   and the parameters in it. Cost: one host read of the scales per gather (on CUDA a stream
+//   synchronisation; a device-side flag is the follow-up).
+// - Bytes: quantized_gather_bytes() is what one gather sends from this rank (the all-gather's
+//   wire, plus fp8's amax all-reduce), the closed form the plan's bytes() equals
+//   (make_gather_plan checks) and explain counts.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "flat_param/flat_param_config.h"
+#include "flat_param/layout.h"
+
+namespace flatshard {
+
+class Communicator;
+class GatherPlan;
+struct GatherArgs;
+
+constexpr int64_t kInt8BlockSize = 256;  // elements per int8 scale (qwZ uses 256 too)
+constexpr double kFp8Max = 448.0;        // largest finite float8_e4m3fn
+constexpr double kInt8Max = 127.0;       // symmetric: -128 is never used
+
+// --- the wire formats, on 1-D fp32 tensors (CPU or the device) -------------------------------
+
+// Scales from amax (fp32, any shape) for a format whose largest code is `qmax`: amax / qmax,
+// 1 where amax is 0, FLT_MIN where amax / qmax is below it; non-finite amax stays non-finite.
+at::Tensor scales_from_amax(const at::Tensor& amax, double qmax);
+// fp8: `x` (fp32, 1-D) with one scale `s` (fp32, one element) -> float8_e4m3fn.
+at::Tensor fp8_quantize(const at::Tensor& x, const at::Tensor& s);
+// Back to `dtype`.
+at::Tensor fp8_dequantize(const at::Tensor& q, const at::Tensor& s, at::ScalarType dtype);
+// int8 blocks of `x` (fp32, 1-D, n elements): ceil(n / kInt8BlockSize).
+int64_t int8_num_blocks(int64_t n);
+// The block scales of `x` (fp32 [int8_num_blocks(n)]).
+at::Tensor int8_block_scales(const at::Tensor& x);
+// `x` with its block scales -> int8 [n].
+at::Tensor int8_quantize(const at::Tensor& x, const at::Tensor& scales);
+// Back to `dtype`, [n].
+at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::ScalarType dtype);
+
+// --- the plan ------------------------------------------------------------------------------
+
+// Bytes one gather of a unit configured as `config` (gather_dtype kFp8 or kInt8, sharded) over
+// `layout` sends from this rank; 0 for kParam (collective_plan.cpp's all_gather_bytes counts it).
+int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
+
+// The plan (named "Fp8AllGather" or "Int8AllGather") over `comm`, the shard group.
+std::unique_ptr<GatherPlan> make_quantized_gather(const std::string& unit_name,
+                                                  const FlatParamConfig& config,
+                                                  const FlatLayout& layout, Communicator& comm,
+                                                  GatherArgs args);
+
+}  // namespace flatshard
