@@ -2,9 +2,8 @@
 // share, defined once: the reference model (--model, --preset and the size overrides), the
 // sharding options (--strategy, --param-dtype, --reduce-dtype, --gather-dtype,
 // --keep-low-precision-grads, --keep-compute-shard, --offload-step, --prefetch) and the peak for
-// MFU (--peak-tflops). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
-Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
-// and a ShardingOptions with the functions below, so a flag has one name, one default, one
+// MFU (--peak-tflops). Each tool adds them to its CLI11 app, then turns them into a
+// models::ModelConfig and a ShardingOptions with the functions below, so a flag has one name, one default, one
 // meaning and one check in both tools (docs/vocabulary.md).
 //
 // Contract
