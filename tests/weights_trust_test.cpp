@@ -152,7 +152,10 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
     WARN(kMaxTensors << " tensors: read + tree + plan + explain in process " << took << " s");
     CHECK(e.total_numel == kMaxTensors);
     CHECK(e.units.size() == static_cast<size_t>(kMaxTensors / 8 + 1));
-    CHECK(took < 120.0);  // a hang guard: 8.9-17.2 s before (idle), see the WARN
+    // ~20 s before (idle), 36 s and more under load; ~8 s of CPU now (json pointers found only
+    // for errors, no second name maps, prefix checks shared; issue 49). Generous for CI's
+    // loaded 2 cores.
+    CHECK(took < 30.0);
   }
   {
     // The same tensors through an index over one shard.
@@ -167,7 +170,7 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
     const double took = seconds_since(t0);
     WARN("an index of " << kMaxTensors << " entries: in process " << took << " s");
     CHECK(e.total_numel == kMaxTensors);
-    CHECK(took < 120.0);  // a hang guard: 14.6 s before (idle)
+    CHECK(took < 30.0);  // 14.6-20 s before (idle), see above
   }
   {
     // 10^6 tensors: refused from a count of the header, before its JSON is parsed.
@@ -192,9 +195,11 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
         explain_tool(tmp, {"--weights", tmp / "one_more.safetensors", "--world", "2"}));
     const auto t0 = std::chrono::steady_clock::now();
     const auto r = explain_tool(tmp, {"--weights", tmp / "max.safetensors", "--world", "8"});
-    WARN(kMaxTensors << " tensors: flatshard-explain " << seconds_since(t0) << " s wall");
+    const double took = seconds_since(t0);
+    WARN(kMaxTensors << " tensors: flatshard-explain " << took << " s wall");
     INFO(r.err);
     CHECK(r.exit_code == 0);
+    CHECK(took < 30.0);  // 17-23 s before (idle), 35 s under load
     CHECK(contains(r.out, std::to_string(kMaxTensors) + " tensors"));
   }
 }
