@@ -354,3 +354,30 @@ TEST_CASE("weights: module_tree_from_weights finds a tensor that is also a modul
   CHECK_THROWS_WITH(module_tree_from_weights(w), Catch::Contains("more than the 64"));
   CHECK_THROWS_WITH(find_layer_list(w), Catch::Contains("more than 64"));
 }
+
+TEST_CASE("weights: module order from an out-of-order header, and an in-order one kept",
+          "[diagnostics][weights]") {
+  // read_weights compares names in place and sorts only when a linear check finds them out of
+  // order (issue 49); the order is the header contract's: component by component, numbers
+  // numerically ("01" and "1" equal in value, then bytewise), numbers before names.
+  TempDir tmp;
+  const std::vector<std::string> expected = {"b.01.w", "b.1.w",  "b.1.x.w", "b.2.w",
+                                             "b.10.w", "b.a.w",  "z.w"};
+  auto names_of = [](const WeightsInfo& w) {
+    std::vector<std::string> out;
+    for (const auto& t : w.tensors) out.push_back(t.name);
+    return out;
+  };
+  write_tensors(tmp / "shuffled.safetensors",
+                {"z.w", "b.a.w", "b.10.w", "b.2.w", "b.1.x.w", "b.1.w", "b.01.w"});
+  CHECK(names_of(read_weights(tmp / "shuffled.safetensors")) == expected);
+  write_tensors(tmp / "sorted.safetensors", expected);
+  CHECK(names_of(read_weights(tmp / "sorted.safetensors")) == expected);
+  // A tensor that is also a module is found wherever the shared prefixes start.
+  for (const auto& names : std::vector<std::vector<std::string>>{
+           {"a.b.c.d", "a.b.c.e", "a.b.c"}, {"a.b.c", "a.b.c.d"}, {"a.x", "a.b.c.d", "a.b"}}) {
+    write_tensors(tmp / "both.safetensors", names);
+    CHECK_THROWS_WITH(read_weights(tmp / "both.safetensors"),
+                      Catch::Contains("is a tensor and also a module"));
+  }
+}
