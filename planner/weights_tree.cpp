@@ -334,16 +334,19 @@ std::string name_for_error(std::string_view name) {
          std::to_string(name.size()) + " bytes)";
 }
 
-// A module's child by (parent index, component): one hash map for a whole tree.
+// A module's child by (parent index, component): one hash map for a whole tree. The key carries
+// its hash: the map does not cache hash codes for a custom hasher and would hash the component
+// again for every node a lookup passes.
 struct ChildKey {
+  ChildKey(size_t p, std::string_view c)
+      : parent(p), part(c), hash(std::hash<std::string_view>()(c) ^ (p * 0x9E3779B97F4A7C15ull)) {}
   size_t parent;
   std::string_view part;
+  size_t hash;
   bool operator==(const ChildKey& o) const { return parent == o.parent && part == o.part; }
 };
 struct ChildKeyHash {
-  size_t operator()(const ChildKey& k) const {
-    return std::hash<std::string_view>()(k.part) ^ (k.parent * 0x9E3779B97F4A7C15ull);
-  }
+  size_t operator()(const ChildKey& k) const { return k.hash; }
 };
 using ChildIndex = std::unordered_map<ChildKey, size_t, ChildKeyHash>;
 
