@@ -89,7 +89,10 @@ ValueRecord parse_value(const json::Node& j) {
   naming("entry", v.name, [&] {
     only(j, {"name", "dtype", "shape", "tied", "unit", "step", "pieces"});
     const json::Node dtype = j.at("dtype");
-    v.dtype = safetensors_dtype(dtype.as_string(), dtype.where() + " ('" + v.name + "')");
+    // where() searches the document (support/json.h): only for the error.
+    const auto known = find_safetensors_dtype(dtype.as_string());
+    v.dtype = known ? *known
+                    : safetensors_dtype(dtype.as_string(), dtype.where() + " ('" + v.name + "')");
     v.shape = parse_ints(j.at("shape"));
     if (const auto t = j.find("tied"))
       for (const auto& a : t->items()) v.aliases.push_back(a.as_string());
@@ -270,8 +273,10 @@ FileRecord parse_file_record(const json::Node& j) {
       FileTensor ft;
       ft.entry.name = t.at("name").as_string();
       const json::Node dtype = t.at("dtype");
-      ft.entry.dtype =
-          safetensors_dtype(dtype.as_string(), dtype.where() + " (tensor '" + ft.entry.name + "')");
+      const auto known = find_safetensors_dtype(dtype.as_string());
+      ft.entry.dtype = known ? *known
+                             : safetensors_dtype(dtype.as_string(), dtype.where() + " (tensor '" +
+                                                                        ft.entry.name + "')");
       ft.entry.shape = parse_ints(t.at("shape"));
       const json::Node offsets = t.at("data_offsets");
       const auto off = parse_ints(offsets);

@@ -52,9 +52,14 @@ const char* safetensors_dtype_name(at::ScalarType t) {
   TORCH_CHECK(false, "safetensors: dtype ", t, " has no safetensors name");
 }
 
-at::ScalarType safetensors_dtype(const std::string& name, const std::string& what) {
+std::optional<at::ScalarType> find_safetensors_dtype(std::string_view name) {
   for (const auto& [st, n] : kDtypes)
     if (name == n) return st;
+  return std::nullopt;
+}
+
+at::ScalarType safetensors_dtype(const std::string& name, const std::string& what) {
+  if (const auto st = find_safetensors_dtype(name)) return *st;
   TORCH_CHECK(false, what, ": unknown safetensors dtype '", name,
               "' (known: F32 BF16 F16 F64 I64 I32 I16 I8 U8 BOOL)");
 }
@@ -114,20 +119,24 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
                                            int64_t file_size) {
   SafetensorsHeader h;
   h.bytes_ = std::move(raw);
-  const std::string text = h.bytes_.substr(8);
+  const std::string_view text = std::string_view(h.bytes_).substr(8);
   TORCH_CHECK(!text.empty() && text[0] == '{', path,
               ": safetensors header does not start with '{'");
   const std::string what = path + " (safetensors header)";
   const json::Json parsed = json::parse(text, what);
   // Errors name the file and the key (a JSON Pointer: "/wte.weight/shape/0").
-  for (const auto& [key, value] : json::Node(parsed, what).members()) {
+  const auto members = json::Node(parsed, what).member_views();
+  h.tensors_.reserve(members.size());
+  for (const auto& [key, value] : members) {
     if (key == "__metadata__") {
       for (const auto& [k, v] : value.members()) h.metadata_.emplace_back(k, v.as_string());
       continue;
     }
     TensorEntry e;
     e.name = key;
-    e.dtype = safetensors_dtype(value.at("dtype").as_string(), path + ", tensor '" + key + "'");
+    const std::string& dtype = value.at("dtype").as_string();
+    const auto known = find_safetensors_dtype(dtype);
+    e.dtype = known ? *known : safetensors_dtype(dtype, path + ", tensor '" + e.name + "'");
     for (const auto& d : value.at("shape").items()) {
       e.shape.push_back(d.as_int());
       if (e.shape.back() < 0) d.fail("negative dimension");
@@ -141,9 +150,12 @@ SafetensorsHeader SafetensorsHeader::parse(std::string raw, const std::string& p
   }
   // By (begin, end): an empty tensor shares its offset with the next one ([x, x] then [x, y]),
   // and by begin alone the sort may put it after that one (files save_file writes have them).
-  std::sort(h.tensors_.begin(), h.tensors_.end(), [](const TensorEntry& a, const TensorEntry& b) {
+  // Writers lay tensors out in header order: a linear check first, the sort only when needed.
+  const auto by_offsets = [](const TensorEntry& a, const TensorEntry& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  };
+  if (!std::is_sorted(h.tensors_.begin(), h.tensors_.end(), by_offsets))
+    std::sort(h.tensors_.begin(), h.tensors_.end(), by_offsets);
   int64_t expect = 0;
   for (const auto& e : h.tensors_) {
     int64_t numel = 0, want = 0;
@@ -177,12 +189,32 @@ SafetensorsHeader SafetensorsHeader::read(const InputFile& file) {
   return parse(read_raw(file), file.path(), file.size());
 }
 
+SafetensorsHeader::SafetensorsHeader(const SafetensorsHeader& other)
+    : bytes_(other.bytes_),
+      tensors_(other.tensors_),
+      metadata_(other.metadata_),
+      data_bytes_(other.data_bytes_) {
+  index();
+}
+
+SafetensorsHeader& SafetensorsHeader::operator=(const SafetensorsHeader& other) {
+  if (this != &other) {
+    bytes_ = other.bytes_;
+    tensors_ = other.tensors_;
+    metadata_ = other.metadata_;
+    data_bytes_ = other.data_bytes_;
+    index();
+  }
+  return *this;
+}
+
 void SafetensorsHeader::index() {
   by_name_.clear();
+  by_name_.reserve(tensors_.size());
   for (size_t i = 0; i < tensors_.size(); ++i) by_name_.emplace(tensors_[i].name, i);
 }
 
-const TensorEntry* SafetensorsHeader::find(const std::string& name) const {
+const TensorEntry* SafetensorsHeader::find(std::string_view name) const {
   auto it = by_name_.find(name);
   return it == by_name_.end() ? nullptr : &tensors_[it->second];
 }

@@ -16,7 +16,9 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -39,6 +41,13 @@ using Metadata = std::vector<std::pair<std::string, std::string>>;
 
 class SafetensorsHeader {
  public:
+  SafetensorsHeader() = default;
+  // Copies index their own names (by_name_ holds views of tensors_' names); moves keep them.
+  SafetensorsHeader(const SafetensorsHeader& other);
+  SafetensorsHeader& operator=(const SafetensorsHeader& other);
+  SafetensorsHeader(SafetensorsHeader&&) = default;
+  SafetensorsHeader& operator=(SafetensorsHeader&&) = default;
+
   // Lays `entries` out back to back in the given order (assigns begin/end).
   static SafetensorsHeader make(std::vector<TensorEntry> entries, Metadata metadata);
   // The first 8 + N bytes of `file` (checks that N is sane and that the file holds them).
@@ -54,7 +63,7 @@ class SafetensorsHeader {
   int64_t file_bytes() const { return data_start() + data_bytes_; }
   const std::vector<TensorEntry>& tensors() const { return tensors_; }
   const Metadata& metadata() const { return metadata_; }
-  const TensorEntry* find(const std::string& name) const;
+  const TensorEntry* find(std::string_view name) const;
 
  private:
   void index();
@@ -63,7 +72,7 @@ class SafetensorsHeader {
   std::vector<TensorEntry> tensors_;  // in data order
   Metadata metadata_;
   int64_t data_bytes_ = 0;
-  std::unordered_map<std::string, size_t> by_name_;
+  std::unordered_map<std::string_view, size_t> by_name_;  // views of tensors_[i].name
 };
 
 // The product of `shape` into *numel; false if a dimension is negative or the product
@@ -74,5 +83,7 @@ bool checked_numel(const std::vector<int64_t>& shape, int64_t* numel);
 const char* safetensors_dtype_name(at::ScalarType t);
 // The inverse; throws naming `what` and the known names.
 at::ScalarType safetensors_dtype(const std::string& name, const std::string& what);
+// The inverse, nullopt for an unknown name (callers that build `what` only for the error).
+std::optional<at::ScalarType> find_safetensors_dtype(std::string_view name);
 
 }  // namespace flatshard

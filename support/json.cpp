@@ -59,7 +59,7 @@ class StrictBuilder : public nlohmann::json_sax<Json> {
 
   bool key(string_t& k) override {
     Level& top = levels_.back();
-    if (!top.keys.insert(k).second)
+    if (seen_before(top, k))
       return refuse("duplicate key '" + k + "' in the object at " + location(levels_.size() - 1));
     top.key = std::move(k);
     return true;
@@ -82,24 +82,61 @@ class StrictBuilder : public nlohmann::json_sax<Json> {
   std::optional<size_t> error_position() const { return error_position_; }
 
  private:
+  using Members = std::vector<Json::object_t::value_type>;
+  static Members& members_of(Json& object) {
+    return static_cast<Members&>(object.get_ref<Json::object_t&>());
+  }
+
   struct Level {
     Json* value;
-    std::unordered_set<std::string> keys;  // objects: the keys seen so far
-    std::string key;                       // objects: the member being read
+    // Objects of more than kScanned members: an open-addressing index of their keys, slot =
+    // member index + 1 (0: empty), so the duplicate check is O(1) per key without a second copy
+    // of each key (a safetensors header has one key per tensor; a set of strings per object
+    // was ~9% of reading 524,288 tensors, issue 49). Smaller objects are scanned.
+    std::vector<uint32_t> slots;
+    std::string key;  // objects: the member being read, until it is placed
   };
+  static constexpr size_t kScanned = 8;
 
-  // The JSON Pointer of the value being read inside the first `n` open containers. An array
-  // with an open container inside already holds it (its last element); the innermost one is
-  // about to receive the value being read (index size()).
+  // Whether `k` is a key of `l`'s object already; if not, indexes it as the member that
+  // place() appends next.
+  static bool seen_before(Level& l, const std::string& k) {
+    const Members& m = members_of(*l.value);
+    if (m.size() < kScanned) {
+      for (const auto& p : m)
+        if (p.first == k) return true;
+      return false;
+    }
+    if (l.slots.size() < 2 * (m.size() + 1)) {  // at most half full; rebuilt from the members
+      size_t size = 64;
+      while (size < 4 * (m.size() + 1)) size *= 2;
+      l.slots.assign(size, 0);
+      for (size_t i = 0; i < m.size(); ++i) {
+        size_t h = std::hash<std::string>()(m[i].first) & (l.slots.size() - 1);
+        while (l.slots[h] != 0) h = (h + 1) & (l.slots.size() - 1);
+        l.slots[h] = static_cast<uint32_t>(i + 1);
+      }
+    }
+    size_t h = std::hash<std::string>()(k) & (l.slots.size() - 1);
+    for (; l.slots[h] != 0; h = (h + 1) & (l.slots.size() - 1))
+      if (m[l.slots[h] - 1].first == k) return true;
+    l.slots[h] = static_cast<uint32_t>(m.size() + 1);
+    return false;
+  }
+
+  // The JSON Pointer of the value being read inside the first `n` open containers. A container
+  // with an open container inside already holds it (an array's last element, an object's last
+  // member, its key moved there); the innermost one is about to receive the value being read
+  // (an array's index size(), an object's pending key).
   std::string pointer(size_t n) const {
     std::string p;
     for (size_t i = 0; i < n; ++i) {
       const Level& l = levels_[i];
+      const bool placed = i + 1 < levels_.size();
       if (l.value->is_array()) {
-        const size_t placed = i + 1 < levels_.size() ? 1 : 0;
-        p += "/" + std::to_string(l.value->size() - placed);
+        p += "/" + std::to_string(l.value->size() - (placed ? 1 : 0));
       } else {
-        p += "/" + pointer_token(l.key);
+        p += "/" + pointer_token(placed ? members_of(*l.value).back().first : l.key);
       }
     }
     return p;
@@ -138,7 +175,7 @@ class StrictBuilder : public nlohmann::json_sax<Json> {
       for (auto& m : members) grown.emplace_back(m.first, std::move(m.second));
       members.swap(grown);
     }
-    members.emplace_back(levels_.back().key, std::move(v));  // a copy: pointer() still needs it
+    members.emplace_back(std::move(levels_.back().key), std::move(v));  // pointer() reads it there
     return &members.back().second;
   }
 
@@ -214,11 +251,45 @@ Json parse(std::string_view text, const std::string& what) {
 }
 
 Node::Node(const Json& doc, std::string what)
-    : Node(&doc, std::make_shared<const std::string>(std::move(what)), std::string()) {}
+    : Node(&doc, std::make_shared<const Doc>(Doc{std::move(what), &doc})) {}
+
+namespace {
+
+// Appends to `path` the JSON Pointer of `target` inside `v`; false if it is not there. Recurses
+// once per level: a parsed document is at most kMaxDepth deep.
+bool find_pointer(const Json& v, const Json* target, std::string& path) {
+  if (&v == target) return true;
+  const size_t size = path.size();
+  if (v.is_object()) {
+    for (const auto& kv : v.get_ref<const Json::object_t&>()) {
+      path += "/" + pointer_token(kv.first);
+      if (find_pointer(kv.second, target, path)) return true;
+      path.resize(size);
+    }
+  } else if (v.is_array()) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      path += "/" + std::to_string(i);
+      if (find_pointer(v[i], target, path)) return true;
+      path.resize(size);
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string Node::pointer() const {
+  std::string path;
+  const bool found = find_pointer(*doc_->root, value_, path);
+  TORCH_INTERNAL_ASSERT(found, "json::Node: the value is not in its document");
+  return path;
+}
 
 std::string Node::where() const {
-  if (what_->empty()) return pointer_.empty() ? "JSON" : pointer_;
-  return pointer_.empty() ? *what_ : *what_ + ": " + pointer_;
+  const std::string p = pointer();
+  const std::string& what = doc_->what;
+  if (what.empty()) return p.empty() ? "JSON" : p;
+  return p.empty() ? what : what + ": " + p;
 }
 
 void Node::fail(const std::string& why) const { TORCH_CHECK(false, where(), ": ", why); }
@@ -232,7 +303,7 @@ Node Node::at(const std::string& key) const {
     fail("expected an object with key '" + key + "', got " + describe(*value_));
   const auto it = value_->find(key);
   if (it == value_->end()) fail("missing key '" + key + "'");
-  return Node(&*it, what_, pointer_ + "/" + pointer_token(key));
+  return Node(&*it, doc_);
 }
 
 std::optional<Node> Node::find(const std::string& key) const {
@@ -240,7 +311,7 @@ std::optional<Node> Node::find(const std::string& key) const {
     fail("expected an object with key '" + key + "', got " + describe(*value_));
   const auto it = value_->find(key);
   if (it == value_->end()) return std::nullopt;
-  return Node(&*it, what_, pointer_ + "/" + pointer_token(key));
+  return Node(&*it, doc_);
 }
 
 std::vector<Node> Node::items() const {
@@ -248,7 +319,7 @@ std::vector<Node> Node::items() const {
   std::vector<Node> out;
   out.reserve(value_->size());
   for (size_t i = 0; i < value_->size(); ++i)
-    out.push_back(Node(&(*value_)[i], what_, pointer_ + "/" + std::to_string(i)));
+    out.push_back(Node(&(*value_)[i], doc_));
   return out;
 }
 
@@ -256,8 +327,17 @@ std::vector<std::pair<std::string, Node>> Node::members() const {
   if (!value_->is_object()) fail_type("an object");
   std::vector<std::pair<std::string, Node>> out;
   out.reserve(value_->size());
-  for (const auto& [k, v] : value_->items())
-    out.emplace_back(k, Node(&v, what_, pointer_ + "/" + pointer_token(k)));
+  for (const auto& [k, v] : value_->items()) out.emplace_back(k, Node(&v, doc_));
+  return out;
+}
+
+std::vector<std::pair<std::string_view, Node>> Node::member_views() const {
+  if (!value_->is_object()) fail_type("an object");
+  std::vector<std::pair<std::string_view, Node>> out;
+  out.reserve(value_->size());
+  // The object's own pairs: the views are of the document's keys.
+  for (const auto& kv : value_->get_ref<const Json::object_t&>())
+    out.emplace_back(kv.first, Node(&kv.second, doc_));
   return out;
 }
 

@@ -180,6 +180,45 @@ TEST_CASE("json: duplicate keys are an error naming the key", "[support][json]")
                     Contains("duplicate key 'k' in the object at /o"));
   // The same key in different objects is fine, and so are keys that differ only in case.
   CHECK_NOTHROW(json::parse(R"({"a": {"k": 1}, "b": [{"k": 2}, {"k": 3}], "k": 4, "K": 5})"));
+  // Objects past the scanned size are checked through their key index (grown several times
+  // here): every duplicate is found, wherever it sits, and nested pointers still name the key.
+  std::string big = "{";
+  for (int i = 0; i < 5000; ++i) big += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":" + std::to_string(i);
+  CHECK_NOTHROW(json::parse(big + "}"));
+  for (const int dup : {0, 7, 8, 9, 63, 64, 4999}) {
+    CAPTURE(dup);
+    CHECK(error_of([&] { json::parse(big + ",\"k" + std::to_string(dup) + "\":1}", "m.json"); }) ==
+          "m.json: invalid JSON: duplicate key 'k" + std::to_string(dup) +
+              "' in the object at the top level");
+  }
+  CHECK_THROWS_WITH(json::parse("{\"a/b\": [0, " + big + ",\"k17\":1}]}"),
+                    Contains("duplicate key 'k17' in the object at /a~1b/1"));
+  CHECK_THROWS_WITH(json::parse(big + ",\"z\": {\"y\": 99999999999999999999999}}"),
+                    Contains("does not fit in 64 bits, at /z/y"));
+}
+
+TEST_CASE("json: a Node's pointer is found in the document when asked", "[support][json]") {
+  // Nodes carry no pointer string (support/json.h): where() searches the document, and says
+  // the same as a pointer built on the way down did.
+  std::string text = "{\"files\": [";
+  for (int i = 0; i < 1000; ++i)
+    text += (i ? ",{" : "{") + std::string("\"name\": \"f") + std::to_string(i) + "\", \"bytes\": 1}";
+  text += "], \"a/b~c\": {\"x\": [true, \"s\"]}}";
+  const json::Json doc = json::parse(text);
+  const json::Node root(doc, "m.json");
+  CHECK(root.pointer().empty());
+  CHECK(root.where() == "m.json");
+  const auto files = root.at("files").items();
+  CHECK(files[999].at("bytes").pointer() == "/files/999/bytes");
+  CHECK(error_of([&] { files[998].at("name").as_int(); }) ==
+        "m.json: /files/998/name: expected an integer, got a string");
+  const auto x = root.at("a/b~c").at("x").items();
+  CHECK(x[1].where() == "m.json: /a~1b~0c/x/1");
+  const auto members = root.member_views();
+  REQUIRE(members.size() == 2);
+  CHECK(members[1].first == "a/b~c");
+  CHECK(members[1].second.pointer() == "/a~1b~0c");
+  CHECK(json::Node(doc, "").at("files").where() == "/files");
 }
 
 TEST_CASE("json: files (read_json_file); errors name the path", "[support][json]") {

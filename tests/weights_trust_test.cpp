@@ -152,7 +152,10 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
     WARN(kMaxTensors << " tensors: read + tree + plan + explain in process " << took << " s");
     CHECK(e.total_numel == kMaxTensors);
     CHECK(e.units.size() == static_cast<size_t>(kMaxTensors / 8 + 1));
-    CHECK(took < 120.0);  // a hang guard: 8.9-17.2 s before (idle), see the WARN
+    // ~20 s before (idle), 36 s and more under load; ~8 s of CPU now (json pointers found only
+    // for errors, no second name maps, prefix checks shared; issue 49). Generous for CI's
+    // loaded 2 cores.
+    CHECK(took < 30.0);
   }
   {
     // The same tensors through an index over one shard.
@@ -167,7 +170,7 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
     const double took = seconds_since(t0);
     WARN("an index of " << kMaxTensors << " entries: in process " << took << " s");
     CHECK(e.total_numel == kMaxTensors);
-    CHECK(took < 120.0);  // a hang guard: 14.6 s before (idle)
+    CHECK(took < 30.0);  // 14.6-20 s before (idle), see above
   }
   {
     // 10^6 tensors: refused from a count of the header, before its JSON is parsed.
@@ -192,9 +195,11 @@ TEST_CASE("weights: kMaxTensors tensors build in linear time; more are refused b
         explain_tool(tmp, {"--weights", tmp / "one_more.safetensors", "--world", "2"}));
     const auto t0 = std::chrono::steady_clock::now();
     const auto r = explain_tool(tmp, {"--weights", tmp / "max.safetensors", "--world", "8"});
-    WARN(kMaxTensors << " tensors: flatshard-explain " << seconds_since(t0) << " s wall");
+    const double took = seconds_since(t0);
+    WARN(kMaxTensors << " tensors: flatshard-explain " << took << " s wall");
     INFO(r.err);
     CHECK(r.exit_code == 0);
+    CHECK(took < 30.0);  // 17-23 s before (idle), 35 s under load
     CHECK(contains(r.out, std::to_string(kMaxTensors) + " tensors"));
   }
 }
@@ -348,4 +353,31 @@ TEST_CASE("weights: module_tree_from_weights finds a tensor that is also a modul
   add(deep_name(kMaxNameDepth + 1));
   CHECK_THROWS_WITH(module_tree_from_weights(w), Catch::Contains("more than the 64"));
   CHECK_THROWS_WITH(find_layer_list(w), Catch::Contains("more than 64"));
+}
+
+TEST_CASE("weights: module order from an out-of-order header, and an in-order one kept",
+          "[diagnostics][weights]") {
+  // read_weights compares names in place and sorts only when a linear check finds them out of
+  // order (issue 49); the order is the header contract's: component by component, numbers
+  // numerically ("01" and "1" equal in value, then bytewise), numbers before names.
+  TempDir tmp;
+  const std::vector<std::string> expected = {"b.01.w", "b.1.w",  "b.1.x.w", "b.2.w",
+                                             "b.10.w", "b.a.w",  "z.w"};
+  auto names_of = [](const WeightsInfo& w) {
+    std::vector<std::string> out;
+    for (const auto& t : w.tensors) out.push_back(t.name);
+    return out;
+  };
+  write_tensors(tmp / "shuffled.safetensors",
+                {"z.w", "b.a.w", "b.10.w", "b.2.w", "b.1.x.w", "b.1.w", "b.01.w"});
+  CHECK(names_of(read_weights(tmp / "shuffled.safetensors")) == expected);
+  write_tensors(tmp / "sorted.safetensors", expected);
+  CHECK(names_of(read_weights(tmp / "sorted.safetensors")) == expected);
+  // A tensor that is also a module is found wherever the shared prefixes start.
+  for (const auto& names : std::vector<std::vector<std::string>>{
+           {"a.b.c.d", "a.b.c.e", "a.b.c"}, {"a.b.c", "a.b.c.d"}, {"a.x", "a.b.c.d", "a.b"}}) {
+    write_tensors(tmp / "both.safetensors", names);
+    CHECK_THROWS_WITH(read_weights(tmp / "both.safetensors"),
+                      Catch::Contains("is a tensor and also a module"));
+  }
 }
