@@ -65,21 +65,10 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
 
 int64_t as_int(Communicator* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
 
-// The slice of `full` a tp rank keeps (the one home of the layout, parallelize and local_slice).
-at::Tensor slice_of(const at::Tensor& full, TpStyle style, int parts, bool is_bias, int tp,
-                    int rank) {
-  if (style == TpStyle::kRowwise) {
-    if (is_bias) return full;
-    const int64_t c = full.size(1) / tp;
-    return full.narrow(1, rank * c, c).contiguous();
-  }
-  const int64_t out = full.size(0), block = out / parts, c = block / tp;
-  std::vector<int64_t> shape = full.sizes().vec();
-  shape[0] = block;
-  shape.insert(shape.begin(), parts);
-  std::vector<int64_t> local = full.sizes().vec();
-  local[0] = out / tp;
-  return full.reshape(shape).narrow(1, rank * c, c).reshape(local).contiguous();
+// The placement of a parameter of a split module (a rowwise bias is replicated).
+TpPlacement placement_of(TpStyle style, int parts, bool is_bias) {
+  if (style == TpStyle::kRowwise && is_bias) return {};
+  return {style, style == TpStyle::kColwise ? parts : 1};
 }
 
 std::string model_types(const torch::nn::Module& root) {
@@ -94,6 +83,79 @@ std::string model_types(const torch::nn::Module& root) {
 }
 
 }  // namespace
+
+std::string to_string(const TpPlacement& p) {
+  if (p.style == TpStyle::kColwise && p.parts > 1) return "colwise/" + std::to_string(p.parts);
+  return to_string(p.style);
+}
+
+std::optional<TpPlacement> parse_tp_placement(const std::string& text) {
+  for (TpStyle s : {TpStyle::kReplicate, TpStyle::kColwise, TpStyle::kRowwise})
+    if (text == to_string(s)) return TpPlacement{s, 1};
+  const std::string col = std::string(to_string(TpStyle::kColwise)) + "/";
+  if (text.size() <= col.size() || text.size() > col.size() + 4 || text.compare(0, col.size(), col) != 0)
+    return std::nullopt;
+  int parts = 0;
+  for (size_t i = col.size(); i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return std::nullopt;
+    parts = parts * 10 + (text[i] - '0');
+  }
+  if (parts < 2 || text[col.size()] == '0') return std::nullopt;
+  return TpPlacement{TpStyle::kColwise, parts};
+}
+
+std::string tp_split_error(const std::vector<int64_t>& shape, const TpPlacement& p, int tp) {
+  std::ostringstream os;
+  if (tp < 1) {
+    os << "tp size " << tp << " is not positive";
+  } else if (p.style == TpStyle::kColwise) {
+    if (shape.empty() || shape.size() > 2 || p.parts < 1 || shape[0] % (int64_t{p.parts} * tp) != 0)
+      os << "a " << to_string(p) << " value is 1-D or 2-D with dim 0 a multiple of "
+         << p.parts << " x tp " << tp << "; it has shape " << c10::IntArrayRef(shape);
+  } else if (p.style == TpStyle::kRowwise) {
+    if (shape.size() != 2 || shape[1] % tp != 0)
+      os << "a rowwise value is 2-D with dim 1 a multiple of tp " << tp << "; it has shape "
+         << c10::IntArrayRef(shape);
+  }
+  return os.str();
+}
+
+std::vector<int64_t> tp_full_shape(std::vector<int64_t> local, const TpPlacement& p, int tp) {
+  if (p.style == TpStyle::kColwise && !local.empty()) local[0] *= tp;
+  if (p.style == TpStyle::kRowwise && local.size() == 2) local[1] *= tp;
+  return local;
+}
+
+at::Tensor tp_slice(const at::Tensor& full, const TpPlacement& p, int tp, int rank) {
+  if (p.style == TpStyle::kReplicate || tp == 1) return full;
+  if (p.style == TpStyle::kRowwise) {
+    const int64_t c = full.size(1) / tp;
+    return full.narrow(1, rank * c, c).contiguous();
+  }
+  const int64_t out = full.size(0), block = out / p.parts, c = block / tp;
+  std::vector<int64_t> shape = full.sizes().vec();
+  shape[0] = block;
+  shape.insert(shape.begin(), p.parts);
+  std::vector<int64_t> local = full.sizes().vec();
+  local[0] = out / tp;
+  return full.reshape(shape).narrow(1, rank * c, c).reshape(local).contiguous();
+}
+
+at::Tensor tp_unslice(const at::Tensor& tp_major, const std::vector<int64_t>& full_shape,
+                      const TpPlacement& p, int tp) {
+  if (p.style == TpStyle::kReplicate || tp == 1) return tp_major.reshape(full_shape).contiguous();
+  std::vector<int64_t> local = full_shape;
+  if (p.style == TpStyle::kRowwise) {
+    local[1] /= tp;
+    local.insert(local.begin(), tp);  // [tp, out, in/tp] -> [out, tp, in/tp]
+    return tp_major.reshape(local).transpose(0, 1).reshape(full_shape).contiguous();
+  }
+  // Colwise: [tp, parts, block/tp, rest...] -> [parts, tp, block/tp, rest...].
+  const int64_t c = full_shape[0] / p.parts / tp;
+  std::vector<int64_t> shape{tp, p.parts, c};
+  shape.insert(shape.end(), full_shape.begin() + 1, full_shape.end());
+  return tp_major.reshape(shape).transpose(0, 1).reshape(full_shape).contiguous();
+}
 
 namespace detail {
 
@@ -142,9 +204,13 @@ bool TensorParallel::is_split(const at::Tensor& param) const {
 }
 
 at::Tensor TensorParallel::local_slice(const std::string& name, const at::Tensor& full) const {
+  return tp_slice(full, placement(name), tp_size_, tp_rank_);
+}
+
+TpPlacement TensorParallel::placement(const std::string& name) const {
   auto it = slices_.find(name);
-  if (it == slices_.end()) return full;
-  return slice_of(full, it->second.style, it->second.parts, it->second.is_bias, tp_size_, tp_rank_);
+  if (it == slices_.end()) return {};
+  return placement_of(it->second.style, it->second.parts, it->second.is_bias);
 }
 
 std::string TensorParallel::to_string() const {
@@ -258,7 +324,8 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
         const std::string name = tm.path + "." + p.key();
         out->slices_[name] = {tm.style, tm.parts, is_bias};
         if (tm.style == TpStyle::kRowwise && is_bias) continue;  // replicated
-        p.value().set_data(slice_of(p.value().detach(), tm.style, tm.parts, is_bias, tp, rank));
+        p.value().set_data(
+            tp_slice(p.value().detach(), placement_of(tm.style, tm.parts, is_bias), tp, rank));
         out->split_.insert(p.value().unsafeGetTensorImpl());
       }
     }
