@@ -173,7 +173,10 @@ at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x) {
 at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const at::Tensor& y) {
   // The replicated bias was added on every rank: take it out before the sum, add it once after
   // (its gradient is then the output's, as unsplit).
-  const at::Tensor* bias = m->named_parameters(/*recurse=*/false).find("bias");
+  // Keep the dict: find() points into it (a temporary's pointer dangled: a use-after-free that
+  // crashed tests/tensor_parallel_test.cpp about every other run).
+  const auto params = m->named_parameters(/*recurse=*/false);
+  const at::Tensor* bias = params.find("bias");
   if (bias == nullptr || !bias->defined()) return ReduceFromTp::apply(y, as_int(e.group));
   return ReduceFromTp::apply(y - *bias, as_int(e.group)) + *bias;
 }
