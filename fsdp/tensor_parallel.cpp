@@ -216,6 +216,56 @@ TpPlacement TensorParallel::placement(const std::string& name) const {
   return placement_of(it->second.style, it->second.parts, it->second.is_bias);
 }
 
+ParamLoader TensorParallel::slice_loader(ParamLoader full) const {
+  if (tp_size_ == 1 || !full) return full;
+  struct Split {
+    TpPlacement p;
+    std::vector<int64_t> local;
+  };
+  auto splits = std::make_shared<std::map<std::string, Split>>();
+  for (const auto& [name, slice] : slices_) {
+    const TpPlacement p = placement_of(slice.style, slice.parts, slice.is_bias);
+    if (p.style != TpStyle::kReplicate) (*splits)[name] = {p, slice.local_shape};
+  }
+  const int tp = tp_size_, rank = tp_rank_;
+  ParamLoader out;
+  if (full.check)
+    out.check = [check = full.check, splits, tp](const std::vector<PlannedParam>& params) {
+      std::vector<PlannedParam> whole = params;
+      for (PlannedParam& q : whole) {
+        auto it = splits->find(q.name);
+        if (it != splits->end()) q.shape = tp_full_shape(q.shape, it->second.p, tp);
+      }
+      check(whole);
+    };
+  out.read = [read = full.read, splits, tp, rank](const std::string& name, int64_t begin,
+                                                  int64_t end, const at::Tensor& dst) {
+    auto it = splits->find(name);
+    if (it == splits->end()) return read(name, begin, end, dst);
+    const TpPlacement& p = it->second.p;
+    const std::vector<int64_t>& local = it->second.local;
+    // Runs: local rows [r0, r1) of `row` elements each map to full elements starting at
+    // `full_at(r0)`; copy the part of [begin, end) each run covers.
+    auto copy_run = [&](int64_t local_lo, int64_t local_hi, int64_t full_lo) {
+      const int64_t lo = std::max(begin, local_lo), hi = std::min(end, local_hi);
+      if (lo >= hi) return;
+      read(name, full_lo + (lo - local_lo), full_lo + (hi - local_lo), dst.narrow(0, lo - begin, hi - lo));
+    };
+    int64_t row = 1;
+    for (size_t d = 1; d < local.size(); ++d) row *= local[d];
+    if (p.style == TpStyle::kColwise) {
+      const int64_t c = local[0] / p.parts, block = c * tp;  // rows per block: local, full
+      for (int j = 0; j < p.parts; ++j)
+        copy_run(j * c * row, (j + 1) * c * row, (j * block + rank * c) * row);
+    } else {  // rowwise: local [out, in/tp] of full [out, in]
+      const int64_t first = begin / row, last = (end + row - 1) / row;
+      for (int64_t o = first; o < last; ++o)
+        copy_run(o * row, (o + 1) * row, o * row * tp + rank * row);
+    }
+  };
+  return out;
+}
+
 std::string TensorParallel::to_string() const {
   std::ostringstream os;
   for (const TpModule& m : modules_) {
@@ -303,8 +353,6 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
                 where, ": ", what, " is not Linear-like: a colwise or rowwise module holds a 2-D "
                 "weight [out, in] and at most a 1-D bias [out]; it holds", held.str(),
                 ". Name its Linear children in the tp plan instead");
-    TORCH_CHECK(!w->is_meta(), where, ": ", what, "'s weight is on meta; parallelize a model "
-                "with values (deferred init under tensor parallelism is not supported yet)");
     if (tm.style == TpStyle::kColwise) {
       const int64_t o = w->size(0);
       TORCH_CHECK(o % (static_cast<int64_t>(tm.parts) * tp) == 0, where, ": ", what, " has ", o,
@@ -325,10 +373,14 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
         if (!p.value().defined()) continue;
         const bool is_bias = p.key() == "bias";
         const std::string name = tm.path + "." + p.key();
-        out->slices_[name] = {tm.style, tm.parts, is_bias};
-        if (tm.style == TpStyle::kRowwise && is_bias) continue;  // replicated
+        if (tm.style == TpStyle::kRowwise && is_bias) {  // replicated
+          out->slices_[name] = {tm.style, tm.parts, is_bias, p.value().sizes().vec()};
+          continue;
+        }
+        // On meta (a model to be loaded by fully_shard): shapes only, sliced alike.
         p.value().set_data(
             tp_slice(p.value().detach(), placement_of(tm.style, tm.parts, is_bias), tp, rank));
+        out->slices_[name] = {tm.style, tm.parts, is_bias, p.value().sizes().vec()};
         out->split_.insert(p.value().unsafeGetTensorImpl());
       }
     }

@@ -20,8 +20,8 @@
 //   TensorParallelModule; parallelize() calls its check before changing anything.
 // - Errors (c10::Error, nothing changed yet): a rule that matches no module (the plan, the rule,
 //   the model's types), a colwise/rowwise module that is not Linear-like (a 2-D `weight`, an
-//   optional 1-D `bias`), sizes tp does not divide (module, sizes, tp), meta parameters
-//   (deferred init under TP is not supported yet), a model parallelized twice. Every rank
+//   optional 1-D `bias`), sizes tp does not divide (module, sizes, tp), a model parallelized
+//   twice. Meta parameters are sliced as shapes (fully_shard must then load them). Every rank
 //   reaches the same decision (same model, plan and sizes).
 // - fully_shard on a parallelized model (Mesh with tp): units flatten the TP-local parameters
 //   and all-gather / reduce-scatter over mesh.shard() only; gradients of replicated parameters
@@ -33,7 +33,8 @@
 //   maps a full value to them. Checkpoints record each parameter's placement (placement(),
 //   TpPlacement; the layout's one home is tp_slice / tp_unslice below) and load at any tp size.
 // - Not yet (issue 51): sequence and loss parallelism, vocabulary-parallel embeddings, kv heads
-//   fewer than tp (replicated), deferred init on meta, Hugging Face loading under TP,
+//   fewer than tp (replicated), deferred init on meta without a loader (a meta-built model is
+//   parallelized, shapes only, and must be loaded: ShardingOptions::load, slice_loader),
 //   bench/explain --tp.
 // - Thread rule: as fully_shard; the registry is shared by all ranks-as-threads.
 #pragma once
@@ -48,6 +49,7 @@
 #include <vector>
 
 #include "collectives/mesh.h"
+#include "fsdp/options.h"
 #include "wrap_policies/tp_plan.h"
 
 namespace torch {
@@ -116,6 +118,12 @@ class TensorParallel {
   at::Tensor local_slice(const std::string& name, const at::Tensor& full) const;
   // Where the parameter named `name` lives (kReplicate when no split module holds it).
   TpPlacement placement(const std::string& name) const;
+  // Note [Loading into shards] under TP: `full` reads full tensors by name (hf_loader,
+  // safetensors_loader, checkpoint_loader); the result reads this tp rank's slices. check()
+  // gets each split parameter's full shape; read() maps a range of this rank's slice to the
+  // runs of the full tensor it covers (colwise: one run per fused block; rowwise: one per row)
+  // and reads only those. fully_shard applies it to ShardingOptions::load itself.
+  ParamLoader slice_loader(ParamLoader full) const;
   // One line per split module: "colwise/3 blocks.0.attn.qkv", for explain-like output.
   std::string to_string() const;
 
@@ -127,6 +135,7 @@ class TensorParallel {
     TpStyle style;
     int parts;
     bool is_bias;
+    std::vector<int64_t> local_shape;  // this rank's slice
   };
   const torch::nn::Module* root_ = nullptr;
   std::vector<const torch::nn::Module*> registered_;
