@@ -16,6 +16,7 @@
 #include "checkpoint/tensor_file.h"
 #include "checkpoint/unit_ranges.h"
 #include "fsdp/sharded_model.h"
+#include "fsdp/tensor_parallel.h"
 #include "support/input_file.h"
 #include "support/json.h"
 
@@ -45,7 +46,8 @@ bool is_numbered_file(const std::string& name) {
 struct Item {
   std::string model_name, name;  // name: in the files
   size_t unit = 0, param = 0;     // FlatParam::params() index
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;   // the full shape (tensor parallelism: of every tp slice joined)
+  TpPlacement tp;               // how the model's tp ranks split it
   int64_t bytes = 0;
   size_t file = 0;
 };
@@ -66,6 +68,10 @@ Layout lay_out(const ShardedModel& model, const ExportOptions& o) {
     for (size_t i = 0; i < params.size(); ++i) owner[params[i].name] = {u, i};
   }
   const int64_t elem = static_cast<int64_t>(c10::elementSize(o.dtype));
+  const int tp = model.mesh().size(MeshDim::kTp);
+  const TensorParallel* par = tp > 1 ? find_tensor_parallel(&model.module()) : nullptr;
+  TORCH_CHECK(tp == 1 || (par != nullptr && par->tp_size() == tp), "export_safetensors: the mesh ",
+              "has tp ", tp, " but the model was not parallelized over it (fsdp/tensor_parallel.h)");
   Layout l;
   std::map<std::string, std::string> taken;  // file name -> model name
   for (const auto& p : model.module().named_parameters(/*recurse=*/true)) {
@@ -86,8 +92,11 @@ Layout lay_out(const ShardedModel& model, const ExportOptions& o) {
                 p.key(), "' the same name '", item.name, "'");
     item.unit = it->second.first;
     item.param = it->second.second;
-    item.shape = p.value().sizes().vec();
-    item.bytes = p.value().numel() * elem;
+    if (par) item.tp = par->placement(p.key());
+    item.shape = tp_full_shape(p.value().sizes().vec(), item.tp, tp);
+    int64_t numel = 1;
+    for (int64_t d : item.shape) numel *= d;
+    item.bytes = numel * elem;
     l.by_param[it->second] = l.items.size();
     l.items.push_back(std::move(item));
   }
@@ -141,7 +150,10 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
                      const ExportOptions& o) {
   at::NoGradGuard no_grad;
   Communicator& comm = model.comm();
-  const bool writer_rank = comm.rank() == 0;
+  // Tensor parallelism: the grid is shard x tp; (shard 0, tp 0) writes the full tensors.
+  const Mesh& mesh = model.mesh();
+  const int tp = mesh.size(MeshDim::kTp);
+  const bool writer_rank = comm.rank() == 0 && mesh.coord(MeshDim::kTp) == 0;
   std::string dir = normalize_dir(dir_arg);
   const std::string what = "export_safetensors('" + dir + "')";
   std::exception_ptr err;
@@ -197,7 +209,7 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
   try {
     // Inside the try: a failure on another rank (a name map that throws there) removes the
     // staging directory this rank made.
-    agree(comm, err, what);
+    agree_tp(mesh, comm, err, what);
     guarded([&] {
       std::vector<std::vector<TensorEntry>> entries(layout.files.size());
       for (const Item& item : layout.items) {
@@ -219,14 +231,27 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
       const FlatParam& f = model.unit(u).flat();
       const FlatLayout& l = f.layout();
       if (l.padded_numel > 0) {
-        const at::Tensor full = f.gather_whole(f.master());  // every rank
+        at::Tensor full = f.gather_whole(f.master()).contiguous();  // every rank
+        if (tp > 1) {  // every tp rank's unit, in tp order (the same layout on each)
+          at::Tensor all = at::empty({tp * full.numel()}, full.options());
+          mesh.tp()->all_gather(full, all, mesh.tp()->current_stream());
+          full = all;
+        }
         guarded([&] {
-          const at::Tensor cpu = full.to(at::kCPU).to(o.dtype).contiguous();
+          const at::Tensor cpu = full.to(at::kCPU).contiguous();
+          const int64_t unit_numel = cpu.numel() / tp;
           for (size_t i = 0; i < f.params().size(); ++i) {
             auto it = layout.by_param.find({u, i});
             if (it == layout.by_param.end()) continue;
             const Item& item = layout.items[it->second];
-            writers[item.file]->write(item.name, cpu.narrow(0, l.offsets[i], l.numels[i]));
+            at::Tensor value = cpu.narrow(0, l.offsets[i], l.numels[i]);
+            if (tp > 1 && item.tp.style != TpStyle::kReplicate) {
+              std::vector<at::Tensor> slices;  // tp-major order, joined by tp_unslice
+              for (int k = 0; k < tp; ++k)
+                slices.push_back(cpu.narrow(0, k * unit_numel + l.offsets[i], l.numels[i]));
+              value = tp_unslice(at::cat(slices), item.shape, item.tp, tp).reshape({-1});
+            }
+            writers[item.file]->write(item.name, value.to(o.dtype).contiguous());
             bytes += item.bytes;
           }
         });
@@ -241,9 +266,9 @@ void export_in_group(const ShardedModel& model, const std::string& dir_arg,
       for (const auto& [name, text] : o.text_files)
         write_text_file_atomic(join_path(staging, name), text, o.fault_hook, o.durable);
     });
-    agree(comm, err, what);
+    agree_tp(mesh, comm, err, what);
     progress.finish();
-    run_agreed(comm, what, [&] {
+    run_agreed_tp(mesh, comm, what, [&] {
       if (writer_rank) publish(dir, staging, o.fault_hook, o.durable, /*use_exchange=*/true);
     });
   } catch (...) {

@@ -10,7 +10,9 @@
 //
 // Contract
 // - Collective: every rank of the model's communicator calls it with the same arguments,
-//   between steps (HSDP: the shard group of replicate rank 0 writes, as save_checkpoint). If any
+//   between steps (HSDP: the shard group of replicate rank 0 writes, as save_checkpoint;
+//   tensor parallelism: every rank of the mesh, each unit gathered over shard then tp, and
+//   shard 0 of tp 0 writes the full tensors, joined by tp_unslice). If any
 //   rank fails (also in the name map), every rank throws, nothing is published and no staging
 //   directory is left.
 // - What is written: every parameter once, under name_map(its name) (identity when unset), in

@@ -22,6 +22,7 @@
 #include "checkpoint/unit_ranges.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/sharded_model.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace flatshard {
 
@@ -39,10 +40,33 @@ class ValueReader {
  public:
   ValueReader(std::string dir, const Manifest& m) : dir_(std::move(dir)), m_(m) {}
 
-  // Elements [begin, end) of `v` (field empty) or of its optimizer field, into `dst`
-  // (CPU, contiguous, end - begin elements of any dtype; converted from the stored one).
+  // Elements [begin, end) of the full value `v` (field empty) or of its optimizer field, in
+  // the full value's row-major order, into `dst` (CPU, contiguous, end - begin elements of any
+  // dtype; converted from the stored one). A value whose tp-major order (manifest.h) differs
+  // from that is read whole, once (full()).
   void read(const ValueRecord& v, const std::string& field, int64_t begin, int64_t end,
             const at::Tensor& dst) {
+    if (!tp_reordered(v)) return read_stored(v, field, begin, end, dst);
+    dst.copy_(full(v, field).narrow(0, begin, end - begin));
+  }
+
+  // The whole full value, flat, in its stored dtype; the last one read is kept (each rank asks
+  // for the fields of one parameter in turn).
+  const at::Tensor& full(const ValueRecord& v, const std::string& field) {
+    const std::string tensor = field.empty() ? v.name : v.name + "." + field;
+    if (!cached_.defined() || cached_name_ != tensor) {
+      cached_ = at::Tensor();
+      at::Tensor stored = at::empty({v.numel()}, at::TensorOptions().dtype(v.dtype));
+      read_stored(v, field, 0, v.numel(), stored);
+      cached_ = tp_unslice(stored, v.shape, v.tp, m_.tp_size).reshape({-1});
+      cached_name_ = tensor;
+    }
+    return cached_;
+  }
+
+  // Elements [begin, end) in the stored order (tp-major for a split value; manifest.h).
+  void read_stored(const ValueRecord& v, const std::string& field, int64_t begin, int64_t end,
+                   const at::Tensor& dst) {
     const std::string tensor = field.empty() ? v.name : v.name + "." + field;
     const int64_t es = static_cast<int64_t>(c10::elementSize(v.dtype));
     int64_t covered = 0;
@@ -65,8 +89,14 @@ class ValueReader {
                 " found); the manifest's pieces are incomplete");
   }
   int64_t bytes() const { return bytes_; }
+  int tp_size() const { return m_.tp_size; }
 
  private:
+  bool tp_reordered(const ValueRecord& v) const {
+    return m_.tp_size > 1 && v.tp.style != TpStyle::kReplicate &&
+           !(v.tp.style == TpStyle::kColwise && v.tp.parts == 1);
+  }
+
   const TensorFileReader& file(const std::string& name) {
     auto it = open_.find(name);
     if (it != open_.end()) return *it->second;
@@ -81,6 +111,8 @@ class ValueReader {
   const Manifest& m_;
   std::map<std::string, std::unique_ptr<TensorFileReader>> open_;
   int64_t bytes_ = 0;
+  std::string cached_name_;
+  at::Tensor cached_;
 };
 
 // Lookup by name or tied alias, tracking which records were used (strict loads).
@@ -215,7 +247,6 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   at::NoGradGuard no_grad;
   // Note [Offload step in backward]: no step may write after us; Note [Delayed offload step]:
   // the next forward reads the loaded masters, not the copies held from before.
-  refuse_tensor_parallel(model.mesh(), "load_checkpoint('" + printable_escape(dir_arg) + "')");
   model.sync_offload_params();
   Communicator& comm = model.comm();
   const int rank = comm.rank();
@@ -227,7 +258,14 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
   std::optional<OptimizerRecord> want;
   std::optional<GradScalerState> scaler_state;
   std::string training_state;
+  // Tensor parallelism: each parameter's slice for this tp rank, whatever tp the checkpoint
+  // was saved at (docs/tensor-parallel.md, "Checkpoints").
+  const int tp = model.mesh().size(MeshDim::kTp), tp_rank = model.mesh().coord(MeshDim::kTp);
+  const TensorParallel* tpx = tp > 1 ? find_tensor_parallel(&model.module()) : nullptr;
   run_agreed(comm, what, [&] {
+    TORCH_CHECK(tp == 1 || (tpx != nullptr && tpx->tp_size() == tp), "the mesh has tp ", tp,
+                " (", model.mesh().describe_rank(), ") but the model was not parallelized over "
+                "it (fsdp/tensor_parallel.h)");
     const Manifest m = read_manifest_at(dir);
     training_state = m.training_state.value_or("");
     if (o.grad_scaler && o.grad_scaler->enabled()) {
@@ -260,8 +298,12 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
       const FlatLayout& l = f.layout();
       const std::string where = " (unit '" + f.unit_name() + "')";
       std::vector<const ValueRecord*> recs;
-      for (size_t i = 0; i < f.params().size(); ++i)
-        recs.push_back(&params.get(f.params()[i].name, l.shapes[i], where));
+      std::vector<TpPlacement> placements;
+      for (size_t i = 0; i < f.params().size(); ++i) {
+        placements.push_back(tpx ? tpx->placement(f.params()[i].name) : TpPlacement{});
+        recs.push_back(&params.get(f.params()[i].name,
+                                   tp_full_shape(l.shapes[i], placements[i], tp), where));
+      }
       if (l.padded_numel == 0) continue;
       const FlatRange held = master_range(f, rank);
       StagedUnit& s = staged[u];
@@ -271,9 +313,21 @@ void load_checkpoint(ShardedModel& model, torch::optim::Optimizer* optimizer,
         for (size_t i = 0; i < recs.size(); ++i) {
           const FlatRange param{l.offsets[i], l.offsets[i] + l.numels[i]};
           const FlatRange o = intersect(param, held);
-          if (o.size() > 0)
-            reader.read(*recs[i], k == 0 ? "" : want->fields[k - 1], o.begin - param.begin,
-                        o.end - param.begin, buf.narrow(0, o.begin - held.begin, o.size()));
+          if (o.size() <= 0) continue;
+          const std::string field = k == 0 ? "" : want->fields[k - 1];
+          const int64_t lo = o.begin - param.begin, hi = o.end - param.begin;
+          const at::Tensor dst = buf.narrow(0, o.begin - held.begin, o.size());
+          const ValueRecord& r = *recs[i];
+          if (placements[i].style == TpStyle::kReplicate) {
+            reader.read(r, field, lo, hi, dst);
+          } else if (reader.tp_size() == tp && r.tp == placements[i]) {
+            // Saved at this tp size and placement: this rank's slice is stored as is.
+            const int64_t base = tp_rank * l.numels[i];
+            reader.read_stored(r, field, base + lo, base + hi, dst);
+          } else {
+            const at::Tensor full = reader.full(r, field).view(r.shape);
+            dst.copy_(tp_slice(full, placements[i], tp, tp_rank).reshape({-1}).narrow(0, lo, hi - lo));
+          }
         }
         (k == 0 ? s.master : s.fields.emplace_back()) = buf;
       }

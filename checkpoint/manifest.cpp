@@ -11,6 +11,7 @@
 #include "checkpoint/file_io.h"
 
 #include "checkpoint/crc32.h"
+#include "support/input_file.h"
 #include "support/json.h"
 
 namespace flatshard {
@@ -70,9 +71,10 @@ void naming(const std::string& label, const std::string& name, F&& parse) {
   }
 }
 
-std::string value_json(const ValueRecord& v) {
+std::string value_json(const ValueRecord& v, bool with_tp) {
   std::string s = "{\"name\": " + json::quote(v.name) + ", \"dtype\": \"" +
                   safetensors_dtype_name(v.dtype) + "\", \"shape\": " + ints(v.shape);
+  if (with_tp) s += ", \"tp\": " + json::quote(to_string(v.tp));
   if (!v.aliases.empty()) s += ", \"tied\": " + strings(v.aliases);
   if (!v.unit.empty()) s += ", \"unit\": " + json::quote(v.unit);
   s += ", \"step\": " + std::to_string(v.step) + ", \"pieces\": [";
@@ -87,7 +89,14 @@ ValueRecord parse_value(const json::Node& j) {
   ValueRecord v;
   v.name = j.at("name").as_string();
   naming("entry", v.name, [&] {
-    only(j, {"name", "dtype", "shape", "tied", "unit", "step", "pieces"});
+    only(j, {"name", "dtype", "shape", "tied", "unit", "step", "pieces", "tp"});
+    if (const auto t = j.find("tp")) {
+      const auto placement = parse_tp_placement(t->as_string());
+      if (!placement)
+        t->fail("unknown tp placement '" + printable_escape(t->as_string().substr(0, 100)) +
+                "' (known: replicate, colwise, colwise/K, rowwise)");
+      v.tp = *placement;
+    }
     const json::Node dtype = j.at("dtype");
     // where() searches the document (support/json.h): only for the error.
     const auto known = find_safetensors_dtype(dtype.as_string());
@@ -121,7 +130,10 @@ std::string dims(const std::vector<int64_t>& v) {
 // fit int64; each value's pieces sorted, non-overlapping and covering its elements exactly;
 // every piece's tensor (and optimizer field) present in its file's record with the value's
 // dtype and the piece's element count; step counts >= 0, 0 without an optimizer and equal
-// within a unit (a load gives a unit one step count); names unique; a grad scaler's state
+// within a unit (a load gives a unit one step count); names unique; a tp placement only on a
+// parameter of a manifest with tp_size in [2, 2^16], on a shape it can split (tp_split_error:
+// dim 0 a multiple of parts x tp for colwise, a 2-D shape with dim 1 a multiple of tp for
+// rowwise), so tp_unslice never meets a shape it cannot reshape; a grad scaler's state
 // usable (GradScalerState::check: a finite positive scale, ...). What it cannot check is
 // whether the values are the ones that were saved: that needs a signature (docs/checkpoints.md,
 // "Trust model").
@@ -176,6 +188,13 @@ void validate(const Manifest& m, const std::string& path) {
     TORCH_CHECK(checked_numel(v.shape, &numel), where, ": shape ", dims(v.shape),
                 " has a negative dimension or more elements than int64 holds");
     TORCH_CHECK(v.step >= 0, where, ": negative optimizer step count ", v.step);
+    if (v.tp.style != TpStyle::kReplicate) {
+      TORCH_CHECK(param && m.tp_size > 1, where, ": tp placement '", to_string(v.tp), "' but ",
+                  param ? "the manifest's tp_size is 1" : "buffers are never split");
+      const std::string bad = tp_split_error(v.shape, v.tp, m.tp_size);
+      TORCH_CHECK(bad.empty(), where, ": tp placement '", to_string(v.tp), "' at tp_size ",
+                  m.tp_size, " does not fit: ", bad);
+    }
     if (param) {
       TORCH_CHECK(m.optimizer || v.step == 0, where, ": step count ", v.step,
                   " but the checkpoint has no optimizer state");
@@ -295,8 +314,9 @@ FileRecord parse_file_record(const json::Node& j) {
 std::string Manifest::to_json() const {
   std::ostringstream os;
   os << "{\n\"format\": \"" << kFormatName << "\",\n\"version\": " << version
-     << ",\n\"kind\": " << json::quote(kind) << ",\n\"world_size\": " << world_size
-     << ",\n\"crc_chunk_bytes\": " << crc_chunk_bytes << ",\n\"optimizer\": ";
+ << ",\n\"kind\": " << json::quote(kind) << ",\n\"world_size\": " << world_size;
+  if (tp_size > 1) os << ",\n\"tp_size\": " << tp_size;  // other manifests stay as they were
+  os << ",\n\"crc_chunk_bytes\": " << crc_chunk_bytes << ",\n\"optimizer\": ";
   if (optimizer) {
     const auto& o = *optimizer;
     os << "{\"type\": " << json::quote(o.type) << ", \"fields\": " << strings(o.fields)
@@ -323,10 +343,10 @@ std::string Manifest::to_json() const {
        << ", \"strategy\": " << json::quote(units[i].strategy) << ", \"numel\": " << units[i].numel
        << ", \"padded_numel\": " << units[i].padded_numel << "}";
   os << "],\n\"params\": [";
-  for (size_t i = 0; i < params.size(); ++i) os << (i ? "," : "") << "\n " << value_json(params[i]);
+  for (size_t i = 0; i < params.size(); ++i) os << (i ? "," : "") << "\n " << value_json(params[i], tp_size > 1);
   os << "],\n\"buffers\": [";
   for (size_t i = 0; i < buffers.size(); ++i)
-    os << (i ? "," : "") << "\n " << value_json(buffers[i]);
+    os << (i ? "," : "") << "\n " << value_json(buffers[i], false);
   os << "],\n\"files\": [";
   for (size_t i = 0; i < files.size(); ++i)
     os << (i ? "," : "") << "\n " << file_record_json(files[i]);
@@ -356,7 +376,7 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   const uint32_t got = parse_crc(doc.at("manifest_crc32"));
   TORCH_CHECK(got == want, path, ": manifest checksum mismatch (stored ", crc32_hex(got),
               ", computed ", crc32_hex(want), "): the manifest is corrupt");
-  only(doc, {"format", "version", "kind", "world_size", "crc_chunk_bytes", "optimizer",
+  only(doc, {"format", "version", "kind", "world_size", "tp_size", "crc_chunk_bytes", "optimizer",
              "grad_scaler", "training_state", "units", "params", "buffers", "files",
              "manifest_crc32"});
   Manifest m;
@@ -372,6 +392,12 @@ Manifest Manifest::parse(const std::string& text, const std::string& path) {
   if (w < 1 || w > (int64_t{1} << 24))
     world.fail("world_size " + std::to_string(w) + " is not in [1, 2^24]");
   m.world_size = static_cast<int>(w);
+  if (const auto tp = doc.find("tp_size")) {
+    const int64_t t = tp->as_int();
+    if (t < 2 || t > (int64_t{1} << 16))
+      tp->fail("tp_size " + std::to_string(t) + " is not in [2, 2^16] (absent means 1)");
+    m.tp_size = static_cast<int>(t);
+  }
   const json::Node chunk = doc.at("crc_chunk_bytes");
   m.crc_chunk_bytes = chunk.as_int();
   if (m.crc_chunk_bytes <= 0 || m.crc_chunk_bytes > (int64_t{1} << 40))

@@ -21,6 +21,12 @@
 //   of at most kMaxTrainingStateBytes, kept as compact JSON text; flatshard does not interpret
 //   it. It is inside the manifest, so it is published atomically with the checkpoint and covered
 //   by the manifest's CRC.
+// - under tensor parallelism (docs/tensor-parallel.md, "Checkpoints"), `tp_size` (written only
+//   when more than 1) and, per parameter, `tp`: its placement ("colwise", "colwise/3",
+//   "rowwise", "replicate"; fsdp/tensor_parallel.h TpPlacement). The shape is always the FULL
+//   shape. A split value's elements are numbered in tp-major order: tp rank 0's slice
+//   (tp_slice), flattened, then rank 1's, ...; for colwise with one block that is the full
+//   value's own row-major order. ValueReader (checkpoint/load.cpp) gives readers the full value.
 // The manifest carries its own CRC-32 (`manifest_crc32`, over the text before it); parse()
 // checks it and every field, throwing with the path and the field at fault (a JSON Pointer,
 // e.g. "manifest.json: /params/3/step: expected an integer, got 1.5 (entry 'wte.weight')").
@@ -41,6 +47,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "fsdp/grad_scaler.h"
+#include "fsdp/tensor_parallel.h"
 
 namespace flatshard {
 
@@ -68,6 +75,7 @@ struct ValueRecord {
   std::string unit;  // parameters: the unit that owned it when saved
   int64_t step = 0;  // parameters: optimizer steps taken (0: no optimizer state)
   std::vector<Piece> pieces;
+  TpPlacement tp;  // parameters of a manifest with tp_size > 1; kReplicate otherwise
   int64_t numel() const;
 };
 
@@ -103,6 +111,7 @@ struct Manifest {
   int version = kCheckpointFormatVersion;
   std::string kind;  // "sharded" or "full"
   int world_size = 1;
+  int tp_size = 1;  // tensor-parallel ranks it was saved from (each param's `tp`)
   int64_t crc_chunk_bytes = 0;
   std::vector<UnitRecord> units;
   std::vector<ValueRecord> params;

@@ -23,26 +23,42 @@ namespace flatshard {
 // Each text must be shorter than 2^24 bytes (its length travels as an fp32).
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text);
 
-// Checkpoints do not record tensor-parallel placement yet (issue 51): every tp rank would write
-// its slices under the full names. Refused, the same on every rank (local: no collective).
-inline void refuse_tensor_parallel(const Mesh& mesh, const std::string& what) {
-  TORCH_CHECK(mesh.size(MeshDim::kTp) == 1, what, " (", mesh.describe_rank(), "): the model is ",
-              "tensor-parallel (mesh ", mesh.shape().to_string(), ") and checkpoints do not ",
-              "record tp placement yet; gather what you need with ",
-              "ShardedModel::gather_full_params() on each tp rank (fsdp/tensor_parallel.h)");
+// Tensor parallelism: a save or export is a collective of the shard x tp grid. agree() over the
+// shard group `comm`, then the outcome over the tp group (when the mesh has one), so every rank
+// of the grid throws if any failed; run_agreed_tp runs `fn` first, as run_agreed does.
+inline void agree_tp(const Mesh& mesh, Communicator& comm, std::exception_ptr err,
+                     const std::string& what) {
+  Communicator* tp = mesh.size(MeshDim::kTp) > 1 ? mesh.tp() : nullptr;
+  if (tp == nullptr) return agree(comm, err, what);
+  try {
+    agree(comm, err, what);
+    err = nullptr;
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree(*tp, err, what);
+}
+template <class Fn>
+void run_agreed_tp(const Mesh& mesh, Communicator& comm, const std::string& what, Fn&& fn) {
+  std::exception_ptr err;
+  try {
+    fn();
+  } catch (...) {
+    err = std::current_exception();
+  }
+  agree_tp(mesh, comm, err, what);
 }
 
 // Note [HSDP checkpoints] (checkpoint/save.cpp): replicas hold identical shards, so only the
-// shard group of replica 0 runs `write` (a collective over its shard group); the other groups
+// shard group(s) of replica 0 (one per tp rank) run `write` (a collective over its shard group); the other groups
 // wait for its outcome in the agreement across the replicate group, so every rank returns after
 // `write` succeeded or throws the writing group's error. Without HSDP: `write` on every rank.
 template <class Write>
 void write_from_first_replica(const Mesh& mesh, const std::string& what, Write&& write) {
-  refuse_tensor_parallel(mesh, what);
   Communicator* replicate = mesh.replicate();
   if (replicate == nullptr) return write();
   std::exception_ptr err;
-  if (mesh.first_along_others(MeshDim::kShard)) {
+  if (mesh.coord(MeshDim::kReplicate) == 0) {  // every tp rank of replica 0 writes its slices
     try {
       write();
     } catch (...) {

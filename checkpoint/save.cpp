@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <unordered_map>
 
 #include "checkpoint/checkpoint.h"
@@ -16,6 +17,7 @@
 #include "checkpoint/unit_ranges.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/sharded_model.h"
+#include "fsdp/tensor_parallel.h"
 #include "support/json.h"
 
 namespace flatshard {
@@ -25,9 +27,14 @@ namespace {
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimFile = "optim.safetensors";
 
-std::string shard_file(int rank, int world) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "shard-%05d-of-%05d.safetensors", rank, world);
+// Under tensor parallelism each tp rank's shard group writes its own files.
+std::string shard_file(int rank, int world, int tp_rank, int tp) {
+  char buf[96];
+  if (tp > 1)
+    std::snprintf(buf, sizeof buf, "shard-%05d-of-%05d-tp-%05d-of-%05d.safetensors", rank, world,
+                  tp_rank, tp);
+  else
+    std::snprintf(buf, sizeof buf, "shard-%05d-of-%05d.safetensors", rank, world);
   return buf;
 }
 
@@ -38,11 +45,23 @@ struct SaveSource {
   std::vector<int64_t> steps;                   // per unit (0: no optimizer state)
   std::vector<std::vector<at::Tensor>> fields;  // per unit: optimizer state, as optim->fields
   std::unordered_map<std::string, std::vector<std::string>> aliases;  // owner -> tied names
+  const TensorParallel* tp = nullptr;  // when the model is parallelized over more than one rank
+  int tp_size = 1, tp_rank = 0;
+  TpPlacement placement(const std::string& name) const {
+    return tp ? tp->placement(name) : TpPlacement{};
+  }
 };
 
 SaveSource read_source(const ShardedModel& model, const torch::optim::Optimizer* opt) {
   SaveSource s{model, std::nullopt, {}, {}, {}};
   if (opt) s.optim = describe_optimizer(*opt);
+  s.tp_size = model.mesh().size(MeshDim::kTp);
+  s.tp_rank = model.mesh().coord(MeshDim::kTp);
+  if (s.tp_size > 1) {
+    s.tp = find_tensor_parallel(&model.module());
+    TORCH_CHECK(s.tp != nullptr && s.tp->tp_size() == s.tp_size, "the mesh has tp ", s.tp_size,
+                " but the model was not parallelized over it (fsdp/tensor_parallel.h)");
+  }
   for (size_t u = 0; u < model.num_units(); ++u) {
     const FlatParam& f = model.unit(u).flat();
     std::vector<at::Tensor> fields(s.optim ? s.optim->fields.size() : 0);  // undefined: none
@@ -61,6 +80,7 @@ Manifest describe(const SaveSource& s, CheckpointKind kind, int world, int64_t c
   Manifest m;
   m.kind = kind == CheckpointKind::kFull ? "full" : "sharded";
   m.world_size = world;
+  m.tp_size = s.tp_size;
   m.crc_chunk_bytes = chunk;
   m.optimizer = s.optim;
   if (m.optimizer) m.optimizer->file = kind == CheckpointKind::kFull ? kOptimFile : "";
@@ -76,18 +96,25 @@ Manifest describe(const SaveSource& s, CheckpointKind kind, int world, int64_t c
       auto it = s.aliases.find(v.name);
       if (it != s.aliases.end()) v.aliases = it->second;
       v.dtype = at::kFloat;
-      v.shape = l.shapes[i];
+      v.tp = s.placement(v.name);
+      v.shape = tp_full_shape(l.shapes[i], v.tp, s.tp_size);  // the full (logical) shape
       v.unit = unit.name();
       v.step = s.steps[u];
       const FlatRange param{l.offsets[i], l.offsets[i] + l.numels[i]};
       if (kind == CheckpointKind::kFull) {
         v.pieces.push_back(Piece{kModelFile, 0, l.numels[i]});
       } else {
-        for (int r = 0; r < world; ++r) {
-          const FlatRange o = intersect(param, write_range(f, r, world));
-          if (o.size() > 0)
-            v.pieces.push_back(
-                Piece{shard_file(r, world), o.begin - param.begin, o.end - param.begin});
+        // Tp-major order (manifest.h): tp rank k's slice is elements [k*n, (k+1)*n) of the
+        // value; a replicated value is written by tp rank 0's shard group alone.
+        const int writers = v.tp.style == TpStyle::kReplicate ? 1 : s.tp_size;
+        for (int k = 0; k < writers; ++k) {
+          const int64_t base = k * l.numels[i];
+          for (int r = 0; r < world; ++r) {
+            const FlatRange o = intersect(param, write_range(f, r, world));
+            if (o.size() > 0)
+              v.pieces.push_back(Piece{shard_file(r, world, k, s.tp_size),
+                                       base + o.begin - param.begin, base + o.end - param.begin});
+          }
         }
       }
       m.params.push_back(std::move(v));
@@ -98,8 +125,9 @@ Manifest describe(const SaveSource& s, CheckpointKind kind, int world, int64_t c
     v.name = b.key();
     v.dtype = b.value().scalar_type();
     v.shape = b.value().sizes().vec();
-    v.pieces.push_back(Piece{kind == CheckpointKind::kFull ? kModelFile : shard_file(0, world), 0,
-                             b.value().numel()});
+    v.pieces.push_back(Piece{
+        kind == CheckpointKind::kFull ? kModelFile : shard_file(0, world, 0, s.tp_size), 0,
+        b.value().numel()});
     m.buffers.push_back(std::move(v));
   }
   return m;
@@ -119,7 +147,8 @@ at::Tensor to_cpu(const at::Tensor& t) { return t.detach().to(at::kCPU).contiguo
 FileRecord write_shard(const SaveSource& s, const Manifest& m, const std::string& staging, int rank,
                        int world, const CheckpointOptions& o, ProgressReporter& progress) {
   const auto& fields = m.optimizer ? m.optimizer->fields : std::vector<std::string>{};
-  const std::string file = shard_file(rank, world);
+  const std::string file = shard_file(rank, world, s.tp_rank, s.tp_size);
+  const bool buffers = rank == 0 && s.tp_rank == 0;
   // Pieces of this rank, per unit: (param index, range in the flat buffer).
   std::vector<std::vector<std::pair<size_t, FlatRange>>> mine(s.model.num_units());
   std::vector<std::string> suffixes{""};  // the parameter, then each optimizer field
@@ -131,18 +160,22 @@ FileRecord write_shard(const SaveSource& s, const Manifest& m, const std::string
     for (size_t i = 0; i < f.params().size(); ++i) {
       const FlatRange o =
           intersect({l.offsets[i], l.offsets[i] + l.numels[i]}, write_range(f, rank, world));
-      if (o.size() > 0) mine[u].emplace_back(i, o);
+      const bool replicated = s.placement(f.params()[i].name).style == TpStyle::kReplicate;
+      if (o.size() > 0 && (s.tp_rank == 0 || !replicated)) mine[u].emplace_back(i, o);
     }
     for (const std::string& suffix : suffixes)
       for (const auto& [i, o] : mine[u])
         entries.push_back(entry(f.params()[i].name + suffix, at::kFloat, {o.size()}));
   }
-  if (rank == 0)
+  if (buffers)
     for (const auto& b : m.buffers) entries.push_back(entry(b.name, b.dtype, b.shape));
   TensorFileWriter writer(
       staging, file, std::move(entries),
       {{"format", "pt"},
-       {"flatshard", "shard " + std::to_string(rank) + " of " + std::to_string(world)}},
+       {"flatshard", "shard " + std::to_string(rank) + " of " + std::to_string(world) +
+                         (s.tp_size > 1 ? ", tp " + std::to_string(s.tp_rank) + " of " +
+                                              std::to_string(s.tp_size)
+                                        : "")}},
       o.crc_chunk_bytes, o.fault_hook, o.durable);
   for (size_t u = 0; u < s.model.num_units(); ++u) {
     const FlatParam& f = s.model.unit(u).flat();
@@ -160,7 +193,7 @@ FileRecord write_shard(const SaveSource& s, const Manifest& m, const std::string
     for (size_t k = 0; k < fields.size(); ++k) write_from(s.fields[u][k], "." + fields[k]);
     progress.update(static_cast<int64_t>(u + 1), writer.bytes_written());
   }
-  if (rank == 0)
+  if (buffers)
     for (const auto& b : s.model.module().named_buffers(true))
       writer.write(b.key(), to_cpu(b.value()));
   return writer.finish();
@@ -281,14 +314,26 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   at::NoGradGuard no_grad;
   Communicator& comm = model.comm();
   const int rank = comm.rank(), world = comm.world_size();
+  // Under tensor parallelism the group is shard x tp: each tp rank's shard group writes its
+  // slices' files, and (shard 0, tp 0) writes the manifest and publishes.
+  Communicator* tp = model.mesh().size(MeshDim::kTp) > 1 ? model.mesh().tp() : nullptr;
+  const bool lead = rank == 0 && model.mesh().coord(MeshDim::kTp) == 0;
   std::string dir = normalize_dir(dir_arg);
-  std::string staging;  // begin_save's, on rank 0; then sent to every rank
+  std::string staging;  // begin_save's, on the lead rank; then sent to every rank
   const std::string what = "save_checkpoint('" + dir + "')";
   TORCH_CHECK(o.crc_chunk_bytes > 0, what, ": crc_chunk_bytes must be positive");
+  auto agreed = [&](const std::function<void()>& fn) {
+    run_agreed_tp(model.mesh(), comm, what, fn);
+  };
 
   std::optional<SaveSource> source;
   Manifest manifest;
-  run_agreed(comm, what, [&] {
+  agreed([&] {
+    TORCH_CHECK(tp == nullptr || o.kind == CheckpointKind::kSharded,
+                "a full checkpoint (CheckpointKind::kFull) of a tensor-parallel model (mesh ",
+                model.mesh().shape().to_string(), ") is not supported yet; save kSharded (it "
+                "loads at any shard and tp size, also into an unsharded model) or export with "
+                "save_hf");
     source.emplace(read_source(model, optimizer));
     manifest = describe(*source, o.kind, world, o.crc_chunk_bytes);
     if (o.grad_scaler && o.grad_scaler->enabled())
@@ -296,24 +341,28 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
     if (!o.training_state.empty())
       manifest.training_state =
           check_training_state(o.training_state, "CheckpointOptions::training_state");
-    if (rank == 0) {
+    if (lead) {
       dir = resolve_save_dir(dir);  // a symlink is followed (Note [Checkpoint publication])
       staging = begin_save(dir, kManifestName, o.durable, check_only_checkpoint_files);
     }
   });
   staging = all_gather_text(comm, staging).front();
+  if (tp != nullptr) staging = all_gather_text(*tp, staging).front();
 
   try {
     ProgressReporter progress(o.progress, o.log_after_seconds, rank, what,
                               static_cast<int64_t>(model.num_units()));
     if (o.kind == CheckpointKind::kSharded) {
       FileRecord mine;
-      run_agreed(comm, what, [&] {
-        mine = write_shard(*source, manifest, staging, rank, world, o, progress);
-      });
+      agreed([&] { mine = write_shard(*source, manifest, staging, rank, world, o, progress); });
       for (const std::string& text : all_gather_text(comm, file_record_json(mine))) {
-        const json::Json record = json::parse(text, "file record");
-        manifest.files.push_back(parse_file_record(json::Node(record, "file record")));
+        // Each shard rank's record, then (tp) that shard rank's record on every tp rank.
+        const std::vector<std::string> all =
+            tp ? all_gather_text(*tp, text) : std::vector<std::string>{text};
+        for (const std::string& t : all) {
+          const json::Json record = json::parse(t, "file record");
+          manifest.files.push_back(parse_file_record(json::Node(record, "file record")));
+        }
       }
     } else {
       std::exception_ptr err;  // write_full's collectives defer a local failure to here
@@ -321,8 +370,8 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
       agree(comm, err, what);
     }
     progress.finish();
-    run_agreed(comm, what, [&] {
-      if (rank != 0) return;
+    agreed([&] {
+      if (!lead) return;
       write_text_file_atomic(join_path(staging, kManifestName), manifest.to_json(), o.fault_hook,
                              o.durable);
       publish(dir, staging, o.fault_hook, o.durable, o.use_rename_exchange);
@@ -330,7 +379,7 @@ static void save_in_group(const ShardedModel& model, const torch::optim::Optimiz
   } catch (...) {
     // Whatever is in the staging directory now is incomplete, or the previous checkpoint
     // displaced by publish(): never needed again.
-    if (rank == 0) abandon_save(staging);
+    if (lead) abandon_save(staging);
     throw;
   }
 }

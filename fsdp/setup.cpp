@@ -101,6 +101,11 @@ std::optional<detail::DeferredInit> setup_deferred_init(torch::nn::Module& model
               "model's parameters hold values (rank ", comm.rank(), "); build the model on the "
               "meta device (flatshard::MetaInit) to load it straight into its shards");
   if (!deferred) return std::nullopt;
+  TORCH_CHECK(options.load || mesh.size(MeshDim::kTp) == 1, "fully_shard (",
+              mesh.describe_rank(), "): the model is on meta and tensor-parallel (tp ",
+              mesh.size(MeshDim::kTp), "); deferred initialization under tensor parallelism "
+              "needs ShardingOptions::load (e.g. models::hf_loader or checkpoint_loader): "
+              "initializing slices in place is not supported yet");
   std::optional<detail::DeferredInit> init;
   init.emplace(model, options.init, static_cast<bool>(options.load));
   // Note [Loading into shards]: the loader validates every planned parameter before any unit
@@ -264,6 +269,9 @@ std::unique_ptr<Runtime> setup_runtime(const std::shared_ptr<torch::nn::Module>&
   check_inputs(model, plan, options, comm.rank(), mesh.global_rank() == 0);
   check_not_sharded(*model, comm.rank());
   check_tensor_parallel(*model, mesh);
+  // Note [Loading into shards] under TP: the loader reads full tensors, each rank its slices.
+  if (const TensorParallel* tp = find_tensor_parallel(model.get()))
+    options.load = tp->slice_loader(std::move(options.load));
   std::unique_ptr<Runtime> runtime = std::make_unique<Runtime>(mesh, std::move(options));
   check_setup_agrees(*model, plan, runtime->options(), mesh);
   const std::optional<detail::DeferredInit> init =

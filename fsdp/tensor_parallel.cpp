@@ -65,21 +65,10 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
 
 int64_t as_int(Communicator* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
 
-// The slice of `full` a tp rank keeps (the one home of the layout, parallelize and local_slice).
-at::Tensor slice_of(const at::Tensor& full, TpStyle style, int parts, bool is_bias, int tp,
-                    int rank) {
-  if (style == TpStyle::kRowwise) {
-    if (is_bias) return full;
-    const int64_t c = full.size(1) / tp;
-    return full.narrow(1, rank * c, c).contiguous();
-  }
-  const int64_t out = full.size(0), block = out / parts, c = block / tp;
-  std::vector<int64_t> shape = full.sizes().vec();
-  shape[0] = block;
-  shape.insert(shape.begin(), parts);
-  std::vector<int64_t> local = full.sizes().vec();
-  local[0] = out / tp;
-  return full.reshape(shape).narrow(1, rank * c, c).reshape(local).contiguous();
+// The placement of a parameter of a split module (a rowwise bias is replicated).
+TpPlacement placement_of(TpStyle style, int parts, bool is_bias) {
+  if (style == TpStyle::kRowwise && is_bias) return {};
+  return {style, style == TpStyle::kColwise ? parts : 1};
 }
 
 std::string model_types(const torch::nn::Module& root) {
@@ -94,6 +83,79 @@ std::string model_types(const torch::nn::Module& root) {
 }
 
 }  // namespace
+
+std::string to_string(const TpPlacement& p) {
+  if (p.style == TpStyle::kColwise && p.parts > 1) return "colwise/" + std::to_string(p.parts);
+  return to_string(p.style);
+}
+
+std::optional<TpPlacement> parse_tp_placement(const std::string& text) {
+  for (TpStyle s : {TpStyle::kReplicate, TpStyle::kColwise, TpStyle::kRowwise})
+    if (text == to_string(s)) return TpPlacement{s, 1};
+  const std::string col = std::string(to_string(TpStyle::kColwise)) + "/";
+  if (text.size() <= col.size() || text.size() > col.size() + 4 || text.compare(0, col.size(), col) != 0)
+    return std::nullopt;
+  int parts = 0;
+  for (size_t i = col.size(); i < text.size(); ++i) {
+    if (text[i] < '0' || text[i] > '9') return std::nullopt;
+    parts = parts * 10 + (text[i] - '0');
+  }
+  if (parts < 2 || text[col.size()] == '0') return std::nullopt;
+  return TpPlacement{TpStyle::kColwise, parts};
+}
+
+std::string tp_split_error(const std::vector<int64_t>& shape, const TpPlacement& p, int tp) {
+  std::ostringstream os;
+  if (tp < 1) {
+    os << "tp size " << tp << " is not positive";
+  } else if (p.style == TpStyle::kColwise) {
+    if (shape.empty() || shape.size() > 2 || p.parts < 1 || shape[0] % (int64_t{p.parts} * tp) != 0)
+      os << "a " << to_string(p) << " value is 1-D or 2-D with dim 0 a multiple of "
+         << p.parts << " x tp " << tp << "; it has shape " << c10::IntArrayRef(shape);
+  } else if (p.style == TpStyle::kRowwise) {
+    if (shape.size() != 2 || shape[1] % tp != 0)
+      os << "a rowwise value is 2-D with dim 1 a multiple of tp " << tp << "; it has shape "
+         << c10::IntArrayRef(shape);
+  }
+  return os.str();
+}
+
+std::vector<int64_t> tp_full_shape(std::vector<int64_t> local, const TpPlacement& p, int tp) {
+  if (p.style == TpStyle::kColwise && !local.empty()) local[0] *= tp;
+  if (p.style == TpStyle::kRowwise && local.size() == 2) local[1] *= tp;
+  return local;
+}
+
+at::Tensor tp_slice(const at::Tensor& full, const TpPlacement& p, int tp, int rank) {
+  if (p.style == TpStyle::kReplicate || tp == 1) return full;
+  if (p.style == TpStyle::kRowwise) {
+    const int64_t c = full.size(1) / tp;
+    return full.narrow(1, rank * c, c).contiguous();
+  }
+  const int64_t out = full.size(0), block = out / p.parts, c = block / tp;
+  std::vector<int64_t> shape = full.sizes().vec();
+  shape[0] = block;
+  shape.insert(shape.begin(), p.parts);
+  std::vector<int64_t> local = full.sizes().vec();
+  local[0] = out / tp;
+  return full.reshape(shape).narrow(1, rank * c, c).reshape(local).contiguous();
+}
+
+at::Tensor tp_unslice(const at::Tensor& tp_major, const std::vector<int64_t>& full_shape,
+                      const TpPlacement& p, int tp) {
+  if (p.style == TpStyle::kReplicate || tp == 1) return tp_major.reshape(full_shape).contiguous();
+  std::vector<int64_t> local = full_shape;
+  if (p.style == TpStyle::kRowwise) {
+    local[1] /= tp;
+    local.insert(local.begin(), tp);  // [tp, out, in/tp] -> [out, tp, in/tp]
+    return tp_major.reshape(local).transpose(0, 1).reshape(full_shape).contiguous();
+  }
+  // Colwise: [tp, parts, block/tp, rest...] -> [parts, tp, block/tp, rest...].
+  const int64_t c = full_shape[0] / p.parts / tp;
+  std::vector<int64_t> shape{tp, p.parts, c};
+  shape.insert(shape.end(), full_shape.begin() + 1, full_shape.end());
+  return tp_major.reshape(shape).transpose(0, 1).reshape(full_shape).contiguous();
+}
 
 namespace detail {
 
@@ -111,7 +173,10 @@ at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x) {
 at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const at::Tensor& y) {
   // The replicated bias was added on every rank: take it out before the sum, add it once after
   // (its gradient is then the output's, as unsplit).
-  const at::Tensor* bias = m->named_parameters(/*recurse=*/false).find("bias");
+  // Keep the dict: find() points into it (a temporary's pointer dangled: a use-after-free that
+  // crashed tests/tensor_parallel_test.cpp about every other run).
+  const auto params = m->named_parameters(/*recurse=*/false);
+  const at::Tensor* bias = params.find("bias");
   if (bias == nullptr || !bias->defined()) return ReduceFromTp::apply(y, as_int(e.group));
   return ReduceFromTp::apply(y - *bias, as_int(e.group)) + *bias;
 }
@@ -142,9 +207,63 @@ bool TensorParallel::is_split(const at::Tensor& param) const {
 }
 
 at::Tensor TensorParallel::local_slice(const std::string& name, const at::Tensor& full) const {
+  return tp_slice(full, placement(name), tp_size_, tp_rank_);
+}
+
+TpPlacement TensorParallel::placement(const std::string& name) const {
   auto it = slices_.find(name);
-  if (it == slices_.end()) return full;
-  return slice_of(full, it->second.style, it->second.parts, it->second.is_bias, tp_size_, tp_rank_);
+  if (it == slices_.end()) return {};
+  return placement_of(it->second.style, it->second.parts, it->second.is_bias);
+}
+
+ParamLoader TensorParallel::slice_loader(ParamLoader full) const {
+  if (tp_size_ == 1 || !full) return full;
+  struct Split {
+    TpPlacement p;
+    std::vector<int64_t> local;
+  };
+  auto splits = std::make_shared<std::map<std::string, Split>>();
+  for (const auto& [name, slice] : slices_) {
+    const TpPlacement p = placement_of(slice.style, slice.parts, slice.is_bias);
+    if (p.style != TpStyle::kReplicate) (*splits)[name] = {p, slice.local_shape};
+  }
+  const int tp = tp_size_, rank = tp_rank_;
+  ParamLoader out;
+  if (full.check)
+    out.check = [check = full.check, splits, tp](const std::vector<PlannedParam>& params) {
+      std::vector<PlannedParam> whole = params;
+      for (PlannedParam& q : whole) {
+        auto it = splits->find(q.name);
+        if (it != splits->end()) q.shape = tp_full_shape(q.shape, it->second.p, tp);
+      }
+      check(whole);
+    };
+  out.read = [read = full.read, splits, tp, rank](const std::string& name, int64_t begin,
+                                                  int64_t end, const at::Tensor& dst) {
+    auto it = splits->find(name);
+    if (it == splits->end()) return read(name, begin, end, dst);
+    const TpPlacement& p = it->second.p;
+    const std::vector<int64_t>& local = it->second.local;
+    // Runs: local rows [r0, r1) of `row` elements each map to full elements starting at
+    // `full_at(r0)`; copy the part of [begin, end) each run covers.
+    auto copy_run = [&](int64_t local_lo, int64_t local_hi, int64_t full_lo) {
+      const int64_t lo = std::max(begin, local_lo), hi = std::min(end, local_hi);
+      if (lo >= hi) return;
+      read(name, full_lo + (lo - local_lo), full_lo + (hi - local_lo), dst.narrow(0, lo - begin, hi - lo));
+    };
+    int64_t row = 1;
+    for (size_t d = 1; d < local.size(); ++d) row *= local[d];
+    if (p.style == TpStyle::kColwise) {
+      const int64_t c = local[0] / p.parts, block = c * tp;  // rows per block: local, full
+      for (int j = 0; j < p.parts; ++j)
+        copy_run(j * c * row, (j + 1) * c * row, (j * block + rank * c) * row);
+    } else {  // rowwise: local [out, in/tp] of full [out, in]
+      const int64_t first = begin / row, last = (end + row - 1) / row;
+      for (int64_t o = first; o < last; ++o)
+        copy_run(o * row, (o + 1) * row, o * row * tp + rank * row);
+    }
+  };
+  return out;
 }
 
 std::string TensorParallel::to_string() const {
@@ -234,8 +353,6 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
                 where, ": ", what, " is not Linear-like: a colwise or rowwise module holds a 2-D "
                 "weight [out, in] and at most a 1-D bias [out]; it holds", held.str(),
                 ". Name its Linear children in the tp plan instead");
-    TORCH_CHECK(!w->is_meta(), where, ": ", what, "'s weight is on meta; parallelize a model "
-                "with values (deferred init under tensor parallelism is not supported yet)");
     if (tm.style == TpStyle::kColwise) {
       const int64_t o = w->size(0);
       TORCH_CHECK(o % (static_cast<int64_t>(tm.parts) * tp) == 0, where, ": ", what, " has ", o,
@@ -256,9 +373,14 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
         if (!p.value().defined()) continue;
         const bool is_bias = p.key() == "bias";
         const std::string name = tm.path + "." + p.key();
-        out->slices_[name] = {tm.style, tm.parts, is_bias};
-        if (tm.style == TpStyle::kRowwise && is_bias) continue;  // replicated
-        p.value().set_data(slice_of(p.value().detach(), tm.style, tm.parts, is_bias, tp, rank));
+        if (tm.style == TpStyle::kRowwise && is_bias) {  // replicated
+          out->slices_[name] = {tm.style, tm.parts, is_bias, p.value().sizes().vec()};
+          continue;
+        }
+        // On meta (a model to be loaded by fully_shard): shapes only, sliced alike.
+        p.value().set_data(
+            tp_slice(p.value().detach(), placement_of(tm.style, tm.parts, is_bias), tp, rank));
+        out->slices_[name] = {tm.style, tm.parts, is_bias, p.value().sizes().vec()};
         out->split_.insert(p.value().unsafeGetTensorImpl());
       }
     }

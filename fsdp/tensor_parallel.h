@@ -20,8 +20,8 @@
 //   TensorParallelModule; parallelize() calls its check before changing anything.
 // - Errors (c10::Error, nothing changed yet): a rule that matches no module (the plan, the rule,
 //   the model's types), a colwise/rowwise module that is not Linear-like (a 2-D `weight`, an
-//   optional 1-D `bias`), sizes tp does not divide (module, sizes, tp), meta parameters
-//   (deferred init under TP is not supported yet), a model parallelized twice. Every rank
+//   optional 1-D `bias`), sizes tp does not divide (module, sizes, tp), a model parallelized
+//   twice. Meta parameters are sliced as shapes (fully_shard must then load them). Every rank
 //   reaches the same decision (same model, plan and sizes).
 // - fully_shard on a parallelized model (Mesh with tp): units flatten the TP-local parameters
 //   and all-gather / reduce-scatter over mesh.shard() only; gradients of replicated parameters
@@ -30,10 +30,12 @@
 //   clip_grad_norm_ sums split parameters over tp and counts replicated ones once. A mesh with
 //   tp > 1 over a model that was not parallelized is an error. gather_full_params() and
 //   gather_full_grads() give the TP-local values (full over the shard group); local_slice()
-//   maps a full value to them. Checkpoints of a tp mesh are refused (no tp placement yet).
+//   maps a full value to them. Checkpoints record each parameter's placement (placement(),
+//   TpPlacement; the layout's one home is tp_slice / tp_unslice below) and load at any tp size.
 // - Not yet (issue 51): sequence and loss parallelism, vocabulary-parallel embeddings, kv heads
-//   fewer than tp (replicated), deferred init on meta, checkpoints and Hugging Face loading
-//   under TP, bench/explain --tp.
+//   fewer than tp (replicated), deferred init on meta without a loader (a meta-built model is
+//   parallelized, shapes only, and must be loaded: ShardingOptions::load, slice_loader),
+//   bench/explain --tp.
 // - Thread rule: as fully_shard; the registry is shared by all ranks-as-threads.
 #pragma once
 
@@ -41,11 +43,13 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
 
 #include "collectives/mesh.h"
+#include "fsdp/options.h"
 #include "wrap_policies/tp_plan.h"
 
 namespace torch {
@@ -64,6 +68,30 @@ class TensorParallelModule {
   // Throws a c10::Error naming `path`, the sizes and `tp` when `tp` ranks cannot split it.
   virtual void check_tensor_parallel(const std::string& path, int tp) const = 0;
 };
+
+// Where a parameter lives under tensor parallelism (also the checkpoint manifest's "tp"):
+// kColwise splits dim 0 into tp parts (of each of `parts` fused blocks), kRowwise splits dim 1
+// (a 2-D weight; a rowwise module's bias is kReplicate), kReplicate keeps it whole.
+struct TpPlacement {
+  TpStyle style = TpStyle::kReplicate;
+  int parts = 1;
+  bool operator==(const TpPlacement& o) const { return style == o.style && parts == o.parts; }
+  bool operator!=(const TpPlacement& o) const { return !(*this == o); }
+};
+// "colwise", "colwise/3", "rowwise", "replicate" and back (nullopt for anything else).
+std::string to_string(const TpPlacement& p);
+std::optional<TpPlacement> parse_tp_placement(const std::string& text);
+// Why `full_shape` cannot be split by `tp` ranks at `p` ("" when it can).
+std::string tp_split_error(const std::vector<int64_t>& full_shape, const TpPlacement& p, int tp);
+// The full shape of a slice of shape `local` (checked split: p's dimension times tp).
+std::vector<int64_t> tp_full_shape(std::vector<int64_t> local, const TpPlacement& p, int tp);
+// tp rank `rank`'s slice of `full` (contiguous). The one home of the layout.
+at::Tensor tp_slice(const at::Tensor& full, const TpPlacement& p, int tp, int rank);
+// The inverse: `tp_major` holds the tp slices flattened and concatenated in tp-rank order
+// (numel of the full value); returns the full value, shape `full_shape`, contiguous. For
+// colwise with one block, tp-major order is the full value's own row-major order.
+at::Tensor tp_unslice(const at::Tensor& tp_major, const std::vector<int64_t>& full_shape,
+                      const TpPlacement& p, int tp);
 
 struct TpModule {
   std::string path;  // in the model's tree
@@ -88,6 +116,14 @@ class TensorParallel {
   // This rank's slice of the full (unsplit) value of the parameter named `name`
   // (named_parameters()); `full` itself for a replicated one.
   at::Tensor local_slice(const std::string& name, const at::Tensor& full) const;
+  // Where the parameter named `name` lives (kReplicate when no split module holds it).
+  TpPlacement placement(const std::string& name) const;
+  // Note [Loading into shards] under TP: `full` reads full tensors by name (hf_loader,
+  // safetensors_loader, checkpoint_loader); the result reads this tp rank's slices. check()
+  // gets each split parameter's full shape; read() maps a range of this rank's slice to the
+  // runs of the full tensor it covers (colwise: one run per fused block; rowwise: one per row)
+  // and reads only those. fully_shard applies it to ShardingOptions::load itself.
+  ParamLoader slice_loader(ParamLoader full) const;
   // One line per split module: "colwise/3 blocks.0.attn.qkv", for explain-like output.
   std::string to_string() const;
 
@@ -99,6 +135,7 @@ class TensorParallel {
     TpStyle style;
     int parts;
     bool is_bias;
+    std::vector<int64_t> local_shape;  // this rank's slice
   };
   const torch::nn::Module* root_ = nullptr;
   std::vector<const torch::nn::Module*> registered_;

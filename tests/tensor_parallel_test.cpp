@@ -10,7 +10,7 @@
 //   2 replicas x shard 2 x tp 2;
 // - clip_grad_norm_'s total against the reference's norm (replicated parameters counted once);
 // - misuse: heads tp does not divide, a plan rule that matches nothing, ranks that disagree on
-//   the plan, a tp mesh over a model that was not parallelized, checkpoints (not yet). Each is refused before any
+//   the plan, a tp mesh over a model that was not parallelized, a full checkpoint (not yet). Each is refused before any
 //   collective (parallelize is local) or by the setup fingerprint's agreed check, on every rank
 //   alike, so run_mesh's failure propagation is enough: nothing can crash or hang.
 #include <catch2/catch.hpp>
@@ -270,23 +270,20 @@ TEST_CASE("tensor parallel: misuse is refused naming the module, sizes and fix",
     CHECK_THAT(e, Catch::Contains("tp plan"));
     CHECK_THAT(e, Catch::Contains("every rank must call fully_shard with the same plan"));
   }
-  SECTION("checkpoints, which do not record tp placement yet") {
+  SECTION("a full checkpoint of a tp model (sharded ones: tests/tp_checkpoint_test.cpp)") {
     const ParitySpec s = gpt_spec(1);
-    for (bool save : {true, false}) {
-      const std::string e = error_of([&] {
-        run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
-          auto model = s.make_model();
-          auto par = parallelize(model, parse_tp_plan(gpt_plan()), mesh);
-          auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
-          if (save)
-            save_checkpoint(*fsdp, nullptr, "/nonexistent/tp_ckpt");
-          else
-            load_checkpoint(*fsdp, nullptr, "/nonexistent/tp_ckpt");
-        });
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        auto model = s.make_model();
+        auto par = parallelize(model, parse_tp_plan(gpt_plan()), mesh);
+        auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+        CheckpointOptions o;
+        o.kind = CheckpointKind::kFull;
+        save_checkpoint(*fsdp, nullptr, "/nonexistent/tp_ckpt", o);
       });
-      CAPTURE(save);
-      CHECK_THAT(e, Catch::Contains("checkpoints do not record tp placement yet"));
-    }
+    });
+    CHECK_THAT(e, Catch::Contains("CheckpointKind::kFull"));
+    CHECK_THAT(e, Catch::Contains("save kSharded"));
   }
   SECTION("a tp mesh over a model that was not parallelized") {
     const ParitySpec s = gpt_spec(1);
