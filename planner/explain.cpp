@@ -316,7 +316,7 @@ void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if
       " of fp32 master + gradient + AdamW state on every rank (" + join(named, 3) + "), " +
       percent(share) + " of the predicted " + format_bytes(per_rank) +
       " per rank (model state + AdamW state, activations not included); sharding them over " +
-      std::to_string(e.world_size) + " ranks saves " + format_bytes(saved) +
+      std::to_string(e.mesh.shard()) + " ranks saves " + format_bytes(saved) +
       " per rank: shard these units (drop their noshard: rule, or use grad_op: to keep them "
       "gathered through the step)");
 }
@@ -373,7 +373,8 @@ void add_warnings(Explanation& e, const torch::nn::Module& model, const Plan& pl
   if (static_cast<double>(e.total_padding) > kPaddingShare * total) {
     e.warnings.push_back("padding is " + percent(e.total_padding / total) +
                          " of the parameters (each unit pads to a multiple of world_size * align "
-                         "= " + std::to_string(e.world_size * e.options.align) +
+                         "= " +
+                         std::to_string(e.mesh.shard() * e.options.align) +
                          " elements): many small units at this world size; use larger units");
   }
   if (!e.empty_units.empty()) {
@@ -510,11 +511,13 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
   return m;
 }
 
-Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
+Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
                     const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes,
-                    int replicate_size, const ExplainOptions& cost) {
-  TORCH_CHECK(world_size >= 1, "explain: world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(replicate_size >= 1, "explain: replicate_size must be >= 1, got ", replicate_size);
+                    const ExplainOptions& cost) {
+  const int world_size = mesh.shard(), replicate_size = mesh.replicate();
+  TORCH_CHECK(world_size >= 1 && replicate_size >= 1 && mesh.tp() >= 1,
+              "explain: mesh sizes must be >= 1, got shard ", world_size, ", replicate ",
+              replicate_size, ", tp ", mesh.tp());
   TORCH_CHECK(options.forward_prefetch >= 0 && options.backward_prefetch >= 0,
               "explain: prefetch depths must be >= 0 (forward_prefetch=", options.forward_prefetch,
               ", backward_prefetch=", options.backward_prefetch, ")");
@@ -524,8 +527,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
   check_recompute_plan(plan);  // the same rejection fully_shard makes (fsdp/resolve.h)
   Explanation e;
   e.cost = cost;
-  e.world_size = world_size;
-  e.replicate_size = replicate_size;
+  e.mesh = mesh;
   e.options = options;
   e.memory_limit_bytes = memory_limit_bytes;
   e.matched_modules = plan.matched_modules;
@@ -643,6 +645,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
 }
 
 std::string Explanation::to_string() const {
+  const int world_size = mesh.shard(), replicate_size = mesh.replicate();
   const auto& mp = options.mixed_precision;
   std::ostringstream os;
   os << "world " << world_size;

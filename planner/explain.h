@@ -1,7 +1,8 @@
 // flatshard/planner/explain.h — what a plan will cost, before anything runs.
 //
 //   auto plan = make_plan(*model, parse_policy("type=Block"));
-//   Explanation e = explain(*model, plan, /*world_size=*/8, options, /*memory_limit=*/40_GiB);
+//   Explanation e = explain(*model, plan, MeshShape(/*shard=*/8, /*replicate=*/1), options,
+//                           /*memory_limit=*/40_GiB);
 //   std::cout << e.to_string();   // per-unit table, totals, predicted peak, warnings
 //
 // The model is only read (names, shapes, tensor identities): it may live on the meta device
@@ -21,14 +22,15 @@
 //     SHARD_GRAD_OP            1 forward all-gather                        + 1 reduce-scatter
 //     NO_SHARD                 1 all-reduce
 //   bytes: an all-gather sends shard_numel * sizeof(param_dtype), a reduction sends
-//   padded_numel * sizeof(reduce_dtype). HSDP (replicate_size R > 1; world_size is then the
-//   shard group's size S): each reduction is followed by an all-reduce across the R replicas of
+//   padded_numel * sizeof(reduce_dtype). HSDP (mesh.replicate() R > 1; mesh.shard() S is the
+//   shard group's size): each reduction is followed by an all-reduce across the R replicas of
 //   the reduced gradient — shard_numel (NO_SHARD: padded_numel) * sizeof(reduce_dtype) bytes,
 //   counted in bytes and replicate_bytes; sharded units also count it in replicate_all_reduces
-//   (NO_SHARD units count their two-hop all-reduce once, in all_reduces). A unit with no elements issues nothing. A unit entered
-//   twice per forward, or run without grad, differs; explain() cannot know that. A recompute
-//   unit (Note [Recompute]) issues the same collectives: its recompute reuses the backward
-//   all-gather. The table's strategy column shows "recompute"; activations are not predicted.
+//   (NO_SHARD units count their two-hop all-reduce once, in all_reduces). A unit with no elements
+//   issues nothing. A unit entered twice per forward, or run without grad, differs; explain()
+//   cannot know that. A recompute unit (Note [Recompute]) issues the same collectives: its
+//   recompute reuses the backward all-gather. The table's strategy column shows "recompute";
+//   activations are not predicted.
 // Estimates (a model of the runtime, stated in MemoryEstimate's comment):
 // - the predicted peak of unsharded memory, with the configured prefetch depths; the plan's
 //   unit order stands for the execution order (it is registration order; the runtime records the
@@ -48,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "collectives/mesh.h"
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
 #include "wrap_policies/plan.h"
@@ -155,8 +158,9 @@ struct MemoryEstimate {
 };
 
 struct Explanation {
-  int world_size = 1;      // ranks of a shard group (all ranks without HSDP)
-  int replicate_size = 1;  // HSDP replicas (1: plain sharding)
+  // shard: ranks of a shard group (all data-parallel ranks without HSDP); replicate: HSDP
+  // replicas (1: plain sharding); tp: tensor-parallel ranks.
+  MeshShape mesh;
   ShardingOptions options;
   std::vector<UnitExplanation> units;  // plan order
   UnitCounters per_step;               // sum over units
@@ -182,13 +186,13 @@ struct Explanation {
   std::string to_string() const;
 };
 
-// Throws c10::Error if the plan names parameters the model does not have, or world_size or
-// replicate_size < 1. With HSDP, world_size is the shard group's size and replicate_size the
-// number of replicas (collectives/sharding_mesh.h).
-Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
+// Throws c10::Error if the plan names parameters the model does not have, or a mesh size is
+// < 1. `mesh`: the shard group's size, the HSDP replicas and the tp size (collectives/mesh.h),
+// as fully_shard gets them.
+Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
                     const ShardingOptions& options,
                     std::optional<int64_t> memory_limit_bytes = std::nullopt,
-                    int replicate_size = 1, const ExplainOptions& cost = {});
+                    const ExplainOptions& cost = {});
 
 // The simulation behind MemoryEstimate, exposed so callers can try other prefetch depths.
 MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units,

@@ -396,7 +396,8 @@ int run(const Described& m, const Request& r) {
   if (r.show_plan) std::cout << plan.to_string();
   flatshard::ExplainOptions cost = r.cost;
   cost.advice = flatshard::ExplainOptions::Advice::kSpec;  // advice in --policy text
-  const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, cost);
+  const auto e = flatshard::explain(*m.tree, plan, flatshard::MeshShape(r.world, r.replicate), opts,
+                                    limit, cost);
   std::cout << e.to_string();
   if (r.batch > 0 && !m.shape) {
     std::cout << "note: --batch: " << m.no_shape << "\n";
