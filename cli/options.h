@@ -1,9 +1,10 @@
 // flatshard/cli/options.h — the flags flatshard-bench, flatshard-explain and flatshard-train
 // share, defined once: the reference model (--model, --preset and the size overrides), the
 // sharding options (--strategy, --param-dtype, --reduce-dtype, --keep-low-precision-grads,
-// --offload-step, --prefetch) and the peak for MFU (--peak-tflops). Each tool adds them to its CLI11 app, then turns them into a models::ModelConfig
-// and a ShardingOptions with the functions below, so a flag has one name, one default, one
-// meaning and one check in both tools (docs/vocabulary.md).
+// --offload-step, --prefetch) and the peak for MFU (--peak-tflops). Each tool adds them to its
+// CLI11 app, then turns them into a models::ModelConfig and a ShardingOptions with the functions
+// below, so a flag has one name, one default, one meaning and one check in both tools
+// (docs/vocabulary.md).
 //
 // Contract
 // - add_model_flags(): --model (default: `flags.family` as given, gpt unless the tool sets
@@ -16,9 +17,10 @@
 // - add_sharding_flags(): the values are checked while parsing (CLI11 IsMember, cli/numbers.h);
 //   sharding_options() maps them (support/dtype_name.h for the dtypes) onto ShardingOptions:
 //   strategy, mixed precision (an unset --param-dtype is the tool's default, an unset
-//   --reduce-dtype stays unset: the param dtype), keep_low_precision_grads, offload_step, and --prefetch as
-//   both depths when given. Cross-option rules are not repeated here: what a unit cannot run is
-//   resolve_unit's (fsdp/resolve.h), which the tools call on the options.
+//   --reduce-dtype stays unset: the param dtype), keep_low_precision_grads, offload_step, and
+//   --prefetch as both depths when given. Cross-option rules are not repeated here: what a unit
+//   cannot run is resolve_unit's (fsdp/resolve.h), which the tools call on the options.
+// - add_tp_flag(): --tp, the mesh's tp size (default 1: no tensor parallelism).
 // - add_peak_tflops_flag(): --peak-tflops, a decimal number; peak_tflops() is the peak MFU is
 //   computed against: the given value (UsageError unless > 0), else kCudaPeakTflops on cuda,
 //   else none. mfu() is model FLOPs utilisation by the PaLM convention (the family's
@@ -79,6 +81,12 @@ ShardingOptions sharding_options(const ShardingFlags& flags, c10::ScalarType def
 // --offload-step backward / delayed step units through an attached flatshard::FusedAdamW: a
 // UsageError naming the flag unless the tool's optimizer is that (`fused_optimizer`).
 void check_offload_step_optimizer(const ShardingFlags& flags, bool fused_optimizer);
+
+// --tp: tensor-parallel ranks per group (docs/tensor-parallel.md), a decimal integer in
+// [1, 4096]; the tool splits its model with the family's default TP plan
+// (FamilyModules::tp_plan). `world_help` says how the tool's world relates to it.
+CLI::Option* add_tp_flag(CLI::App& app, int& tp, const std::string& group,
+                         const std::string& world_help);
 
 // H100 / H200 dense bf16 TFLOP/s: the peak assumed on cuda when --peak-tflops is not given.
 constexpr double kCudaPeakTflops = 989.0;

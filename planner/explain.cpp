@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iomanip>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -511,9 +513,26 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
   return m;
 }
 
+TpCollectives& TpCollectives::operator+=(const TpCollectives& o) {
+  forward_all_reduces += o.forward_all_reduces;
+  backward_all_reduces += o.backward_all_reduces;
+  forward_numel_per_token += o.forward_numel_per_token;
+  backward_numel_per_token += o.backward_numel_per_token;
+  return *this;
+}
+
+TpCounters TpCollectives::counters(int64_t tokens, c10::ScalarType dtype) const {
+  TpCounters c;
+  c.forward_all_reduces = forward_all_reduces;
+  c.backward_all_reduces = backward_all_reduces;
+  c.forward_bytes = forward_numel_per_token * tokens * elem_size(dtype);
+  c.backward_bytes = backward_numel_per_token * tokens * elem_size(dtype);
+  return c;
+}
+
 Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
                     const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes,
-                    const ExplainOptions& cost) {
+                    const ExplainOptions& cost, const TpPlan& tp_plan) {
   const int world_size = mesh.shard(), replicate_size = mesh.replicate();
   TORCH_CHECK(world_size >= 1 && replicate_size >= 1 && mesh.tp() >= 1,
               "explain: mesh sizes must be >= 1, got shard ", world_size, ", replicate ",
@@ -537,6 +556,44 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
   std::unordered_map<std::string, at::Tensor> params;
   for (const auto& item : model.named_parameters(/*recurse=*/true))
     params.emplace(item.key(), item.value());
+  // Tensor parallelism: the TP-local shapes of split parameters, and each split module's
+  // collectives by its weight's name.
+  std::unordered_map<std::string, std::vector<int64_t>> tp_shapes;
+  std::unordered_map<std::string, TpCollectives> tp_by_weight;
+  if (mesh.tp() > 1) {
+    const TensorParallel* done = find_tensor_parallel(&model);
+    std::vector<TpModule> modules;
+    if (done != nullptr) {
+      TORCH_CHECK(done->tp_size() == mesh.tp(), "explain: the model was parallelized at tp ",
+                  done->tp_size(), " but the mesh has tp ", mesh.tp());
+      modules = done->modules();
+    } else {
+      TORCH_CHECK(!tp_plan.empty(), "explain: mesh ", mesh.to_string(),
+                  " has tp > 1 but no tp plan was given; pass the plan parallelize() will get "
+                  "(a family's: Family::modules().tp_plan)");
+      modules = match_tp_plan(model, tp_plan, mesh.tp(),
+                              "explain (tp " + std::to_string(mesh.tp()) + ")");
+    }
+    for (const TpModule& m : modules) {
+      const std::string wname = m.path + ".weight", bname = m.path + ".bias";
+      const at::Tensor& w = params.at(wname);
+      TpCollectives c;
+      if (m.style == TpStyle::kRowwise) {
+        c.forward_all_reduces = 1;
+        c.forward_numel_per_token = w.size(0);
+      } else {
+        c.backward_all_reduces = 1;
+        c.backward_numel_per_token = w.size(1);
+      }
+      tp_by_weight[wname] = c;
+      ++e.tp_modules;
+      if (done != nullptr) continue;  // its shapes are the local ones already
+      tp_shapes[wname] = tp_local_shape(m, false, w.sizes().vec(), mesh.tp());
+      auto b = params.find(bname);
+      if (b != params.end() && b->second.defined())
+        tp_shapes[bname] = tp_local_shape(m, true, b->second.sizes().vec(), mesh.tp());
+    }
+  }
   std::vector<std::pair<std::string, int64_t>> root_owners;
   std::unordered_map<std::string, size_t> root_owner_index;  // owner -> its root_owners entry
   std::vector<int64_t> shard_numel_if_sharded;  // for the replication warning
@@ -562,17 +619,22 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
       auto it = params.find(name);
       TORCH_CHECK(it != params.end(), "explain: unit '", spec.name, "' names parameter '", name,
                   "', which the model does not have; was the plan made for another model?");
-      shapes.push_back(it->second.sizes().vec());
+      auto local = tp_shapes.find(name);
+      shapes.push_back(local != tp_shapes.end() ? local->second : it->second.sizes().vec());
+      const int64_t numel = std::accumulate(shapes.back().begin(), shapes.back().end(), int64_t{1},
+                                            std::multiplies<int64_t>());
       trainable.push_back(it->second.requires_grad());
+      auto split = tp_by_weight.find(name);
+      if (split != tp_by_weight.end()) u.tp += split->second;
       if (spec.is_root) {
         const std::string owner = parent_path(name);
         // A map, not a scan of the owners so far: the root of `--policy none` owns every module.
         auto [o, fresh] = root_owner_index.emplace(owner, root_owners.size());
         if (fresh) {
           u.modules.push_back(owner);
-          root_owners.emplace_back(owner, it->second.numel());
+          root_owners.emplace_back(owner, numel);
         } else {
-          root_owners[o->second].second += it->second.numel();
+          root_owners[o->second].second += numel;
         }
       }
     }
@@ -611,7 +673,12 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
         sharded ? layout.shard_numel
                 : FlatLayout::make(shapes, world_size, settings.flat.align).shard_numel);
     e.collectives_per_step += collective_count(u.per_step);
+    if (u.recompute) {  // the recomputed forward all-reduces again
+      u.tp.forward_all_reduces *= 2;
+      u.tp.forward_numel_per_token *= 2;
+    }
     e.per_step += u.per_step;
+    e.tp += u.tp;
     e.total_numel += u.numel;
     e.total_padding += u.padding();
     e.units.push_back(std::move(u));
@@ -691,6 +758,23 @@ std::string Explanation::to_string() const {
        << per_step.replicate_all_reduces << " replicate all-reduces"
        << (per_step.all_reduces ? ", plus the replica hop of each all-reduce" : "") << ")";
   os << "\n";
+  if (mesh.tp() > 1) {
+    const int64_t e_size = elem_size(mp.param_dtype);
+    os << "tensor parallel: tp " << mesh.tp() << " (" << mesh.global_size() << " ranks, "
+       << mesh.to_string() << "), " << tp_modules
+       << " split modules; numel and bytes above are the TP-local slices. Per step and rank: "
+       << tp.forward_all_reduces << " forward + " << tp.backward_all_reduces
+       << " backward all-reduces over the tp group, "
+       << format_bytes(tp.forward_numel_per_token * e_size) << " + "
+       << format_bytes(tp.backward_numel_per_token * e_size) << " per token ("
+       << dtype_name(mp.param_dtype) << ")\n";
+    for (const auto& u : units) {
+      if (u.tp.empty()) continue;
+      os << "  tp " << u.name << ": AR f" << u.tp.forward_all_reduces << " b"
+         << u.tp.backward_all_reduces << ", " << format_bytes(u.tp.forward_numel_per_token * e_size)
+         << " + " << format_bytes(u.tp.backward_numel_per_token * e_size) << " per token\n";
+    }
+  }
   os << "collective latency: " << collectives_per_step << " collectives per step x "
      << format_fixed(cost.collective_latency_us, 1) << " us = "
      << format_fixed(collective_latency_ms(), 1) << " ms, "
