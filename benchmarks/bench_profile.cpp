@@ -87,7 +87,7 @@ struct Calibration {
   bool cpu;
 
   Explanation explained(size_t i) const {
-    return explain(*planning, granularities[i].plan, world, o.sharding);
+    return explain(*planning, granularities[i].plan, MeshShape(world, 1), o.sharding);
   }
   // The index of the run labelled `label` that has steps, or -1.
   int find_run(const std::string& label) const {
@@ -327,9 +327,17 @@ MachineProfile measure_profile(const BenchOptions& o, int world,
   }
   const Granularity& g = granularities[static_cast<size_t>(cal)];
   const RunResult& r = results[static_cast<size_t>(cal)];
-  const Calibration c{o, world, granularities, results, planning, g, r,
-                      explain(*planning, g.plan, world, o.sharding), o.model.transformer_shape(),
-                      Workload{o.batch, o.model.seq_len()}, cpu};
+  const Calibration c{o,
+                      world,
+                      granularities,
+                      results,
+                      planning,
+                      g,
+                      r,
+                      explain(*planning, g.plan, MeshShape(world, 1), o.sharding),
+                      o.model.transformer_shape(),
+                      Workload{o.batch, o.model.seq_len()},
+                      cpu};
 
   const std::string host_how = fit_host_per_unit(c, p);
   const std::string step_how = cpu ? "" : fit_host_per_step(c, host_probe, p);

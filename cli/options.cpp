@@ -129,6 +129,17 @@ void check_offload_step_optimizer(const ShardingFlags& f, bool fused_optimizer) 
                      " steps units through flatshard::FusedAdamW: add --optimizer fused");
 }
 
+CLI::Option* add_tp_flag(CLI::App& app, int& tp, const std::string& group,
+                         const std::string& world_help) {
+  return app
+      .add_option("--tp", tp,
+                  "tensor-parallel ranks per group (default 1), splitting attention and "
+                  "MLP with the model family's default TP plan (docs/tensor-parallel.md); " +
+                      world_help)
+      ->transform(integer(1, 4096))
+      ->group(group);
+}
+
 CLI::Option* add_peak_tflops_flag(CLI::App& app, double& tflops, const std::string& group) {
   return app.add_option("--peak-tflops", tflops,
                         "peak TFLOP/s per rank for MFU (cuda default 989: H100/H200 bf16 "

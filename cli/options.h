@@ -21,6 +21,7 @@
 //   gather_dtype_from_name, flat_param/flat_param_config.h), keep_low_precision_grads, offload_step, and --prefetch as
 //   both depths when given. Cross-option rules are not repeated here: what a unit cannot run is
 //   resolve_unit's (fsdp/resolve.h), which the tools call on the options.
+// - add_tp_flag(): --tp, the mesh's tp size (default 1: no tensor parallelism).
 // - add_peak_tflops_flag(): --peak-tflops, a decimal number; peak_tflops() is the peak MFU is
 //   computed against: the given value (UsageError unless > 0), else kCudaPeakTflops on cuda,
 //   else none. mfu() is model FLOPs utilisation by the PaLM convention (the family's
@@ -82,6 +83,12 @@ ShardingOptions sharding_options(const ShardingFlags& flags, c10::ScalarType def
 // --offload-step backward / delayed step units through an attached flatshard::FusedAdamW: a
 // UsageError naming the flag unless the tool's optimizer is that (`fused_optimizer`).
 void check_offload_step_optimizer(const ShardingFlags& flags, bool fused_optimizer);
+
+// --tp: tensor-parallel ranks per group (docs/tensor-parallel.md), a decimal integer in
+// [1, 4096]; the tool splits its model with the family's default TP plan
+// (FamilyModules::tp_plan). `world_help` says how the tool's world relates to it.
+CLI::Option* add_tp_flag(CLI::App& app, int& tp, const std::string& group,
+                         const std::string& world_help);
 
 // H100 / H200 dense bf16 TFLOP/s: the peak assumed on cuda when --peak-tflops is not given.
 constexpr double kCudaPeakTflops = 989.0;

@@ -32,38 +32,55 @@ Communicator* group_of(const torch::autograd::AutogradContext* ctx) {
   return reinterpret_cast<Communicator*>(ctx->saved_data.at("group").toInt());
 }
 
-at::Tensor all_reduced(Communicator* group, const at::Tensor& t) {
+// `count`/`bytes`: the TpCounterCells fields this all-reduce adds to (TensorParallel::counters()).
+at::Tensor all_reduced(Communicator* group, const at::Tensor& t, std::atomic<int64_t>* count,
+                       std::atomic<int64_t>* bytes) {
   at::Tensor out = t.clone(at::MemoryFormat::Contiguous);
   group->all_reduce(out, ReduceOp::kSum, group->current_stream());
+  if (count != nullptr) {
+    count->fetch_add(1, std::memory_order_relaxed);
+    bytes->fetch_add(static_cast<int64_t>(out.numel()) * static_cast<int64_t>(out.element_size()),
+                     std::memory_order_relaxed);
+  }
   return out;
+}
+
+detail::TpCounterCells* cells_of(int64_t counters) {
+  return reinterpret_cast<detail::TpCounterCells*>(static_cast<intptr_t>(counters));
 }
 
 // Megatron's f: identity forward, all-reduce of the gradient backward.
 struct CopyToTp : torch::autograd::Function<CopyToTp> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            int64_t group) {
+                            int64_t group, int64_t counters) {
     ctx->saved_data["group"] = group;
+    ctx->saved_data["counters"] = counters;
     return x.view_as(x);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list g) {
-    return {all_reduced(group_of(ctx), g[0]), at::Tensor()};
+    detail::TpCounterCells* c = cells_of(ctx->saved_data.at("counters").toInt());
+    return {all_reduced(group_of(ctx), g[0], c ? &c->backward_all_reduces : nullptr,
+                        c ? &c->backward_bytes : nullptr),
+            at::Tensor(), at::Tensor()};
   }
 };
 
 // Megatron's g: all-reduce forward, identity backward.
 struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
   static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& y,
-                            int64_t group) {
-    return all_reduced(reinterpret_cast<Communicator*>(group), y);
+                            int64_t group, int64_t counters) {
+    detail::TpCounterCells* c = cells_of(counters);
+    return all_reduced(reinterpret_cast<Communicator*>(group), y,
+                       c ? &c->forward_all_reduces : nullptr, c ? &c->forward_bytes : nullptr);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
                                                  torch::autograd::variable_list g) {
-    return {g[0], at::Tensor()};
+    return {g[0], at::Tensor(), at::Tensor()};
   }
 };
 
-int64_t as_int(Communicator* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
+int64_t as_int(const void* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
 
 // The placement of a parameter of a split module (a rowwise bias is replicated).
 TpPlacement placement_of(TpStyle style, int parts, bool is_bias) {
@@ -167,7 +184,7 @@ TpEntry find_tp(const torch::nn::Module* m) {
 }
 
 at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x) {
-  return CopyToTp::apply(x, as_int(e.group));
+  return CopyToTp::apply(x, as_int(e.group), as_int(e.counters));
 }
 
 at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const at::Tensor& y) {
@@ -177,8 +194,9 @@ at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const a
   // crashed tests/tensor_parallel_test.cpp about every other run).
   const auto params = m->named_parameters(/*recurse=*/false);
   const at::Tensor* bias = params.find("bias");
-  if (bias == nullptr || !bias->defined()) return ReduceFromTp::apply(y, as_int(e.group));
-  return ReduceFromTp::apply(y - *bias, as_int(e.group)) + *bias;
+  if (bias == nullptr || !bias->defined())
+    return ReduceFromTp::apply(y, as_int(e.group), as_int(e.counters));
+  return ReduceFromTp::apply(y - *bias, as_int(e.group), as_int(e.counters)) + *bias;
 }
 
 void tp_bad_signature(const TpEntry& e) {
@@ -277,10 +295,110 @@ std::string TensorParallel::to_string() const {
   return os.str();
 }
 
+TpCounters TensorParallel::counters() const {
+  TpCounters c;
+  if (!counters_) return c;
+  c.forward_all_reduces = counters_->forward_all_reduces.load(std::memory_order_relaxed);
+  c.backward_all_reduces = counters_->backward_all_reduces.load(std::memory_order_relaxed);
+  c.forward_bytes = counters_->forward_bytes.load(std::memory_order_relaxed);
+  c.backward_bytes = counters_->backward_bytes.load(std::memory_order_relaxed);
+  return c;
+}
+
+void TensorParallel::reset_counters() {
+  if (!counters_) return;
+  counters_->forward_all_reduces = 0;
+  counters_->backward_all_reduces = 0;
+  counters_->forward_bytes = 0;
+  counters_->backward_bytes = 0;
+}
+
+std::vector<int64_t> tp_local_shape(const TpModule& m, bool is_bias,
+                                    const std::vector<int64_t>& full, int tp) {
+  std::vector<int64_t> local = full;
+  if (m.style == TpStyle::kColwise && !local.empty()) local[0] /= tp;
+  if (m.style == TpStyle::kRowwise && !is_bias && local.size() >= 2) local[1] /= tp;
+  return local;
+}
+
 const TensorParallel* find_tensor_parallel(const torch::nn::Module* root) {
   std::shared_lock<std::shared_mutex> lock(g_mu);
   auto it = g_roots.find(root);
   return it == g_roots.end() ? nullptr : it->second;
+}
+
+std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan& plan, int tp,
+                                    const std::string& where) {
+  std::vector<TpModule> out;
+  // 1. Match.
+  const Policy policy = plan.match_policy();
+  PolicyMatcher matcher(policy);
+  TORCH_CHECK(!matcher.needs_size(), where, ": tp plan '", printable_escape(plan.to_spec()),
+              "' has a size>= term; a tp plan chooses modules by type or path only");
+  std::vector<int> hits(plan.rules.size(), 0);
+  std::vector<std::shared_ptr<torch::nn::Module>> split;
+  std::unordered_set<const torch::nn::Module*> seen;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (!seen.insert(item.value().get()).second) continue;  // a module under a second path
+    const int r = matcher.first_match(match_subject(model, item.key(), *item.value()));
+    if (r < 0) continue;
+    ++hits[r];
+    const TpRule& rule = plan.rules[r];
+    if (rule.style == TpStyle::kReplicate) continue;
+    out.push_back({item.key(), rule.style, rule.parts, r});
+    split.push_back(item.value());
+  }
+  for (size_t r = 0; r < plan.rules.size(); ++r)
+    TORCH_CHECK(hits[r] > 0, where, ": tp plan rule ", r + 1, " '",
+                printable_escape(style_text(plan.rules[r]) + ":" + to_spec(plan.rules[r].match)),
+                "' matches no module of the model (plan '", printable_escape(plan.to_spec()),
+                "'; the model's module types: ", model_types(model),
+                "). Fix the rule's type or path terms, or remove it");
+
+  // 2. The parents' own checks (heads), then Linear-like modules and sizes tp divides.
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    const auto* aware = dynamic_cast<const TensorParallelModule*>(item.value().get());
+    if (aware == nullptr) continue;
+    bool has_split_child = false;
+    for (const auto& child : item.value()->named_children())
+      for (const auto& s : split) has_split_child = has_split_child || s == child.value();
+    if (!has_split_child) continue;
+    try {
+      aware->check_tensor_parallel(item.key(), tp);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, where, ": ", e.what_without_backtrace());
+    }
+  }
+
+  for (size_t i = 0; i < split.size(); ++i) {
+    const TpModule& tm = out[i];
+    const torch::nn::Module& m = *split[i];
+    const std::string what = "module '" + printable_escape(tm.path) + "' (" +
+                             printable_escape(policy_type_name(m.name())) + ", " +
+                             style_text(plan.rules[tm.rule]) + ")";
+    const auto params = m.named_parameters(/*recurse=*/false);
+    const at::Tensor* w = params.find("weight");
+    const at::Tensor* b = params.find("bias");
+    std::ostringstream held;
+    for (const auto& p : params) held << ' ' << printable_escape(p.key()) << p.value().sizes();
+    TORCH_CHECK(w != nullptr && w->dim() == 2 && params.size() <= (b ? 2u : 1u) &&
+                    (b == nullptr || !b->defined() || (b->dim() == 1 && b->size(0) == w->size(0))),
+                where, ": ", what,
+                " is not Linear-like: a colwise or rowwise module holds a 2-D "
+                "weight [out, in] and at most a 1-D bias [out]; it holds",
+                held.str(), ". Name its Linear children in the tp plan instead");
+    if (tm.style == TpStyle::kColwise) {
+      const int64_t o = w->size(0);
+      TORCH_CHECK(o % (static_cast<int64_t>(tm.parts) * tp) == 0, where, ": ", what, " has ", o,
+                  " output features", tm.parts > 1 ? " in " + std::to_string(tm.parts) + " blocks" : "",
+                  ", which tp ", tp, " cannot split evenly (", o, " must be a multiple of ",
+                  static_cast<int64_t>(tm.parts) * tp, ")");
+    } else {
+      TORCH_CHECK(w->size(1) % tp == 0, where, ": ", what, " has ", w->size(1),
+                  " input features, which tp ", tp, " cannot split evenly");
+    }
+  }
+  return out;
 }
 
 std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>& model,
@@ -296,80 +414,24 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
   out->plan_ = plan;
   out->tp_size_ = tp;
   out->tp_rank_ = rank;
+  out->counters_ = std::make_unique<detail::TpCounterCells>();
 
-  // 1. Match (no change yet).
-  const Policy policy = plan.match_policy();
-  PolicyMatcher matcher(policy);
-  TORCH_CHECK(!matcher.needs_size(), where, ": tp plan '", printable_escape(plan.to_spec()),
-              "' has a size>= term; a tp plan chooses modules by type or path only");
-  std::vector<int> hits(plan.rules.size(), 0);
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> split;
-  std::unordered_set<const torch::nn::Module*> seen;
-  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
-    if (!seen.insert(item.value().get()).second) continue;  // a module under a second path
-    const int r = matcher.first_match(match_subject(*model, item.key(), *item.value()));
-    if (r < 0) continue;
-    ++hits[r];
-    const TpRule& rule = plan.rules[r];
-    if (rule.style == TpStyle::kReplicate) continue;
-    out->modules_.push_back({item.key(), rule.style, rule.parts, r});
-    split.emplace_back(item.key(), item.value());
+  // 1-2. Match and check (nothing changed yet).
+  out->modules_ = match_tp_plan(*model, plan, tp, where);
+  std::vector<std::shared_ptr<torch::nn::Module>> split;
+  {
+    std::unordered_map<std::string, std::shared_ptr<torch::nn::Module>> by_path;
+    for (const auto& item : model->named_modules("", /*include_self=*/false))
+      by_path.emplace(item.key(), item.value());
+    for (const TpModule& tm : out->modules_) split.push_back(by_path.at(tm.path));
   }
-  for (size_t r = 0; r < plan.rules.size(); ++r)
-    TORCH_CHECK(hits[r] > 0, where, ": tp plan rule ", r + 1, " '",
-                printable_escape(style_text(plan.rules[r]) + ":" + to_spec(plan.rules[r].match)),
-                "' matches no module of the model (plan '", printable_escape(plan.to_spec()),
-                "'; the model's module types: ", model_types(*model),
-                "). Fix the rule's type or path terms, or remove it");
-
-  // 2. The parents' own checks (heads), then Linear-like modules and sizes tp divides.
-  for (const auto& item : model->named_modules("", /*include_self=*/true)) {
-    const auto* aware = dynamic_cast<const TensorParallelModule*>(item.value().get());
-    if (aware == nullptr) continue;
-    bool has_split_child = false;
-    for (const auto& child : item.value()->named_children())
-      for (const auto& s : split) has_split_child = has_split_child || s.second == child.value();
-    if (!has_split_child) continue;
-    try {
-      aware->check_tensor_parallel(item.key(), tp);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, where, ": ", e.what_without_backtrace());
-    }
-  }
-
-  for (size_t i = 0; i < split.size(); ++i) {
-    const TpModule& tm = out->modules_[i];
-    const torch::nn::Module& m = *split[i].second;
-    const std::string what = "module '" + printable_escape(tm.path) + "' (" +
-                             printable_escape(policy_type_name(m.name())) + ", " +
-                             style_text(plan.rules[tm.rule]) + ")";
-    const auto params = m.named_parameters(/*recurse=*/false);
-    const at::Tensor* w = params.find("weight");
-    const at::Tensor* b = params.find("bias");
-    std::ostringstream held;
-    for (const auto& p : params) held << ' ' << printable_escape(p.key()) << p.value().sizes();
-    TORCH_CHECK(w != nullptr && w->dim() == 2 && params.size() <= (b ? 2u : 1u) &&
-                    (b == nullptr || !b->defined() || (b->dim() == 1 && b->size(0) == w->size(0))),
-                where, ": ", what, " is not Linear-like: a colwise or rowwise module holds a 2-D "
-                "weight [out, in] and at most a 1-D bias [out]; it holds", held.str(),
-                ". Name its Linear children in the tp plan instead");
-    if (tm.style == TpStyle::kColwise) {
-      const int64_t o = w->size(0);
-      TORCH_CHECK(o % (static_cast<int64_t>(tm.parts) * tp) == 0, where, ": ", what, " has ", o,
-                  " output features", tm.parts > 1 ? " in " + std::to_string(tm.parts) + " blocks" : "",
-                  ", which tp ", tp, " cannot split evenly (", o, " must be a multiple of ",
-                  static_cast<int64_t>(tm.parts) * tp, ")");
-    } else {
-      TORCH_CHECK(w->size(1) % tp == 0, where, ": ", what, " has ", w->size(1),
-                  " input features, which tp ", tp, " cannot split evenly");
-    }
-  }
+  // (match_tp_plan checked every module; a meta model is sliced in shapes only, below.)
   // 3. Slice in place and register.
   {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < split.size(); ++i) {
       const TpModule& tm = out->modules_[i];
-      for (auto& p : split[i].second->named_parameters(/*recurse=*/false)) {
+      for (auto& p : split[i]->named_parameters(/*recurse=*/false)) {
         if (!p.value().defined()) continue;
         const bool is_bias = p.key() == "bias";
         const std::string name = tm.path + "." + p.key();
@@ -393,10 +455,11 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
                                                            : detail::TpEntry::Kind::kRowwise;
       e.group = mesh.tp();
       e.path = &out->modules_[i].path;
-      TORCH_CHECK(g_modules.emplace(split[i].second.get(), e).second, where, ": module '",
+      e.counters = out->counters_.get();
+      TORCH_CHECK(g_modules.emplace(split[i].get(), e).second, where, ": module '",
                   printable_escape(out->modules_[i].path),
                   "' is already split by another parallelize()");
-      out->registered_.push_back(split[i].second.get());
+      out->registered_.push_back(split[i].get());
     }
     g_count.store(g_modules.size(), std::memory_order_release);
   }

@@ -93,6 +93,25 @@ at::Tensor tp_slice(const at::Tensor& full, const TpPlacement& p, int tp, int ra
 at::Tensor tp_unslice(const at::Tensor& tp_major, const std::vector<int64_t>& full_shape,
                       const TpPlacement& p, int tp);
 
+// The TP collectives one rank issued (TensorParallel::counters()): an all-reduce over the tp
+// group of each rowwise module's output in forward and of each colwise module's input gradient in
+// backward; bytes are the reduced tensors' (numel x element size), what this rank sends.
+// explain() predicts them per step (planner/explain.h, TpCollectives).
+struct TpCounters {
+  int64_t forward_all_reduces = 0, backward_all_reduces = 0;
+  int64_t forward_bytes = 0, backward_bytes = 0;
+  bool operator==(const TpCounters& o) const {
+    return forward_all_reduces == o.forward_all_reduces &&
+           backward_all_reduces == o.backward_all_reduces && forward_bytes == o.forward_bytes &&
+           backward_bytes == o.backward_bytes;
+  }
+  bool operator!=(const TpCounters& o) const { return !(*this == o); }
+};
+
+namespace detail {
+struct TpCounterCells;
+}
+
 struct TpModule {
   std::string path;  // in the model's tree
   TpStyle style = TpStyle::kReplicate;
@@ -126,6 +145,9 @@ class TensorParallel {
   ParamLoader slice_loader(ParamLoader full) const;
   // One line per split module: "colwise/3 blocks.0.attn.qkv", for explain-like output.
   std::string to_string() const;
+  // The TP collectives this rank issued since parallelize() or the last reset_counters().
+  TpCounters counters() const;
+  void reset_counters();
 
  private:
   friend std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>&,
@@ -144,10 +166,24 @@ class TensorParallel {
   std::vector<TpModule> modules_;
   std::unordered_set<const void*> split_;  // TensorImpl of each split parameter
   std::map<std::string, Slice> slices_;     // by parameter name
+  std::unique_ptr<detail::TpCounterCells> counters_;
 };
 
 std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>& model,
                                             const TpPlan& plan, const Mesh& mesh);
+
+// What parallelize() checks before it changes anything, changing nothing (the one home of the
+// matching, shared with explain(): meta parameters are fine here): the colwise and rowwise
+// modules `plan` names in `model`, in registration order. Throws parallelize()'s errors
+// (prefixed with `where`): a rule that matches nothing, a size>= term, a TensorParallelModule's
+// own check (heads), a module that is not Linear-like, sizes `tp` does not divide.
+std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan& plan, int tp,
+                                    const std::string& where);
+
+// The shape tp rank keeps of the parameter `is_bias ? bias : weight` of the split module `m`
+// whose full shape is `full` (the layout parallelize() slices to).
+std::vector<int64_t> tp_local_shape(const TpModule& m, bool is_bias,
+                                    const std::vector<int64_t>& full, int tp);
 
 // The TensorParallel that parallelized `root`, or nullptr.
 const TensorParallel* find_tensor_parallel(const torch::nn::Module* root);

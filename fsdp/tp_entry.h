@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -29,11 +30,19 @@ class Communicator;
 
 namespace detail {
 
+// A TensorParallel's per-step collective counts (TensorParallel::counters()); the autograd
+// functions add to them from the forward and the autograd threads.
+struct TpCounterCells {
+  std::atomic<int64_t> forward_all_reduces{0}, backward_all_reduces{0};
+  std::atomic<int64_t> forward_bytes{0}, backward_bytes{0};
+};
+
 struct TpEntry {
   enum class Kind : uint8_t { kNone, kColwise, kRowwise };
   Kind kind = Kind::kNone;
   Communicator* group = nullptr;     // the tp group
   const std::string* path = nullptr;  // the module's path, for messages
+  TpCounterCells* counters = nullptr;  // its TensorParallel's
 };
 
 TpEntry find_tp(const torch::nn::Module* m);

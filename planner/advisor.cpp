@@ -228,7 +228,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
           ShardingOptions o = options;
           o.forward_prefetch = o.backward_prefetch = depth;
           o.offload = level;
-          base = explain(model, plan, shard, o, std::nullopt, replicas);
+          base = explain(model, plan, MeshShape(shard, replicas), o);
         }
         Explanation e = base;
         e.options.forward_prefetch = e.options.backward_prefetch = depth;

@@ -105,8 +105,8 @@ class CostWalk {
         layers_(shape.n_layers),
         seq_(static_cast<double>(w.seq)),
         tokens_(static_cast<double>(w.tokens())),
-        shard_size_(e.world_size),
-        replicas_(e.replicate_size),
+        shard_size_(e.mesh.shard()),
+        replicas_(e.mesh.replicate()),
         forward_prefetch_(e.options.forward_prefetch),
         backward_prefetch_(e.options.backward_prefetch),
         // One rank and no replicas: no collective runs and no flat gradient exists (Note

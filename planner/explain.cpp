@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iomanip>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -330,7 +332,7 @@ void warn_replication(Explanation& e, const std::vector<int64_t>& shard_numel_if
       " of fp32 master + gradient + AdamW state on every rank (" + join(named, 3) + "), " +
       percent(share) + " of the predicted " + format_bytes(per_rank) +
       " per rank (model state + AdamW state, activations not included); sharding them over " +
-      std::to_string(e.world_size) + " ranks saves " + format_bytes(saved) +
+      std::to_string(e.mesh.shard()) + " ranks saves " + format_bytes(saved) +
       " per rank: shard these units (drop their noshard: rule, or use grad_op: to keep them "
       "gathered through the step)");
 }
@@ -387,7 +389,8 @@ void add_warnings(Explanation& e, const torch::nn::Module& model, const Plan& pl
   if (static_cast<double>(e.total_padding) > kPaddingShare * total) {
     e.warnings.push_back("padding is " + percent(e.total_padding / total) +
                          " of the parameters (each unit pads to a multiple of world_size * align "
-                         "= " + std::to_string(e.world_size * e.options.align) +
+                         "= " +
+                         std::to_string(e.mesh.shard() * e.options.align) +
                          " elements): many small units at this world size; use larger units");
   }
   if (!e.empty_units.empty()) {
@@ -524,11 +527,30 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
   return m;
 }
 
-Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
+TpCollectives& TpCollectives::operator+=(const TpCollectives& o) {
+  forward_all_reduces += o.forward_all_reduces;
+  backward_all_reduces += o.backward_all_reduces;
+  forward_numel_per_token += o.forward_numel_per_token;
+  backward_numel_per_token += o.backward_numel_per_token;
+  return *this;
+}
+
+TpCounters TpCollectives::counters(int64_t tokens, c10::ScalarType dtype) const {
+  TpCounters c;
+  c.forward_all_reduces = forward_all_reduces;
+  c.backward_all_reduces = backward_all_reduces;
+  c.forward_bytes = forward_numel_per_token * tokens * elem_size(dtype);
+  c.backward_bytes = backward_numel_per_token * tokens * elem_size(dtype);
+  return c;
+}
+
+Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
                     const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes,
-                    int replicate_size, const ExplainOptions& cost) {
-  TORCH_CHECK(world_size >= 1, "explain: world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(replicate_size >= 1, "explain: replicate_size must be >= 1, got ", replicate_size);
+                    const ExplainOptions& cost, const TpPlan& tp_plan) {
+  const int world_size = mesh.shard(), replicate_size = mesh.replicate();
+  TORCH_CHECK(world_size >= 1 && replicate_size >= 1 && mesh.tp() >= 1,
+              "explain: mesh sizes must be >= 1, got shard ", world_size, ", replicate ",
+              replicate_size, ", tp ", mesh.tp());
   TORCH_CHECK(options.forward_prefetch >= 0 && options.backward_prefetch >= 0,
               "explain: prefetch depths must be >= 0 (forward_prefetch=", options.forward_prefetch,
               ", backward_prefetch=", options.backward_prefetch, ")");
@@ -538,8 +560,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
   check_recompute_plan(plan);  // the same rejection fully_shard makes (fsdp/resolve.h)
   Explanation e;
   e.cost = cost;
-  e.world_size = world_size;
-  e.replicate_size = replicate_size;
+  e.mesh = mesh;
   e.options = options;
   e.memory_limit_bytes = memory_limit_bytes;
   e.matched_modules = plan.matched_modules;
@@ -549,6 +570,46 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
   // Looked up in torch's own dict (its index is a hash map): a second map of every name was
   // ~10% of explaining 524,288 parameters (issue 49).
   const auto params = model.named_parameters(/*recurse=*/true);
+  // Tensor parallelism: the TP-local shapes of split parameters, and each split module's
+  // collectives by its weight's name.
+  std::unordered_map<std::string, std::vector<int64_t>> tp_shapes;
+  std::unordered_map<std::string, TpCollectives> tp_by_weight;
+  if (mesh.tp() > 1) {
+    const TensorParallel* done = find_tensor_parallel(&model);
+    std::vector<TpModule> modules;
+    if (done != nullptr) {
+      TORCH_CHECK(done->tp_size() == mesh.tp(), "explain: the model was parallelized at tp ",
+                  done->tp_size(), " but the mesh has tp ", mesh.tp());
+      modules = done->modules();
+    } else {
+      TORCH_CHECK(!tp_plan.empty(), "explain: mesh ", mesh.to_string(),
+                  " has tp > 1 but no tp plan was given; pass the plan parallelize() will get "
+                  "(a family's: Family::modules().tp_plan)");
+      modules = match_tp_plan(model, tp_plan, mesh.tp(),
+                              "explain (tp " + std::to_string(mesh.tp()) + ")");
+    }
+    for (const TpModule& m : modules) {
+      const std::string wname = m.path + ".weight", bname = m.path + ".bias";
+      const at::Tensor* wp = params.find(wname);
+      TORCH_INTERNAL_ASSERT(wp != nullptr, "explain: tp module '", m.path, "' has no weight");
+      const at::Tensor& w = *wp;
+      TpCollectives c;
+      if (m.style == TpStyle::kRowwise) {
+        c.forward_all_reduces = 1;
+        c.forward_numel_per_token = w.size(0);
+      } else {
+        c.backward_all_reduces = 1;
+        c.backward_numel_per_token = w.size(1);
+      }
+      tp_by_weight[wname] = c;
+      ++e.tp_modules;
+      if (done != nullptr) continue;  // its shapes are the local ones already
+      tp_shapes[wname] = tp_local_shape(m, false, w.sizes().vec(), mesh.tp());
+      const at::Tensor* b = params.find(bname);
+      if (b != nullptr && b->defined())
+        tp_shapes[bname] = tp_local_shape(m, true, b->sizes().vec(), mesh.tp());
+    }
+  }
   std::vector<std::pair<std::string, int64_t>> root_owners;
   std::unordered_map<std::string, size_t> root_owner_index;  // owner -> its root_owners entry
   std::vector<int64_t> shard_numel_if_sharded;  // for the replication warning
@@ -576,17 +637,22 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
       const at::Tensor* param = params.find(name);
       TORCH_CHECK(param != nullptr, "explain: unit '", spec.name, "' names parameter '", name,
                   "', which the model does not have; was the plan made for another model?");
-      shapes.push_back(param->sizes().vec());
+      auto local = tp_shapes.find(name);
+      shapes.push_back(local != tp_shapes.end() ? local->second : param->sizes().vec());
+      const int64_t numel = std::accumulate(shapes.back().begin(), shapes.back().end(), int64_t{1},
+                                            std::multiplies<int64_t>());
       trainable.push_back(param->requires_grad());
+      auto split = tp_by_weight.find(name);
+      if (split != tp_by_weight.end()) u.tp += split->second;
       if (spec.is_root) {
         const std::string owner = parent_path(name);
         // A map, not a scan of the owners so far: the root of `--policy none` owns every module.
         auto [o, fresh] = root_owner_index.emplace(owner, root_owners.size());
         if (fresh) {
           u.modules.push_back(owner);
-          root_owners.emplace_back(owner, param->numel());
+          root_owners.emplace_back(owner, numel);
         } else {
-          root_owners[o->second].second += param->numel();
+          root_owners[o->second].second += numel;
         }
       }
     }
@@ -626,7 +692,12 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
         sharded ? layout.shard_numel
                 : FlatLayout::make(shapes, world_size, settings.flat.align).shard_numel);
     e.collectives_per_step += collective_count(u.per_step);
+    if (u.recompute) {  // the recomputed forward all-reduces again
+      u.tp.forward_all_reduces *= 2;
+      u.tp.forward_numel_per_token *= 2;
+    }
     e.per_step += u.per_step;
+    e.tp += u.tp;
     e.total_numel += u.numel;
     e.total_padding += u.padding();
     e.units.push_back(std::move(u));
@@ -660,6 +731,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_
 }
 
 std::string Explanation::to_string() const {
+  const int world_size = mesh.shard(), replicate_size = mesh.replicate();
   const auto& mp = options.mixed_precision;
   std::ostringstream os;
   os << "world " << world_size;
@@ -710,6 +782,23 @@ std::string Explanation::to_string() const {
        << per_step.replicate_all_reduces << " replicate all-reduces"
        << (per_step.all_reduces ? ", plus the replica hop of each all-reduce" : "") << ")";
   os << "\n";
+  if (mesh.tp() > 1) {
+    const int64_t e_size = elem_size(mp.param_dtype);
+    os << "tensor parallel: tp " << mesh.tp() << " (" << mesh.global_size() << " ranks, "
+       << mesh.to_string() << "), " << tp_modules
+       << " split modules; numel and bytes above are the TP-local slices. Per step and rank: "
+       << tp.forward_all_reduces << " forward + " << tp.backward_all_reduces
+       << " backward all-reduces over the tp group, "
+       << format_bytes(tp.forward_numel_per_token * e_size) << " + "
+       << format_bytes(tp.backward_numel_per_token * e_size) << " per token ("
+       << dtype_name(mp.param_dtype) << ")\n";
+    for (const auto& u : units) {
+      if (u.tp.empty()) continue;
+      os << "  tp " << u.name << ": AR f" << u.tp.forward_all_reduces << " b"
+         << u.tp.backward_all_reduces << ", " << format_bytes(u.tp.forward_numel_per_token * e_size)
+         << " + " << format_bytes(u.tp.backward_numel_per_token * e_size) << " per token\n";
+    }
+  }
   os << "collective latency: " << collectives_per_step << " collectives per step x "
      << format_fixed(cost.collective_latency_us, 1) << " us = "
      << format_fixed(collective_latency_ms(), 1) << " ms, "

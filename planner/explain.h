@@ -1,7 +1,8 @@
 // flatshard/planner/explain.h — what a plan will cost, before anything runs.
 //
 //   auto plan = make_plan(*model, parse_policy("type=Block"));
-//   Explanation e = explain(*model, plan, /*world_size=*/8, options, /*memory_limit=*/40_GiB);
+//   Explanation e = explain(*model, plan, MeshShape(/*shard=*/8, /*replicate=*/1), options,
+//                           /*memory_limit=*/40_GiB);
 //   std::cout << e.to_string();   // per-unit table, totals, predicted peak, warnings
 //
 // The model is only read (names, shapes, tensor identities): it may live on the meta device
@@ -23,14 +24,25 @@
 //   bytes: an all-gather sends shard_numel * sizeof(param_dtype) (a quantized gather dtype:
 //   quantized_gather_bytes(), flat_param/quantized_gather.h, fp8's amax all-reduce included
 //   and counted in gather_all_reduces), a reduction sends
-//   padded_numel * sizeof(reduce_dtype). HSDP (replicate_size R > 1; world_size is then the
-//   shard group's size S): each reduction is followed by an all-reduce across the R replicas of
+//   padded_numel * sizeof(reduce_dtype). HSDP (mesh.replicate() R > 1; mesh.shard() S is the
+//   shard group's size): each reduction is followed by an all-reduce across the R replicas of
 //   the reduced gradient — shard_numel (NO_SHARD: padded_numel) * sizeof(reduce_dtype) bytes,
 //   counted in bytes and replicate_bytes; sharded units also count it in replicate_all_reduces
-//   (NO_SHARD units count their two-hop all-reduce once, in all_reduces). A unit with no elements issues nothing. A unit entered
-//   twice per forward, or run without grad, differs; explain() cannot know that. A recompute
-//   unit (Note [Recompute]) issues the same collectives: its recompute reuses the backward
-//   all-gather. The table's strategy column shows "recompute"; activations are not predicted.
+//   (NO_SHARD units count their two-hop all-reduce once, in all_reduces). A unit with no elements
+//   issues nothing. A unit entered twice per forward, or run without grad, differs; explain()
+//   cannot know that. A recompute unit (Note [Recompute]) issues the same collectives: its
+//   recompute reuses the backward all-gather. The table's strategy column shows "recompute";
+//   activations are not predicted.
+// Tensor parallelism (mesh.tp() T > 1, docs/tensor-parallel.md): the model is explained as
+//   parallelize() leaves it, with the TP-local parameters (colwise: out / T rows, rowwise:
+//   in / T columns; a model already parallelized is read as it is, otherwise `tp_plan` is
+//   matched as parallelize() matches it, errors included), so layouts, bytes and memory are
+//   per rank. TpCollectives (per unit and in total) equal TensorParallel::counters() after one
+//   step that enters every split module once with an input that requires grad: a forward
+//   all-reduce of each rowwise module's output, a backward one of each colwise module's input
+//   gradient (a recompute unit's forward runs twice: two forward all-reduces per rowwise module).
+//   Their size is per token: bytes = numel_per_token x tokens x the compute dtype's size
+//   (TpCollectives::counters()).
 // Estimates (a model of the runtime, stated in MemoryEstimate's comment):
 // - the predicted peak of unsharded memory, with the configured prefetch depths; the plan's
 //   unit order stands for the execution order (it is registration order; the runtime records the
@@ -50,7 +62,9 @@
 #include <string>
 #include <vector>
 
+#include "collectives/mesh.h"
 #include "fsdp/options.h"
+#include "fsdp/tensor_parallel.h"
 #include "fsdp/unit.h"
 #include "wrap_policies/plan.h"
 
@@ -61,6 +75,18 @@ class Module;
 }  // namespace torch
 
 namespace flatshard {
+
+// The TP collectives of one step (see the contract above): counts, and the elements per token
+// of the reduced tensors (a rowwise module's out_features, a colwise module's in_features).
+struct TpCollectives {
+  int64_t forward_all_reduces = 0, backward_all_reduces = 0;
+  int64_t forward_numel_per_token = 0, backward_numel_per_token = 0;
+  TpCollectives& operator+=(const TpCollectives& o);
+  bool empty() const { return forward_all_reduces == 0 && backward_all_reduces == 0; }
+  // What TensorParallel::counters() shows after one step of `tokens` tokens per rank (batch x
+  // seq) computed in `dtype` (the param dtype).
+  TpCounters counters(int64_t tokens, c10::ScalarType dtype) const;
+};
 
 struct UnitExplanation {
   int index = 0;
@@ -108,6 +134,7 @@ struct UnitExplanation {
   // do when a unit before it in plan order (the root included) trains.
   bool backward_reads_params = true;
   UnitCounters per_step;     // collectives and bytes of one step, as Unit::counters() shows
+  TpCollectives tp;          // the TP collectives of its split modules (mesh.tp() > 1)
 };
 
 // The cost model behind the fragmentation and replication warnings: stated constants, each
@@ -158,11 +185,14 @@ struct MemoryEstimate {
 };
 
 struct Explanation {
-  int world_size = 1;      // ranks of a shard group (all ranks without HSDP)
-  int replicate_size = 1;  // HSDP replicas (1: plain sharding)
+  // shard: ranks of a shard group (all data-parallel ranks without HSDP); replicate: HSDP
+  // replicas (1: plain sharding); tp: tensor-parallel ranks.
+  MeshShape mesh;
   ShardingOptions options;
   std::vector<UnitExplanation> units;  // plan order
   UnitCounters per_step;               // sum over units
+  TpCollectives tp;                    // sum over units (mesh.tp() > 1)
+  int tp_modules = 0;                  // colwise and rowwise modules
   int64_t total_numel = 0;
   int64_t total_padding = 0;
   int64_t matched_modules = 0;
@@ -185,13 +215,14 @@ struct Explanation {
   std::string to_string() const;
 };
 
-// Throws c10::Error if the plan names parameters the model does not have, or world_size or
-// replicate_size < 1. With HSDP, world_size is the shard group's size and replicate_size the
-// number of replicas (collectives/sharding_mesh.h).
-Explanation explain(const torch::nn::Module& model, const Plan& plan, int world_size,
+// Throws c10::Error if the plan names parameters the model does not have, or a mesh size is
+// < 1. `mesh`: the shard group's size, the HSDP replicas and the tp size (collectives/mesh.h),
+// as fully_shard gets them. With mesh.tp() > 1, `tp_plan` is the plan parallelize() will get
+// (unused when the model is already parallelized; then its tp size must be mesh.tp()).
+Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
                     const ShardingOptions& options,
                     std::optional<int64_t> memory_limit_bytes = std::nullopt,
-                    int replicate_size = 1, const ExplainOptions& cost = {});
+                    const ExplainOptions& cost = {}, const TpPlan& tp_plan = {});
 
 // The simulation behind MemoryEstimate, exposed so callers can try other prefetch depths.
 MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units,

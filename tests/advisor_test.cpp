@@ -103,7 +103,8 @@ CostPrediction predicted(const ModelConfig& c, const std::string& spec, int worl
   auto model = build_meta(c, 0);
   ShardingOptions o;
   o.forward_prefetch = o.backward_prefetch = prefetch;
-  const Explanation e = explain(*model, make_plan(*model, parse_policy(spec)), world, o);
+  const Explanation e =
+      explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(world, 1), o);
   return predict_cost(e, c.transformer_shape(), w, p);
 }
 
@@ -495,7 +496,8 @@ TEST_CASE("cost model: step terms against closed forms", "[advisor][time]") {
   ShardingOptions o;
   o.forward_prefetch = o.backward_prefetch = 0;
   const int world = 3;
-  const Explanation e = explain(*model, make_plan(*model, parse_policy("type=Block")), world, o);
+  const Explanation e =
+      explain(*model, make_plan(*model, parse_policy("type=Block")), MeshShape(world, 1), o);
   double gathers = 0;
   for (const auto& u : e.units)
     gathers += (u.per_step.forward_all_gathers + u.per_step.backward_all_gathers) *
@@ -521,7 +523,8 @@ TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
   auto model = build_meta(cfg, 0);
   ShardingOptions o;
   o.mixed_precision.param_dtype = at::kBFloat16;
-  const Explanation e = explain(*model, make_plan(*model, parse_policy("type=Block")), 2, o);
+  const Explanation e =
+      explain(*model, make_plan(*model, parse_policy("type=Block")), MeshShape(2, 1), o);
   const UnitExplanation& block = e.units[1];  // blocks.0: FULL_SHARD, reshards after forward
   REQUIRE(block.reshard_after_forward);
   const int64_t shard = block.shard_numel;
@@ -538,7 +541,8 @@ TEST_CASE("cost model: offload terms, level 1 and 2", "[advisor][offload]") {
   CHECK(offload_terms(block, 0, at::kBFloat16).host_bytes == 0);
   // NO_SHARD uploads into the unsharded buffer it keeps anyway: no compute shard beside it.
   const Explanation ns =
-      explain(*model, make_plan(*model, parse_policy("noshard:type=Block;root:noshard")), 2, o);
+      explain(*model, make_plan(*model, parse_policy("noshard:type=Block;root:noshard")),
+              MeshShape(2, 1), o);
   REQUIRE(ns.units[1].strategy == ShardingStrategy::kNoShard);
   CHECK(offload_terms(ns.units[1], 1, at::kBFloat16).resident_bytes == 0);
   CHECK(offload_terms(ns.units[1], 1, at::kBFloat16).host_bytes == 16 * ns.units[1].shard_numel);
@@ -578,8 +582,8 @@ TEST_CASE("cost model: offload as explain resolves it; CPU ranks hold device and
     // and the host bytes are explain's own count (MemoryEstimate::host_bytes).
     ShardingOptions o;
     o.offload = level;
-    const Explanation e = explain(*model, plan, 2, o);
-    const Explanation e0 = explain(*model, plan, 2, {});
+    const Explanation e = explain(*model, plan, MeshShape(2, 1), o);
+    const Explanation e0 = explain(*model, plan, MeshShape(2, 1), {});
     const CostPrediction a = predict_cost(e, cfg.transformer_shape(), w, cpu);
     const CostPrediction b = predict_cost(e0, cfg.transformer_shape(), w, cpu, level);
     CHECK(a.peak_bytes == b.peak_bytes);
@@ -610,7 +614,8 @@ TEST_CASE("cost model: offload copies ride the gather and reduction pipeline",
   p.d2h_gbps = 0.25;
   p.cpu_optimizer_params_per_s = 1e8;
   auto cost = [&](const std::string& spec, const MachineProfile& prof) {
-    const Explanation e = explain(*model, make_plan(*model, parse_policy(spec)), 1, o);
+    const Explanation e =
+        explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(1, 1), o);
     double copies = 0, cpu = 0, root_copies = 0;
     for (const auto& u : e.units) {
       const OffloadTerms t = offload_terms(u, u.offload, at::kBFloat16);
@@ -682,8 +687,8 @@ TEST_CASE("cost model: the CPU step during backward hides behind the backward th
   MachineProfile p = quiet_profile();
   p.cpu_optimizer_params_per_s = 1e8;
   auto both = [&](const MachineProfile& prof) {
-    return std::make_pair(predict_cost(explain(*model, plan, 1, after), s, w, prof),
-                          predict_cost(explain(*model, plan, 1, during), s, w, prof));
+    return std::make_pair(predict_cost(explain(*model, plan, MeshShape(1, 1), after), s, w, prof),
+                          predict_cost(explain(*model, plan, MeshShape(1, 1), during), s, w, prof));
   };
   SECTION("slow compute: the CPU step is hidden, only the copies' exposure is left") {
     MachineProfile slow = p;
@@ -704,11 +709,11 @@ TEST_CASE("cost model: the CPU step during backward hides behind the backward th
   SECTION("without offload the mode changes nothing") {
     ShardingOptions plain = during;
     plain.offload = 0;
-    const Explanation e = explain(*model, plan, 1, plain);
+    const Explanation e = explain(*model, plan, MeshShape(1, 1), plain);
     ShardingOptions plain_after = after;
     plain_after.offload = 0;
     CHECK(predict_cost(e, s, w, p).step_ms ==
-          predict_cost(explain(*model, plan, 1, plain_after), s, w, p).step_ms);
+          predict_cost(explain(*model, plan, MeshShape(1, 1), plain_after), s, w, p).step_ms);
   }
 }
 
@@ -731,8 +736,9 @@ TEST_CASE("cost model: recompute costs host time too", "[advisor][time]") {
   const CostPrediction leaf_rc =
       predicted(cfg, "recompute:type=Linear|LayerNorm|Embedding", 2, w, 1, p);
   auto model = build_meta(cfg, 0);
-  const Explanation e = explain(*model, make_plan(*model, parse_policy(
-                                            "recompute:type=Linear|LayerNorm|Embedding")), 2, {});
+  const Explanation e =
+      explain(*model, make_plan(*model, parse_policy("recompute:type=Linear|LayerNorm|Embedding")),
+              MeshShape(2, 1), {});
   int recomputed = 0;
   for (const auto& u : e.units) recomputed += u.recompute ? 1 : 0;
   REQUIRE(recomputed > static_cast<int>(L));
@@ -778,7 +784,7 @@ BigRoot big_root(int64_t vocab, const Workload& w, int level) {
   ShardingOptions o;
   o.offload = level;
   auto model = build_meta(cfg, 0);
-  const Explanation e = explain(*model, make_plan(*model, parse_policy(spec)), 1, o);
+  const Explanation e = explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(1, 1), o);
   MachineProfile cpu;
   cpu.collective_staging = 1;
   BigRoot r;

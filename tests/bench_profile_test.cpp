@@ -70,7 +70,7 @@ Runs synthesise(const fb::BenchOptions& o, const MachineProfile& t,
   for (const auto& [label, level] : labels) {
     fb::Granularity g =
         fb::with_offload(fb::resolve_granularity(label, *planning, modules), level);
-    const Explanation e = explain(*planning, g.plan, 1, o.sharding);
+    const Explanation e = explain(*planning, g.plan, MeshShape(1, 1), o.sharding);
     const CostPrediction c =
         predict_cost(e, o.model.transformer_shape(), {o.batch, o.model.seq_len()}, t);
     fb::RunResult run;

@@ -178,7 +178,7 @@ TEST_CASE("cost model: HSDP's intra-node gathers and cross-node all-reduce are c
   o.forward_prefetch = o.backward_prefetch = 1;
   const Plan plan = make_plan(*model, parse_policy("type=Block"));
   const int shard = 8, replicas = 16;  // 128 GPUs on 16 nodes of 8
-  const Explanation e = explain(*model, plan, shard, o, std::nullopt, replicas);
+  const Explanation e = explain(*model, plan, MeshShape(shard, replicas), o);
   MachineProfile p = cluster_profile();
 
   // comm_ms from explain's bytes and the closed forms: all-gathers and reduce-scatters over the
@@ -218,7 +218,7 @@ TEST_CASE("cost model: HSDP's intra-node gathers and cross-node all-reduce are c
   // FULL_SHARD over all 128 GPUs: every all-gather is a 128-rank ring over 16 nodes: 127 steps,
   // 15 of them over the network; at this model's small shards the latency dominates and HSDP
   // moves less over its slowest links.
-  const Explanation fs = explain(*model, plan, shard * replicas, o);
+  const Explanation fs = explain(*model, plan, MeshShape(shard * replicas, 1), o);
   const CostPrediction full = predict_cost(fs, shape, w, p);
   double gathers = 0;
   for (const auto& u : fs.units)
@@ -235,7 +235,7 @@ TEST_CASE("cost model: HSDP's intra-node gathers and cross-node all-reduce are c
 
   // Every rank inside one node (3 of 8 GPUs: a misaligned shard group, but only one): costed
   // as one node, exactly as without the topology.
-  const Explanation three = explain(*model, plan, 3, o);
+  const Explanation three = explain(*model, plan, MeshShape(3, 1), o);
   MachineProfile eight = p, none = p;
   none.gpus_per_node = 0;
   CHECK(predict_cost(three, shape, w, eight).comm_ms == predict_cost(three, shape, w, none).comm_ms);
@@ -355,8 +355,8 @@ TEST_CASE("advisor: HSDP shard sizes searched over a cluster's meshes", "[adviso
   const Candidate& best = advice.best();
   ShardingOptions o;
   o.forward_prefetch = o.backward_prefetch = best.prefetch;
-  const Explanation e = explain(*model, make_plan(*model, parse_policy(best.spec)), best.shard, o,
-                                std::nullopt, best.replicate);
+  const Explanation e = explain(*model, make_plan(*model, parse_policy(best.spec)),
+                                MeshShape(best.shard, best.replicate), o);
   CHECK(predict_cost(e, a.shape, a.workload, a.profile).step_ms == best.cost.step_ms);
   const std::string table = advice.to_string();
   CHECK(table.find(" mesh ") != std::string::npos);

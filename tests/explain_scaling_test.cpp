@@ -72,7 +72,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 double time_explain_once(const Tower& model, int world) {
   const auto t0 = std::chrono::steady_clock::now();
   const Plan plan = make_plan(*model, parse_policy("type=Block"));
-  const Explanation e = explain(*model, plan, world, ShardingOptions{});
+  const Explanation e = explain(*model, plan, MeshShape(world, 1), ShardingOptions{});
   const std::string text = e.to_string();
   REQUIRE(text.size() > 0);
   return seconds_since(t0);
@@ -169,7 +169,7 @@ TEST_CASE("explain's time does not depend on the world size", "[explain][scaling
   CHECK(tbig < t8 + 2.0);
   // Same numbers as before the change: the largest trainable shard is the whole shard.
   const Plan plan = make_plan(*model, parse_policy("type=Block"));
-  const Explanation e = explain(*model, plan, 1000000000, ShardingOptions{});
+  const Explanation e = explain(*model, plan, MeshShape(1000000000, 1), ShardingOptions{});
   for (const auto& u : e.units) REQUIRE(u.trainable_master_bytes == u.master_bytes);
 }
 
@@ -179,7 +179,7 @@ TEST_CASE("the largest trainable shard matches a per-rank count", "[explain][iss
   model->blocks[0]->as<BlockImpl>()->fc->weight.set_requires_grad(false);
   const Plan plan = make_plan(*model, parse_policy("type=Block"));
   for (int world : {1, 2, 3, 5, 8, 64, 1000}) {
-    const Explanation e = explain(*model, plan, world, ShardingOptions{});
+    const Explanation e = explain(*model, plan, MeshShape(world, 1), ShardingOptions{});
     const UnitExplanation& u = e.units[1];  // blocks.0: ln.weight, ln.bias, fc.weight (frozen)...
     // The reference: every rank's count, as explain did before.
     int64_t best = 0;

@@ -35,7 +35,7 @@ const char* kPerLeaf = "type=Linear|LayerNorm|Embedding";
 Explanation explain_tiny(const std::string& spec, int world, const ShardingOptions& o = {},
                          std::optional<int64_t> limit = std::nullopt) {
   auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
-  return explain(*model, make_plan(*model, parse_policy(spec)), world, o, limit);
+  return explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(world, 1), o, limit);
 }
 
 const UnitExplanation& unit(const Explanation& e, const std::string& name) {
@@ -143,7 +143,7 @@ TEST_CASE("explain: inner alignment and mixed strategies and dtypes", "[diagnost
     g::GPTConfig c;
     c.vocab = 97, c.d_model = 36, c.n_heads = 3, c.n_layers = 1, c.seq_len = 11;
     auto model = g::GPT(c, 0);
-    const auto e = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 2, {});
+    const auto e = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), MeshShape(2, 1), {});
     // LayerNorm: weight 36 at 0, bias at 40 (next multiple of 8) -> 76 used -> 80 (x16).
     require_unit(e, "blocks.0.ln1", 72, 80, 40, 1, 1, 1, 0, 2 * 40 * 4 + 80 * 4);
     // qkv: weight 3*36*36 = 3888 at 0, bias 108 at 3888 -> 3996 -> 4000.
@@ -231,8 +231,8 @@ TEST_CASE("explain with HSDP agrees with the runtime's counters on a 2x2 mesh",
   o.mixed_precision.param_dtype = c10::kBFloat16;
   o.mixed_precision.reduce_dtype = c10::kFloat;
   auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
-  const auto e = explain(*model, make_plan(*model, parse_policy(spec)), /*world_size=*/2, o,
-                         std::nullopt, /*replicate_size=*/2);
+  const auto e =
+      explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(2, /*replicate_size=*/2), o);
   StepCounters got;
   std::mutex mu;
   run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
@@ -270,8 +270,8 @@ TEST_CASE("explain with HSDP agrees with the runtime's counters on a 2x2 mesh",
   CHECK_THAT(text, Catch::Contains("world 2 per shard group x 2 replicas (HSDP: 4 ranks)"));
   CHECK_THAT(text, Catch::Contains("rAR 1"));
   CHECK_THAT(text, Catch::Contains("AR 1x2"));
-  CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(spec)), 2, o, std::nullopt, 0),
-                    Catch::Contains("replicate_size must be >= 1, got 0"));
+  CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(2, 0), o),
+                    Catch::Contains("mesh sizes must be >= 1, got shard 2, replicate 0, tp 1"));
 }
 
 TEST_CASE("explain: memory estimate by hand", "[diagnostics][explain]") {
@@ -330,7 +330,7 @@ TEST_CASE("explain: 1B GPT on the meta device, and warnings", "[diagnostics][exp
   REQUIRE_NOTHROW(check_on_meta(*model));
   REQUIRE(model->blocks()[0]->mlp->fc->weight.is_meta());
   const auto plan = make_plan(*model, parse_policy(kPerLayer));
-  const auto e = explain(*model, plan, 8, {});
+  const auto e = explain(*model, plan, MeshShape(8, 1), {});
   REQUIRE(e.units.size() == 17);
   const int64_t d = 2048;
   const int64_t block = 12 * d * d + 13 * d;  // a multiple of 64: no padding at world 8
@@ -348,18 +348,20 @@ TEST_CASE("explain: 1B GPT on the meta device, and warnings", "[diagnostics][exp
   deep.forward_prefetch = deep.backward_prefetch = 2;
   const auto at1 = estimate_memory(e.units, 1, 1), at2 = estimate_memory(e.units, 2, 2);
   REQUIRE(at1.total() < at2.total());
-  const auto limited = explain(*model, plan, 8, deep, at1.total());
+  const auto limited = explain(*model, plan, MeshShape(8, 1), deep, at1.total());
   CHECK(limited.fitting_prefetch == 1);
   REQUIRE_FALSE(limited.warnings.empty());
   CHECK(limited.warnings.back().find("prefetch depth 1 fits") != std::string::npos);
 
-  const auto whole = explain(*model, make_plan(*model, parse_policy("every=16,type=Block")), 8, {});
+  const auto whole =
+      explain(*model, make_plan(*model, parse_policy("every=16,type=Block")), MeshShape(8, 1), {});
   bool dominant = false;
   for (const auto& w : whole.warnings)
     dominant = dominant || w.find("unit 'blocks.0-15' holds") != std::string::npos;
   CHECK(dominant);
 
-  const auto nothing = explain(*model, make_plan(*model, parse_policy("type=NoSuchModule")), 8, {});
+  const auto nothing =
+      explain(*model, make_plan(*model, parse_policy("type=NoSuchModule")), MeshShape(8, 1), {});
   REQUIRE(nothing.units.size() == 1);
   CHECK(nothing.warnings.front().find("matched no module") != std::string::npos);
 
@@ -371,8 +373,9 @@ TEST_CASE("explain: 1B GPT on the meta device, and warnings", "[diagnostics][exp
     MetaInit meta;
     meta_model = g::GPT(small_cfg, 0);
   }
-  const auto a = explain(*real, make_plan(*real, parse_policy(kPerLeaf)), 4, {});
-  const auto b = explain(*meta_model, make_plan(*meta_model, parse_policy(kPerLeaf)), 4, {});
+  const auto a = explain(*real, make_plan(*real, parse_policy(kPerLeaf)), MeshShape(4, 1), {});
+  const auto b =
+      explain(*meta_model, make_plan(*meta_model, parse_policy(kPerLeaf)), MeshShape(4, 1), {});
   CHECK(a.to_string() == b.to_string());
   CHECK_FALSE(real->wte->weight.is_meta());
 }
@@ -519,7 +522,7 @@ TEST_CASE("explain agrees with the built ShardedModel over a sweep of plans and 
       CAPTURE(spec);
       ShardingOptions o = options[4].second;
       auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
-      const auto e = explain(*model, make_plan(*model, parse_policy(spec)), 2, o, std::nullopt, 2);
+      const auto e = explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(2, 2), o);
       std::vector<Built> got;
       std::mutex mu;
       run_ranks_2d(2, 2, [&](Communicator& shard, Communicator& rep) {
@@ -557,7 +560,7 @@ TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnos
   // reduce-scatter = 300 collectives; x 50 us = 15.0 ms = 15% of the 100 ms reference step.
   // The 33 LayerNorms are 2 * 2048 fp32 = 16 KiB each: a third of the units.
   auto model = meta_gpt_1b();
-  const auto leaf = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 8, {});
+  const auto leaf = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), MeshShape(8, 1), {});
   REQUIRE(leaf.units.size() == 101);
   CHECK(leaf.collectives_per_step == 300);
   CHECK(leaf.collective_latency_ms() == Approx(15.0));
@@ -572,7 +575,8 @@ TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnos
 
   // Per layer: the root (wte, wpe, ln_f, lm_head; kept: 1 AG + 1 RS) + 16 blocks x 3 = 50
   // collectives = 2.5 ms = 2.5%, and no unit below 1 MiB: no warning.
-  const auto layer = explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {});
+  const auto layer =
+      explain(*model, make_plan(*model, parse_policy(kPerLayer)), MeshShape(8, 1), {});
   CHECK(layer.collectives_per_step == 50);
   CHECK(warnings_with(layer, "fragmented plan").empty());
   CHECK(warnings_with(layer, "less than 1 MiB").empty());
@@ -580,24 +584,24 @@ TEST_CASE("explain warns about fragmented plans: the per-leaf 1B GPT", "[diagnos
   SECTION("the latency constant and the reference step are the caller's to set") {
     ExplainOptions slow;
     slow.collective_latency_us = 200;  // 50 x 200 us = 10 ms = 10%: latency alone warns
-    const auto e = explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {}, std::nullopt,
-                           1, slow);
+    const auto e = explain(*model, make_plan(*model, parse_policy(kPerLayer)), MeshShape(8, 1), {},
+                           std::nullopt, slow);
     const auto w = warnings_with(e, "fragmented plan");
     REQUIRE(w.size() == 1);
     CHECK_THAT(w[0], Catch::Contains("50 collectives per step x ~200.0 us latency = 10.0 ms, 10%"));
     CHECK(w[0].find("less than 1 MiB") == std::string::npos);
     ExplainOptions long_step;
     long_step.reference_step_ms = 1000;  // 15 ms = 1.5%: only the tiny units warn
-    const auto f = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), 8, {}, std::nullopt,
-                           1, long_step);
+    const auto f = explain(*model, make_plan(*model, parse_policy(kPerLeaf)), MeshShape(8, 1), {},
+                           std::nullopt, long_step);
     const auto v = warnings_with(f, "fragmented plan");
     REQUIRE(v.size() == 1);
     CHECK(v[0].find("collectives per step x") == std::string::npos);
     CHECK_THAT(v[0], Catch::Contains("33 of 100 units hold less than 1 MiB"));
     ExplainOptions bad;
     bad.reference_step_ms = 0;
-    CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(kPerLayer)), 8, {},
-                              std::nullopt, 1, bad),
+    CHECK_THROWS_WITH(explain(*model, make_plan(*model, parse_policy(kPerLayer)), MeshShape(8, 1),
+                              {}, std::nullopt, bad),
                       Catch::Contains("reference_step_ms > 0"));
   }
 }
@@ -632,7 +636,7 @@ TEST_CASE("explain's fragmentation advice names the model's own types, in the ca
   // Before: "use --policy type=Block, or every=k (k=64 ...)" whatever the model and the caller.
   auto model = Mixer();
   const Plan leaves = make_plan(*model, parse_policy("type=Linear|LayerNorm"));
-  const auto cpp = warnings_with(explain(*model, leaves, 2, {}), "fragmented plan");
+  const auto cpp = warnings_with(explain(*model, leaves, MeshShape(2, 1), {}), "fragmented plan");
   REQUIRE(cpp.size() == 1);
   CAPTURE(cpp[0]);
   // A C++ caller gets the builders (wrap_policies/policy.h) and the model's own layer type; the
@@ -645,8 +649,8 @@ TEST_CASE("explain's fragmentation advice names the model's own types, in the ca
   // flatshard-explain's callers get --policy text in the same names.
   ExplainOptions cli;
   cli.advice = ExplainOptions::Advice::kSpec;
-  const auto spec =
-      warnings_with(explain(*model, leaves, 2, {}, std::nullopt, 1, cli), "fragmented plan");
+  const auto spec = warnings_with(explain(*model, leaves, MeshShape(2, 1), {}, std::nullopt, cli),
+                                  "fragmented plan");
   REQUIRE(spec.size() == 1);
   CAPTURE(spec[0]);
   CHECK_THAT(spec[0], Catch::Contains("one unit per MixerBlock (--policy type=MixerBlock)"));
@@ -656,7 +660,7 @@ TEST_CASE("explain's fragmentation advice names the model's own types, in the ca
   // One unit per layer is still tiny: every=k groups the 4 layers, never more (1 MiB would
   // need 1 MiB / 2.25 KiB = 456 of them), and no enclosing type is offered.
   const auto layers = warnings_with(
-      explain(*model, make_plan(*model, parse_policy("type=MixerBlock")), 2, {}),
+      explain(*model, make_plan(*model, parse_policy("type=MixerBlock")), MeshShape(2, 1), {}),
       "fragmented plan");
   REQUIRE(layers.size() == 1);
   CAPTURE(layers[0]);
@@ -672,7 +676,8 @@ TEST_CASE("explain warns about replicated NO_SHARD state, naming units and bytes
   // padding); master + grad + 2 AdamW moments, fp32: 67108864 * 16 B = 1.0 GiB on every rank.
   // Sharded over 8 ranks it would be 1/8 of that: 896 MiB saved per rank.
   const auto heavy =
-      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")), 8, {});
+      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")),
+              MeshShape(8, 1), {});
   const auto w = warnings_with(heavy, "NO_SHARD unit(s) replicate");
   REQUIRE(w.size() == 1);
   CAPTURE(w[0]);
@@ -682,20 +687,22 @@ TEST_CASE("explain warns about replicated NO_SHARD state, naming units and bytes
   CHECK_THAT(w[0], Catch::Contains("shard these units"));
 
   // Two replicated blocks: 49.2M parameters each (12d^2 + 13d = 50358272) -> 768.4 MiB each.
-  const auto blocks = explain(
-      *model, make_plan(*model, parse_policy("noshard:path=blocks.0|blocks.1;type=Block")), 8, {});
+  const auto blocks =
+      explain(*model, make_plan(*model, parse_policy("noshard:path=blocks.0|blocks.1;type=Block")),
+              MeshShape(8, 1), {});
   const auto b = warnings_with(blocks, "NO_SHARD unit(s) replicate");
   REQUIRE(b.size() == 1);
   CHECK_THAT(b[0], Catch::Contains("2 NO_SHARD unit(s) replicate 1.5 GiB"));
   CHECK_THAT(b[0], Catch::Contains("blocks.0 768.4 MiB,blocks.1 768.4 MiB"));
 
   // A replicated final LayerNorm (2 * 2048 elements, 64 KiB of state) is noise: no warning.
-  const auto norm =
-      explain(*model, make_plan(*model, parse_policy("noshard:path=ln_f;type=Block")), 8, {});
+  const auto norm = explain(*model, make_plan(*model, parse_policy("noshard:path=ln_f;type=Block")),
+                            MeshShape(8, 1), {});
   CHECK(warnings_with(norm, "replicate").empty());
   // One rank: sharding saves nothing, so nothing to warn about.
   const auto one =
-      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")), 1, {});
+      explain(*model, make_plan(*model, parse_policy("noshard:path=lm_head;type=Block")),
+              MeshShape(1, 1), {});
   CHECK(warnings_with(one, "replicate").empty());
 }
 

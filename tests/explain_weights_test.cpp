@@ -187,7 +187,7 @@ Explanation explain_weights_in_process(const std::string& path, const std::strin
   const WeightsInfo w = read_weights(path, models::hf_naming());
   auto model = module_tree_from_weights(w, models::hf_naming());
   check_on_meta(*model);
-  return explain(*model, make_plan(*model, parse_policy(spec)), world, {});
+  return explain(*model, make_plan(*model, parse_policy(spec)), MeshShape(world, 1), {});
 }
 
 struct Outcome {
@@ -269,8 +269,8 @@ TEST_CASE("weights: one model.safetensors, one unit per layer, sizes from the te
     CHECK(modules["model.layers.1.input_layernorm"]->name() == "Norm");
     CHECK(modules["model.layers.1"]->name() == "Module");
     CHECK(modules["lm_head"]->name() == "Linear");
-    const auto leaf =
-        explain(*model, make_plan(*model, parse_policy("type=Linear|Norm|Embedding")), 2, {});
+    const auto leaf = explain(*model, make_plan(*model, parse_policy("type=Linear|Norm|Embedding")),
+                              MeshShape(2, 1), {});
     CHECK(leaf.units.size() == tensors.size() + 1);  // every tensor its own unit, an empty root
     for (const auto& p : model->named_parameters()) CHECK(p.value().device().is_meta());
   }
@@ -400,9 +400,9 @@ TEST_CASE("weights: a Hugging Face index over 3 shards with config.json",
       ours = cfg.build(0);
     }
     const Explanation mine =
-        explain(*ours, make_plan(*ours, parse_policy("type=DecoderLayer")), 1, {});
-    const Explanation hf =
-        explain(*model, make_plan(*model, parse_policy("type=LlamaDecoderLayer")), 1, {});
+        explain(*ours, make_plan(*ours, parse_policy("type=DecoderLayer")), MeshShape(1, 1), {});
+    const Explanation hf = explain(
+        *model, make_plan(*model, parse_policy("type=LlamaDecoderLayer")), MeshShape(1, 1), {});
     REQUIRE(mine.units.size() == hf.units.size());
     for (size_t i = 0; i < mine.units.size(); ++i) {
       CAPTURE(mine.units[i].name, hf.units[i].name);
@@ -458,7 +458,7 @@ TEST_CASE("weights: tied embeddings from config.json are one tensor", "[diagnost
   auto model = module_tree_from_weights(w, models::hf_module_namer(c));
   const Plan plan = make_plan(*model, parse_policy("type=LlamaDecoderLayer"));
   REQUIRE(plan.tied.size() == 1);
-  const Explanation e = explain(*model, plan, 1, {});
+  const Explanation e = explain(*model, plan, MeshShape(1, 1), {});
   CHECK(unit_numels(e) == expected_units(tensors));  // the embedding counted once
 
   const Outcome o = run_explain(tmp, {"--weights", tmp.path(), "--world", "2"});
@@ -572,7 +572,7 @@ TEST_CASE("weights: a flatshard checkpoint directory", "[diagnostics][weights]")
   });
   auto saved = cfg.build(0);
   const Explanation want =
-      explain(*saved, make_plan(*saved, parse_policy("type=DecoderLayer")), 2, {});
+      explain(*saved, make_plan(*saved, parse_policy("type=DecoderLayer")), MeshShape(2, 1), {});
 
   const WeightsInfo w = read_weights(tmp / "ckpt");
   CHECK(w.format == WeightsFormat::kFlatshardCheckpoint);
@@ -584,8 +584,8 @@ TEST_CASE("weights: a flatshard checkpoint directory", "[diagnostics][weights]")
   REQUIRE(layers.has_value());
   CHECK(layers->prefix == "layers");
   auto tree = module_tree_from_weights(w);
-  const Explanation got =
-      explain(*tree, make_plan(*tree, parse_policy(*layer_list_policy(*layers))), 2, {});
+  const Explanation got = explain(
+      *tree, make_plan(*tree, parse_policy(*layer_list_policy(*layers))), MeshShape(2, 1), {});
   CHECK(unit_numels(got) == unit_numels(want));
   CHECK(got.total_numel == want.total_numel);
   CHECK(got.memory.total() == want.memory.total());

@@ -104,7 +104,7 @@ TEST_CASE("Frozen parameters: fine-tuning matches unsharded and frozen values ne
         // explain() predicts the same collectives (it reads requires_grad from the model).
         auto model = s.make_model();
         apply_freeze(s, *model);
-        const Explanation e = explain(*model, s.plan(*model), world, s.options);
+        const Explanation e = explain(*model, s.plan(*model), MeshShape(world, 1), s.options);
         for (size_t i = 0; i < units.size(); ++i) {
           CAPTURE(i);
           CHECK(e.units[i].per_step.forward_all_gathers == units[i].forward_all_gathers);

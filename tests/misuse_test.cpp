@@ -198,7 +198,7 @@ TEST_CASE("a policy that matches nothing: fully_shard fails listing the model's 
         std::string::npos);
   CHECK(text.find("its top-level paths are inp, blocks, head") != std::string::npos);
   // explain() prints the same sentence.
-  const Explanation e = explain(*net, make_plan(*net, typo), 2, ShardingOptions{});
+  const Explanation e = explain(*net, make_plan(*net, typo), MeshShape(2, 1), ShardingOptions{});
   CHECK(std::find(e.warnings.begin(), e.warnings.end(), text) != e.warnings.end());
 
   // The default: an error on every rank, naming the rank and the way out.
@@ -244,7 +244,7 @@ TEST_CASE("a rule that matches nothing because an earlier rule claimed its modul
   CHECK(w.find("'blocks.") != std::string::npos);
   for (const UnitSpec& u : plan.units) CHECK_FALSE(u.options.recompute.value_or(false));
   // explain() lists it; fully_shard warns with it once (rank 0).
-  const Explanation e = explain(*net, plan, 2, ShardingOptions{});
+  const Explanation e = explain(*net, plan, MeshShape(2, 1), ShardingOptions{});
   CHECK(std::find(e.warnings.begin(), e.warnings.end(), w) != e.warnings.end());
   run_ranks(2, [&](Communicator& comm) {
     WarningCollector collector;

@@ -496,7 +496,7 @@ TEST_CASE("offload: a unit's spec level overrides the default; explain counts ho
   run_ranks(2, [&](Communicator& comm) {
     auto model = s.make_model();
     const Plan plan = s.plan(*model);
-    const Explanation e = explain(*model, plan, 2, s.options);
+    const Explanation e = explain(*model, plan, MeshShape(2, 1), s.options);
     auto fsdp = fully_shard(model, plan, comm, s.options);
     int64_t host = 0, resident = 0, padding = 0;
     for (size_t u = 0; u < fsdp->num_units(); ++u) {
@@ -622,7 +622,7 @@ TEST_CASE("offload spec options parse, print and are checked", "[offload][spec]"
   bad.offload = 5;
   REQUIRE_THROWS_WITH(resolve_unit(plan.units[2], bad, 1),
                       Catch::Contains("offload level must be 0, 1 or 2, got 5"));
-  const Explanation e = explain(*model, plan, 2, ShardingOptions{});
+  const Explanation e = explain(*model, plan, MeshShape(2, 1), ShardingOptions{});
   for (const auto& u : e.units)
     if (u.name == "blocks.0") REQUIRE(u.offload == 1);
 }

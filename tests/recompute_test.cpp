@@ -262,14 +262,15 @@ TEST_CASE("recompute: the root, units nested in a recompute unit, and enter() ar
                         "contains module 'blocks.0.") != std::string::npos);
   CHECK(nested_msg.find("nested inside a recompute unit") != std::string::npos);
   CHECK(error_of([&] {
-          explain(*model, nested, 2, ShardingOptions{});
+          explain(*model, nested, MeshShape(2, 1), ShardingOptions{});
         }).find("nested inside a recompute unit") != std::string::npos);
   // The other way round (a recompute unit inside an ordinary one) is fine.
   check_recompute_plan(make_plan(*model, parse_policy("type=Block;recompute:type=Linear")));
   // explain shows the flag.
   const Plan ok = make_plan(*model, parse_policy("recompute:type=Block"));
-  CHECK(explain(*model, ok, 2, ShardingOptions{}).to_string().find("FULL_SHARD recompute") !=
-        std::string::npos);
+  CHECK(explain(*model, ok, MeshShape(2, 1), ShardingOptions{})
+            .to_string()
+            .find("FULL_SHARD recompute") != std::string::npos);
 
   // enter() cannot know a closure's tensor inputs: an error in grad mode, allowed without grad.
   run_ranks(1, [&](Communicator& comm) {

@@ -13,6 +13,11 @@
 //   the plan, a tp mesh over a model that was not parallelized, a full checkpoint (not yet). Each is refused before any
 //   collective (parallelize is local) or by the setup fingerprint's agreed check, on every rank
 //   alike, so run_mesh's failure propagation is enough: nothing can crash or hang.
+// - explain() at tp 2 predicts the runtime exactly: each unit's sharding counters and layout, and
+//   the TP collectives (TensorParallel::counters()), per step, for both families, per layer and
+//   per leaf, recompute included;
+// - training features under TP against the same reference: gradient accumulation with no-sync
+//   micro-batches, frozen parameters, recompute, bf16 compute, and Qwen2 (biases on q/k/v).
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -26,6 +31,7 @@
 #include "models/gpt.h"
 #include "models/llama.h"
 #include "parity_util.h"
+#include "planner/explain.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
@@ -92,6 +98,7 @@ std::vector<RankCheck> run_tp(const ParitySpec& s, const std::string& tp_plan, i
   std::mutex mu;
   run_mesh(MeshShape(shard, replicate, tp), [&](const Mesh& mesh) {
     auto model = s.make_model();
+    apply_freeze(s, *model);
     auto par = parallelize(model, parse_tp_plan(tp_plan), mesh);
     auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
     const int data_rank = mesh.coord(MeshDim::kReplicate) * shard + mesh.coord(MeshDim::kShard);
@@ -294,5 +301,191 @@ TEST_CASE("tensor parallel: misuse is refused naming the module, sizes and fix",
       });
     });
     CHECK_THAT(e, Catch::Contains("the mesh has tp 2 but the model was not parallelized"));
+  }
+}
+
+namespace {
+
+// One training step of `s` on every rank of shard x tp; each rank's fsdp and tp counters.
+struct CountedStep {
+  std::vector<UnitInfo> info;
+  std::vector<UnitCounters> per_unit;
+  TpCounters tp;
+  int64_t tokens = 0;
+};
+
+std::vector<CountedStep> count_one_step(const ParitySpec& s, const std::string& tp_plan,
+                                        int shard, int tp) {
+  std::vector<CountedStep> out(shard * tp);
+  std::mutex mu;
+  run_mesh(MeshShape(shard, 1, tp), [&](const Mesh& mesh) {
+    auto model = s.make_model();
+    auto par = parallelize(model, parse_tp_plan(tp_plan), mesh);
+    auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+    fsdp->reset_counters();
+    par->reset_counters();
+    s.loss(model, mesh.coord(MeshDim::kShard), 0, 0).backward();
+    CountedStep c;
+    c.info = fsdp->units();
+    c.per_unit = fsdp->counters().per_unit;
+    c.tp = par->counters();
+    std::lock_guard<std::mutex> lock(mu);
+    out[mesh.global_rank()] = std::move(c);
+  });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("tensor parallel: explain predicts the TP-local units and the TP collectives exactly",
+          "[tp][explain]") {
+  // synthetic_batch(config, 2, ...): 2 sequences of seq_len 11 per rank.
+  const int64_t tokens = 2 * 11;
+  struct Case {
+    bool llama;
+    std::string policy;
+    bool recompute;
+  };
+  for (const Case& c : {Case{false, "type=Block", false}, Case{true, "type=DecoderLayer", false},
+                        Case{false, "type=Linear|LayerNorm|Embedding", false},
+                        Case{true, "recompute:type=DecoderLayer", true}}) {
+    for (int shard : {1, 2}) {
+      CAPTURE(c.llama, c.policy, shard);
+      ParitySpec s = c.llama ? llama_spec(shard) : gpt_spec(shard);
+      const std::string policy = c.policy;
+      s.plan = [policy](torch::nn::Module& m) { return make_plan(m, parse_policy(policy)); };
+      const std::string tp_plan = c.llama ? llama_plan() : gpt_plan();
+      auto fresh = s.make_model();  // explained as it is before parallelize()
+      const Explanation e = explain(*fresh, s.plan(*fresh), MeshShape(shard, 1, 2), s.options,
+                                    std::nullopt, {}, parse_tp_plan(tp_plan));
+      // The closed form: per layer, GPT 2 rowwise (attn.proj, mlp.proj) and 2 colwise (qkv,
+      // fc); LLaMA 2 rowwise (o, down) and 5 colwise (q, k, v, gate, up), each colwise module
+      // all-reducing its own input gradient. Recompute runs each layer's forward twice.
+      const int64_t layers = 3, colwise = c.llama ? 5 : 2, d = c.llama ? 40 : 36;
+      CHECK(e.tp.forward_all_reduces == layers * 2 * (c.recompute ? 2 : 1));
+      CHECK(e.tp.backward_all_reduces == layers * colwise);
+      CHECK(e.tp.forward_numel_per_token == layers * 2 * d * (c.recompute ? 2 : 1));
+      CHECK(e.tp.backward_numel_per_token ==
+            layers * (c.llama ? 3 * d + 2 * d : d + d));
+      const auto ranks = count_one_step(s, tp_plan, shard, 2);
+      for (const CountedStep& r : ranks) {
+        const TpCounters want = e.tp.counters(tokens, at::kFloat);
+        CHECK(r.tp.forward_all_reduces == want.forward_all_reduces);
+        CHECK(r.tp.backward_all_reduces == want.backward_all_reduces);
+        CHECK(r.tp.forward_bytes == want.forward_bytes);
+        CHECK(r.tp.backward_bytes == want.backward_bytes);
+        REQUIRE(r.per_unit.size() == e.units.size());
+        TpCollectives unit_sum;
+        for (size_t i = 0; i < e.units.size(); ++i) {
+          const UnitExplanation& want_u = e.units[i];
+          CAPTURE(want_u.name);
+          unit_sum += want_u.tp;
+          CHECK(r.info[i].name == want_u.name);
+          CHECK(r.info[i].padded_numel == want_u.padded_numel);
+          CHECK(r.info[i].shard_numel == want_u.shard_numel);
+          CHECK(r.per_unit[i].forward_all_gathers == want_u.per_step.forward_all_gathers);
+          CHECK(r.per_unit[i].backward_all_gathers == want_u.per_step.backward_all_gathers);
+          CHECK(r.per_unit[i].reduce_scatters == want_u.per_step.reduce_scatters);
+          CHECK(r.per_unit[i].all_reduces == want_u.per_step.all_reduces);
+          CHECK(r.per_unit[i].bytes == want_u.per_step.bytes);
+        }
+        CHECK(unit_sum.forward_all_reduces == e.tp.forward_all_reduces);
+        CHECK(unit_sum.backward_numel_per_token == e.tp.backward_numel_per_token);
+      }
+    }
+  }
+  SECTION("a parallelized model is explained as it is; a tp mesh needs a plan") {
+    const ParitySpec s = gpt_spec(1);
+    auto fresh = s.make_model();
+    const Explanation want = explain(*fresh, s.plan(*fresh), MeshShape(1, 1, 2), s.options,
+                                     std::nullopt, {}, parse_tp_plan(gpt_plan()));
+    run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+      auto model = s.make_model();
+      auto par = parallelize(model, parse_tp_plan(gpt_plan()), mesh);
+      const Explanation got = explain(*model, s.plan(*model), MeshShape(1, 1, 2), s.options);
+      TORCH_CHECK(got.total_numel == want.total_numel && got.tp.backward_all_reduces ==
+                      want.tp.backward_all_reduces && got.memory.persistent_bytes ==
+                      want.memory.persistent_bytes,
+                  "explain of the parallelized model differs");
+    });
+    CHECK_THAT(error_of([&] { explain(*fresh, s.plan(*fresh), MeshShape(1, 1, 2), s.options); }),
+               Catch::Contains("has tp > 1 but no tp plan was given"));
+    const std::string text = want.to_string();
+    CHECK_THAT(text, Catch::Contains("tensor parallel: tp 2"));
+    CHECK_THAT(text, Catch::Contains("6 forward + 6 backward all-reduces over the tp group"));
+  }
+}
+
+TEST_CASE("tensor parallel: accumulation, frozen parameters, recompute, bf16, Qwen2",
+          "[tp][parity]") {
+  SECTION("gradient accumulation with no-sync micro-batches") {
+    ParitySpec s = llama_spec(2);
+    s.micro_batches = 3;
+    s.no_sync_accumulation = true;
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, llama_plan(), 2, 2, ref));
+  }
+  SECTION("frozen parameters: split (every qkv), replicated (embeddings), a wholly frozen unit") {
+    ParitySpec s = gpt_spec(2);
+    // tests/finetune_test.cpp's recipe.
+    s.frozen = [](const std::string& n) {
+      return n == "wte.weight" || n == "wpe.weight" || n.find(".attn.qkv.") != std::string::npos ||
+             n.rfind("blocks.1.", 0) == 0;
+    };
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, gpt_plan(), 2, 2, ref));
+  }
+  SECTION("recompute") {
+    ParitySpec s = gpt_spec(2);
+    s.plan = [](torch::nn::Module& m) {
+      return make_plan(m, parse_policy("recompute:type=Block"));
+    };
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, gpt_plan(), 2, 2, ref));
+  }
+  SECTION("Qwen2: biases on q, k and v (colwise: split with the rows)") {
+    ParitySpec s = llama_spec(2);
+    s.make_model = [] {
+      llama::LlamaConfig c;
+      c.vocab = 97;
+      c.d_model = 40;
+      c.n_heads = 4;
+      c.n_kv_heads = 2;
+      c.n_layers = 3;
+      c.seq_len = 11;
+      c.hidden = 50;
+      c.attention_bias = true;
+      return std::static_pointer_cast<torch::nn::Module>(llama::Llama(c, 11).ptr());
+    };
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    REQUIRE(ref.grads.count("layers.0.attn.q.bias") == 1);
+    require_tp_parity(ref, run_tp(s, llama_plan(), 2, 2, ref));
+  }
+  SECTION("bf16 compute, against the fp32 reference (tests/fsdp_test.cpp's bf16 tolerances)") {
+    ParitySpec s = gpt_spec(2);
+    const ParityRun ref = run_reference(s);  // fp32
+    s.options.mixed_precision.param_dtype = at::kBFloat16;
+    const auto ranks = run_tp(s, gpt_plan(), 2, 2, ref);
+    for (const RankCheck& c : ranks) {
+      CAPTURE(c.where);
+      REQUIRE(c.losses.size() == ref.losses.size());
+      // Each data rank's own loss: within 2% of the reference's mean over both batches would
+      // mix data and rounding, so compare step 0's gradients, and the losses' mean below.
+      for (const auto& [name, got, want] : c.grads) {
+        REQUIRE(got.scalar_type() == at::kFloat);  // master grads stay fp32
+        const double rel = (got - want).norm().item<double>() / want.norm().item<double>();
+        CAPTURE(name, rel);
+        CHECK(rel < 3e-2);
+      }
+    }
+    for (size_t i = 0; i < ref.losses.size(); ++i) {
+      double mean = 0;
+      for (const RankCheck& c : ranks) mean += c.losses[i] / ranks.size();
+      CAPTURE(i, mean, ref.losses[i]);
+      CHECK(std::abs(mean - ref.losses[i]) <= 2e-2 * std::abs(ref.losses[i]));
+    }
   }
 }

@@ -352,8 +352,8 @@ TEST_CASE("machine profile: values outside physical bounds are refused naming ke
 TEST_CASE("cost model: a prediction is finite or refused", "[tools][inputs][profile]") {
   const auto cfg = models::ModelConfig::preset("gpt", "tiny");
   auto model = build_meta(cfg);
-  const Explanation e =
-      explain(*model, make_plan(*model, parse_policy("type=Block")), 2, ShardingOptions{});
+  const Explanation e = explain(*model, make_plan(*model, parse_policy("type=Block")),
+                                MeshShape(2, 1), ShardingOptions{});
   CHECK(std::isfinite(predict_cost(e, cfg.transformer_shape(), {2, 16}, {}).step_ms));
   MachineProfile slow;  // built in code: no file, no bounds check on the way
   slow.compute_tflops = 1e-300;

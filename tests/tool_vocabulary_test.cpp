@@ -289,3 +289,28 @@ TEST_CASE("trace summary: host vs GPU within 10% is called nearly equal, not 'ru
     CHECK(has(text, c.says));
   }
 }
+
+TEST_CASE("explain --tp: the TP-local model and the TP collectives", "[tools][vocabulary][tp]") {
+  // tiny GPT: d 64, 2 layers, vocab 512, seq 32. At tp 2 each layer keeps half of qkv (12288 +
+  // 192), attn.proj's weight (4096; its bias 64 whole), fc (16384 + 256) and mlp.proj's weight
+  // (16384; bias 64 whole), the norms whole (2 x 128): 25184 per layer; the root (wte 32768,
+  // wpe 2048, ln_f 128, lm_head 32768) 67712. Per layer 2 rowwise and 2 colwise modules, each
+  // all-reducing 64 elements per token: at batch 1 x seq 32 in fp32, 4 x 64 x 32 x 4 B.
+  const Run r = explain({"--tp", "2", "--batch", "1"});
+  CAPTURE(r.out, r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(has(r.out, "params numel: " + std::to_string(67712 + 2 * 25184)));
+  CHECK(has(r.out, "tensor parallel: tp 2 (4 ranks, shard 2 x tp 2)"));
+  CHECK(has(r.out, "4 forward + 4 backward all-reduces over the tp group"));
+  CHECK(has(r.out, "4 forward all-reduces, 32.0 KiB (32768 B); 4 backward all-reduces, 32.0 KiB "
+                   "(32768 B) per rank"));
+  const Run suggest = explain({"--tp", "2", "--suggest", "--memory-limit", "1GiB"});
+  CHECK(suggest.exit_code == 1);
+  CHECK(has(suggest.err, "--suggest considers tp 1 only"));
+  const Run zero = explain({"--tp", "0"});
+  CHECK(zero.exit_code == 2);
+  CHECK(has(zero.err, "--tp: must be >= 1, got 0"));
+  const Run heads = explain({"--tp", "3"});
+  CHECK(heads.exit_code == 1);
+  CHECK(has(heads.err, "n_heads = 4, which tp 3 cannot split"));
+}

@@ -106,7 +106,8 @@ Explanation explain_in_process(const std::string& path) {
   auto model = module_tree_from_weights(w, models::hf_naming());
   const auto layers = find_layer_list(w);
   REQUIRE(layers.has_value());
-  return explain(*model, make_plan(*model, parse_policy(*layer_list_policy(*layers))), 8, {});
+  return explain(*model, make_plan(*model, parse_policy(*layer_list_policy(*layers))),
+                 MeshShape(8, 1), {});
 }
 
 }  // namespace

@@ -138,7 +138,7 @@ CLI::Validator number_above(double lo, bool or_equal, double hi) {
 struct Request {
   std::string policy, memory_limit, profile_path;
   flatshard::cli::ShardingFlags sharding;  // --strategy, dtypes, --prefetch, --offload-step, ...
-  int world = 1, replicate = 1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
+  int world = 1, replicate = 1, tp = 1, fwd_prefetch = 1, bwd_prefetch = 1, offload = 0;
   int64_t align = 8, batch = 0, seq = 0;
   bool keep = false, show_plan = false, suggest = false;
   int64_t gpus_per_node = -1, nodes = 0;  // --gpus-per-node (-1: the profile's), --nodes
@@ -164,6 +164,7 @@ struct Described {
   // The one-rule specs the named plans build on (cli/named_plans.h): one unit per layer, one
   // per leaf module; empty where the model's types are not known.
   std::string layer_rule, leaf_rule;
+  std::string tp_plan;  // the family's default TP plan (--tp); empty for --weights
   std::optional<flatshard::TransformerShape> shape;
   std::string no_shape;      // why `shape` is unset
   int64_t seq_len = 0;       // the model's longest sequence (0: unknown)
@@ -193,6 +194,7 @@ Described describe_reference(const flatshard::cli::ModelFlags& flags, bool tied)
   d.default_policy = "type=" + cfg.family().modules().layer_type;
   d.layer_rule = d.default_policy;
   d.leaf_rule = "type=" + cfg.family().modules().leaf_types;
+  d.tp_plan = cfg.family().modules().tp_plan;
   d.shape = cfg.transformer_shape();
   d.seq_len = cfg.seq_len();
   d.seq_len_what = "the model's seq_len " + std::to_string(cfg.seq_len()) + " (set by --seq)";
@@ -350,6 +352,17 @@ int run(const Described& m, const Request& r) {
     TORCH_CHECK(workload.seq <= m.seq_len, "--seq ", workload.seq, " is longer than ",
                 m.seq_len_what);
 
+  flatshard::TpPlan tp_plan;
+  if (r.tp > 1) {
+    TORCH_CHECK(!m.tp_plan.empty(), "--tp ", r.tp,
+                " needs a reference model (--model): a "
+                "checkpoint given by --weights has no TP plan");
+    TORCH_CHECK(!r.suggest,
+                "--suggest considers tp 1 only for now (issue 51); drop --tp, or "
+                "explain a plan at --tp ",
+                r.tp, " without --suggest");
+    tp_plan = flatshard::parse_tp_plan(m.tp_plan);
+  }
   for (const auto& n : m.notes) std::cout << flatshard::printable_escape(n) << "\n";
   if (r.suggest) {
     if (!limit && profile.device_memory_gb > 0) {  // the device's memory (issue 52)
@@ -396,9 +409,24 @@ int run(const Described& m, const Request& r) {
   if (r.show_plan) std::cout << plan.to_string();
   flatshard::ExplainOptions cost = r.cost;
   cost.advice = flatshard::ExplainOptions::Advice::kSpec;  // advice in --policy text
-  const auto e = flatshard::explain(*m.tree, plan, r.world, opts, limit, r.replicate, cost);
+  const auto e = flatshard::explain(*m.tree, plan, flatshard::MeshShape(r.world, r.replicate, r.tp),
+                                    opts, limit, cost, tp_plan);
+  if (r.tp > 1) std::cout << "tp plan: " << flatshard::printable_escape(tp_plan.to_spec()) << "\n";
   std::cout << e.to_string();
-  if (r.batch > 0 && !m.shape) {
+  if (r.tp > 1 && r.batch > 0) {
+    // The TP collectives' sizes follow the tokens; the cost model does not cover TP yet.
+    const flatshard::TpCounters c =
+        e.tp.counters(workload.tokens(), opts.mixed_precision.param_dtype);
+    std::cout << "tp collectives per step at batch " << workload.batch << " x seq " << workload.seq
+              << ": " << c.forward_all_reduces << " forward all-reduces, "
+              << flatshard::format_bytes(c.forward_bytes) << " (" << c.forward_bytes << " B); "
+              << c.backward_all_reduces << " backward all-reduces, "
+              << flatshard::format_bytes(c.backward_bytes) << " (" << c.backward_bytes
+              << " B) per rank\n"
+              << "note: --batch: the step-time and peak prediction does not model tensor "
+                 "parallelism yet (issue 51); memory per rank above is the TP-local model "
+                 "state\n";
+  } else if (r.batch > 0 && !m.shape) {
     std::cout << "note: --batch: " << m.no_shape << "\n";
   } else if (r.batch > 0) {
     const auto p = flatshard::predict_cost(e, *m.shape, workload, profile);
@@ -466,6 +494,8 @@ void add_plan_flags(CLI::App& app, CommandLine& c) {
   app.add_option("--world", r.world, "number of ranks (with --replicate: ranks per shard group)")
       ->transform(at_least(1))
       ->group(plan);
+  flatshard::cli::add_tp_flag(app, r.tp, plan,
+                              "ranks: --world x --replicate x --tp (--world is the shard group)");
   app.add_option("--replicate", r.replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
       ->transform(at_least(1))
