@@ -311,7 +311,8 @@ bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs, uint64_
 }
 
 at::Tensor Runtime::wrap_input(Unit& unit, const at::Tensor& t) {
-  if (unit.flat().any_trainable() || !t.defined() || !t.requires_grad() ||
+  // Note [Frozen parameters] (fsdp/unit.cpp): units holding any frozen parameter.
+  if (unit.flat().all_trainable() || !t.defined() || !t.requires_grad() ||
       !at::GradMode::is_enabled())
     return t;
   unit.on_frozen_input(/*backward=*/false);

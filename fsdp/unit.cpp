@@ -75,6 +75,12 @@ struct GradReadyHook : public torch::autograd::FunctionPostHook {
 //   complete: after the last one the unit post-backwards and reshards at once instead of staying
 //   gathered to the end of backward (FSDP's "reshard-only" post-backward hook, same reason). A
 //   unit entered through flatshard::enter (no inputs to wrap) reshards at the end of backward.
+// - A unit mixing frozen and trainable parameters can have its last trainable gradient in
+//   before its backward is over: a frozen module that runs first in the unit's forward (a frozen
+//   norm at the head of a Block) still computes its input's gradient, reading its weight, after
+//   every trainable AccumulateGrad ran. So its inputs are wrapped too, and it post-backwards
+//   when both its trainable gradients and its inputs' gradients are in (resharding on the first
+//   alone made that norm's backward read a guarded parameter: "read while the unit is sharded").
 // - A unit mixing frozen and trainable parameters reduces its whole flat gradient in one
 //   reduce-scatter, the frozen ranges as zeros (like padding). Why not reduce the trainable
 //   ranges only: every rank's shard is a contiguous range of the flat buffer, so a trainable-
@@ -246,8 +252,11 @@ void Unit::on_frozen_input(bool backward) {
     ++frozen_inputs_pending_;
     return;
   }
-  // The last input's gradient is out: the unit's backward is done with its parameters.
-  if (--frozen_inputs_pending_ == 0 && pre_backward_done_) post_backward();
+  // The last input's gradient is out: the unit's backward is done with its parameters (a mixed
+  // unit: once its trainable gradients are in too).
+  if (--frozen_inputs_pending_ == 0 && pre_backward_done_ &&
+      grads_ready_ == static_cast<int64_t>(grad_accumulators_.size()))
+    post_backward();
 }
 
 void Unit::check_trainable_unchanged(int rank) const {
@@ -265,7 +274,10 @@ void Unit::check_trainable_unchanged(int rank) const {
 void Unit::on_grad_accumulated(size_t param_index) {
   HookClock clock(*this, /*backward=*/true);
   flat_->accept_grad(param_index);
-  if (++grads_ready_ == static_cast<int64_t>(grad_accumulators_.size())) post_backward();
+  // Note [Frozen parameters]: a mixed unit also waits for its wrapped inputs' gradients.
+  if (++grads_ready_ == static_cast<int64_t>(grad_accumulators_.size()) &&
+      frozen_inputs_pending_ == 0)
+    post_backward();
 }
 
 void Unit::post_backward() {

@@ -117,6 +117,27 @@ TEST_CASE("Frozen parameters: fine-tuning matches unsharded and frozen values ne
   }
 }
 
+TEST_CASE("Frozen parameters: a frozen norm at the head of a trainable layer", "[finetune][frozen]") {
+  // Note [Frozen parameters] (fsdp/unit.cpp): the frozen norm's backward (its input's gradient)
+  // runs after every trainable gradient of its unit is in; the unit must not reshard before it.
+  // Resharding on the last trainable gradient made it read a guarded parameter ("read while the
+  // unit is sharded"), at any world size and with or without tensor parallelism.
+  for (Family f : {Family::kGpt, Family::kLlama}) {
+    const std::string head = f == Family::kGpt ? "blocks.1.ln1." : "layers.1.input_norm.";
+    for (int world : {1, 2, 3}) {
+      CAPTURE(name_of(f), world);
+      ParitySpec s = spec_for(f, world, layer_policy(f));
+      s.frozen = [head](const std::string& n) { return n.rfind(head, 0) == 0; };
+      const ParityRun ref = run_reference(s);
+      const ParityRun got = run_sharded(s);
+      require_parity(ref, got);
+      require_frozen_unchanged(s, got);
+      // The mixed layer still reduces once per step, after its backward.
+      CHECK(got.last_step_counters.per_unit[2].reduce_scatters == 1);
+    }
+  }
+}
+
 TEST_CASE("Frozen parameters: a frozen unit is not an optimizer parameter", "[finetune][frozen]") {
   std::vector<int64_t> optimizer_numel(2, -1);
   std::vector<int> holds_frozen(2, -1);
