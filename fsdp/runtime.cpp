@@ -160,7 +160,7 @@ struct PreBackwardHook : public torch::autograd::FunctionPreHook {
   std::shared_ptr<StepLease> lease;
   std::vector<Unit*> units;  // outermost first
   int rank;
-  std::string unit_name_;  // the innermost unit's, for the error (its pointers may dangle then)
+  std::string unit_name_;  // units.front()'s, for the error (the pointers may dangle then)
 };
 
 }  // namespace
@@ -294,6 +294,7 @@ bool Runtime::hook_outputs(Unit& unit, std::vector<at::Tensor>& outputs, uint64_
       auto* last = hooks.empty() ? nullptr : dynamic_cast<PreBackwardHook*>(hooks.back().get());
       if (last != nullptr && last->lease == lease) {  // an inner unit's node: enclosing first
         last->units.insert(last->units.begin(), &unit);
+        last->unit_name_ = unit.name();  // the error names the first to run, as the identity did
         continue;
       }
       auto hook = std::make_unique<PreBackwardHook>(lease, &unit, comm_.rank());
