@@ -544,6 +544,59 @@ TpCounters TpCollectives::counters(int64_t tokens, c10::ScalarType dtype) const 
   return c;
 }
 
+namespace {
+
+// Tensor parallelism (mesh.tp() > 1): the TP-local shapes of split parameters, and each split
+// module's collectives by its weight's name, from the model's TensorParallel or from `tp_plan`.
+struct TpLocal {
+  std::unordered_map<std::string, std::vector<int64_t>> shapes;
+  std::unordered_map<std::string, TpCollectives> by_weight;
+  int modules = 0;
+};
+
+TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const TpPlan& tp_plan,
+                 const torch::OrderedDict<std::string, at::Tensor>& params) {
+  TpLocal out;
+  if (mesh.tp() <= 1) return out;
+  const TensorParallel* done = find_tensor_parallel(&model);
+  std::vector<TpModule> modules;
+  if (done != nullptr) {
+    TORCH_CHECK(done->tp_size() == mesh.tp(), "explain: the model was parallelized at tp ",
+                done->tp_size(), " but the mesh has tp ", mesh.tp());
+    modules = done->modules();
+  } else {
+    TORCH_CHECK(!tp_plan.empty(), "explain: mesh ", mesh.to_string(),
+                " has tp > 1 but no tp plan was given; pass the plan parallelize() will get "
+                "(a family's: Family::modules().tp_plan)");
+    modules = match_tp_plan(model, tp_plan, mesh.tp(),
+                            "explain (tp " + std::to_string(mesh.tp()) + ")");
+  }
+  for (const TpModule& m : modules) {
+    const std::string wname = m.path + ".weight", bname = m.path + ".bias";
+    const at::Tensor* wp = params.find(wname);
+    TORCH_INTERNAL_ASSERT(wp != nullptr, "explain: tp module '", m.path, "' has no weight");
+    const at::Tensor& w = *wp;
+    TpCollectives c;
+    if (m.style == TpStyle::kRowwise) {
+      c.forward_all_reduces = 1;
+      c.forward_numel_per_token = w.size(0);
+    } else {
+      c.backward_all_reduces = 1;
+      c.backward_numel_per_token = w.size(1);
+    }
+    out.by_weight[wname] = c;
+    ++out.modules;
+    if (done != nullptr) continue;  // its shapes are the local ones already
+    out.shapes[wname] = tp_local_shape(m, false, w.sizes().vec(), mesh.tp());
+    const at::Tensor* b = params.find(bname);
+    if (b != nullptr && b->defined())
+      out.shapes[bname] = tp_local_shape(m, true, b->sizes().vec(), mesh.tp());
+  }
+  return out;
+}
+
+}  // namespace
+
 Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
                     const ShardingOptions& options, std::optional<int64_t> memory_limit_bytes,
                     const ExplainOptions& cost, const TpPlan& tp_plan) {
@@ -570,46 +623,10 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
   // Looked up in torch's own dict (its index is a hash map): a second map of every name was
   // ~10% of explaining 524,288 parameters (issue 49).
   const auto params = model.named_parameters(/*recurse=*/true);
-  // Tensor parallelism: the TP-local shapes of split parameters, and each split module's
-  // collectives by its weight's name.
-  std::unordered_map<std::string, std::vector<int64_t>> tp_shapes;
-  std::unordered_map<std::string, TpCollectives> tp_by_weight;
-  if (mesh.tp() > 1) {
-    const TensorParallel* done = find_tensor_parallel(&model);
-    std::vector<TpModule> modules;
-    if (done != nullptr) {
-      TORCH_CHECK(done->tp_size() == mesh.tp(), "explain: the model was parallelized at tp ",
-                  done->tp_size(), " but the mesh has tp ", mesh.tp());
-      modules = done->modules();
-    } else {
-      TORCH_CHECK(!tp_plan.empty(), "explain: mesh ", mesh.to_string(),
-                  " has tp > 1 but no tp plan was given; pass the plan parallelize() will get "
-                  "(a family's: Family::modules().tp_plan)");
-      modules = match_tp_plan(model, tp_plan, mesh.tp(),
-                              "explain (tp " + std::to_string(mesh.tp()) + ")");
-    }
-    for (const TpModule& m : modules) {
-      const std::string wname = m.path + ".weight", bname = m.path + ".bias";
-      const at::Tensor* wp = params.find(wname);
-      TORCH_INTERNAL_ASSERT(wp != nullptr, "explain: tp module '", m.path, "' has no weight");
-      const at::Tensor& w = *wp;
-      TpCollectives c;
-      if (m.style == TpStyle::kRowwise) {
-        c.forward_all_reduces = 1;
-        c.forward_numel_per_token = w.size(0);
-      } else {
-        c.backward_all_reduces = 1;
-        c.backward_numel_per_token = w.size(1);
-      }
-      tp_by_weight[wname] = c;
-      ++e.tp_modules;
-      if (done != nullptr) continue;  // its shapes are the local ones already
-      tp_shapes[wname] = tp_local_shape(m, false, w.sizes().vec(), mesh.tp());
-      const at::Tensor* b = params.find(bname);
-      if (b != nullptr && b->defined())
-        tp_shapes[bname] = tp_local_shape(m, true, b->sizes().vec(), mesh.tp());
-    }
-  }
+  const TpLocal tp = tp_local(model, mesh, tp_plan, params);
+  e.tp_modules += tp.modules;
+  const auto& tp_shapes = tp.shapes;
+  const auto& tp_by_weight = tp.by_weight;
   std::vector<std::pair<std::string, int64_t>> root_owners;
   std::unordered_map<std::string, size_t> root_owner_index;  // owner -> its root_owners entry
   std::vector<int64_t> shard_numel_if_sharded;  // for the replication warning

@@ -276,6 +276,60 @@ void announce_start(const TrainConfig& c, const models::ModelConfig& cfg,
             << std::endl;
 }
 
+// AdamW or FusedAdamW over the model's masters. Note [Offload step in backward] / Note
+// [Compute copy in the step]: those units step through an attached FusedAdamW (train_main
+// refuses --offload-step modes without --optimizer fused), as flatshard-bench's runs do.
+std::shared_ptr<torch::optim::AdamW> make_optimizer(const TrainConfig& c, const ShardingOptions& so,
+                                                    ShardedModel& fsdp) {
+  auto adamw = torch::optim::AdamWOptions(c.schedule.lr)
+                   .betas({c.beta1, c.beta2})
+                   .eps(c.eps)
+                   .weight_decay(c.weight_decay);
+  if (c.optimizer != "fused")
+    return std::make_shared<torch::optim::AdamW>(fsdp.parameters(), adamw);
+  auto opt = std::make_shared<FusedAdamW>(fsdp.parameters(), adamw);
+  const auto units = fsdp.units();
+  if (so.offload_step != OffloadStep::kAfterBackward ||
+      std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
+    fsdp.attach_optimizer(opt);
+  return opt;
+}
+
+// One step's numbers, for report_step().
+struct StepReport {
+  int64_t step, start;
+  double loss, lr, grad_norm, secs, train_seconds;
+  int64_t peak;
+  bool device_memory;
+};
+
+// Rank 0: the step's metrics line, and its progress line every --log-every steps (and the first
+// and last), with MFU where the peak is known.
+void report_step(const TrainConfig& c, const models::ModelConfig& cfg, Metrics& metrics,
+                 const StepReport& r, double tps, double elapsed) {
+  const std::optional<double> mfu = cli::mfu(tps, cfg.flops_per_token(), c.peak_tflops);
+  std::ostringstream s;
+  s << "{\"step\": " << r.step + 1 << ", \"loss\": " << metric(r.loss) << ", \"lr\": "
+    << metric(r.lr) << ", \"grad_norm\": " << metric(r.grad_norm)
+    << ", \"tokens_per_s_per_rank\": " << metric(tps) << ", \"peak_memory_bytes\": " << r.peak
+    << ", \"elapsed_s\": " << metric(elapsed);
+  if (mfu) s << ", \"mfu\": " << metric(*mfu);
+  s << "}";
+  metrics.line(s.str());
+  const int64_t done = r.step + 1 - r.start;
+  if ((r.step + 1) % std::max<int64_t>(c.log_every, 1) != 0 && r.step + 1 != c.steps &&
+      r.step != r.start)
+    return;
+  const double eta =
+      r.train_seconds / static_cast<double>(done) * static_cast<double>(c.steps - r.step - 1);
+  std::cout << "step " << r.step + 1 << "/" << c.steps << " | loss " << format_fixed(r.loss, 4)
+            << " | lr " << format_lr(r.lr) << " | grad norm " << format_fixed(r.grad_norm, 3)
+            << " | " << format_fixed(tps, 0) << " tok/s/rank"
+            << (mfu ? " | mfu " + format_fixed(*mfu * 100, 2) + "%" : "") << " | peak mem "
+            << format_bytes(r.peak) << (r.device_memory ? " (device)" : " (process)") << " | eta "
+            << format_eta(eta) << std::endl;
+}
+
 }  // namespace
 
 void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks& hooks) {
@@ -322,22 +376,7 @@ void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks
   }
   so.offload = c.offload;
   std::unique_ptr<ShardedModel> fsdp = fully_shard(model, plan, comm, so);
-  auto adamw = torch::optim::AdamWOptions(c.schedule.lr)
-                   .betas({c.beta1, c.beta2})
-                   .eps(c.eps)
-                   .weight_decay(c.weight_decay);
-  std::shared_ptr<torch::optim::AdamW> opt =
-      c.optimizer == "fused" ? std::make_shared<FusedAdamW>(fsdp->parameters(), adamw)
-                             : std::make_shared<torch::optim::AdamW>(fsdp->parameters(), adamw);
-  // Note [Offload step in backward] / Note [Compute copy in the step]: those units step through
-  // an attached FusedAdamW (train_main refuses --offload-step modes without --optimizer fused),
-  // as flatshard-bench's runs do.
-  if (c.optimizer == "fused") {
-    const auto units = fsdp->units();
-    if (so.offload_step != OffloadStep::kAfterBackward ||
-        std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
-      fsdp->attach_optimizer(std::static_pointer_cast<FusedAdamW>(opt));
-  }
+  std::shared_ptr<torch::optim::AdamW> opt = make_optimizer(c, so, *fsdp);
   if (!resume_dir.empty()) load_checkpoint(*fsdp, opt.get(), resume_dir);
 
   std::unique_ptr<Metrics> metrics;
@@ -414,29 +453,10 @@ void train_rank(const TrainConfig& c, Communicator& comm, const cli::DeviceHooks
     train_seconds += secs;
     if (lead) {
       curve.emplace_back(step + 1, loss);
-      const double tps = tokens_per_step / secs / world;
-      const std::optional<double> mfu = cli::mfu(tps, cfg.flops_per_token(), c.peak_tflops);
-      const int64_t peak = peak_bytes();
-      std::ostringstream s;
-      s << "{\"step\": " << step + 1 << ", \"loss\": " << metric(loss) << ", \"lr\": " << metric(lr)
-        << ", \"grad_norm\": " << metric(grad_norm)
-        << ", \"tokens_per_s_per_rank\": " << metric(tps) << ", \"peak_memory_bytes\": " << peak
-        << ", \"elapsed_s\": "
-        << metric(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
-      if (mfu) s << ", \"mfu\": " << metric(*mfu);
-      s << "}";
-      metrics->line(s.str());
-      const int64_t done = step + 1 - start;
-      if ((step + 1) % std::max<int64_t>(c.log_every, 1) == 0 || step + 1 == c.steps ||
-          step == start) {
-        const double eta =
-            train_seconds / static_cast<double>(done) * static_cast<double>(c.steps - step - 1);
-        std::cout << "step " << step + 1 << "/" << c.steps << " | loss " << format_fixed(loss, 4)
-                  << " | lr " << format_lr(lr) << " | grad norm " << format_fixed(grad_norm, 3)
-                  << " | " << format_fixed(tps, 0) << " tok/s/rank"
-                  << (mfu ? " | mfu " + format_fixed(*mfu * 100, 2) + "%" : "") << " | peak mem "
-                  << format_bytes(peak) << (device_memory ? " (device)" : " (process)") << " | eta " << format_eta(eta) << std::endl;
-      }
+      report_step(c, cfg, *metrics, StepReport{step, start, loss, lr, grad_norm, secs,
+                                               train_seconds, peak_bytes(), device_memory},
+                  tokens_per_step / secs / world,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
     }
     const bool last = step + 1 == c.steps;
     if (c.eval_every > 0 && (step + 1) % c.eval_every == 0 && !last) evaluate(step + 1);
