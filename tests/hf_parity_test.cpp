@@ -332,7 +332,7 @@ TEST_CASE("hf: save_hf after tp 2 x shard 2 training opens in from_pretrained", 
     flatshard::run_mesh(flatshard::MeshShape(2, 1, 2), [&](const flatshard::Mesh& mesh) {
       auto model = cfg.build(/*seed=*/3);
       auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
-      REQUIRE(llama != nullptr);
+      TORCH_CHECK(llama != nullptr, "not a LLaMA model");
       auto par = flatshard::parallelize(
           model, flatshard::parse_tp_plan(flatshard::llama::LlamaConfig::family().modules().tp_plan),
           mesh);
@@ -416,7 +416,7 @@ TEST_CASE("hf: hf_loader into tp 2 x shard 2 gives transformers' logits", "[hf][
       auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), mesh,
                                          options);
       auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
-      REQUIRE(llama != nullptr);
+      TORCH_CHECK(llama != nullptr, "not a LLaMA model");
       at::NoGradGuard no_grad;
       const at::Tensor logits = flatshard::enter(model, [&] { return llama->forward(idx); });
       std::lock_guard<std::mutex> lock(mu);

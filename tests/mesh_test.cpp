@@ -5,6 +5,8 @@
 // the members' global ranks), and the printed forms.
 #include <catch2/catch.hpp>
 
+#include "rank_require.h"
+
 #include <ATen/ATen.h>
 
 #include <mutex>
@@ -53,27 +55,27 @@ TEST_CASE("run_mesh: row-major global ranks and the groups of every dimension", 
     std::vector<std::string> described(shape.global_size());
     run_mesh(shape, [&](const Mesh& mesh) {
       const int g = mesh.global_rank();
-      CHECK(mesh.shape().sizes == shape.sizes);
-      CHECK(g == (mesh.coord(MeshDim::kReplicate) * S + mesh.coord(MeshDim::kShard)) * T +
+      RANK_CHECK(mesh.shape().sizes == shape.sizes);
+      RANK_CHECK(g == (mesh.coord(MeshDim::kReplicate) * S + mesh.coord(MeshDim::kShard)) * T +
                      mesh.coord(MeshDim::kTp));
-      CHECK((mesh.tp() != nullptr) == (T > 1));
-      CHECK((mesh.replicate() != nullptr) == (R > 1));
-      CHECK(mesh.global_rank_at(MeshDim::kTp, 0) == g - mesh.coord(MeshDim::kTp));
-      CHECK(mesh.first_along_others(MeshDim::kTp) ==
+      RANK_CHECK((mesh.tp() != nullptr) == (T > 1));
+      RANK_CHECK((mesh.replicate() != nullptr) == (R > 1));
+      RANK_CHECK(mesh.global_rank_at(MeshDim::kTp, 0) == g - mesh.coord(MeshDim::kTp));
+      RANK_CHECK(mesh.first_along_others(MeshDim::kTp) ==
             (mesh.coord(MeshDim::kShard) == 0 && mesh.coord(MeshDim::kReplicate) == 0));
       for (MeshDim d : {MeshDim::kReplicate, MeshDim::kShard, MeshDim::kTp}) {
         Communicator* c = d == MeshDim::kShard ? &mesh.shard() : mesh.group(d);
         if (c == nullptr) continue;
         at::Tensor t = at::full({3}, static_cast<float>(g));
         c->all_reduce(t, ReduceOp::kSum, c->current_stream());
-        CAPTURE(to_string(d), g);
-        CHECK(t[2].item<float>() == static_cast<float>(group_rank_sum(shape, g, d)));
+        TORCH_CHECK(t[2].item<float>() == static_cast<float>(group_rank_sum(shape, g, d)), "rank ",
+                    g, ": the ", to_string(d), " group's sum is ", t[2].item<float>());
       }
       // The mesh-wide sum reaches every rank once.
       at::Tensor all = at::full({1}, static_cast<float>(g));
       all_reduce(mesh, all, ReduceOp::kSum, mesh.shard().current_stream());
       const int n = shape.global_size();
-      CHECK(all.item<float>() == static_cast<float>(n * (n - 1) / 2));
+      RANK_CHECK(all.item<float>() == static_cast<float>(n * (n - 1) / 2));
       std::lock_guard<std::mutex> lock(mu);
       seen.insert(g);
       described[g] = mesh.describe_rank();

@@ -2,7 +2,7 @@
 """Catch2 macros on rank threads: the tests' own rule (tests/rank_require.h), checked.
 
 Catch2 v2 is not thread-safe. A CAPTURE, INFO or bare REQUIRE/CHECK inside a lambda that
-run_ranks runs on several threads races on the runner's state; that shows up as heap
+run_ranks (or run_ranks_2d, run_mesh) runs on several threads races on the runner's state; that shows up as heap
 corruption in a later, unrelated allocation, in a fraction of runs (offload_test did this).
 Inside such lambdas only the RANK_* wrappers may assert. run_ranks(1, ...) runs one thread
 and is left alone; a function passed by name is not seen (keep those on the RANK_* macros).
@@ -15,7 +15,7 @@ import sys
 
 MACRO = re.compile(r"(?<![A-Za-z0-9_])(CAPTURE|INFO|UNSCOPED_INFO|WARN|FAIL|SUCCEED|"
                    r"(?:REQUIRE|CHECK)(?:_[A-Z_]+)?)\s*\(")
-CALL = re.compile(r"run_ranks\s*\(\s*([^,]+),")
+CALL = re.compile(r"(?:run_ranks|run_ranks_2d|run_mesh)\s*\(\s*([^,]+),")
 
 
 def strip_comments_and_strings(src: str) -> str:
@@ -74,7 +74,7 @@ def findings(path: pathlib.Path):
             continue
         for m in MACRO.finditer(src, body[0], body[1]):
             line = src.count("\n", 0, m.start()) + 1
-            yield f"{path}:{line}: {m.group(1)} inside a run_ranks lambda (use RANK_*)"
+            yield f"{path}:{line}: {m.group(1)} inside a rank-thread lambda (use RANK_*)"
 
 
 def main() -> int:
