@@ -16,8 +16,7 @@ void FlatParamConfig::validate(const std::string& unit) const {
               "(level ", offload, "): offloaded gradients take the host path (Note [Host "
               "compute copy]); turn one of them off");
   // Note [Kept compute shard]: fsdp/resolve.cpp sets it only where it applies.
-  TORCH_CHECK(!keep_compute_shard || (sharded && offload == 0 && param_dtype != at::kFloat &&
-                                       gather_dtype == GatherDtype::kParam),
+  TORCH_CHECK(!keep_compute_shard || can_keep_compute_shard(),
               "unit '", unit, "': keep_compute_shard applies to sharded units below fp32 that "
               "are not offloaded and gather their param dtype (sharded ", sharded, ", offload ",
               offload, ", param dtype ", param_dtype, ", gather dtype ",

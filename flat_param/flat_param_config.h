@@ -33,6 +33,13 @@ struct FlatParamConfig {
   // Note [Kept compute shard] (collective_plan.h): a sharded unit below fp32, not offloaded,
   // keeps its master shard's compute-dtype cast on the device between gathers.
   bool keep_compute_shard = false;
+  // Where keep_compute_shard means something (the one home of that rule): sharded, below fp32
+  // (an fp32 cast would copy the master), not offloaded (level 1 keeps its own), gathering the
+  // param dtype (a quantized gather sends its own wire).
+  bool can_keep_compute_shard() const {
+    return sharded && offload == 0 && param_dtype != at::kFloat &&
+           gather_dtype == GatherDtype::kParam;
+  }
   // The all-gather's wire format (sharded units; fsdp/resolve.cpp leaves NO_SHARD units at
   // kParam: they gather nothing). Not with offload.
   GatherDtype gather_dtype = GatherDtype::kParam;

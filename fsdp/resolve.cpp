@@ -48,12 +48,8 @@ ResolvedUnit resolve_unit(const UnitSpec& spec, const ShardingOptions& options,
   // the sharded units; a plan's option asks for this unit (validate() refuses it on NO_SHARD).
   r.flat.gather_dtype = spec.options.gather_dtype.value_or(
       r.flat.sharded ? mp.gather_dtype : GatherDtype::kParam);
-  // Note [Kept compute shard] (flat_param/collective_plan.h): NO_SHARD units keep their copy
-  // anyway, offload level 1 its own, an fp32 unit's cast would be a copy of the master, and a
-  // quantized gather sends its own wire.
-  r.flat.keep_compute_shard = options.keep_compute_shard && r.flat.sharded &&
-                              r.flat.offload == 0 && r.flat.param_dtype != at::kFloat &&
-                              r.flat.gather_dtype == GatherDtype::kParam;
+  // Note [Kept compute shard] (flat_param/collective_plan.h): only where it means something.
+  r.flat.keep_compute_shard = options.keep_compute_shard && r.flat.can_keep_compute_shard();
   r.flat.validate(spec.name);
   r.layout_world_size = r.flat.sharded ? shard_world_size : 1;
   return r;
