@@ -150,15 +150,16 @@ std::vector<std::string> tiny(std::vector<std::string> more) {
 }  // namespace
 
 TEST_CASE("explain is linear in layers", "[explain][scaling][issue36]") {
-  const Tower small = meta_tower(4096), big = meta_tower(8192);
+  const Tower small = meta_tower(2048), big = meta_tower(8192);
   (void)time_explain(small, 8);  // warm up (allocator, type names)
-  const double t4k = time_explain(small, 8), t8k = time_explain(big, 8);
-  INFO("make_plan + explain + to_string: 4096 layers " << t4k << " s, 8192 layers " << t8k
+  const double t2k = time_explain(small, 8), t8k = time_explain(big, 8);
+  INFO("make_plan + explain + to_string: 2048 layers " << t2k << " s, 8192 layers " << t8k
                                                        << " s");
   CHECK(t8k < 10.0);
-  // Twice the layers, at most 3x the time (a quadratic walk gives 4x; plus a little for timer
-  // noise at small t).
-  CHECK(t8k <= 3.0 * t4k + 0.05);
+  // Four times the layers, at most 10x the time: a quadratic walk gives 16x; this one measures
+  // 5-7x on an idle 2-core machine (allocation and cache effects grow with the model: a 2x
+  // ratio under a 3x bound measured 2.4-2.9x and flaked under load at 3.06x).
+  CHECK(t8k <= 10.0 * t2k + 0.05);
 }
 
 TEST_CASE("explain's time does not depend on the world size", "[explain][scaling][issue36]") {
@@ -206,12 +207,13 @@ TEST_CASE("the largest trainable shard matches a per-rank count", "[explain][iss
 // The cost model's walks were O(units x layers) (CostWalk summed "every unit before q" and
 // "every layer anchored before q" per unit: 3.0x the time for 2x the layers); prefix sums now.
 TEST_CASE("suggest is linear in layers", "[advisor][scaling][issue36]") {
-  const Tower small = meta_tower(2048), big = meta_tower(4096);
-  (void)time_suggest_once(small, 2048);
-  const double t2k = time_suggest(small, 2048), t4k = time_suggest(big, 4096);
-  INFO("suggest: 2048 layers " << t2k << " s, 4096 layers " << t4k << " s");
+  const Tower small = meta_tower(1024), big = meta_tower(4096);
+  (void)time_suggest_once(small, 1024);
+  const double t1k = time_suggest(small, 1024), t4k = time_suggest(big, 4096);
+  INFO("suggest: 1024 layers " << t1k << " s, 4096 layers " << t4k << " s");
   CHECK(t4k < 10.0);
-  CHECK(t4k <= 3.0 * t2k + 0.05);
+  // 4x the layers: quadratic 16x, measured 6.4-7.1x idle; the bound sits between (as above).
+  CHECK(t4k <= 10.0 * t1k + 0.05);
 }
 
 TEST_CASE("flatshard-explain --suggest exits 1 when no candidate fits", "[cli][issue36]") {
