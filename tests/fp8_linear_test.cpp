@@ -262,15 +262,19 @@ TEST_CASE("GPT and LLaMA with fp8 matmuls and fp8 gathers equal the unsharded fp
   // agree to fp32 rounding. World 2: the reference's gradient of the averaged loss is each
   // rank's halved, which shifts e5m2 scales by exactly 2^-1 (the same codes). At world 3 it
   // would not be a power of two.
+  // GPT at world 2 also with recompute units (the fp8 node re-run in backward) and per-leaf
+  // units (each Linear its own unit: models::call_linear as the unit's entry).
   for (int world : {1, 2}) {
-    {
-      flatshard_test::ParitySpec s = flatshard_test::gpt_parity_spec(world, "type=Block");
+    for (const char* policy :
+         {"type=Block", "recompute:type=Block", "type=Linear|LayerNorm|Embedding"}) {
+      if (world == 1 && std::string(policy) != "type=Block") continue;
+      flatshard_test::ParitySpec s = flatshard_test::gpt_parity_spec(world, policy);
       s.make_model = [] {
         auto c = flatshard_test::parity_gpt_config();
         c.fp8 = true;
         return std::static_pointer_cast<torch::nn::Module>(gpt::GPT(c, 11).ptr());
       };
-      check_fp8_parity("GPT", fp8_spec(s));
+      check_fp8_parity(std::string("GPT (") + policy + ")", fp8_spec(s));
     }
     {
       flatshard_test::ParitySpec s = flatshard_test::llama_spec(world, "type=DecoderLayer");
