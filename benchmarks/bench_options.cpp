@@ -41,9 +41,9 @@ const char* kFooter = R"(Policies: named plans and specs (comma list; default lo
 Defaults:  cpu: preset small with --seq 128, batch 2, 5 steps, fp32, 2 ranks as threads
            cuda: preset 1b, batch 4, 20 steps, bf16 params, one process per visible GPU
 Every run uses the same seed and data; the step-0 loss of rank 0 must match `local` (or the
-first run) within 1e-4 relative (fp32) / 2e-2 (bf16, fp16, quantized gathers), and a sharded run's losses after
+first run) within 1e-4 relative (fp32) / 2e-2 (bf16, fp16, quantized gathers, --fp8), and a sharded run's losses after
 each optimizer step must match an unsharded fp32 reference trained on every rank's batch within
-1e-4 (fp32) / 1e-2 (bf16, fp16, or --gather-dtype fp8 / int8), else check=FAIL and exit code 1
+1e-4 (fp32) / 1e-2 (bf16, fp16, --gather-dtype fp8 / int8, or --fp8), else check=FAIL and exit code 1
 (benchmarks/bench_report.h).
 fp16 (GPUs without bf16: V100, T4): sharded runs train with flatshard::ShardedGradScaler
 (fsdp/grad_scaler.h; a step with inf/NaN gradients on any rank is skipped on every rank).
@@ -85,6 +85,7 @@ void add_model_flags(CLI::App& app, Flags& f) {
   f.preset = cli::add_model_flags(app, f.model, group, "default: see below",
                                   "override: sequence length")
                  .preset;
+  cli::add_fp8_flag(app, f.model, group);
   f.batch_opt = app.add_option("--batch", f.batch, "sequences per rank per step (cpu 2, cuda 4)")
                     ->transform(cli::integer(1, kInt64Max))
                     ->group(group);

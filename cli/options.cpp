@@ -30,7 +30,18 @@ models::ModelConfig ModelFlags::config(const std::string& default_preset) const 
   if (heads) cfg.n_heads() = heads;
   if (vocab) cfg.vocab() = vocab;
   if (seq) cfg.seq_len() = seq;
+  cfg.sizes().fp8 = fp8;
   return cfg;
+}
+
+CLI::Option* add_fp8_flag(CLI::App& app, ModelFlags& f, const std::string& group) {
+  return app
+      .add_flag("--fp8", f.fp8,
+                "the layers' Linears run fp8 matmuls (torchao's tensorwise recipe: e4m3 "
+                "forward, e5m2 output gradients, at::_scaled_mm; models/fp8_linear.h), on the "
+                "fp8 gather's bytes with --gather-dtype fp8; embeddings and the output head "
+                "stay in the param dtype. CPU, or CUDA GPUs of compute capability 8.9+")
+      ->group(group);
 }
 
 ModelOptions add_model_flags(CLI::App& app, ModelFlags& f, const std::string& group,

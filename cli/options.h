@@ -11,7 +11,7 @@
 //   another first), --preset, --layers, --d-model, --heads, --vocab,
 //   --seq. The sizes are decimal integers >= 1 (cli/numbers.h): "--layers: must be >= 1, got 0".
 //   ModelFlags::config() is the family's preset (the given one, else the tool's default) with
-//   the given overrides applied; it does not validate (explain checks its size bounds before
+//   the given overrides (and add_fp8_flag()'s --fp8) applied; it does not validate (explain checks its size bounds before
 //   anything is built, bench calls ModelConfig::validate()). Throws c10::Error for an unknown
 //   family or preset (CLI11's IsMember refuses both while parsing).
 // - add_sharding_flags(): the values are checked while parsing (CLI11 IsMember, cli/numbers.h);
@@ -47,6 +47,7 @@ struct ModelFlags {
   std::string preset;          // --preset; "" when not given: config()'s default
   // The overrides; 0 when not given (a given one is >= 1).
   int64_t layers = 0, d_model = 0, heads = 0, vocab = 0, seq = 0;
+  bool fp8 = false;  // --fp8 (add_fp8_flag): TransformerConfig::fp8
 
   // The preset (default_preset when none was given) with the overrides applied.
   models::ModelConfig config(const std::string& default_preset) const;
@@ -60,6 +61,11 @@ struct ModelOptions {
 // `preset_help`: what the tool does without --preset; `seq_help`: what --seq means to it.
 ModelOptions add_model_flags(CLI::App& app, ModelFlags& flags, const std::string& group,
                              const std::string& preset_help, const std::string& seq_help);
+
+// --fp8 (the tools that run a model: bench, train): the layers' Linears run fp8 matmuls
+// (models/fp8_linear.h; CPU, or CUDA compute capability 8.9+); config() sets
+// TransformerConfig::fp8 from it.
+CLI::Option* add_fp8_flag(CLI::App& app, ModelFlags& flags, const std::string& group);
 
 struct ShardingFlags {
   std::string strategy = "full";       // --strategy: full | grad_op | noshard

@@ -170,6 +170,10 @@ class StepCopy {
 struct GatherExtras {
   OffloadCopy* offload = nullptr;  // Note [CPU offload]: offloaded plans (the stepper's side)
   StepCopy* step = nullptr;        // Note [Compute copy in the step]
+  // Fp8AllGather (flat_param/quantized_gather.h): its last gather's per-parameter scales (fp32
+  // [number of parameters]; undefined before the first gather), which fp8 matmuls requantize
+  // the gathered weights with (flat_param/gathered_scale.h).
+  const at::Tensor* fp8_scales = nullptr;
 };
 
 class GatherPlan {

@@ -13,6 +13,7 @@
 
 #include "collectives/agree.h"
 #include "flat_param/collective_plan.h"
+#include "flat_param/gathered_scale.h"
 #include "flat_param/offload.h"
 #include "flat_param/offload_state.h"
 #include "flat_param/upcast.h"
@@ -115,9 +116,12 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, const 
   make_views();
   make_full_buffer();
   attach_and_guard();
+  if (fp8_scales_ != nullptr) detail::register_fp8_params(*this);
 }
 
-FlatParam::~FlatParam() = default;
+FlatParam::~FlatParam() {
+  if (fp8_scales_ != nullptr) detail::unregister_fp8_params(*this);  // noexcept
+}
 
 std::vector<std::vector<int64_t>> FlatParam::check_params(bool deferred) {
   std::vector<std::vector<int64_t>> shapes;
@@ -251,6 +255,7 @@ void FlatParam::make_full_buffer() {
   const GatherExtras extras = gather_->extras();
   offload_copy_ = extras.offload;
   step_copy_ = extras.step;
+  fp8_scales_ = extras.fp8_scales;
 }
 
 void FlatParam::attach_and_guard() {

@@ -212,6 +212,9 @@ class FlatParam {
   // gradient's buffers; Note [Host compute copy]'s reduce-dtype path:
   // flat_param/offload_state.h); null when the unit is not offloaded.
   HostGrad* host_grad() const { return host_grad_; }
+  // An fp8 gather's last per-parameter scales (GatherExtras::fp8_scales; what
+  // flat_param/gathered_scale.h hands fp8 matmuls); null when the unit does not gather fp8.
+  const at::Tensor* fp8_scales() const { return fp8_scales_; }
 
   // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
   // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
@@ -289,6 +292,7 @@ class FlatParam {
   OffloadCopy* offload_copy_ = nullptr;  // gather_'s (GatherExtras), null when not offloaded
   StepCopy* step_copy_ = nullptr;        // gather_'s (GatherExtras), null when none
   HostGrad* host_grad_ = nullptr;        // reduce_'s (ReducePlan::host_grad()), null when none
+  const at::Tensor* fp8_scales_ = nullptr;  // gather_'s (GatherExtras), null unless fp8
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold

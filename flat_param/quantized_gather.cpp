@@ -142,6 +142,7 @@ class Fp8AllGather final : public QuantizedGather {
     comm_.all_reduce(amax, ReduceOp::kMax, stream, Lane::kAllGather);
     const at::Tensor scales = scales_from_amax(amax, kFp8Max);
     check_finite(amax);
+    scales_ = scales;
     at::Tensor wire = at::empty({world_ * n}, fopt.dtype(at::kByte));
     at::Tensor mine = wire.narrow(0, rank_ * n, n);
     mine.zero_();  // padding: fp8 0x00 is +0
@@ -160,6 +161,11 @@ class Fp8AllGather final : public QuantizedGather {
           .copy_(fp8_dequantize(all8.narrow(0, off, numel), scales.narrow(0, i, 1), param_dtype_));
     }
     for (const auto& [b, len] : gaps_) args_.full.narrow(0, b, len).zero_();
+  }
+  GatherExtras extras() override {
+    GatherExtras e;
+    e.fp8_scales = &scales_;
+    return e;
   }
 
  private:
@@ -182,6 +188,7 @@ class Fp8AllGather final : public QuantizedGather {
   }
 
   std::vector<Local> local_;                       // this rank's parts of the parameters
+  at::Tensor scales_;  // the last gather's, one per parameter (GatherExtras::fp8_scales)
   std::vector<std::pair<int64_t, int64_t>> gaps_;  // {begin, length} of full()'s padding
 };
 

@@ -32,6 +32,9 @@
 //   reads the GATHERED scales, so every rank throws the same error, naming the rank, the block
 //   and the parameters in it. Cost: one host read of the scales per gather (on CUDA a stream
 //   synchronisation; a device-side flag is the follow-up).
+// - The fp8 plan keeps its last gather's per-parameter scales (GatherExtras::fp8_scales): an
+//   fp8 matmul requantizes a gathered weight with its own scale and gets the wire's bytes back
+//   (flat_param/gathered_scale.h).
 // - Bytes: quantized_gather_bytes() is what one gather sends from this rank (the all-gather's
 //   wire, plus fp8's amax all-reduce), the closed form the plan's bytes() equals
 //   (make_gather_plan checks) and explain counts.

@@ -8,6 +8,7 @@
 
 #include "fsdp/call.h"
 #include "models/family.h"
+#include "models/fp8_linear.h"
 #include "models/model_init.h"
 #include "models/synthetic_language.h"
 
@@ -55,6 +56,7 @@ std::string GPTConfig::to_string() const {
   std::ostringstream os;
   os << "vocab=" << vocab << " d_model=" << d_model << " n_heads=" << n_heads
      << " n_layers=" << n_layers << " seq_len=" << seq_len << " tied=" << tie_embeddings;
+  if (fp8) os << " fp8=1";
   return os.str();
 }
 
@@ -125,9 +127,10 @@ namespace {
 // torch::nn::functional::linear (what LinearImpl::forward calls) fuses the bias into the GEMM
 // (addmm) only for 2-D inputs; a 3-D input takes matmul + an in-place bias add, one more kernel
 // per Linear in forward (and a slower GEMM without the epilogue) than PyTorch's F.linear.
-at::Tensor linear(torch::nn::Linear& m, const at::Tensor& x) {
+// fp8: models/fp8_linear.h's matmul instead (the same unit-aware call).
+at::Tensor linear(torch::nn::Linear& m, const at::Tensor& x, bool fp8) {
   auto out_sizes = x.sizes().vec();
-  const at::Tensor y = flatshard::call(m, x.reshape({-1, x.size(-1)}));
+  const at::Tensor y = models::call_linear(m, x.reshape({-1, x.size(-1)}), fp8);
   out_sizes.back() = y.size(-1);
   return y.view(out_sizes);
 }
@@ -135,7 +138,7 @@ at::Tensor linear(torch::nn::Linear& m, const at::Tensor& x) {
 }  // namespace
 
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg)
-    : torch::nn::Module("CausalSelfAttention"), n_heads_(cfg.n_heads) {
+    : torch::nn::Module("CausalSelfAttention"), n_heads_(cfg.n_heads), fp8_(cfg.fp8) {
   qkv = register_module("qkv", torch::nn::Linear(cfg.d_model, 3 * cfg.d_model));
   proj = register_module("proj", torch::nn::Linear(cfg.d_model, cfg.d_model));
 }
@@ -148,12 +151,12 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   // strided elementwise kernels, ~12 ms of a 100 ms step); split's backward is one cat.
   // Local sizes from the weight (tensor parallelism splits the heads: fsdp/tensor_parallel.h).
   const int64_t hd = d / n_heads_, local = qkv->weight.size(0) / 3, h = local / hd;
-  const auto parts = linear(qkv, x).split(local, /*dim=*/2);
+  const auto parts = linear(qkv, x, fp8_).split(local, /*dim=*/2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, h, hd}).transpose(1, 2); };
   const at::Tensor y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]),
                                                         heads(parts[2]), /*attn_mask=*/{},
                                                         /*dropout_p=*/0.0, /*is_causal=*/true);
-  return linear(proj, y.transpose(1, 2).reshape({B, T, local}));
+  return linear(proj, y.transpose(1, 2).reshape({B, T, local}), fp8_);
 }
 
 void CausalSelfAttentionImpl::check_tensor_parallel(const std::string& path, int tp) const {
@@ -162,13 +165,13 @@ void CausalSelfAttentionImpl::check_tensor_parallel(const std::string& path, int
               "rank; use a tp size that divides ", n_heads_);
 }
 
-MLPImpl::MLPImpl(const GPTConfig& cfg) : torch::nn::Module("MLP") {
+MLPImpl::MLPImpl(const GPTConfig& cfg) : torch::nn::Module("MLP"), fp8_(cfg.fp8) {
   fc = register_module("fc", torch::nn::Linear(cfg.d_model, 4 * cfg.d_model));
   proj = register_module("proj", torch::nn::Linear(4 * cfg.d_model, cfg.d_model));
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  return linear(proj, at::gelu(linear(fc, x), /*approximate=*/"tanh"));
+  return linear(proj, at::gelu(linear(fc, x, fp8_), /*approximate=*/"tanh"), fp8_);
 }
 
 BlockImpl::BlockImpl(const GPTConfig& cfg) : torch::nn::Module("Block") {

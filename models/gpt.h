@@ -30,7 +30,8 @@
 //     LibTorch's parameters() does not deduplicate, so it lists that tensor twice; hand
 //     optimizers unique_parameters(model) instead.
 //   * Dtypes: parameters may be fp32 or bf16 (any floating dtype); loss() computes the
-//     cross-entropy in fp32 whatever the logits' dtype.
+//     cross-entropy in fp32 whatever the logits' dtype. cfg.fp8: the blocks' four Linears run
+//     fp8 matmuls (models/fp8_linear.h); wte, wpe and lm_head stay in the param dtype.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -132,6 +133,7 @@ class CausalSelfAttentionImpl : public torch::nn::Module, public flatshard::Tens
   torch::nn::Linear proj{nullptr};  // d -> d
  private:
   int64_t n_heads_;
+  bool fp8_;  // cfg.fp8: qkv and proj run fp8 matmuls (models/fp8_linear.h)
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -142,6 +144,8 @@ class MLPImpl : public torch::nn::Module {
 
   torch::nn::Linear fc{nullptr};    // d -> 4d
   torch::nn::Linear proj{nullptr};  // 4d -> d
+ private:
+  bool fp8_;  // cfg.fp8: fc and proj run fp8 matmuls (models/fp8_linear.h)
 };
 TORCH_MODULE(MLP);
 

@@ -9,6 +9,7 @@
 
 #include "fsdp/call.h"
 #include "models/family.h"
+#include "models/fp8_linear.h"
 #include "models/hf_config.h"
 #include "models/model_init.h"
 #include "models/synthetic_language.h"
@@ -102,6 +103,7 @@ std::string LlamaConfig::to_string() const {
      << " hidden=" << hidden_size() << " tied=" << tie_embeddings;
   if (head_size > 0) os << " head_dim=" << head_size;
   if (attention_bias) os << " qkv_bias=1";
+  if (fp8) os << " fp8=1";
   if (sliding_window > 0) os << " window=" << sliding_window;
   if (rope_scaling.type == RopeScaling::Type::kLinear) os << " rope=linear:" << rope_scaling.factor;
   if (rope_scaling.type == RopeScaling::Type::kLlama3) os << " rope=llama3:" << rope_scaling.factor;
@@ -255,7 +257,8 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg)
       n_heads_(cfg.n_heads),
       n_kv_heads_(cfg.kv_heads()),
       window_(cfg.sliding_window),
-      head_dim_(cfg.head_dim()) {
+      head_dim_(cfg.head_dim()),
+      fp8_(cfg.fp8) {
   const int64_t d = cfg.d_model, hd = cfg.head_dim();
   auto linear = [](int64_t in, int64_t out, bool bias) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
@@ -276,9 +279,9 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   auto heads = [&](const at::Tensor& t, int64_t h) {
     return t.view({B, T, h, hd}).transpose(1, 2);
   };
-  const at::Tensor qh = apply_rotary(heads(flatshard::call(q, x), hq), cos, sin);
-  at::Tensor kh = apply_rotary(heads(flatshard::call(k, x), hkv), cos, sin);
-  at::Tensor vh = heads(flatshard::call(v, x), hkv);
+  const at::Tensor qh = apply_rotary(heads(models::call_linear(q, x, fp8_), hq), cos, sin);
+  at::Tensor kh = apply_rotary(heads(models::call_linear(k, x, fp8_), hkv), cos, sin);
+  at::Tensor vh = heads(models::call_linear(v, x, fp8_), hkv);
   if (hkv != hq) {  // grouped-query: kv head j serves q heads [j·g, (j+1)·g)
     const int64_t g = hq / hkv;
     kh = kh.repeat_interleave(g, /*dim=*/1);
@@ -295,7 +298,7 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
     y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                          /*is_causal=*/true);
   }
-  return flatshard::call(o, y.transpose(1, 2).reshape({B, T, hq * hd}));
+  return models::call_linear(o, y.transpose(1, 2).reshape({B, T, hq * hd}), fp8_);
 }
 
 void AttentionImpl::check_tensor_parallel(const std::string& path, int tp) const {
@@ -306,7 +309,7 @@ void AttentionImpl::check_tensor_parallel(const std::string& path, int tp) const
               "that divides both");
 }
 
-MLPImpl::MLPImpl(const LlamaConfig& cfg) : torch::nn::Module("MLP") {
+MLPImpl::MLPImpl(const LlamaConfig& cfg) : torch::nn::Module("MLP"), fp8_(cfg.fp8) {
   const int64_t d = cfg.d_model, h = cfg.hidden_size();
   auto linear = [](int64_t in, int64_t out) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
@@ -317,7 +320,8 @@ MLPImpl::MLPImpl(const LlamaConfig& cfg) : torch::nn::Module("MLP") {
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  return flatshard::call(down, at::silu(flatshard::call(gate, x)) * flatshard::call(up, x));
+  return models::call_linear(
+      down, at::silu(models::call_linear(gate, x, fp8_)) * models::call_linear(up, x, fp8_), fp8_);
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const LlamaConfig& cfg) : torch::nn::Module("DecoderLayer") {

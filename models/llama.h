@@ -54,6 +54,8 @@
 //   * tie_embeddings (default off, as LLaMA): lm_head.weight and embed_tokens.weight are one
 //     tensor; hand optimizers models::unique_parameters(model) (models/model_init.h).
 //   * Dtypes: parameters may be fp32 or bf16; loss() computes the cross-entropy in fp32.
+//     cfg.fp8: the layers' seven Linears run fp8 matmuls (models/fp8_linear.h); embed_tokens and
+//     lm_head stay in the param dtype.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -241,6 +243,7 @@ class AttentionImpl : public torch::nn::Module, public flatshard::TensorParallel
   torch::nn::Linear o{nullptr};  // H·hd -> d
  private:
   int64_t n_heads_, n_kv_heads_, window_, head_dim_;
+  bool fp8_;  // cfg.fp8: q, k, v and o run fp8 matmuls (models/fp8_linear.h)
 };
 TORCH_MODULE(Attention);
 
@@ -252,6 +255,8 @@ class MLPImpl : public torch::nn::Module {
   torch::nn::Linear gate{nullptr};  // d -> hidden
   torch::nn::Linear up{nullptr};    // d -> hidden
   torch::nn::Linear down{nullptr};  // hidden -> d
+ private:
+  bool fp8_;  // cfg.fp8: gate, up and down run fp8 matmuls (models/fp8_linear.h)
 };
 TORCH_MODULE(MLP);
 

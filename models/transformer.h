@@ -43,6 +43,10 @@ struct TransformerConfig {
   bool tie_embeddings = false;
   double init_std = 0.02;
   bool scaled_residual_init = true;  // residual projections get init_std / sqrt(2 L)
+  // The layers' Linears run fp8 matmuls (models/fp8_linear.h: torchao's tensorwise recipe, on
+  // the unit's fp8 gather when it has one); embeddings and the output head stay in the param
+  // dtype. Opt-in: flatshard-bench / flatshard-train --fp8.
+  bool fp8 = false;
 
   TransformerConfig() = default;
   TransformerConfig(const TransformerConfig&) = default;

@@ -590,3 +590,28 @@ TEST_CASE("the check fails a run whose losses leave the reference after step 0",
   CHECK(*rep.rows[2].steps_max_rel == Approx(2e-4));
   CHECK_FALSE(rep.all_ok());
 }
+
+TEST_CASE("--fp8: the layers run fp8 matmuls, the unsharded reference too; the check holds",
+          "[bench]") {
+  // models/fp8_linear.h on CPU ranks, with fp8 gathers: local and layer agree at step 0 and the
+  // steps stay on the unsharded fp8 reference (benchmarks/bench_report.h's low-precision bar).
+  const std::string json = scratch("fp8.json");
+  const Outcome o = run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup",
+                               "1", "--granularity", "local,layer", "--gather-dtype", "fp8",
+                               "--fp8", "--json", json});
+  INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+  REQUIRE(o.exit_code == 0);
+  CHECK(o.out.find("params fp32, fp8 matmuls, reduce fp32") != std::string::npos);
+  const JsonFile report(json);
+  CHECK(report.root.at("all_ok").as_bool());
+  // The recipe is on: the step-0 loss differs from the same run without --fp8.
+  const std::string plain_json = scratch("fp8_off.json");
+  const Outcome plain = run_bench({"--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup",
+                                   "1", "--granularity", "local", "--gather-dtype", "fp8",
+                                   "--json", plain_json});
+  REQUIRE(plain.exit_code == 0);
+  const JsonFile off(plain_json);
+  const double a = run_named(report.root, "local").at("loss_step0").as_number();
+  const double b = run_named(off.root, "local").at("loss_step0").as_number();
+  CHECK(std::abs(a - b) > 1e-5);
+}

@@ -70,7 +70,11 @@ std::vector<std::string> checkpoint_names(const std::string& folder) {
 }
 
 models::ModelConfig model_config(const TrainConfig& c) {
-  if (!c.hf_dir.empty()) return models::hf_config(c.hf_dir);
+  if (!c.hf_dir.empty()) {
+    models::ModelConfig m = models::hf_config(c.hf_dir);
+    m.sizes().fp8 = c.model.fp8;
+    return m;
+  }
   models::ModelConfig m = c.model.config("tiny");
   m.validate();
   return m;

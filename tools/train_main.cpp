@@ -71,6 +71,7 @@ void add_model_and_data_flags(CLI::App& app, ft::TrainConfig& c, FlagText& x) {
   // explain; this tool's default is the llama family's tiny preset.
   fcli::add_model_flags(app, c.model, g_model, "default tiny",
                         "override: sequence length (tokens per sample)");
+  fcli::add_fp8_flag(app, c.model, g_model);
   app.add_option("--hf", c.hf_dir,
                  "a Hugging Face model directory (LLaMA, Mistral, Qwen2): its config and weights "
                  "instead of --model/--preset")
