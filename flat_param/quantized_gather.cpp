@@ -5,12 +5,20 @@
 #include <cfloat>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <utility>
 #include <vector>
 
 #include "collectives/communicator.h"
 #include "flat_param/collective_plan.h"
+#include "flat_param/upcast.h"  // kernel_dtype
+
+#if FLATSHARD_WITH_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "flat_param/quantize_kernel.h"
+#endif
 
 namespace flatshard {
 
@@ -71,6 +79,24 @@ int64_t int8_wire_bytes(int64_t shard_numel) {
   return 4 * int8_num_blocks(shard_numel) + round_up4(shard_numel);
 }
 
+// Note [Quantize kernels]: the dtype the CUDA kernels (quantize_kernel.h) write full() in, when
+// the plan takes them: a CUDA master, contiguous buffers, fp32 / bf16 / fp16 full(). nullopt:
+// ATen's ops (the CPU path, and the reference the kernels are held to bit for bit by
+// tests/gpu_quantized_gather_test.cpp and tests/quantize_kernel_check.py).
+std::optional<kernels::KernelDtype> wire_kernel_dtype(const GatherArgs& a) {
+#if FLATSHARD_WITH_CUDA_KERNELS
+  if (a.master.is_cuda() && a.master.is_contiguous() && a.full.is_contiguous())
+    return kernel_dtype(a.full.scalar_type());
+#else
+  (void)a;
+#endif
+  return std::nullopt;
+}
+
+#if FLATSHARD_WITH_CUDA_KERNELS
+cudaStream_t cuda_stream(c10::Stream s) { return c10::cuda::CUDAStream(s).stream(); }
+#endif
+
 // What both quantized gathers share: the shard's place in the layout and the names for errors.
 class QuantizedGather : public GatherPlan {
  public:
@@ -82,9 +108,16 @@ class QuantizedGather : public GatherPlan {
         param_dtype_(param_dtype),
         comm_(comm),
         rank_(comm.rank()),
-        world_(comm.world_size()) {}
+        world_(comm.world_size()),
+        kernel_(wire_kernel_dtype(args_)) {}
 
  protected:
+#if FLATSHARD_WITH_CUDA_KERNELS
+  void check_launch(cudaError_t e, const char* what) const {
+    TORCH_CHECK(e == cudaSuccess, "unit '", unit_, "' (rank ", rank_, "): the ", what,
+                " kernel launch failed on ", args_.master.device(), ": ", cudaGetErrorString(e));
+  }
+#endif
   std::string param_name(size_t i) const {
     if (i < args_.names.size()) return "'" + args_.names[i] + "'";
     return "#" + std::to_string(i);
@@ -104,6 +137,8 @@ class QuantizedGather : public GatherPlan {
   at::ScalarType param_dtype_;
   Communicator& comm_;
   int rank_, world_;
+  // Note [Quantize kernels]: set when quantize_kernel.h's kernels write and read the wire.
+  std::optional<kernels::KernelDtype> kernel_;
 };
 
 // fp8: amax per original parameter (all-reduce max), fp8 bytes on the wire.
@@ -145,20 +180,16 @@ class Fp8AllGather final : public QuantizedGather {
     at::Tensor wire = at::empty({world_ * n}, fopt.dtype(at::kByte));
     at::Tensor mine = wire.narrow(0, rank_ * n, n);
     mine.zero_();  // padding: fp8 0x00 is +0
-    const at::Tensor mine8 = mine.view(at::kFloat8_e4m3fn);
-    for (const Local& l : local_)
-      mine8.narrow(0, l.begin, l.numel)
-          .copy_(
-              fp8_quantize(args_.master.narrow(0, l.begin, l.numel), scales.narrow(0, l.param, 1)));
+    if (kernel_)
+      quantize_kernels(mine, scales, stream);
+    else
+      quantize_aten(mine, scales);
     comm_.all_gather(mine, wire, stream);
     // The gathered wire is the whole flat buffer in fp8.
-    const at::Tensor all8 = wire.view(at::kFloat8_e4m3fn);
-    for (size_t i = 0; i < layout_.numels.size(); ++i) {
-      const int64_t off = layout_.offsets[i], numel = layout_.numels[i];
-      if (numel == 0) continue;
-      args_.full.narrow(0, off, numel)
-          .copy_(fp8_dequantize(all8.narrow(0, off, numel), scales.narrow(0, i, 1), param_dtype_));
-    }
+    if (kernel_)
+      dequantize_kernels(wire, scales, stream);
+    else
+      dequantize_aten(wire, scales);
     for (const auto& [b, len] : gaps_) args_.full.narrow(0, b, len).zero_();
   }
 
@@ -167,6 +198,60 @@ class Fp8AllGather final : public QuantizedGather {
     size_t param;
     int64_t begin, numel;  // in the master shard
   };
+
+  // This rank's parameters' parts into its slot `mine` of the wire, with their scales.
+  void quantize_aten(const at::Tensor& mine, const at::Tensor& scales) const {
+    const at::Tensor mine8 = mine.view(at::kFloat8_e4m3fn);
+    for (const Local& l : local_)
+      mine8.narrow(0, l.begin, l.numel)
+          .copy_(
+              fp8_quantize(args_.master.narrow(0, l.begin, l.numel), scales.narrow(0, l.param, 1)));
+  }
+  void dequantize_aten(const at::Tensor& wire, const at::Tensor& scales) const {
+    const at::Tensor all8 = wire.view(at::kFloat8_e4m3fn);
+    for (size_t i = 0; i < layout_.numels.size(); ++i) {
+      const int64_t off = layout_.offsets[i], numel = layout_.numels[i];
+      if (numel == 0) continue;
+      args_.full.narrow(0, off, numel)
+          .copy_(fp8_dequantize(all8.narrow(0, off, numel), scales.narrow(0, i, 1), param_dtype_));
+    }
+  }
+  // The same with quantize_kernel.h's kernels, one launch per parameter part (Note [Quantize
+  // kernels]).
+  void quantize_kernels(const at::Tensor& mine, const at::Tensor& scales,
+                        c10::Stream stream) const {
+#if FLATSHARD_WITH_CUDA_KERNELS
+    const cudaStream_t cs = cuda_stream(stream);
+    const float* x = args_.master.data_ptr<float>();
+    const float* s = scales.data_ptr<float>();
+    uint8_t* q = mine.data_ptr<uint8_t>();
+    for (const Local& l : local_)
+      check_launch(kernels::fp8_quantize(x + l.begin, l.numel, s + l.param, q + l.begin, cs),
+                   "fp8 quantize");
+#else
+    (void)mine, (void)scales, (void)stream;
+    TORCH_INTERNAL_ASSERT(false, "fp8 quantize kernel without FLATSHARD_WITH_CUDA_KERNELS");
+#endif
+  }
+  void dequantize_kernels(const at::Tensor& wire, const at::Tensor& scales,
+                          c10::Stream stream) const {
+#if FLATSHARD_WITH_CUDA_KERNELS
+    const cudaStream_t cs = cuda_stream(stream);
+    const uint8_t* q = wire.data_ptr<uint8_t>();
+    const float* s = scales.data_ptr<float>();
+    char* out = static_cast<char*>(args_.full.data_ptr());
+    const int64_t elem = static_cast<int64_t>(args_.full.element_size());
+    for (size_t i = 0; i < layout_.numels.size(); ++i) {
+      const int64_t off = layout_.offsets[i], numel = layout_.numels[i];
+      check_launch(
+          kernels::fp8_dequantize(q + off, numel, s + i, out + off * elem, *kernel_, cs),
+          "fp8 dequantize");
+    }
+#else
+    (void)wire, (void)scales, (void)stream;
+    TORCH_INTERNAL_ASSERT(false, "fp8 dequantize kernel without FLATSHARD_WITH_CUDA_KERNELS");
+#endif
+  }
 
   void check_finite(const at::Tensor& amax) const {
     if (at::isfinite(amax).all().item<bool>()) return;
@@ -195,14 +280,34 @@ class Int8AllGather final : public QuantizedGather {
     const int64_t n = layout_.shard_numel, nb = int8_num_blocks(n), w = bytes();
     at::Tensor wire = at::empty({world_ * w}, args_.master.options().dtype(at::kByte));
     at::Tensor mine = wire.narrow(0, rank_ * w, w);
-    const at::Tensor scales = int8_block_scales(args_.master);
-    mine.narrow(0, 0, 4 * nb).view(at::kFloat).copy_(scales);
-    mine.narrow(0, 4 * nb, n).view(at::kChar).copy_(int8_quantize(args_.master, scales));
+#if FLATSHARD_WITH_CUDA_KERNELS
+    // Note [Quantize kernels]: one launch writes the slot's scales and data.
+    if (kernel_)
+      check_launch(kernels::int8_quantize(
+                       args_.master.data_ptr<float>(), n,
+                       reinterpret_cast<float*>(mine.data_ptr<uint8_t>()),
+                       reinterpret_cast<int8_t*>(mine.data_ptr<uint8_t>() + 4 * nb),
+                       cuda_stream(stream)),
+                   "int8 quantize");
+#endif
+    if (!kernel_) {
+      const at::Tensor scales = int8_block_scales(args_.master);
+      mine.narrow(0, 0, 4 * nb).view(at::kFloat).copy_(scales);
+      mine.narrow(0, 4 * nb, n).view(at::kChar).copy_(int8_quantize(args_.master, scales));
+    }
     if (w > 4 * nb + n) mine.narrow(0, 4 * nb + n, w - 4 * nb - n).zero_();
     comm_.all_gather(mine, wire, stream);
     const at::Tensor per_rank = wire.view({world_, w});
     const at::Tensor all_scales = per_rank.narrow(1, 0, 4 * nb).view(at::kFloat);  // [world, nb]
     check_finite(all_scales);
+#if FLATSHARD_WITH_CUDA_KERNELS
+    if (kernel_) {
+      check_launch(kernels::int8_dequantize(wire.data_ptr<uint8_t>(), w, n, world_,
+                                            args_.full.data_ptr(), *kernel_, cuda_stream(stream)),
+                   "int8 dequantize");
+      return;
+    }
+#endif
     const at::Tensor all_data = per_rank.narrow(1, 4 * nb, n).view(at::kChar);  // [world, n]
     for (int r = 0; r < world_; ++r)
       args_.full.narrow(0, r * n, n)

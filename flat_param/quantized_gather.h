@@ -32,6 +32,15 @@
 //   reads the GATHERED scales, so every rank throws the same error, naming the rank, the block
 //   and the parameters in it. Cost: one host read of the scales per gather (on CUDA a stream
 //   synchronisation; a device-side flag is the follow-up).
+// - Note [Quantize kernels]: on a CUDA master (flatshard built with nvcc,
+//   FLATSHARD_WITH_CUDA_KERNELS) the quantize and dequantize are quantize_kernel.h's kernels,
+//   enqueued on the gather's stream (the all-gather stream, as the rest of the plan): int8 one
+//   launch each way, fp8 one per parameter part. The formulas above stay the one definition:
+//   the kernels compute them rounding as ATen does (true fp32 division, rintf, RNE casts), and
+//   the ATen ops below (the CPU path) are their reference, bit for bit (the GPU tests:
+//   tests/gpu_quantized_gather_test.cpp compares a CUDA GPT's gathered buffers with the same
+//   model's on CPU ranks, tests/quantize_kernel_check.py the kernels alone). fp8's amax stays an
+//   ATen reduction per parameter part.
 // - Bytes: quantized_gather_bytes() is what one gather sends from this rank (the all-gather's
 //   wire, plus fp8's amax all-reduce), the closed form the plan's bytes() equals
 //   (make_gather_plan checks) and explain counts.
