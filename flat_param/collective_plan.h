@@ -165,11 +165,24 @@ class StepCopy {
   int64_t version_ = -1;    // master_version() the copy last took
 };
 
+// Note [Deferred gather check] (flat_param/quantized_gather.h): a check of what a plan's
+// gathers saw that would cost a host wait per gather on a device, deferred to one call per
+// backward pass (fsdp/runtime.cpp's finalize_backward, before the optimizer step can run).
+class GatherCheck {
+ public:
+  virtual ~GatherCheck() = default;
+  // Throws c10::Error (the same on every rank: what it reads was gathered) when a gather since
+  // the last call failed the check, then forgets it. Waits on the host for the device to
+  // finish the last gather's check (nothing when no gather ran since the last call).
+  virtual void verify() = 0;
+};
+
 // What some plans keep beside the gather (STYLE.md 17: a member that is null when unused, not
 // a virtual no-op on every plan): null where the plan has none.
 struct GatherExtras {
   OffloadCopy* offload = nullptr;  // Note [CPU offload]: offloaded plans (the stepper's side)
   StepCopy* step = nullptr;        // Note [Compute copy in the step]
+  GatherCheck* check = nullptr;    // Note [Deferred gather check]: quantized gathers on a device
 };
 
 class GatherPlan {

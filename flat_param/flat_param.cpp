@@ -251,6 +251,7 @@ void FlatParam::make_full_buffer() {
   const GatherExtras extras = gather_->extras();
   offload_copy_ = extras.offload;
   step_copy_ = extras.step;
+  gather_check_ = extras.check;
 }
 
 void FlatParam::attach_and_guard() {

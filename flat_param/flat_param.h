@@ -91,6 +91,7 @@ namespace flatshard {
 class GatherPlan;  // flat_param/collective_plan.h
 class ReducePlan;
 class StepCopy;
+class GatherCheck;
 class OffloadCopy;  // flat_param/offload_state.h
 class HostGrad;
 
@@ -212,6 +213,9 @@ class FlatParam {
   // gradient's buffers; Note [Host compute copy]'s reduce-dtype path:
   // flat_param/offload_state.h); null when the unit is not offloaded.
   HostGrad* host_grad() const { return host_grad_; }
+  // Note [Deferred gather check] (collective_plan.h): what the runtime verifies at the end of
+  // each backward pass; null where the gather plan checks at once or checks nothing.
+  GatherCheck* gather_check() const { return gather_check_; }
 
   // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
   // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
@@ -288,6 +292,7 @@ class FlatParam {
   std::unique_ptr<ReducePlan> reduce_;
   OffloadCopy* offload_copy_ = nullptr;  // gather_'s (GatherExtras), null when not offloaded
   StepCopy* step_copy_ = nullptr;        // gather_'s (GatherExtras), null when none
+  GatherCheck* gather_check_ = nullptr;  // gather_'s (GatherExtras), null when none
   HostGrad* host_grad_ = nullptr;        // reduce_'s (ReducePlan::host_grad()), null when none
 };
 

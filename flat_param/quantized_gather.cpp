@@ -1,5 +1,6 @@
 #include "flat_param/quantized_gather.h"
 
+#include <c10/core/Event.h>
 #include <c10/util/Exception.h>
 
 #include <cfloat>
@@ -98,7 +99,7 @@ cudaStream_t cuda_stream(c10::Stream s) { return c10::cuda::CUDAStream(s).stream
 #endif
 
 // What both quantized gathers share: the shard's place in the layout and the names for errors.
-class QuantizedGather : public GatherPlan {
+class QuantizedGather : public GatherPlan, private GatherCheck {
  public:
   QuantizedGather(std::string name, std::string unit, GatherArgs args, const FlatLayout& layout,
                   at::ScalarType param_dtype, Communicator& comm)
@@ -109,9 +110,33 @@ class QuantizedGather : public GatherPlan {
         comm_(comm),
         rank_(comm.rank()),
         world_(comm.world_size()),
-        kernel_(wire_kernel_dtype(args_)) {}
+        kernel_(wire_kernel_dtype(args_)),
+        deferred_(args_.master.device().type() != c10::DeviceType::CPU) {}
+
+  GatherExtras extras() override {
+    GatherExtras e;
+    if (deferred_) e.check = this;
+    return e;
+  }
 
  protected:
+  // Non-finite masters (the header's Contract). `values` (fp32, any shape, the same on every
+  // rank: gathered or all-reduced) must be finite; else report() throws with the flat index of
+  // the first non-finite one and how many there are. On the CPU at once; on a device Note
+  // [Deferred gather check]: recorded on `stream`, thrown by verify().
+  void check_finite(const at::Tensor& values, c10::Stream stream) {
+    const at::Tensor flat = values.reshape({-1});
+    if (!deferred_) {
+      if (at::isfinite(flat).all().item<bool>()) return;
+      const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(flat))).to(at::kCPU);
+      report(bad[0][0].item<int64_t>(), bad.size(0));
+    }
+    record_nonfinite(flat, stream);
+  }
+  // Throws the error for the first non-finite value `first` (flat index into check_finite's
+  // values) of `count`.
+  [[noreturn]] virtual void report(int64_t first, int64_t count) const = 0;
+
 #if FLATSHARD_WITH_CUDA_KERNELS
   void check_launch(cudaError_t e, const char* what) const {
     TORCH_CHECK(e == cudaSuccess, "unit '", unit_, "' (rank ", rank_, "): the ", what,
@@ -139,6 +164,55 @@ class QuantizedGather : public GatherPlan {
   int rank_, world_;
   // Note [Quantize kernels]: set when quantize_kernel.h's kernels write and read the wire.
   std::optional<kernels::KernelDtype> kernel_;
+
+ private:
+  static constexpr int64_t kNone = std::numeric_limits<int64_t>::max();  // no non-finite value
+
+  // On the gather's stream, no host wait: the first non-finite value's index and the count
+  // go into found_ (the first gather that saw one keeps it), and found_ into pinned host
+  // memory, with an event after the copy for verify().
+  void record_nonfinite(const at::Tensor& flat, c10::Stream stream) {
+    if (!found_.defined() || reset_) {
+      if (!found_.defined()) {
+        found_ = at::empty({2}, flat.options().dtype(at::kLong));
+        host_ = at::empty({2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+        event_.emplace(flat.device().type());
+      }
+      found_.select(0, 0).fill_(kNone);
+      found_.select(0, 1).zero_();
+      reset_ = false;
+    }
+    if (!index_.defined() || index_.numel() != flat.numel())
+      index_ = at::arange(flat.numel(), flat.options().dtype(at::kLong));
+    const at::Tensor bad = at::logical_not(at::isfinite(flat));
+    const at::Tensor now = at::stack({at::where(bad, index_, kNone).amin(), bad.sum()});
+    found_.copy_(at::where(found_.select(0, 0) == kNone, now, found_));
+    host_.copy_(found_, /*non_blocking=*/true);
+    event_->record(stream);
+    recorded_ = true;
+  }
+
+  // GatherCheck: Note [Deferred gather check].
+  void verify() override {
+    if (!recorded_) return;
+    event_->synchronize();  // the last gather's copy into host_ is done
+    recorded_ = false;
+    const int64_t first = host_.data_ptr<int64_t>()[0], count = host_.data_ptr<int64_t>()[1];
+    if (first == kNone) return;
+    reset_ = true;  // the next gather starts afresh (found_ is the gather stream's to write)
+    report(first, count);
+  }
+
+  // Note [Deferred gather check]: true on a device (the check's host read would wait there).
+  bool deferred_;
+  at::Tensor found_;  // device int64 [2]: {first non-finite index or kNone, count}
+  at::Tensor index_;  // device int64 arange over check_finite's values (cached)
+  at::Tensor host_;   // pinned int64 [2]: found_ as of the last gather
+  // Recorded on the gather stream after the copy into host_: verify() waits for it, not for
+  // the whole device.
+  std::optional<c10::Event> event_;
+  bool recorded_ = false;  // a gather recorded since the last verify()
+  bool reset_ = false;     // verify() reported: the next gather clears found_ first
 };
 
 // fp8: amax per original parameter (all-reduce max), fp8 bytes on the wire.
@@ -176,7 +250,7 @@ class Fp8AllGather final : public QuantizedGather {
     amax = at::nan_to_num(amax, inf, inf, inf);
     comm_.all_reduce(amax, ReduceOp::kMax, stream, Lane::kAllGather);
     const at::Tensor scales = scales_from_amax(amax, kFp8Max);
-    check_finite(amax);
+    check_finite(amax, stream);
     at::Tensor wire = at::empty({world_ * n}, fopt.dtype(at::kByte));
     at::Tensor mine = wire.narrow(0, rank_ * n, n);
     mine.zero_();  // padding: fp8 0x00 is +0
@@ -253,14 +327,13 @@ class Fp8AllGather final : public QuantizedGather {
 #endif
   }
 
-  void check_finite(const at::Tensor& amax) const {
-    if (at::isfinite(amax).all().item<bool>()) return;
-    const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(amax))).to(at::kCPU);
-    const int64_t i = bad[0][0].item<int64_t>();
-    TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): parameter ", param_name(i),
+  // check_finite's values are the amax per parameter: `i` is the parameter.
+  [[noreturn]] void report(int64_t i, int64_t count) const override {
+    TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): parameter ",
+                param_name(static_cast<size_t>(i)),
                 " holds inf or nan in its fp32 master (its amax over all shards is not finite), "
                 "which the fp8 gather cannot carry; ",
-                bad.size(0),
+                count,
                 " parameter(s) of the unit are affected. Find where the values "
                 "became non-finite (a loss spike, a learning rate too high), or gather in the "
                 "param dtype (gather dtype param)");
@@ -299,7 +372,7 @@ class Int8AllGather final : public QuantizedGather {
     comm_.all_gather(mine, wire, stream);
     const at::Tensor per_rank = wire.view({world_, w});
     const at::Tensor all_scales = per_rank.narrow(1, 0, 4 * nb).view(at::kFloat);  // [world, nb]
-    check_finite(all_scales);
+    check_finite(all_scales, stream);
 #if FLATSHARD_WITH_CUDA_KERNELS
     if (kernel_) {
       check_launch(kernels::int8_dequantize(wire.data_ptr<uint8_t>(), w, n, world_,
@@ -315,11 +388,11 @@ class Int8AllGather final : public QuantizedGather {
   }
 
  private:
-  // The gathered scales, the same on every rank: every rank throws the same error.
-  void check_finite(const at::Tensor& scales) const {
-    if (at::isfinite(scales).all().item<bool>()) return;
-    const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(scales))).to(at::kCPU);
-    const int64_t r = bad[0][0].item<int64_t>(), b = bad[0][1].item<int64_t>();
+  // check_finite's values are the gathered scales [world, blocks], the same on every rank:
+  // every rank throws the same error.
+  [[noreturn]] void report(int64_t first, int64_t count) const override {
+    const int64_t nb = int8_num_blocks(layout_.shard_numel);
+    const int64_t r = first / nb, b = first % nb;
     const int64_t begin = r * layout_.shard_numel + b * kInt8BlockSize;
     const int64_t end = std::min(begin + kInt8BlockSize, (r + 1) * layout_.shard_numel);
     TORCH_CHECK(false, "unit '", unit_, "' (rank ", rank_, "): the fp32 master of rank ", r,
@@ -327,7 +400,7 @@ class Int8AllGather final : public QuantizedGather {
                 "), parameter(s) ", params_in(begin, end),
                 "), which the int8 gather cannot "
                 "carry; ",
-                bad.size(0),
+                count,
                 " block(s) of the unit are affected. Find where the "
                 "values became non-finite (a loss spike, a learning rate too high), or gather "
                 "in the param dtype (gather dtype param)");

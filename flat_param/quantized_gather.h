@@ -26,12 +26,25 @@
 //     int8: q = clamp(round(x / s), -127, 127).to(int8)   (round half to even)
 //     dequantized: (q.to(fp32) * s).to(param_dtype)
 //   Padding (master zeros) goes on the wire as zeros and comes out as zeros.
-// - Non-finite masters (inf or nan): an error, never a silent NaN spread. fp8: a non-finite
-//   local amax is sent as +inf, so after the all-reduce every rank sees the same non-finite
-//   scale and throws the same c10::Error naming the unit and the parameter. int8: the check
-//   reads the GATHERED scales, so every rank throws the same error, naming the rank, the block
-//   and the parameters in it. Cost: one host read of the scales per gather (on CUDA a stream
-//   synchronisation; a device-side flag is the follow-up).
+// - Non-finite masters (inf or nan): an error, never a silent NaN spread into an optimizer
+//   step. fp8: a non-finite local amax is sent as +inf, so after the all-reduce every rank sees
+//   the same non-finite scale and throws the same c10::Error naming the unit and the
+//   parameter. int8: the check reads the GATHERED scales, so every rank throws the same error,
+//   naming the rank, the block and the parameters in it. On the CPU the check reads them on
+//   the host and throws from the gather (unshard()).
+// - Note [Deferred gather check]: on a device a host read per gather would be a stream
+//   synchronisation per gather. There the gather instead records, on its own stream, the
+//   first non-finite value's index and the count in a device tensor (the first gather that
+//   saw one keeps it), copies it asynchronously into pinned host memory and records an event.
+//   The plan is the unit's GatherCheck (flat_param/collective_plan.h; FlatParam::
+//   gather_check()): at the end of every backward pass the runtime (fsdp/runtime.cpp,
+//   finalize_backward, after the step's state is closed) calls verify(), which waits for the
+//   last gather's event (the all-gather stream up to that gather, not the device: one host
+//   wait per backward pass instead of one per gather) and throws the same error, on every
+//   rank, out of backward() — before the optimizer step. Until then the gathered buffer holds
+//   what the wire made of the non-finite values (NaN or 0), and the forward, the backward and
+//   the reductions of that step run on it. Gathers without a backward (evaluation under
+//   no_grad) report at the next backward's end. After a report the record starts afresh.
 // - Note [Quantize kernels]: on a CUDA master (flatshard built with nvcc,
 //   FLATSHARD_WITH_CUDA_KERNELS) the quantize and dequantize are quantize_kernel.h's kernels,
 //   enqueued on the gather's stream (the all-gather stream, as the rest of the plan): int8 one

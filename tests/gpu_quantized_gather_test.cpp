@@ -6,13 +6,17 @@
 // tests/quantized_gather_test.cpp). Every unit's gathered buffer must be bit-equal (fp32 and
 // bf16 param dtypes: the kernels round as ATen does) and the step-0 loss (fp32) within 1e-5
 // relative (cuBLAS and the CPU differ only in summation order). Then a non-finite master: every
-// rank fails with the same error naming the unit, the rank and the block or parameter, before
-// any optimizer step.
+// rank fails with the same error naming the unit, the rank and the block or parameter, out of
+// backward(), before any optimizer step; and a forward under long device sleeps before every
+// all-gather returns on the host long before the device is done: no host wait per gather
+// (Note [Deferred gather check]; the old host-side check waited for each).
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -149,6 +153,38 @@ TEST_CASE("GPU quantized gathers: a non-finite master fails every rank the same 
     at::Tensor ok = at::full({1}, error.empty() ? 0.0f : 1.0f, at::TensorOptions(dev));
     g_comm->all_reduce(ok, ReduceOp::kSum, g_comm->current_stream());
     CHECK(ok.item<float>() == static_cast<float>(world));
+  }
+}
+
+TEST_CASE("GPU quantized gathers: no host wait per gather (the check is deferred)",
+          "[gpu][quantized_gather][nosync]") {
+  const c10::Device dev = g_comm->device();
+  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8}) {
+    CAPTURE(gather_dtype_name(g));
+    ShardingOptions opts = quantized(g, at::kFloat);
+    opts.debug_sleep_before_all_gather_cycles = 200'000'000;  // ~0.1 s per gather at ~2 GHz
+    auto model = flatshard_test::gpu_parity_model(dev);
+    auto fsdp =
+        fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Block")), *g_comm, opts);
+    auto [x, y] = gpt::synthetic_batch(model->config(), flatshard_test::kGpuParityBatch, 7,
+                                       g_comm->rank(), 0);
+    x = x.to(dev);
+    y = y.to(dev);
+    auto loss = [&] { return enter(model, [&] { return model->loss(x, y); }); };
+    loss().backward();  // warm-up: the allocator's first blocks, NCCL's first calls
+    c10::cuda::device_synchronize();
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
+    at::Tensor l = loss();  // 4 units: 4 gathers, each behind a device sleep
+    const auto t1 = Clock::now();
+    c10::cuda::device_synchronize();
+    const auto t2 = Clock::now();
+    const double host_s = std::chrono::duration<double>(t1 - t0).count();
+    const double total_s = std::chrono::duration<double>(t2 - t0).count();
+    CAPTURE(host_s, total_s, fsdp->num_units());
+    CHECK(total_s > 0.1);  // the sleeps ran
+    CHECK(host_s < 0.5 * total_s);
+    l.backward();
   }
 }
 
