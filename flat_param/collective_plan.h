@@ -281,7 +281,9 @@ bool full_aliases_master(const FlatParamConfig& config);
 // reduction leaves on this rank (its shard; a replicated unit's whole buffer) in reduce_dtype.
 int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 // All-reduces one gather issues besides its all-gather: 1 for an fp8 gather (its amax,
-// flat_param/quantized_gather.h; the bytes are in all_gather_bytes()), else 0.
+// flat_param/quantized_gather.h; the bytes are in all_gather_bytes()), else 0; fp8_delayed
+// 0, its steady state (Note [Delayed fp8 amax]: only a unit's first gather all-reduces; the
+// runtime's and explain's counts leave that one out, the communicator's counters see it).
 int64_t gather_all_reduces(const FlatParamConfig& config);
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid);

@@ -80,6 +80,11 @@ int64_t int8_wire_bytes(int64_t shard_numel) {
   return 4 * int8_num_blocks(shard_numel) + round_up4(shard_numel);
 }
 
+// Per rank, the delayed fp8 wire: [amax per parameter | fp8 data | pad to 4 B].
+int64_t fp8_delayed_wire_bytes(const FlatLayout& layout) {
+  return 4 * static_cast<int64_t>(layout.numels.size()) + round_up4(layout.shard_numel);
+}
+
 // Note [Quantize kernels]: the dtype the CUDA kernels (quantize_kernel.h) write full() in, when
 // the plan takes them: a CUDA master, contiguous buffers, fp32 / bf16 / fp16 full(). nullopt:
 // ATen's ops (the CPU path, and the reference the kernels are held to bit for bit by
@@ -218,10 +223,12 @@ class QuantizedGather : public GatherPlan, private GatherCheck {
 // fp8: amax per original parameter (all-reduce max), fp8 bytes on the wire.
 class Fp8AllGather final : public QuantizedGather {
  public:
+  // `delayed`: Note [Delayed fp8 amax] (quantized_gather.h).
   Fp8AllGather(std::string unit, GatherArgs args, const FlatLayout& layout,
-               at::ScalarType param_dtype, Communicator& comm)
+               at::ScalarType param_dtype, Communicator& comm, bool delayed)
       : QuantizedGather("Fp8AllGather", std::move(unit), std::move(args), layout, param_dtype,
-                        comm) {
+                        comm),
+        delayed_(delayed) {
     const int64_t sb = layout_.shard_begin(rank_), se = layout_.shard_end(rank_);
     int64_t at = 0;  // end of the last parameter: what lies between is padding
     for (size_t i = 0; i < layout_.numels.size(); ++i) {
@@ -234,20 +241,15 @@ class Fp8AllGather final : public QuantizedGather {
     if (layout_.padded_numel > at) gaps_.emplace_back(at, layout_.padded_numel - at);
   }
   int64_t bytes() const override {
-    return layout_.shard_numel + 4 * static_cast<int64_t>(layout_.numels.size());
+    return delayed_ ? fp8_delayed_wire_bytes(layout_)
+                    : layout_.shard_numel + 4 * static_cast<int64_t>(layout_.numels.size());
   }
   void gather(c10::Stream stream) override {
     if (layout_.padded_numel == 0) return;
+    if (delayed_) return gather_delayed(stream);
     const int64_t n = layout_.shard_numel;
     const auto fopt = args_.master.options().dtype(at::kFloat);
-    // amax per parameter over this rank's part of it; a non-finite one goes out as +inf, so
-    // every rank sees the same non-finite maximum (NCCL's max need not propagate NaN).
-    at::Tensor amax = at::zeros({static_cast<int64_t>(layout_.numels.size())}, fopt);
-    for (const Local& l : local_)
-      amax.narrow(0, l.param, 1)
-          .copy_(args_.master.narrow(0, l.begin, l.numel).abs().amax().view({1}));
-    const double inf = std::numeric_limits<double>::infinity();
-    amax = at::nan_to_num(amax, inf, inf, inf);
+    at::Tensor amax = local_amax();
     comm_.all_reduce(amax, ReduceOp::kMax, stream, Lane::kAllGather);
     const at::Tensor scales = scales_from_amax(amax, kFp8Max);
     check_finite(amax, stream);
@@ -272,6 +274,54 @@ class Fp8AllGather final : public QuantizedGather {
     size_t param;
     int64_t begin, numel;  // in the master shard
   };
+
+  // amax per parameter over this rank's part of it (0 where it holds none); a non-finite one
+  // as +inf, so every rank sees the same non-finite maximum (NCCL's max need not propagate
+  // NaN).
+  at::Tensor local_amax() const {
+    at::Tensor amax = at::zeros({static_cast<int64_t>(layout_.numels.size())},
+                                args_.master.options().dtype(at::kFloat));
+    for (const Local& l : local_)
+      amax.narrow(0, l.param, 1)
+          .copy_(args_.master.narrow(0, l.begin, l.numel).abs().amax().view({1}));
+    const double inf = std::numeric_limits<double>::infinity();
+    return at::nan_to_num(amax, inf, inf, inf);
+  }
+
+  // Note [Delayed fp8 amax]: the scales are last gather's (the first gather all-reduces);
+  // this rank's amax travels in front of its fp8 bytes and, maxed over the ranks, gives the
+  // next gather's scales.
+  void gather_delayed(c10::Stream stream) {
+    const int64_t n = layout_.shard_numel, P = static_cast<int64_t>(layout_.numels.size());
+    const int64_t w = fp8_delayed_wire_bytes(layout_);
+    const at::Tensor amax = local_amax();
+    if (!last_amax_.defined()) {  // the first gather: no earlier amax, the all-reduce
+      last_amax_ = amax.clone();
+      comm_.all_reduce(last_amax_, ReduceOp::kMax, stream, Lane::kAllGather);
+    }
+    const at::Tensor scales = scales_from_amax(last_amax_, kFp8Max);
+    at::Tensor wire = at::empty({world_ * w}, args_.master.options().dtype(at::kByte));
+    at::Tensor mine = wire.narrow(0, rank_ * w, w);
+    mine.narrow(0, 0, 4 * P).view(at::kFloat).copy_(amax);
+    at::Tensor data = mine.narrow(0, 4 * P, w - 4 * P);
+    data.zero_();  // padding and the tail: fp8 0x00 is +0
+    if (kernel_)
+      quantize_kernels(data, scales, stream);
+    else
+      quantize_aten(data, scales);
+    comm_.all_gather(mine, wire, stream);
+    const at::Tensor per_rank = wire.view({world_, w});
+    // The amax of the master as this gather sent it, the same on every rank.
+    last_amax_ = per_rank.narrow(1, 0, 4 * P).view(at::kFloat).amax(0);
+    check_finite(last_amax_, stream);
+    // The ranks' fp8 parts, made one flat buffer (a copy: they sit between the amaxes).
+    const at::Tensor flat8 = per_rank.narrow(1, 4 * P, n).contiguous().view({-1});
+    if (kernel_)
+      dequantize_kernels(flat8, scales, stream);
+    else
+      dequantize_aten(flat8, scales);
+    for (const auto& [b, len] : gaps_) args_.full.narrow(0, b, len).zero_();
+  }
 
   // This rank's parameters' parts into its slot `mine` of the wire, with their scales.
   void quantize_aten(const at::Tensor& mine, const at::Tensor& scales) const {
@@ -341,6 +391,10 @@ class Fp8AllGather final : public QuantizedGather {
 
   std::vector<Local> local_;                       // this rank's parts of the parameters
   std::vector<std::pair<int64_t, int64_t>> gaps_;  // {begin, length} of full()'s padding
+  bool delayed_;  // Note [Delayed fp8 amax]
+  // Note [Delayed fp8 amax]: the amax per parameter (fp32 [P], on the master's device) the
+  // last gather sent, maxed over the ranks; undefined before the first gather.
+  at::Tensor last_amax_;
 };
 
 // int8: block-wise scales of the shard, packed with the data in one byte buffer per rank.
@@ -413,6 +467,8 @@ int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& 
   switch (config.gather_dtype) {
     case GatherDtype::kFp8:
       return layout.shard_numel + 4 * static_cast<int64_t>(layout.numels.size());
+    case GatherDtype::kFp8Delayed:
+      return fp8_delayed_wire_bytes(layout);
     case GatherDtype::kInt8:
       return int8_wire_bytes(layout.shard_numel);
     case GatherDtype::kParam:
@@ -427,9 +483,9 @@ std::unique_ptr<GatherPlan> make_quantized_gather(const std::string& unit_name,
                                                   GatherArgs args) {
   TORCH_INTERNAL_ASSERT(config.sharded && config.offload == 0, "unit '", unit_name,
                         "': a quantized gather needs a sharded unit without offload");
-  if (config.gather_dtype == GatherDtype::kFp8)
+  if (config.gather_dtype == GatherDtype::kFp8 || config.gather_dtype == GatherDtype::kFp8Delayed)
     return std::make_unique<Fp8AllGather>(unit_name, std::move(args), layout, config.param_dtype,
-                                          comm);
+                                          comm, config.gather_dtype == GatherDtype::kFp8Delayed);
   TORCH_INTERNAL_ASSERT(config.gather_dtype == GatherDtype::kInt8);
   return std::make_unique<Int8AllGather>("Int8AllGather", unit_name, std::move(args), layout,
                                          config.param_dtype, comm);

@@ -3,7 +3,8 @@
 //
 // Contract
 // - A quantized gather is a GatherPlan (flat_param/collective_plan.h) chosen by
-//   make_gather_plan() for a sharded, not offloaded unit whose gather_dtype is kFp8 or kInt8.
+//   make_gather_plan() for a sharded, not offloaded unit whose gather_dtype is kFp8,
+//   kFp8Delayed or kInt8.
 //   gather() quantizes this rank's fp32 master shard into a byte buffer (the wire), all-gathers
 //   it as ONE uint8 collective on the shard group, and dequantizes every rank's part into full()
 //   in param_dtype. Forward and backward gathers are the same call; reductions are unchanged.
@@ -12,6 +13,20 @@
 //   of |x| over the whole parameter, i.e. over its shards: one all-reduce(max) of a float vector
 //   [number of parameters of the unit] on the shard group per gather (lane kAllGather), before
 //   the all-gather. Every rank then holds every scale, so the wire carries the fp8 bytes only.
+//   (fp8_delayed: Note [Delayed fp8 amax] below.)
+// - Note [Delayed fp8 amax] (opt-in, gather dtype fp8_delayed; torchao's delayed scaling with
+//   a history of one, made collective-free): the same fp8 format, but the scales come from
+//   the amax the unit's PREVIOUS gather saw, so no all-reduce is needed: each rank sends its
+//   local amax per parameter in front of its fp8 bytes, per rank [amax: 4 B per parameter |
+//   fp8 data: shard_numel B | 0-3 B to a multiple of 4], and the max over the ranks of the
+//   gathered amaxes is the next gather's (the same on every rank). The unit's first gather has
+//   none yet: it all-reduces its amax as fp8 does (that one all-reduce is not in the closed
+//   forms below, which are the steady state). A forward gather thus uses the amax of the
+//   master before the last optimizer step (the previous backward's gather), a backward gather
+//   the forward's (the master unchanged since: exact). A value above the amax used saturates
+//   at +-448 * scale (the clamp), as with torchao's delayed scaling; a master that shrank keeps
+//   the coarser scale for one gather. After a checkpoint load the first gather still uses the
+//   last amax before it. The non-finite check reads the gathered amaxes (this gather's).
 // - int8: block-wise symmetric (DeepSpeed ZeRO++ qwZ): the shard is cut into blocks of
 //   kInt8BlockSize elements (the last one shorter), one fp32 scale per block. Per rank the wire
 //   is [scales: 4 B per block | int8 data: shard_numel B | 0-3 B to a multiple of 4], so every
@@ -98,7 +113,7 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Sc
 
 // --- the plan ------------------------------------------------------------------------------
 
-// Bytes one gather of a unit configured as `config` (gather_dtype kFp8 or kInt8, sharded) over
+// Bytes one gather of a unit configured as `config` (a quantized gather_dtype, sharded) over
 // `layout` sends from this rank; 0 for kParam (collective_plan.cpp's all_gather_bytes counts it).
 int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 

@@ -179,10 +179,15 @@ TEST_CASE("explain agrees with the runtime's counters", "[diagnostics][explain]"
   grad_op.strategy = ShardingStrategy::kShardGradOp;
   grad_op.forward_prefetch = 2;
   // flat_param/quantized_gather.h: the wire's bytes, and fp8's amax all-reduce per gather.
-  ShardingOptions fp8 = bf16, int8 = bf16;
+  // fp8_delayed (Note [Delayed fp8 amax]): the second step (what run_tiny counts) sends no
+  // amax all-reduce at all, only the all-gathers of its wire.
+  ShardingOptions fp8 = bf16, int8 = bf16, fp8d = bf16;
   fp8.mixed_precision.gather_dtype = GatherDtype::kFp8;
   int8.mixed_precision.gather_dtype = GatherDtype::kInt8;
+  fp8d.mixed_precision.gather_dtype = GatherDtype::kFp8Delayed;
   const std::vector<Case> cases = {
+      {kPerLayer, 2, fp8d},
+      {kPerLeaf, 3, fp8d},
       {kPerLayer, 2, fp8},
       {"noshard:path=lm_head;grad_op:path=blocks.1;type=Block", 3, fp8},
       {kPerLayer, 3, int8},

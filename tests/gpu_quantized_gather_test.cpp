@@ -1,7 +1,7 @@
 // GPU check of the quantized gathers' CUDA path (Note [Quantize kernels],
 // flat_param/quantized_gather.h): the reference GPT of the GPU parity tests, sharded per block
-// with gather dtype fp8 and int8 over NCCL (one process per GPU under torchrun, world 1 or 2),
-// against the same model sharded over as many CPU thread ranks in the same process, whose
+// with gather dtype fp8, int8 and fp8_delayed over NCCL (one process per GPU under torchrun,
+// world 1 or 2), against the same model sharded over as many CPU thread ranks in the same process, whose
 // gathers run ATen's ops (the reference, itself checked against Python bit for bit by
 // tests/quantized_gather_test.cpp). Every unit's gathered buffer must be bit-equal (fp32 and
 // bf16 param dtypes: the kernels round as ATen does) and the step-0 loss (fp32) within 1e-5
@@ -92,7 +92,7 @@ std::string bytes_of(const at::Tensor& t) {
 TEST_CASE("GPU quantized gathers equal the CPU path bit for bit; step-0 loss within 1e-5",
           "[gpu][quantized_gather]") {
   const int world = g_comm->world_size();
-  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8})
+  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8, GatherDtype::kFp8Delayed})
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       CAPTURE(gather_dtype_name(g), dtype, world);
       const ShardingOptions opts = quantized(g, dtype);
@@ -101,7 +101,7 @@ TEST_CASE("GPU quantized gathers equal the CPU path bit for bit; step-0 loss wit
       REQUIRE(got.fulls.size() == ref.fulls.size());
       for (size_t i = 0; i < ref.fulls.size(); ++i) {
         CAPTURE(i, got.plans[i]);
-        CHECK(got.plans[i] == (g == GatherDtype::kFp8 ? "Fp8AllGather" : "Int8AllGather"));
+        CHECK(got.plans[i] == (g == GatherDtype::kInt8 ? "Int8AllGather" : "Fp8AllGather"));
         REQUIRE(got.fulls[i].scalar_type() == ref.fulls[i].scalar_type());
         REQUIRE(got.fulls[i].numel() == ref.fulls[i].numel());
         CAPTURE((got.fulls[i].to(at::kFloat) - ref.fulls[i].to(at::kFloat))
