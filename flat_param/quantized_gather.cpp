@@ -477,6 +477,21 @@ int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& 
   return 0;
 }
 
+int64_t quantized_wire_buffer_bytes(const FlatParamConfig& config, const FlatLayout& layout) {
+  if (!config.sharded) return 0;
+  switch (config.gather_dtype) {
+    case GatherDtype::kFp8:
+      return layout.padded_numel;
+    case GatherDtype::kFp8Delayed:
+      return layout.world_size * fp8_delayed_wire_bytes(layout) + layout.padded_numel;
+    case GatherDtype::kInt8:
+      return layout.world_size * int8_wire_bytes(layout.shard_numel);
+    case GatherDtype::kParam:
+      break;
+  }
+  return 0;
+}
+
 std::unique_ptr<GatherPlan> make_quantized_gather(const std::string& unit_name,
                                                   const FlatParamConfig& config,
                                                   const FlatLayout& layout, Communicator& comm,

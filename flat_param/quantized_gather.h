@@ -117,6 +117,14 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Sc
 // `layout` sends from this rank; 0 for kParam (collective_plan.cpp's all_gather_bytes counts it).
 int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 
+// Device bytes one gather of such a unit allocates for its wire while it runs, every rank's
+// part (0 for kParam): fp8 padded_numel; int8 world * its per-rank wire; fp8_delayed world *
+// its per-rank wire plus padded_numel (the ranks' fp8 parts copied into one flat buffer).
+// Besides these, a few bytes per parameter or block (amax, scales). One gather's at a time:
+// the gathers run in order on the all-gather stream, which frees each wire as the next
+// allocates. explain's memory breakdown counts the largest unit's (MemoryEstimate::wire_bytes).
+int64_t quantized_wire_buffer_bytes(const FlatParamConfig& config, const FlatLayout& layout);
+
 // The plan (named "Fp8AllGather" or "Int8AllGather") over `comm`, the shard group.
 std::unique_ptr<GatherPlan> make_quantized_gather(const std::string& unit_name,
                                                   const FlatParamConfig& config,
