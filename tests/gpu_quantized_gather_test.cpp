@@ -1,8 +1,8 @@
 // GPU check of the quantized gathers' CUDA path (Note [Quantize kernels],
 // flat_param/quantized_gather.h): the reference GPT of the GPU parity tests, sharded per block
 // with gather dtype fp8, int8 and fp8_delayed over NCCL (one process per GPU under torchrun,
-// world 1 or 2), against the same model sharded over as many CPU thread ranks in the same process, whose
-// gathers run ATen's ops (the reference, itself checked against Python bit for bit by
+// world 1 or 2), against the same model sharded over as many CPU thread ranks in the same
+// process, whose gathers run ATen's ops (the reference, itself checked against Python bit for bit by
 // tests/quantized_gather_test.cpp). Every unit's gathered buffer must be bit-equal (fp32 and
 // bf16 param dtypes: the kernels round as ATen does) and the step-0 loss (fp32) within 1e-5
 // relative (cuBLAS and the CPU differ only in summation order). Then a non-finite master: every
@@ -122,15 +122,16 @@ TEST_CASE("GPU quantized gathers: a non-finite master fails every rank the same 
           "[gpu][quantized_gather][nonfinite]") {
   const c10::Device dev = g_comm->device();
   const int world = g_comm->world_size();
-  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8}) {
+  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8, GatherDtype::kFp8Delayed}) {
     CAPTURE(gather_dtype_name(g), world);
     auto model = flatshard_test::gpu_parity_model(dev);
     auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Block")), *g_comm,
                             quantized(g, at::kFloat));
-    // Unit 0 (plan order): its master shard's element 5 on the last rank.
+    // Unit 0 (plan order): element 5 of rank 0's master shard (its first parameter's: rank
+    // 0's shard starts at the flat buffer's start, so it is no padding).
     Unit& u = fsdp->unit(0);
     const std::string name = u.name();
-    if (g_comm->rank() == world - 1) {
+    if (g_comm->rank() == 0) {
       at::NoGradGuard no_grad;
       u.flat().master()[5] = std::numeric_limits<float>::quiet_NaN();
     }
@@ -147,8 +148,8 @@ TEST_CASE("GPU quantized gathers: a non-finite master fails every rank the same 
     CHECK_FALSE(stepped);
     CHECK_THAT(error, Catch::Contains("unit '" + name + "'") && Catch::Contains("inf or nan"));
     if (g == GatherDtype::kInt8)
-      CHECK_THAT(error, Catch::Contains("the fp32 master of rank " + std::to_string(world - 1) +
-                                        " holds inf or nan in int8 block 0"));
+      CHECK_THAT(error,
+                 Catch::Contains("the fp32 master of rank 0 holds inf or nan in int8 block 0"));
     // Every rank got it: a rank that did not would hang in the next collective.
     at::Tensor ok = at::full({1}, error.empty() ? 0.0f : 1.0f, at::TensorOptions(dev));
     g_comm->all_reduce(ok, ReduceOp::kSum, g_comm->current_stream());

@@ -540,7 +540,8 @@ TEST_CASE("fp8_delayed: each gather uses the previous gather's amax; one all-red
           const at::Tensor x = p0[i].detach().reshape({-1}) * f[k];
           const at::Tensor prev = p0[i].detach().reshape({-1}) * f[k == 0 ? 0 : k - 1];
           const at::Tensor s = scales_from_amax(prev.abs().amax().view({1}), kFp8Max);
-          out.narrow(0, l.offsets[i], l.numels[i]).copy_(fp8_dequantize(fp8_quantize(x, s), s, dtype));
+          out.narrow(0, l.offsets[i], l.numels[i])
+              .copy_(fp8_dequantize(fp8_quantize(x, s), s, dtype));
         }
         expect.push_back(out);
       }
