@@ -367,9 +367,8 @@ class Fp8AllGather final : public QuantizedGather {
     const int64_t elem = static_cast<int64_t>(args_.full.element_size());
     for (size_t i = 0; i < layout_.numels.size(); ++i) {
       const int64_t off = layout_.offsets[i], numel = layout_.numels[i];
-      check_launch(
-          kernels::fp8_dequantize(q + off, numel, s + i, out + off * elem, *kernel_, cs),
-          "fp8 dequantize");
+      check_launch(kernels::fp8_dequantize(q + off, numel, s + i, out + off * elem, *kernel_, cs),
+                   "fp8 dequantize");
     }
 #else
     (void)wire, (void)scales, (void)stream;
@@ -391,7 +390,7 @@ class Fp8AllGather final : public QuantizedGather {
 
   std::vector<Local> local_;                       // this rank's parts of the parameters
   std::vector<std::pair<int64_t, int64_t>> gaps_;  // {begin, length} of full()'s padding
-  bool delayed_;  // Note [Delayed fp8 amax]
+  bool delayed_;                                   // Note [Delayed fp8 amax]
   // Note [Delayed fp8 amax]: the amax per parameter (fp32 [P], on the master's device) the
   // last gather sent, maxed over the ranks; undefined before the first gather.
   at::Tensor last_amax_;
@@ -410,12 +409,11 @@ class Int8AllGather final : public QuantizedGather {
 #if FLATSHARD_WITH_CUDA_KERNELS
     // Note [Quantize kernels]: one launch writes the slot's scales and data.
     if (kernel_)
-      check_launch(kernels::int8_quantize(
-                       args_.master.data_ptr<float>(), n,
-                       reinterpret_cast<float*>(mine.data_ptr<uint8_t>()),
-                       reinterpret_cast<int8_t*>(mine.data_ptr<uint8_t>() + 4 * nb),
-                       cuda_stream(stream)),
-                   "int8 quantize");
+      check_launch(
+          kernels::int8_quantize(
+              args_.master.data_ptr<float>(), n, reinterpret_cast<float*>(mine.data_ptr<uint8_t>()),
+              reinterpret_cast<int8_t*>(mine.data_ptr<uint8_t>() + 4 * nb), cuda_stream(stream)),
+          "int8 quantize");
 #endif
     if (!kernel_) {
       const at::Tensor scales = int8_block_scales(args_.master);

@@ -834,14 +834,13 @@ std::string Explanation::to_string() const {
              ? dtype_name(options.mixed_precision.reduce_dtype.value_or(
                    options.mixed_precision.param_dtype))
              : std::string("fp32"))
-     << " grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
-     << " at " << (memory.peak_at.empty() ? "-" : printable_escape(memory.peak_at));
+     << " grads), peak unsharded " << format_bytes(memory.peak_transient_bytes) << " at "
+     << (memory.peak_at.empty() ? "-" : printable_escape(memory.peak_at));
   if (memory.wire_bytes > 0)
     os << ", + wire buffer " << format_bytes(memory.wire_bytes) << " (quantized gather of "
        << printable_escape(memory.wire_unit) << ")";
-  os << ", total "
-     << format_bytes(memory.total()) << " (+ AdamW state " << format_bytes(memory.adamw_state_bytes)
-     << ", + activations)";
+  os << ", total " << format_bytes(memory.total()) << " (+ AdamW state "
+     << format_bytes(memory.adamw_state_bytes) << ", + activations)";
   if (memory.host_bytes > 0)
     os << "; offloaded to host " << format_bytes(memory.host_bytes)
        << " (fp32 master shards + grads + AdamW state)";

@@ -16,12 +16,12 @@
 #include "collectives/thread_mesh.h"
 #include "flat_param/collective_plan.h"
 #include "fsdp/call.h"
-#include "planner/explain.h"
-#include "support/format.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/resolve.h"
 #include "fsdp/sharded_model.h"
 #include "models/gpt.h"
+#include "planner/explain.h"
+#include "support/format.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 
@@ -259,8 +259,7 @@ TEST_CASE("explain: a quantized gather's wire buffer in the memory breakdown",
       REQUIRE(want > 0);
       CHECK(e.memory.wire_bytes == want);
       CHECK(e.memory.wire_unit == at);
-      CHECK(e.memory.total() ==
-            e.memory.persistent_bytes + e.memory.peak_transient_bytes + want);
+      CHECK(e.memory.total() == e.memory.persistent_bytes + e.memory.peak_transient_bytes + want);
       CHECK_THAT(e.to_string(), Catch::Contains("+ wire buffer " + format_bytes(want) +
                                                 " (quantized gather of " + at + ")"));
     }

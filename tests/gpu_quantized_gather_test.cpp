@@ -2,8 +2,8 @@
 // flat_param/quantized_gather.h): the reference GPT of the GPU parity tests, sharded per block
 // with gather dtype fp8, int8 and fp8_delayed over NCCL (one process per GPU under torchrun,
 // world 1 or 2), against the same model sharded over as many CPU thread ranks in the same
-// process, whose gathers run ATen's ops (the reference, itself checked against Python bit for bit by
-// tests/quantized_gather_test.cpp). Every unit's gathered buffer must be bit-equal (fp32 and
+// process, whose gathers run ATen's ops (the reference, itself checked against Python bit for bit
+// by tests/quantized_gather_test.cpp). Every unit's gathered buffer must be bit-equal (fp32 and
 // bf16 param dtypes: the kernels round as ATen does) and the step-0 loss (fp32) within 1e-5
 // relative (cuBLAS and the CPU differ only in summation order). Then a non-finite master: every
 // rank fails with the same error naming the unit, the rank and the block or parameter, out of
@@ -39,8 +39,8 @@ namespace {
 NcclCommunicator* g_comm = nullptr;
 
 struct Step0 {
-  double loss = 0;                // mean over ranks
-  std::vector<at::Tensor> fulls;  // per unit (plan order), the gathered buffer on the CPU
+  double loss = 0;                 // mean over ranks
+  std::vector<at::Tensor> fulls;   // per unit (plan order), the gathered buffer on the CPU
   std::vector<std::string> plans;  // per unit, the gather plan's name
 };
 
@@ -104,10 +104,8 @@ TEST_CASE("GPU quantized gathers equal the CPU path bit for bit; step-0 loss wit
         CHECK(got.plans[i] == (g == GatherDtype::kInt8 ? "Int8AllGather" : "Fp8AllGather"));
         REQUIRE(got.fulls[i].scalar_type() == ref.fulls[i].scalar_type());
         REQUIRE(got.fulls[i].numel() == ref.fulls[i].numel());
-        CAPTURE((got.fulls[i].to(at::kFloat) - ref.fulls[i].to(at::kFloat))
-                    .abs()
-                    .max()
-                    .item<double>());
+        CAPTURE(
+            (got.fulls[i].to(at::kFloat) - ref.fulls[i].to(at::kFloat)).abs().max().item<double>());
         CHECK(bytes_of(got.fulls[i]) == bytes_of(ref.fulls[i]));
       }
       if (dtype == at::kFloat) {
