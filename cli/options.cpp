@@ -85,11 +85,13 @@ void add_sharding_flags(CLI::App& app, ShardingFlags& f, const std::string& grou
       ->check(CLI::IsMember(dtype_names()))
       ->group(group);
   app.add_option("--gather-dtype", f.gather_dtype,
-                 "param | fp8 | int8: what sharded units' all-gathers send (MixedPrecision::"
-                 "gather_dtype; default param, the shard in the param dtype): fp8 e4m3 with one "
-                 "scale per parameter (plus an amax all-reduce per gather) or block-wise int8 "
-                 "(one scale per 256 elements); gathered params are still the param dtype")
-      ->check(CLI::IsMember({"param", "fp8", "int8"}))
+                 "param | fp8 | fp8_delayed | int8: what sharded units' all-gathers send "
+                 "(MixedPrecision::gather_dtype; default param, the shard in the param dtype): "
+                 "fp8 e4m3 with one scale per parameter (plus an amax all-reduce per gather; "
+                 "fp8_delayed: the previous gather's amax, no all-reduce after the first) or "
+                 "block-wise int8 (one scale per 256 elements); gathered params are still the "
+                 "param dtype")
+      ->check(CLI::IsMember({"param", "fp8", "fp8_delayed", "int8"}))
       ->group(group);
   app.add_flag("--keep-low-precision-grads", f.keep_low_precision_grads,
                "master gradients stay in the reduce dtype (MixedPrecision::"

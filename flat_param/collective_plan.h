@@ -165,6 +165,18 @@ class StepCopy {
   int64_t version_ = -1;    // master_version() the copy last took
 };
 
+// Note [Deferred gather check] (flat_param/quantized_gather.h): a check of what a plan's
+// gathers saw that would cost a host wait per gather on a device, deferred to one call per
+// backward pass (fsdp/runtime.cpp's finalize_backward, before the optimizer step can run).
+class GatherCheck {
+ public:
+  virtual ~GatherCheck() = default;
+  // Throws c10::Error (the same on every rank: what it reads was gathered) when a gather since
+  // the last call failed the check, then forgets it. Waits on the host for the device to
+  // finish the last gather's check (nothing when no gather ran since the last call).
+  virtual void verify() = 0;
+};
+
 // What some plans keep beside the gather (STYLE.md 17: a member that is null when unused, not
 // a virtual no-op on every plan): null where the plan has none.
 struct GatherExtras {
@@ -174,6 +186,7 @@ struct GatherExtras {
   // [number of parameters]; undefined before the first gather), which fp8 matmuls requantize
   // the gathered weights with (flat_param/gathered_scale.h).
   const at::Tensor* fp8_scales = nullptr;
+  GatherCheck* check = nullptr;    // Note [Deferred gather check]: quantized gathers on a device
 };
 
 class GatherPlan {
@@ -272,7 +285,9 @@ bool full_aliases_master(const FlatParamConfig& config);
 // reduction leaves on this rank (its shard; a replicated unit's whole buffer) in reduce_dtype.
 int64_t all_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 // All-reduces one gather issues besides its all-gather: 1 for an fp8 gather (its amax,
-// flat_param/quantized_gather.h; the bytes are in all_gather_bytes()), else 0.
+// flat_param/quantized_gather.h; the bytes are in all_gather_bytes()), else 0; fp8_delayed
+// 0, its steady state (Note [Delayed fp8 amax]: only a unit's first gather all-reduces; the
+// runtime's and explain's counts leave that one out, the communicator's counters see it).
 int64_t gather_all_reduces(const FlatParamConfig& config);
 int64_t reduce_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 int64_t replicate_bytes(const FlatParamConfig& config, const FlatLayout& layout, bool hybrid);

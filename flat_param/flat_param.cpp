@@ -256,6 +256,7 @@ void FlatParam::make_full_buffer() {
   offload_copy_ = extras.offload;
   step_copy_ = extras.step;
   fp8_scales_ = extras.fp8_scales;
+  gather_check_ = extras.check;
 }
 
 void FlatParam::attach_and_guard() {

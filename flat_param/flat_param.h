@@ -91,6 +91,7 @@ namespace flatshard {
 class GatherPlan;  // flat_param/collective_plan.h
 class ReducePlan;
 class StepCopy;
+class GatherCheck;
 class OffloadCopy;  // flat_param/offload_state.h
 class HostGrad;
 
@@ -215,6 +216,9 @@ class FlatParam {
   // An fp8 gather's last per-parameter scales (GatherExtras::fp8_scales; what
   // flat_param/gathered_scale.h hands fp8 matmuls); null when the unit does not gather fp8.
   const at::Tensor* fp8_scales() const { return fp8_scales_; }
+  // Note [Deferred gather check] (collective_plan.h): what the runtime verifies at the end of
+  // each backward pass; null where the gather plan checks at once or checks nothing.
+  GatherCheck* gather_check() const { return gather_check_; }
 
   // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
   // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
@@ -291,6 +295,7 @@ class FlatParam {
   std::unique_ptr<ReducePlan> reduce_;
   OffloadCopy* offload_copy_ = nullptr;  // gather_'s (GatherExtras), null when not offloaded
   StepCopy* step_copy_ = nullptr;        // gather_'s (GatherExtras), null when none
+  GatherCheck* gather_check_ = nullptr;  // gather_'s (GatherExtras), null when none
   HostGrad* host_grad_ = nullptr;        // reduce_'s (ReducePlan::host_grad()), null when none
   const at::Tensor* fp8_scales_ = nullptr;  // gather_'s (GatherExtras), null unless fp8
 };

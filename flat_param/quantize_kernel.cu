@@ -1,4 +1,5 @@
-// flatshard/flat_param/quantize_kernel.cu — see quantize_kernel.h (not yet used by the plans).
+// flatshard/flat_param/quantize_kernel.cu — see quantize_kernel.h (Note [Quantize kernels],
+// quantized_gather.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

@@ -4,14 +4,14 @@
 // chain of ops (abs, amax, div, clamp, round, cast; then cast, mul, cast). Plain C++, no torch
 // (as range_copy_kernel.h).
 //
-// Status: compiled under the CUDA build (FLATSHARD_WITH_CUDA_KERNELS) but NOT yet used by the
-// plans, which run ATen ops on every device: these have not run on a GPU yet. Before the plans
-// call them, a GPU test must hold them bit for bit equal to the ATen path (issue 53; the
-// one-GPU issue measures them). The formulas are quantized_gather.h's, written to round as ATen
-// does on the device: true fp32 division (nvcc's default -prec-div=true), rintf for
-// round-half-even, __nv_cvt_float_to_fp8 (round to nearest even, saturating: the value is
-// clamped to +-448 first anyway), a NaN-propagating amax so a non-finite block keeps a
-// non-finite scale for the plan's check.
+// Used by Fp8AllGather / Int8AllGather on CUDA masters (Note [Quantize kernels],
+// quantized_gather.h), which keep ATen's ops as the CPU path and the reference: the GPU tests
+// (tests/gpu_quantized_gather_test.cpp, tests/quantize_kernel_check.py; tools/gpu_check.sh
+// steps gpu_tests and quant) hold them bit for bit equal to it; the one-GPU issue measures
+// them. The formulas are quantized_gather.h's, written to round as ATen does on the device: true
+// fp32 division (nvcc's default -prec-div=true), rintf for round-half-even, __nv_cvt_float_to_fp8
+// (round to nearest even, saturating: the value is clamped to +-448 first anyway), a
+// NaN-propagating amax so a non-finite block keeps a non-finite scale for the plan's check.
 #pragma once
 
 #include <cstdint>

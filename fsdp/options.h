@@ -79,7 +79,9 @@ struct MixedPrecision {
   // What sharded units' all-gathers put on the wire (forward and backward gathers alike):
   // kParam the shard in param_dtype; kFp8 float8_e4m3fn with one scale per parameter (plus
   // one small all-reduce(max) per gather); kInt8 block-wise int8 (one scale per 256
-  // elements). The gathered parameters are param_dtype either way; gradients, reductions and
+  // elements); kFp8Delayed fp8 with the previous gather's amax, no all-reduce after a unit's
+  // first gather (Note [Delayed fp8 amax]: values above that amax saturate at +-448 * scale).
+  // The gathered parameters are param_dtype either way; gradients, reductions and
   // the fp32 masters are unchanged (flat_param/quantized_gather.h, docs/mixed-precision.md).
   // NO_SHARD units gather nothing and ignore it; not with offload. Default: kParam.
   GatherDtype gather_dtype = GatherDtype::kParam;

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "collectives/env.h"
+#include "flat_param/collective_plan.h"  // GatherCheck
 #include "fsdp/offload_step.h"
 #include "fsdp/order_check.h"
 
@@ -452,6 +453,11 @@ void Runtime::finalize_backward() {
                               offload_stepper_ && offload_stepper_->take_stepped(), comm_.rank(),
                               offload_stepper_ && offload_stepper_->delayed());
   trace_step_end(tracer());
+  // Note [Deferred gather check] (flat_param/collective_plan.h): what this step's gathers
+  // found (a quantized gather's non-finite master) throws here, out of backward(), on every
+  // rank alike and before the optimizer step; last, so the step's state is already closed.
+  for (auto& u : units_)
+    if (GatherCheck* check = u->flat().gather_check()) check->verify();
 }
 
 }  // namespace flatshard

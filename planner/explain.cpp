@@ -20,6 +20,7 @@
 
 #include "flat_param/collective_plan.h"
 #include "flat_param/layout.h"
+#include "flat_param/quantized_gather.h"  // quantized_wire_buffer_bytes
 #include "fsdp/resolve.h"
 #include "support/dtype_name.h"
 #include "support/format.h"
@@ -440,6 +441,10 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
       m.adamw_state_bytes += adamw;
     }
     if (u.strategy == ShardingStrategy::kNoShard) m.persistent_bytes += u.gathered_bytes;
+    if (u.wire_buffer_bytes > m.wire_bytes) {
+      m.wire_bytes = u.wire_buffer_bytes;
+      m.wire_unit = u.name;
+    }
   }
   if (n == 0) return m;
   auto transient = [&](int j) {
@@ -692,6 +697,7 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
                           (reduce_dtype != param_dtype ? u.reduce_bytes : 0);
     u.master_bytes = layout.shard_numel * elem_size(c10::kFloat);
     u.resident_bytes = kept_shard_bytes(settings.flat, layout);
+    u.wire_buffer_bytes = quantized_wire_buffer_bytes(settings.flat, layout);
     int64_t trainable_numel = 0, trainable_shard_numel = 0;
     for (size_t k = 0; k < shapes.size(); ++k)
       if (trainable[k]) trainable_numel += layout.numels[k];
@@ -828,10 +834,13 @@ std::string Explanation::to_string() const {
              ? dtype_name(options.mixed_precision.reduce_dtype.value_or(
                    options.mixed_precision.param_dtype))
              : std::string("fp32"))
-     << " grads), peak unsharded " << format_bytes(memory.peak_transient_bytes)
-     << " at " << (memory.peak_at.empty() ? "-" : printable_escape(memory.peak_at)) << ", total "
-     << format_bytes(memory.total()) << " (+ AdamW state " << format_bytes(memory.adamw_state_bytes)
-     << ", + activations)";
+     << " grads), peak unsharded " << format_bytes(memory.peak_transient_bytes) << " at "
+     << (memory.peak_at.empty() ? "-" : printable_escape(memory.peak_at));
+  if (memory.wire_bytes > 0)
+    os << ", + wire buffer " << format_bytes(memory.wire_bytes) << " (quantized gather of "
+       << printable_escape(memory.wire_unit) << ")";
+  os << ", total " << format_bytes(memory.total()) << " (+ AdamW state "
+     << format_bytes(memory.adamw_state_bytes) << ", + activations)";
   if (memory.host_bytes > 0)
     os << "; offloaded to host " << format_bytes(memory.host_bytes)
        << " (fp32 master shards + grads + AdamW state)";

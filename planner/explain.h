@@ -113,6 +113,9 @@ struct UnitExplanation {
   int64_t resident_bytes = 0;
 
   int64_t all_gather_bytes = 0;  // one all-gather: bytes this rank sends (0 for NO_SHARD)
+  // A quantized gather's wire buffer while it runs (quantized_wire_buffer_bytes(),
+  // flat_param/quantized_gather.h); 0 for a gather in the param dtype.
+  int64_t wire_buffer_bytes = 0;
   int64_t gather_all_reduces = 0;  // all-reduces per gather besides it (fp8's amax: 1)
   int64_t reduce_bytes = 0;      // one reduce-scatter / all-reduce: bytes this rank sends
   // Bytes of the unsharded buffer while gathered (padded_numel * param dtype). For NO_SHARD it is
@@ -173,11 +176,15 @@ struct ExplainOptions {
 //  Allocator caching and fragmentation are not modelled.
 //  offloaded units (Note [CPU offload]): master, gradient and AdamW state count in host_bytes
 //   instead; level 1's compute-dtype shard is persistent device memory.
+//  wire: a quantized gather's wire buffer (fp8 / int8 bytes of every rank's part), one at a
+//   time (the gathers run in order on one stream): the largest unit's, added to the total.
 struct MemoryEstimate {
   int64_t persistent_bytes = 0;
   int64_t peak_transient_bytes = 0;
   std::string peak_at;  // e.g. "backward of blocks.15"
-  int64_t total() const { return persistent_bytes + peak_transient_bytes; }
+  int64_t wire_bytes = 0;  // the largest UnitExplanation::wire_buffer_bytes
+  std::string wire_unit;   // its unit (the first in plan order among equals); "" when none
+  int64_t total() const { return persistent_bytes + peak_transient_bytes + wire_bytes; }
   // AdamW's two fp32 moments per master element on the device, for reference (not in total()).
   int64_t adamw_state_bytes = 0;
   // Offloaded units' fp32 master + gradient + AdamW state, in (pinned) host memory per rank.

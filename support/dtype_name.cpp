@@ -42,12 +42,15 @@ const char* gather_dtype_name(GatherDtype d) {
       return "fp8";
     case GatherDtype::kInt8:
       return "int8";
+    case GatherDtype::kFp8Delayed:
+      return "fp8_delayed";
   }
   return "?";
 }
 
 std::optional<GatherDtype> gather_dtype_from_name(const std::string& name) {
-  for (GatherDtype d : {GatherDtype::kParam, GatherDtype::kFp8, GatherDtype::kInt8})
+  for (GatherDtype d :
+       {GatherDtype::kParam, GatherDtype::kFp8, GatherDtype::kInt8, GatherDtype::kFp8Delayed})
     if (name == gather_dtype_name(d)) return d;
   return std::nullopt;
 }

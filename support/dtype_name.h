@@ -29,9 +29,11 @@ const std::vector<std::string>& dtype_names();
 // shard. Either way the gathered parameters are param_dtype and the masters stay fp32. Here,
 // at the bottom, because MixedPrecision (fsdp/), FlatParamConfig (flat_param/) and a plan's
 // UnitOptions (wrap_policies/) all name it.
-enum class GatherDtype { kParam, kFp8, kInt8 };
-// "param", "fp8", "int8": the names options, flags and explain use (a spec's words are
-// "gather_" + the name).
+// kFp8Delayed is kFp8 with the previous gather's amax (Note [Delayed fp8 amax]): no amax
+// all-reduce after the first gather.
+enum class GatherDtype { kParam, kFp8, kInt8, kFp8Delayed };
+// "param", "fp8", "int8", "fp8_delayed": the names options, flags and explain use (a spec's words
+// are "gather_" + the name).
 const char* gather_dtype_name(GatherDtype d);
 // The inverse, exactly; nullopt for anything else.
 std::optional<GatherDtype> gather_dtype_from_name(const std::string& name);

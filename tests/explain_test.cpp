@@ -16,11 +16,12 @@
 #include "collectives/thread_mesh.h"
 #include "flat_param/collective_plan.h"
 #include "fsdp/call.h"
-#include "planner/explain.h"
 #include "fsdp/meta_init.h"
 #include "fsdp/resolve.h"
 #include "fsdp/sharded_model.h"
 #include "models/gpt.h"
+#include "planner/explain.h"
+#include "support/format.h"
 #include "wrap_policies/policy.h"
 #include "wrap_policies/spec.h"
 
@@ -179,10 +180,15 @@ TEST_CASE("explain agrees with the runtime's counters", "[diagnostics][explain]"
   grad_op.strategy = ShardingStrategy::kShardGradOp;
   grad_op.forward_prefetch = 2;
   // flat_param/quantized_gather.h: the wire's bytes, and fp8's amax all-reduce per gather.
-  ShardingOptions fp8 = bf16, int8 = bf16;
+  // fp8_delayed (Note [Delayed fp8 amax]): the second step (what run_tiny counts) sends no
+  // amax all-reduce at all, only the all-gathers of its wire.
+  ShardingOptions fp8 = bf16, int8 = bf16, fp8d = bf16;
   fp8.mixed_precision.gather_dtype = GatherDtype::kFp8;
   int8.mixed_precision.gather_dtype = GatherDtype::kInt8;
+  fp8d.mixed_precision.gather_dtype = GatherDtype::kFp8Delayed;
   const std::vector<Case> cases = {
+      {kPerLayer, 2, fp8d},
+      {kPerLeaf, 3, fp8d},
       {kPerLayer, 2, fp8},
       {"noshard:path=lm_head;grad_op:path=blocks.1;type=Block", 3, fp8},
       {kPerLayer, 3, int8},
@@ -221,6 +227,46 @@ TEST_CASE("explain agrees with the runtime's counters", "[diagnostics][explain]"
     CHECK(run.comm.all_reduces == e.per_step.all_reduces + e.per_step.gather_all_reduces);
     CHECK(run.comm.bytes == e.per_step.bytes);
   }
+}
+
+TEST_CASE("explain: a quantized gather's wire buffer in the memory breakdown",
+          "[diagnostics][explain][quantized_gather]") {
+  // The closed form written out (flat_param/quantized_gather.h's wire formats): every rank's
+  // part of one gather's wire. fp8: 1 B per element of the padded buffer; int8: per rank 4 B
+  // per 256-element block, then 1 B per element, to a multiple of 4; fp8_delayed: per rank 4 B
+  // per parameter, then 1 B per element, to a multiple of 4, plus the padded buffer once more
+  // (the ranks' fp8 parts made contiguous). The largest unit's counts.
+  for (GatherDtype g : {GatherDtype::kFp8, GatherDtype::kInt8, GatherDtype::kFp8Delayed})
+    for (int world : {1, 2, 3}) {
+      CAPTURE(gather_dtype_name(g), world);
+      ShardingOptions o;
+      o.mixed_precision.param_dtype = c10::kBFloat16;
+      o.mixed_precision.gather_dtype = g;
+      const auto e = explain_tiny(kPerLayer, world, o);
+      int64_t want = 0;
+      std::string at;
+      for (const auto& u : e.units) {
+        const int64_t n = u.shard_numel, pad4 = (n + 3) / 4 * 4;
+        int64_t w = u.padded_numel;
+        if (g == GatherDtype::kInt8) w = world * (4 * ((n + 255) / 256) + pad4);
+        if (g == GatherDtype::kFp8Delayed) w = world * (4 * u.num_params + pad4) + u.padded_numel;
+        CHECK(u.wire_buffer_bytes == w);
+        if (w > want) {
+          want = w;
+          at = u.name;
+        }
+      }
+      REQUIRE(want > 0);
+      CHECK(e.memory.wire_bytes == want);
+      CHECK(e.memory.wire_unit == at);
+      CHECK(e.memory.total() == e.memory.persistent_bytes + e.memory.peak_transient_bytes + want);
+      CHECK_THAT(e.to_string(), Catch::Contains("+ wire buffer " + format_bytes(want) +
+                                                " (quantized gather of " + at + ")"));
+    }
+  // A gather in the param dtype has none, and the breakdown does not mention it.
+  const auto plain = explain_tiny(kPerLayer, 2);
+  CHECK(plain.memory.wire_bytes == 0);
+  CHECK_THAT(plain.to_string(), !Catch::Contains("wire buffer"));
 }
 
 TEST_CASE("explain with HSDP agrees with the runtime's counters on a 2x2 mesh",

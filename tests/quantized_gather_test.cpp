@@ -514,3 +514,103 @@ TEST_CASE("per-unit gather dtypes: a plan's option wins, NO_SHARD refuses one, p
                                    tol);
   }
 }
+
+TEST_CASE("fp8_delayed: each gather uses the previous gather's amax; one all-reduce, the first",
+          "[flat_param][quantized_gather][delayed]") {
+  // The masters move between gathers by factors (x_k = x_0 * f[k]); gather k quantizes x_k
+  // with the scales of x_{k-1}'s amax (gather 0: its own, from the all-reduce), so a growing
+  // master saturates at +-448 * s (f 1 -> 1.5) and a shrinking one keeps the larger scale.
+  const std::vector<float> f = {1.0f, 1.5f, 0.5f, 0.5f};
+  const int64_t P = static_cast<int64_t>(kShapes.size());
+  for (auto dtype : {at::kFloat, at::kBFloat16})
+    for (int world = 1; world <= 3; ++world) {
+      CAPTURE(dtype, world);
+      const FlatParamConfig cfg = quantized_config(GatherDtype::kFp8Delayed, dtype);
+      const FlatLayout l = FlatLayout::make(kShapes, world, cfg.align);
+      // The closed form: per rank [P amaxes, 4 B each | fp8 shard | pad to 4 B]; no all-reduce.
+      const int64_t wire = 4 * P + (l.shard_numel + 3) / 4 * 4;
+      CHECK(all_gather_bytes(cfg, l) == wire);
+      CHECK(gather_all_reduces(cfg) == 0);
+      // The reference, per gather and parameter, from the whole parameters.
+      const std::vector<at::Tensor> p0 = make_params();
+      std::vector<at::Tensor> expect;
+      for (size_t k = 0; k < f.size(); ++k) {
+        at::Tensor out = at::zeros({l.padded_numel}, dtype);
+        for (size_t i = 0; i < p0.size(); ++i) {
+          const at::Tensor x = p0[i].detach().reshape({-1}) * f[k];
+          const at::Tensor prev = p0[i].detach().reshape({-1}) * f[k == 0 ? 0 : k - 1];
+          const at::Tensor s = scales_from_amax(prev.abs().amax().view({1}), kFp8Max);
+          out.narrow(0, l.offsets[i], l.numels[i])
+              .copy_(fp8_dequantize(fp8_quantize(x, s), s, dtype));
+        }
+        expect.push_back(out);
+      }
+      // Saturation happened (gather 1), and the shrunk master kept gather 1's scale (gather 2).
+      CHECK_FALSE(at::equal(expect[1], expected_full(
+                                           [&] {
+                                             auto ps = make_params();
+                                             at::NoGradGuard g;
+                                             for (auto& p : ps) p.mul_(f[1]);
+                                             return ps;
+                                           }(),
+                                           l, GatherDtype::kFp8, dtype)));
+      run_ranks(world, [&](Communicator& c) {
+        auto ps = make_params();
+        FlatParam fp("unit", refs(ps), c, cfg);
+        RANK_REQUIRE(fp.gather_plan().name() == "Fp8AllGather");
+        RANK_REQUIRE(fp.gather_plan().bytes() == wire);
+        const at::Tensor m0 = fp.master().detach().clone();
+        c.reset_counters();
+        for (size_t k = 0; k < f.size(); ++k) {
+          {
+            at::NoGradGuard no_grad;
+            fp.master().copy_(m0 * f[k]);
+          }
+          fp.unshard(c.current_stream());
+          RANK_REQUIRE(at::equal(fp.full(), expect[k]));
+          fp.reshard();
+        }
+        // The counters: one all-gather per gather, the amax all-reduce at the first only.
+        RANK_REQUIRE(c.counters().all_gathers == static_cast<int64_t>(f.size()));
+        RANK_REQUIRE(c.counters().all_reduces == 1);
+        RANK_REQUIRE(c.counters().bytes == 4 * P + static_cast<int64_t>(f.size()) * wire);
+      });
+    }
+}
+
+TEST_CASE("fp8_delayed: names, spec word, and a non-finite master still fails every rank",
+          "[flat_param][quantized_gather][delayed]") {
+  CHECK(std::string(gather_dtype_name(GatherDtype::kFp8Delayed)) == "fp8_delayed");
+  CHECK(gather_dtype_from_name("fp8_delayed") == GatherDtype::kFp8Delayed);
+  const Policy pol = parse_policy("gather_fp8_delayed:type=Linear");
+  REQUIRE(pol.rules.size() == 1);
+  CHECK(pol.rules[0].options.gather_dtype == GatherDtype::kFp8Delayed);
+  // A master going non-finite after the first gather: the second gather (scales from the
+  // first's amax) sees it in the gathered amaxes; every rank throws the same error.
+  const FlatParamConfig cfg = quantized_config(GatherDtype::kFp8Delayed, at::kBFloat16);
+  const FlatLayout l = FlatLayout::make(kShapes, 3, cfg.align);
+  const int64_t at_flat = l.offsets[1] + 500;  // p1, on rank 1 of 3
+  std::vector<std::string> errors(3);
+  std::mutex mu;
+  run_ranks(3, [&](Communicator& c) {
+    auto ps = make_params();
+    FlatParam fp("blocks.1", refs(ps), c, cfg);
+    fp.unshard(c.current_stream());
+    fp.reshard();
+    if (c.rank() == 1) {
+      at::NoGradGuard no_grad;
+      fp.master()[at_flat - l.shard_begin(1)] = std::numeric_limits<float>::infinity();
+    }
+    try {
+      fp.unshard(c.current_stream());
+    } catch (const c10::Error& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      errors[c.rank()] = e.what_without_backtrace();
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r, errors[r]);
+    CHECK_THAT(errors[r], Catch::Contains("unit 'blocks.1'") && Catch::Contains("inf or nan") &&
+                              Catch::Contains("parameter 'p1'"));
+  }
+}

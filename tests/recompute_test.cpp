@@ -225,7 +225,9 @@ TEST_CASE("recompute spec: each error names the column and carets it", "[recompu
       {"keep+full:type=Block", 6, "second strategy 'full' after 'keep'", "one strategy per rule"},
       {"keep+:type=Block", 6, "unexpected ':' after '+'", "one of: noshard"},
       {"keep+", 6, "missing option after '+'", "recompute"},
-      {"recompute+fast:type=Block", 11, "unknown option 'fast'", "keep, recompute, offload, offload0, offload1, offload2, gather_param, gather_fp8, gather_int8, root"},
+      {"recompute+fast:type=Block", 11, "unknown option 'fast'",
+       "keep, recompute, offload, offload0, offload1, offload2, gather_param, gather_fp8, "
+       "gather_int8, gather_fp8_delayed, root"},
       {"keep+recompute type=Block", 16, "unexpected 'type' after the options",
        "keep+recompute:type=Block"},
       {"root:recompute", 6, "'recompute' on the root unit", "not recomputed"},

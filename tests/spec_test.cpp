@@ -155,7 +155,7 @@ TEST_CASE("spec errors point at the offending token", "[policy][spec]") {
       {" ; type=Block", 2, "empty rule", "a rule such as"},
       {"nosahrd:type=Block", 1, "unknown option 'nosahrd'",
        "noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2, "
-       "gather_param, gather_fp8, gather_int8, root"},
+       "gather_param, gather_fp8, gather_int8, gather_fp8_delayed, root"},
       {"gather_bf16:type=Block", 1, "unknown option 'gather_bf16'", "gather_fp8, gather_int8"},
       {"gather_fp8+keep+gather_int8:type=Block", 17, "second gather option 'gather_int8'",
        "at most one gather dtype per rule"},

@@ -6,7 +6,12 @@
 #               .device-deps/ (Abseil, Catch2 v2, nlohmann-json; see ../shared/tools/stage-device-deps.sh;
 #               zlib: tools/stage_device_zlib.sh) if present, -DFLATSHARD_GPU_TESTS=ON
 #   build       the GPU targets (GPU_CHECK_BUILD_ALL=1: every target)
-#   gpu_tests   ctest -L gpu -LE hsdp (each launches itself with torchrun on min(2, #GPUs) GPUs)
+#   gpu_tests   ctest -L gpu -LE hsdp (each launches itself with torchrun on min(2, #GPUs) GPUs;
+#               every test labelled gpu, e.g. gpu_quantized_gather_test: its target must be in
+#               step_build's list too)
+#   quant       opt-in (GPU_CHECK_QUANT=1, or name it in GPU_CHECK_STEPS; ~1 min, most of it
+#               torch's JIT build): tests/quantize_kernel_check.py, flat_param/quantize_kernel.cu
+#               alone against the CPU formulas bit for bit, edge cases included (needs ninja)
 #   hsdp        gpu_hsdp_test: HSDP on 2 GPUs as 2x1 and 1x2 (replicate x shard; needs 2 GPUs)
 #   bench       flatshard-collectives-bench via torchrun
 #   bench_nowd  the same for all_gather:bf16 with the watchdog off (FLATSHARD_NCCL_WATCHDOG=0),
@@ -73,6 +78,7 @@
 # default $GPU_CHECK_BUILD/gpu_check), GPU_CHECK_NPROC (processes/GPUs, default min(2, #GPUs)),
 # GPU_CHECK_BENCH_ARGS (extra arguments for both benchmarks), PYTHON (default python3),
 # GPU_CHECK_SANITIZE=1 (add the compute-sanitizer step; slow: minutes per tool),
+# GPU_CHECK_QUANT=1 (add the quant step after gpu_tests),
 # GPU_CHECK_STEPS (space-separated subset of the steps, in order; e.g. "configure build gpu_tests"),
 # GPU_CHECK_TEST_TIMEOUT (seconds per GPU ctest test, default 300: a hang fails, it does not stall).
 set -uo pipefail
@@ -121,7 +127,8 @@ step_configure() {
 
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
-                 gpu_hsdp_test gpu_checkpoint_test flatshard-collectives-bench flatshard-bench flatshard-trace
+                 gpu_hsdp_test gpu_checkpoint_test gpu_quantized_gather_test
+                 flatshard-collectives-bench flatshard-bench flatshard-trace
                  flatshard-explain flatshard-train)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
   cmake --build "$BUILD" -j "$(nproc)" "${targets[@]}"
@@ -130,6 +137,10 @@ step_build() {
 step_gpu_tests() {
   log "(the timeout test logs one expected 'ERROR ... timed out' line from rank 0)"
   ctest --test-dir "$BUILD" -L gpu -LE hsdp --output-on-failure --timeout "$TEST_TIMEOUT"
+}
+
+step_quant() {
+  "$PYTHON" tests/quantize_kernel_check.py
 }
 
 step_hsdp() {
@@ -412,6 +423,7 @@ step_sanitize() {
 
 # ------------------------------------------------------------------------------------------------
 STEPS=(configure build gpu_tests hsdp bench bench_nowd c10d compare train train_fused train_cli setup trace vs_torch offload advisor)
+[ "${GPU_CHECK_QUANT:-0}" = 1 ] && STEPS=("${STEPS[@]:0:3}" quant "${STEPS[@]:3}")
 [ "${GPU_CHECK_SANITIZE:-0}" = 1 ] && STEPS+=(sanitize)
 if [ -n "${GPU_CHECK_STEPS:-}" ]; then
   read -r -a STEPS <<<"$GPU_CHECK_STEPS"

@@ -19,7 +19,7 @@ namespace {
 const char* const kKeys = "one of: type, size, path, every";
 const char* const kOptions =
     "one of: noshard, grad_op, full, keep, recompute, offload, offload0, offload1, offload2, "
-    "gather_param, gather_fp8, gather_int8";
+    "gather_param, gather_fp8, gather_int8, gather_fp8_delayed";
 const char* const kRootOptions = "one of: noshard, grad_op, full, keep";
 const char* const kCountHelp = "a whole number such as 10000000, 1e7, 10M or 1.5k";
 constexpr int64_t kCountLimit = int64_t{1} << 62;
