@@ -125,7 +125,11 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
   const bool fp32 = mp.param_dtype == c10::kFloat && mp.gather_dtype == GatherDtype::kParam &&
                     !options.model.sizes().fp8;
   rep.tolerance = fp32 ? 1e-4 : 2e-2;  // bf16 and fp16 alike (fp16 has more mantissa)
-  rep.steps_tolerance = fp32 ? kStepsToleranceFp32 : kStepsToleranceLow;
+  const bool fp8 = mp.gather_dtype == GatherDtype::kFp8 ||
+                   mp.gather_dtype == GatherDtype::kFp8Delayed || options.model.sizes().fp8;
+  // The 1B GPT in bf16 with fp8 matmuls drifted 1.10% from the fp32 reference in 12 steps on
+  // an H100 (bf16 alone: 0.83%): fp8 gets the 2% bar issue 53 sets against bf16 gathers.
+  rep.steps_tolerance = fp32 ? kStepsToleranceFp32 : fp8 ? kStepsToleranceFp8 : kStepsToleranceLow;
   rep.reference_losses = std::move(reference_losses);
 
   for (auto& run : runs) {

@@ -33,6 +33,8 @@ namespace bench {
 
 constexpr double kStepsToleranceFp32 = 1e-4;  // fp32 params: rounding order only
 constexpr double kStepsToleranceLow = 1e-2;   // bf16 / fp16 compute against an fp32 reference
+// fp8 gathers or fp8 matmuls (3 mantissa bits; issue 53 holds 200 steps within 2% of bf16).
+constexpr double kStepsToleranceFp8 = 2e-2;
 
 struct ReportRow {
   RunResult run;

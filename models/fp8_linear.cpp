@@ -40,7 +40,14 @@ Quantized e5m2(const at::Tensor& v) {
 }
 
 // The weight with its unit's fp8 gather scale when it has one, else its own dynamic one.
-Quantized weight_e4m3(const at::Tensor& w) { return e4m3(w, gathered_fp8_scale(w)); }
+Quantized weight_e4m3(const at::Tensor& w) {
+  at::Tensor s = gathered_fp8_scale(w);
+  // The gather's scale is a one-element view into the unit's scale vector (4 B apart); cuBLASLt
+  // refuses such a scale pointer on CUDA (CUBLAS_STATUS_NOT_SUPPORTED on an H100, 2026-12-06:
+  // the first fp8 matmul of the 1B GPT with fp8 gathers), so the matmul gets its own copy.
+  if (s.defined() && s.is_cuda()) s = s.clone();
+  return e4m3(w, s);
+}
 
 // `b` as a column-major matrix (what _scaled_mm wants for its second operand).
 at::Tensor column_major(const at::Tensor& b) { return b.t().contiguous().t(); }
