@@ -271,6 +271,9 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   };
 
   double comm_ms = 0, step_ms_sum = 0;
+  // --cuda-graph: the collectives a replay runs are those the capture step counted (a replay
+  // runs no hook, so its own counters stay zero); its host time is the replays' (zero).
+  std::optional<UnitCounters> captured_step;
   for (int s = 0; s < total; ++s) {
     if (fsdp) fsdp->reset_counters();
     if (timed) timed->reset_time();
@@ -299,9 +302,13 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
       step_ms_sum += ms;
       if (timed) comm_ms += static_cast<double>(timed->nanoseconds()) * 1e-6;
     }
+    if (graph && graph->captured() && !captured_step) {
+      captured_step = fsdp->counters().total;
+      captured_step->host_forward_ns = captured_step->host_backward_ns = 0;
+    }
     if (rank == 0 && progress) progress(s, total, ms);
   }
-  if (fsdp) r.per_step = fsdp->counters().total;
+  if (fsdp) r.per_step = captured_step ? *captured_step : fsdp->counters().total;
   if (timed && step_ms_sum > 0) r.exposed_comm_share = comm_ms / step_ms_sum;
 
   // Profiled steps, untimed: every rank runs them (collectives), rank 0 records its device.

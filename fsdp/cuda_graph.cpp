@@ -258,7 +258,8 @@ void CudaGraphStep::capture() {
     wait(s.join_rs, rs, graph_stream);
     begun = false;
     s.graph->capture_end();
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     if (begun) {
       try {  // ends the (invalidated) capture so the stream is usable again
         s.graph->capture_end();
@@ -266,7 +267,7 @@ void CudaGraphStep::capture() {
       }
     }
     s.graph.reset();
-    s.failed = std::string(e.what_without_backtrace());
+    s.failed = c10_error ? c10_error->what_without_backtrace() : e.what();
     TORCH_CHECK(false, "CudaGraphStep (rank ", s.model.comm().rank(), ", step ", s.steps,
                 "): capturing forward + backward as a CUDA graph failed. A captured step must "
                 "not synchronize with the host (.item(), a copy to the CPU, a "
