@@ -300,6 +300,9 @@ void resolve_run(const Flags& f, bool cuda, BenchOptions& o) {
                          ": host copies and the CPU optimizer are not capturable");
     if (o.sharding.offload_step != OffloadStep::kAfterBackward)
       throw UsageError("--cuda-graph cannot run with --offload-step other than after_backward");
+    if (o.recompute)
+      throw UsageError("--cuda-graph cannot run with --recompute: a recompute unit restores the "
+                       "RNG state on the host, which a replay would not redo");
     if (o.param_groups)
       throw UsageError("--cuda-graph cannot run with --param-groups: named_parameters()' "
                        "gradient views are re-pointed on the host every step");

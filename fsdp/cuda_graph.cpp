@@ -12,6 +12,7 @@
 
 #if FLATSHARD_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -88,6 +89,10 @@ std::string cuda_graph_step_refusal(const ShardedModel& model) {
       refuse("unit '", u.name(), "' mixes frozen and trainable parameters: their gradient ",
              "views are host-side bookkeeping per step; put frozen parameters in units of ",
              "their own");
+    if (u.recompute())
+      refuse("unit '", u.name(), "' recomputes its forward in backward: it saves and restores the ",
+             "RNG state on the host (Note [Recompute]), which a replay would not redo; not ",
+             "supported with a CUDA graph yet");
     if (f.views_active())
       refuse("named_parameters() was called (unit '", u.name(), "'): its per-parameter ",
              "gradient views are re-pointed on the host every step; build the optimizer on ",
@@ -243,6 +248,12 @@ void CudaGraphStep::capture() {
   const c10::cuda::CUDAStream rs(rt.reduce_scatter_stream());
   // Note [CUDA graph step], "Gradients": the captured reduction writes fresh master gradients.
   for (at::Tensor& p : s.params) p.mutable_grad() = at::Tensor();
+  // Outside the capture, no wait of the captured step may name an event recorded before it: a
+  // gather left pending by the last eager step is waited for now (a no-op when none is).
+  for (size_t i = 0; i < s.model.num_units(); ++i) s.model.unit(i).wait_unsharded();
+  // The eager steps' cached blocks go back to the device: the graph's private pool cannot reuse
+  // them, and the peak would otherwise hold both (a device sync, once, outside the capture).
+  c10::cuda::CUDACachingAllocator::emptyCache();
   s.graph = std::make_unique<at::cuda::CUDAGraph>();
   bool begun = false;
   try {

@@ -45,14 +45,15 @@
 // - After the capture the model must run only through this object: an eager forward through it
 //   would wait on events recorded inside the capture.
 //
-// Guards (check_cuda_graph_step(): every reason at once, each with its value and the fix):
+// Guards (cuda_graph_step_refusal(): every reason at once, each with its value and the fix):
 // CUDA device; world 1 (the mesh's global size: capturing NCCL collectives across ranks is
 // possible but out of scope); no CPU offload and offload_step = after_backward (host copies and
 // a CPU optimizer are not capturable); no tracing (it queries events on the host); the NCCL
 // watchdog off (FLATSHARD_NCCL_WATCHDOG=0: it polls completion events from its own thread,
 // which a capture forbids); FLATSHARD_DEBUG off (its order check talks to the other ranks on
 // the host); every unit wholly trainable and named_parameters() views unused (their gradients
-// are host-side bookkeeping per step); gradient sync on at each run(). A host sync inside the
+// are host-side bookkeeping per step); no recompute unit (its RNG state is saved and restored on
+// the host); gradient sync on at each run(). A host sync inside the
 // closure (.item(), a CPU copy) makes the capture fail: the error says so and names the CUDA
 // error.
 #pragma once

@@ -26,14 +26,15 @@ struct Refusal {
   std::string error;    // what the constructor threw ("" if it did not)
 };
 
-// Rank 0's refusal and constructor error for a tiny GPT sharded per layer over `world` CPU
+// Rank 0's refusal and constructor error for a tiny GPT sharded by `spec` over `world` CPU
 // ranks with `options`; `views`: named_parameters() is called first.
-Refusal refusal(int world, const ShardingOptions& options, bool views = false) {
+Refusal refusal(int world, const ShardingOptions& options, bool views = false,
+                const std::string& spec = "type=Block") {
   Refusal out;
   std::mutex mu;
   run_ranks(world, [&](Communicator& comm) {
     auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
-    auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Block")), comm,
+    auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), comm,
                             options);
     if (views) (void)fsdp->named_parameters();
     auto [x, y] = g::synthetic_batch(model->config(), 2, 3, comm.rank(), 0);
@@ -82,4 +83,11 @@ TEST_CASE("cuda graph: world 2, tracing and named_parameters are refused togethe
   CHECK(r.error.find("the mesh has 2 ranks") != std::string::npos);
   CHECK(r.error.find("tracing is on") != std::string::npos);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("cuda graph: recompute units are refused, naming the unit", "[cuda_graph]") {
+  const Refusal r = refusal(1, ShardingOptions{}, false, "recompute:type=Block");
+  CAPTURE(r.reasons);
+  CHECK(r.reasons.find("recomputes its forward in backward") != std::string::npos);
+  CHECK(r.reasons.find("unit 'blocks.0'") != std::string::npos);
 }
