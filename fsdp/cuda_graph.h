@@ -18,8 +18,11 @@
 //   in place), the gradients' reduction into the fp32 master gradients, the reshards, the
 //   end-of-backward wait. The optimizer is NOT captured: it runs eagerly after run(), so its
 //   step count, learning rate and schedulers stay host values that change every step (a captured
-//   FusedAdamW would freeze them). Clipping and a gradient scaler likewise run eagerly after
-//   run() (clip_grad_norm_'s host read is outside the graph).
+//   FusedAdamW would freeze them). Clipping likewise runs eagerly after run()
+//   (clip_grad_norm_'s host read of the norm stays outside the graph). A gradient scaler
+//   (fsdp/grad_scaler.h) does not fit: its scale multiplies the loss inside the captured
+//   backward, so every replay would use the scale of the capture (flatshard-bench refuses
+//   --cuda-graph with fp16).
 // - Warmup: the first `warmup_steps` run() calls are ordinary eager steps, on the graph's side
 //   stream (cuBLAS workspaces and the runtime's first-step state exist before the capture, as
 //   PyTorch's torch.cuda.graph requires); the next run() captures, then replays at once; every
