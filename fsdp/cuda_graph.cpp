@@ -21,6 +21,9 @@
 #include "collectives/nccl_communicator.h"
 #endif
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
 namespace flatshard {
 
 namespace {
@@ -167,6 +170,27 @@ CudaGraphStep::CudaGraphStep(ShardedModel& model, const std::vector<at::Tensor>&
   }
   c10::cuda::CUDAGuard guard(dev);
   impl_->stream.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, dev.index()));
+  // Note [CUDA graph step], "Streams": the parameters' AccumulateGrad nodes run on the stream
+  // current when they were made (fully_shard's, usually the default stream, which a capture
+  // cannot touch): make them anew on the graph's stream.
+  {
+    c10::cuda::CUDAStreamGuard on_graph_stream(*impl_->stream);
+    for (size_t i = 0; i < model.num_units(); ++i) {
+      Unit& u = model.unit(i);
+      u.rehook_grad_accumulators();
+      const FlatParam& f = u.flat();
+      for (size_t k = 0; k < f.params().size(); ++k) {
+        if (!f.trainable(k)) continue;
+        const auto acc = torch::autograd::impl::grad_accumulator(f.params()[k].param);
+        const c10::Stream on = acc->input_metadata(0).stream();
+        TORCH_CHECK(on == c10::Stream(*impl_->stream), "CudaGraphStep: the gradient of '",
+                    f.params()[k].name, "' (unit '", u.name(), "') would be accumulated on ", on,
+                    ", not on the graph's stream: an autograd graph of an earlier step is still "
+                    "alive (a loss or an output kept with its graph); drop it before building "
+                    "the CudaGraphStep");
+      }
+    }
+  }
   for (cudaEvent_t* ev : {&impl_->before, &impl_->after, &impl_->fork, &impl_->join_ag,
                           &impl_->join_rs})
     C10_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));

@@ -41,6 +41,11 @@
 //   the reshards' waits on the all-gather stream would be such work). The graph runs on that
 //   side stream, ordered after the caller's current stream (the input copies, the last
 //   optimizer step) and the caller's stream waits for it before run() returns: no host sync.
+//   Autograd runs an AccumulateGrad node on the stream current when the node was made, and the
+//   units keep their parameters' nodes alive from fully_shard on (usually made on the default
+//   stream, which a capture may not touch: PyTorch warns of exactly this mismatch), so the
+//   constructor has every unit make them anew on the graph's stream
+//   (Unit::rehook_grad_accumulators) and checks that it did.
 // - Host state: the hooks run once, during the capture, and leave the runtime at the end of a
 //   step (units resharded, step state reset) — exactly where every replay leaves the device.
 //   Replays therefore need no notification to the runtime. Per-unit counters (collectives,

@@ -91,3 +91,34 @@ TEST_CASE("cuda graph: recompute units are refused, naming the unit", "[cuda_gra
   CHECK(r.reasons.find("recomputes its forward in backward") != std::string::npos);
   CHECK(r.reasons.find("unit 'blocks.0'") != std::string::npos);
 }
+
+TEST_CASE("cuda graph: re-made AccumulateGrad nodes still reduce every gradient",
+          "[cuda_graph]") {
+  // Unit::rehook_grad_accumulators (what CudaGraphStep does so autograd accumulates on its
+  // stream) drops the nodes fully_shard hooked and hooks new ones: a step after it must give
+  // the master gradients a step without it gives, bit for bit (a lost hook would leave a unit
+  // unreduced until the end of backward or with no gradient at all).
+  std::vector<at::Tensor> grads[2];
+  for (const bool rehook : {false, true}) {
+    run_ranks(1, [&](Communicator& comm) {
+      auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
+      auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy("type=Block")), comm);
+      auto [x, y] = g::synthetic_batch(model->config(), 2, 3, comm.rank(), 0);
+      auto step = [&, &x = x, &y = y] {
+        for (auto& p : fsdp->parameters()) p.mutable_grad() = at::Tensor();
+        flatshard::enter(model, [&] { return model->loss(x, y); }).backward();
+      };
+      step();  // a step before, as CudaGraphStep's caller may have run
+      if (rehook)
+        for (size_t i = 0; i < fsdp->num_units(); ++i) fsdp->unit(i).rehook_grad_accumulators();
+      step();
+      for (auto& p : fsdp->parameters()) grads[rehook].push_back(p.grad().clone());
+    });
+  }
+  REQUIRE(grads[0].size() == grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(grads[1][i].defined());
+    CHECK(at::equal(grads[0][i], grads[1][i]));
+  }
+}
