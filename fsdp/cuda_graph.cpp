@@ -35,7 +35,8 @@ namespace {
   for (size_t i = 0; i < model.num_units() && rt == nullptr; ++i)
     for (const torch::nn::Module* m : model.unit(i).members())
       if ((rt = detail::find_unit(m).runtime) != nullptr) break;
-  TORCH_INTERNAL_ASSERT(rt != nullptr, "CudaGraphStep: no registered unit member leads to the "
+  TORCH_INTERNAL_ASSERT(rt != nullptr,
+                        "CudaGraphStep: no registered unit member leads to the "
                         "model's runtime");
   return *rt;
 }
@@ -124,9 +125,9 @@ struct CudaGraphStep::Impl {
   cudaEvent_t before = nullptr, after = nullptr, fork = nullptr, join_ag = nullptr,
               join_rs = nullptr;
   std::unique_ptr<at::cuda::CUDAGraph> graph;
-  at::Tensor static_loss;           // the graph's loss output
-  std::vector<at::Tensor> params;   // model.parameters(): the master shards
-  std::vector<at::Tensor> grads;    // their gradients, as the graph writes them
+  at::Tensor static_loss;          // the graph's loss output
+  std::vector<at::Tensor> params;  // model.parameters(): the master shards
+  std::vector<at::Tensor> grads;   // their gradients, as the graph writes them
 #endif
 };
 
@@ -141,8 +142,9 @@ void wait(cudaEvent_t ev, const c10::cuda::CUDAStream& producer,
 }
 
 void check_loss(const at::Tensor& loss, int step) {
-  TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.requires_grad(),
-              "CudaGraphStep (step ", step, "): the loss function must return a one-element "
+  TORCH_CHECK(loss.defined() && loss.numel() == 1 && loss.requires_grad(), "CudaGraphStep (step ",
+              step,
+              "): the loss function must return a one-element "
               "tensor that requires grad; got ",
               loss.defined() ? shape_of(loss) + (loss.requires_grad() ? "" : " without grad")
                              : std::string("an undefined tensor"));
@@ -156,7 +158,8 @@ CudaGraphStep::CudaGraphStep(ShardedModel& model, const std::vector<at::Tensor>&
   const std::string why = cuda_graph_step_refusal(model);
   TORCH_CHECK(why.empty(), "CudaGraphStep (rank ", model.comm().rank(),
               "): this model's step cannot be captured as a CUDA graph (Note [CUDA graph step], "
-              "fsdp/cuda_graph.h):\n", why);
+              "fsdp/cuda_graph.h):\n",
+              why);
   TORCH_CHECK(options.warmup_steps >= 1, "CudaGraphStep: warmup_steps must be >= 1, got ",
               options.warmup_steps);
   TORCH_CHECK(impl_->loss_fn, "CudaGraphStep: the loss function is empty");
@@ -191,8 +194,8 @@ CudaGraphStep::CudaGraphStep(ShardedModel& model, const std::vector<at::Tensor>&
       }
     }
   }
-  for (cudaEvent_t* ev : {&impl_->before, &impl_->after, &impl_->fork, &impl_->join_ag,
-                          &impl_->join_rs})
+  for (cudaEvent_t* ev :
+       {&impl_->before, &impl_->after, &impl_->fork, &impl_->join_ag, &impl_->join_rs})
     C10_CUDA_CHECK(cudaEventCreateWithFlags(ev, cudaEventDisableTiming));
   impl_->params = model.parameters();
 }
@@ -201,8 +204,8 @@ CudaGraphStep::~CudaGraphStep() {
   try {  // no throw from destructors (CONTRIBUTING.md 5): a failed destroy only leaks an event
     if (!impl_) return;
     impl_->graph.reset();
-    for (cudaEvent_t ev : {impl_->before, impl_->after, impl_->fork, impl_->join_ag,
-                           impl_->join_rs})
+    for (cudaEvent_t ev :
+         {impl_->before, impl_->after, impl_->fork, impl_->join_ag, impl_->join_rs})
       if (ev != nullptr) (void)cudaEventDestroy(ev);
   } catch (...) {
   }
@@ -213,13 +216,14 @@ at::Tensor CudaGraphStep::run(const std::vector<at::Tensor>& inputs) {
   const int step = s.steps;
   TORCH_CHECK(s.failed.empty(), "CudaGraphStep (step ", step, "): the capture failed earlier, ",
               "so this object cannot run: ", s.failed);
-  TORCH_CHECK(inputs.size() == s.static_inputs.size(), "CudaGraphStep (step ", step, "): ",
-              inputs.size(), " inputs given, the graph was built for ", s.static_inputs.size());
+  TORCH_CHECK(inputs.size() == s.static_inputs.size(), "CudaGraphStep (step ", step,
+              "): ", inputs.size(), " inputs given, the graph was built for ",
+              s.static_inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& t = inputs[i];
     const at::Tensor& want = s.static_inputs[i];
-    TORCH_CHECK(t.defined() && t.sizes() == want.sizes() &&
-                    t.scalar_type() == want.scalar_type() && t.device() == want.device(),
+    TORCH_CHECK(t.defined() && t.sizes() == want.sizes() && t.scalar_type() == want.scalar_type() &&
+                    t.device() == want.device(),
                 "CudaGraphStep (step ", step, "): input ", i, " is ",
                 t.defined() ? shape_of(t) : std::string("undefined"), " but the graph ",
                 s.captured ? "was captured" : "is built", " for ", shape_of(want),
@@ -307,7 +311,8 @@ void CudaGraphStep::capture() {
                 "): capturing forward + backward as a CUDA graph failed. A captured step must "
                 "not synchronize with the host (.item(), a copy to the CPU, a "
                 "data-dependent shape) nor use work outside the capture (Note [CUDA graph "
-                "step], fsdp/cuda_graph.h). The error: ", s.failed);
+                "step], fsdp/cuda_graph.h). The error: ",
+                s.failed);
   }
   s.grads.clear();
   for (const at::Tensor& p : s.params) s.grads.push_back(p.grad());

@@ -34,8 +34,7 @@ Refusal refusal(int world, const ShardingOptions& options, bool views = false,
   std::mutex mu;
   run_ranks(world, [&](Communicator& comm) {
     auto model = g::GPT(g::GPTConfig::preset("tiny"), 0);
-    auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), comm,
-                            options);
+    auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), comm, options);
     if (views) (void)fsdp->named_parameters();
     auto [x, y] = g::synthetic_batch(model->config(), 2, 3, comm.rank(), 0);
     Refusal r;
@@ -92,8 +91,7 @@ TEST_CASE("cuda graph: recompute units are refused, naming the unit", "[cuda_gra
   CHECK(r.reasons.find("unit 'blocks.0'") != std::string::npos);
 }
 
-TEST_CASE("cuda graph: re-made AccumulateGrad nodes still reduce every gradient",
-          "[cuda_graph]") {
+TEST_CASE("cuda graph: re-made AccumulateGrad nodes still reduce every gradient", "[cuda_graph]") {
   // Unit::rehook_grad_accumulators (what CudaGraphStep does so autograd accumulates on its
   // stream) drops the nodes fully_shard hooked and hooks new ones: a step after it must give
   // the master gradients a step without it gives, bit for bit (a lost hook would leave a unit

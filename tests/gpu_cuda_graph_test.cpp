@@ -58,8 +58,8 @@ std::pair<at::Tensor, at::Tensor> batch(gpt::GPT& model, int step) {
 Trained train(const std::string& spec, const ShardingOptions& opts, bool graph) {
   auto model = flatshard_test::gpu_parity_model(g_comm->device());
   auto fsdp = fully_shard(model.ptr(), make_plan(*model, parse_policy(spec)), *g_comm, opts);
-  auto opt = std::make_shared<FusedAdamW>(
-      fsdp->parameters(), torch::optim::AdamWOptions(flatshard_test::kGpuParityLr));
+  auto opt = std::make_shared<FusedAdamW>(fsdp->parameters(),
+                                          torch::optim::AdamWOptions(flatshard_test::kGpuParityLr));
   const auto units = fsdp->units();
   if (std::any_of(units.begin(), units.end(), [](const UnitInfo& u) { return u.step_copy; }))
     fsdp->attach_optimizer(opt);
@@ -115,10 +115,11 @@ void require_parity(const Trained& eager, const Trained& graph, double loss_rtol
     bitwise = bitwise && at::equal(eager.masters[i], graph.masters[i]);
     CHECK(at::allclose(graph.masters[i], eager.masters[i], rtol, atol));
   }
-  std::fprintf(stderr, "gpu_cuda_graph_test:   losses eager %.9g .. %.9g, graph %.9g .. %.9g; "
-               "largest parameter difference %.3g; bitwise equal: %s\n", eager.losses.front(),
-               eager.losses.back(), graph.losses.front(), graph.losses.back(), max_diff,
-               bitwise ? "yes" : "no");
+  std::fprintf(stderr,
+               "gpu_cuda_graph_test:   losses eager %.9g .. %.9g, graph %.9g .. %.9g; "
+               "largest parameter difference %.3g; bitwise equal: %s\n",
+               eager.losses.front(), eager.losses.back(), graph.losses.front(), graph.losses.back(),
+               max_diff, bitwise ? "yes" : "no");
 }
 
 }  // namespace
