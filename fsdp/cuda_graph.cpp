@@ -176,23 +176,31 @@ CudaGraphStep::CudaGraphStep(ShardedModel& model, const std::vector<at::Tensor>&
   // Note [CUDA graph step], "Streams": the parameters' AccumulateGrad nodes run on the stream
   // current when they were made (fully_shard's, usually the default stream, which a capture
   // cannot touch): make them anew on the graph's stream.
+  // A node an earlier step's live graph still holds keeps its stream: warned (not refused: the
+  // capture itself is the judge, and its error then follows this warning).
   {
     c10::cuda::CUDAStreamGuard on_graph_stream(*impl_->stream);
+    std::string stale;
     for (size_t i = 0; i < model.num_units(); ++i) {
       Unit& u = model.unit(i);
       u.rehook_grad_accumulators();
       const FlatParam& f = u.flat();
-      for (size_t k = 0; k < f.params().size(); ++k) {
+      for (size_t k = 0; k < f.params().size() && stale.empty(); ++k) {
         if (!f.trainable(k)) continue;
         const auto acc = torch::autograd::impl::grad_accumulator(f.params()[k].param);
         const c10::Stream on = acc->input_metadata(0).stream();
-        TORCH_CHECK(on == c10::Stream(*impl_->stream), "CudaGraphStep: the gradient of '",
-                    f.params()[k].name, "' (unit '", u.name(), "') would be accumulated on ", on,
-                    ", not on the graph's stream: an autograd graph of an earlier step is still "
-                    "alive (a loss or an output kept with its graph); drop it before building "
-                    "the CudaGraphStep");
+        if (on != c10::Stream(*impl_->stream)) {
+          std::ostringstream m;
+          m << "'" << f.params()[k].name << "' (unit '" << u.name() << "') accumulates on " << on;
+          stale = m.str();
+        }
       }
     }
+    if (!stale.empty())
+      TORCH_WARN("CudaGraphStep: the gradient of ", stale, ", not on the graph's stream ",
+                 c10::Stream(*impl_->stream), ": an autograd graph of an earlier step may still ",
+                 "be alive (a loss or an output kept with its graph); the capture will likely ",
+                 "fail. Drop such tensors before building the CudaGraphStep");
   }
   for (cudaEvent_t* ev :
        {&impl_->before, &impl_->after, &impl_->fork, &impl_->join_ag, &impl_->join_rs})

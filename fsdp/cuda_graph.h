@@ -45,7 +45,8 @@
 //   units keep their parameters' nodes alive from fully_shard on (usually made on the default
 //   stream, which a capture may not touch: PyTorch warns of exactly this mismatch), so the
 //   constructor has every unit make them anew on the graph's stream
-//   (Unit::rehook_grad_accumulators) and checks that it did.
+//   (Unit::rehook_grad_accumulators), warning naming a parameter whose node a live
+//   graph of an earlier step still holds on another stream.
 // - Host state: the hooks run once, during the capture, and leave the runtime at the end of a
 //   step (units resharded, step state reset) — exactly where every replay leaves the device.
 //   Replays therefore need no notification to the runtime. Per-unit counters (collectives,
