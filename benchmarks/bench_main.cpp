@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -66,6 +67,7 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
     if (o.sharding.mixed_precision.keep_low_precision_grads && !g.local) g.label += "+lpgrads";
     if (o.sharding.keep_compute_shard && !g.local) g.label += "+kept";
     if (o.bf16_moments && !g.local) g.label += "+bf16m";
+    if (o.cuda_graph && !g.local) g.label += "+graph";
     if (o.sharding.mixed_precision.gather_dtype != flatshard::GatherDtype::kParam && !g.local)
       g.label +=
           std::string("+") + flatshard::gather_dtype_name(o.sharding.mixed_precision.gather_dtype);
@@ -94,6 +96,7 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.time_collectives = o.device == fb::DeviceKind::kCpu;
   c.kernel_profile_steps = o.kernel_profile_steps;
   c.sync_debug = o.sync_debug;
+  c.cuda_graph = o.cuda_graph;
   return c;
 }
 
@@ -221,6 +224,9 @@ int run_cuda_rank(const fb::BenchOptions& o, const flatshard::LaunchEnv& env) {
   fb::check_memory(o, env.world_size, fb::cuda_device_memory(env.local_rank));
   const auto grans = plan_granularities(o);
   if (env.rank == 0) check_outputs(o);
+  // Note [CUDA graph step]: the watchdog polls events from its thread, which a capture forbids.
+  // Off unless the user set it (then CudaGraphStep's guard says why it must be off).
+  if (o.cuda_graph) setenv("FLATSHARD_NCCL_WATCHDOG", "0", /*overwrite=*/0);
   fb::CudaRank rank = fb::open_cuda_rank(env.local_rank, "flatshard-bench");
   const fb::RunConfig config = run_config(o);
   fb::Progress progress(std::cerr, fb::Progress::stderr_is_tty());

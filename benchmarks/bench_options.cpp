@@ -77,7 +77,7 @@ struct Flags {
   uint64_t seed = 0;
   double peak_tflops = 0;
   // The options whose count() a default or a check depends on.
-  CLI::Option *preset, *batch_opt, *nproc_opt, *steps_opt, *kprof, *sync, *peak, *profile;
+  CLI::Option *preset, *batch_opt, *nproc_opt, *steps_opt, *kprof, *sync, *peak, *profile, *graph;
 };
 
 void add_model_flags(CLI::App& app, Flags& f) {
@@ -170,6 +170,13 @@ void add_run_flags(CLI::App& app, Flags& f, BenchOptions& o) {
                         "caller's stack): what makes a step's host wait for the device (with "
                         "CPU offload, the end of backward's one sync is expected)")
                ->group(group);
+  f.graph = app.add_flag("--cuda-graph",
+                         "cuda, world 1: sharded runs capture forward + backward as one CUDA "
+                         "graph after their warmup and replay it each step; the optimizer stays "
+                         "eager (flatshard::CudaGraphStep, Note [CUDA graph step]); runs are "
+                         "labelled GRANULARITY+graph, 'local' stays eager; turns the NCCL "
+                         "watchdog off unless FLATSHARD_NCCL_WATCHDOG is set")
+                ->group(group);
   f.peak = cli::add_peak_tflops_flag(app, f.peak_tflops, group);
 }
 
@@ -285,6 +292,28 @@ void resolve_run(const Flags& f, bool cuda, BenchOptions& o) {
     if (!cuda)
       throw UsageError("--sync-debug watches CUDA synchronisation: it needs --device cuda");
     o.sync_debug = true;
+  }
+  if (f.graph->count()) {
+    if (!cuda) throw UsageError("--cuda-graph captures CUDA work: it needs --device cuda");
+    for (int level : o.offload_levels)
+      if (level > 0)
+        throw UsageError("--cuda-graph cannot run with --offload " + std::to_string(level) +
+                         ": host copies and the CPU optimizer are not capturable");
+    if (o.sharding.offload_step != OffloadStep::kAfterBackward)
+      throw UsageError("--cuda-graph cannot run with --offload-step other than after_backward");
+    if (o.recompute)
+      throw UsageError("--cuda-graph cannot run with --recompute: a recompute unit restores the "
+                       "RNG state on the host, which a replay would not redo");
+    if (o.param_groups)
+      throw UsageError("--cuda-graph cannot run with --param-groups: named_parameters()' "
+                       "gradient views are re-pointed on the host every step");
+    if (o.sharding.mixed_precision.param_dtype == c10::kHalf)
+      throw UsageError("--cuda-graph cannot run with --param-dtype fp16: its gradient scaler's "
+                       "scale would be frozen into the graph");
+    if (o.sharding.mixed_precision.gather_dtype != GatherDtype::kParam)
+      throw UsageError("--cuda-graph needs the param dtype for gathers: the fp8 / int8 "
+                       "gathers check their scales on the host");
+    o.cuda_graph = true;
   }
   o.peak_tflops = cli::peak_tflops(*f.peak, f.peak_tflops, cuda);
 }

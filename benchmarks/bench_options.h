@@ -74,6 +74,9 @@ struct BenchOptions {
   bool deferred_init = true;
   int kernel_profile_steps = 0;  // --kernel-profile N (cuda only)
   bool sync_debug = false;       // --sync-debug (cuda only)
+  // --cuda-graph (cuda only): sharded runs capture forward + backward as one CUDA graph after
+  // their warmup and replay it (fsdp/cuda_graph.h, Note [CUDA graph step]); labelled +graph
+  bool cuda_graph = false;
   std::optional<double> peak_tflops;  // per GPU/rank, for MFU (cuda default: 989 bf16 dense)
   std::string json_path, csv_path, plot_path;
   std::string profile_path;  // --write-profile (benchmarks/bench_profile.h)

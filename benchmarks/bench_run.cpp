@@ -13,6 +13,7 @@
 #include "benchmarks/timed_communicator.h"
 #include "collectives/thread_communicator.h"
 #include "fsdp/call.h"
+#include "fsdp/cuda_graph.h"
 #include "optim/fused_adamw.h"
 #include "fsdp/grad_scaler.h"
 #include "fsdp/meta_init.h"
@@ -233,13 +234,32 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
         .count();
   };
 
+  // --cuda-graph: forward + backward through one CUDA graph (Note [CUDA graph step]); its
+  // warmup ends one step before the bench's, so the capture is not a measured step.
+  std::unique_ptr<CudaGraphStep> graph;
+  if (config.cuda_graph && fsdp) {
+    TORCH_CHECK(!scaler, "--cuda-graph: the fp16 gradient scaler is not supported");
+    CudaGraphOptions go;
+    go.warmup_steps = std::max(1, config.warmup - 1);
+    graph = std::make_unique<CudaGraphStep>(
+        *fsdp, std::vector<at::Tensor>{batches[0].first, batches[0].second},
+        [&](const std::vector<at::Tensor>& in) {
+          return enter(model, [&] { return config.model.loss(*model, in[0], in[1]); });
+        },
+        go);
+  }
+
   // One training step on batch b; after_backward() runs between backward and the optimizer step.
   auto train_step = [&](int b, auto&& after_backward) {
     opt.zero_grad();
     const auto& batch = batches[static_cast<size_t>(b)];
-    at::Tensor loss =
-        enter(model, [&] { return config.model.loss(*model, batch.first, batch.second); });
-    (scaler ? scaler->scale(loss) : loss).backward();
+    at::Tensor loss;
+    if (graph) {
+      loss = graph->run({batch.first, batch.second});
+    } else {
+      loss = enter(model, [&] { return config.model.loss(*model, batch.first, batch.second); });
+      (scaler ? scaler->scale(loss) : loss).backward();
+    }
     after_backward();
     if (scaler) {
       if (!scaler->step(opt)) ++r.skipped_steps;
@@ -251,6 +271,9 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   };
 
   double comm_ms = 0, step_ms_sum = 0;
+  // --cuda-graph: the collectives a replay runs are those the capture step counted (a replay
+  // runs no hook, so its own counters stay zero); its host time is the replays' (zero).
+  std::optional<UnitCounters> captured_step;
   for (int s = 0; s < total; ++s) {
     if (fsdp) fsdp->reset_counters();
     if (timed) timed->reset_time();
@@ -279,9 +302,13 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
       step_ms_sum += ms;
       if (timed) comm_ms += static_cast<double>(timed->nanoseconds()) * 1e-6;
     }
+    if (graph && graph->captured() && !captured_step) {
+      captured_step = fsdp->counters().total;
+      captured_step->host_forward_ns = captured_step->host_backward_ns = 0;
+    }
     if (rank == 0 && progress) progress(s, total, ms);
   }
-  if (fsdp) r.per_step = fsdp->counters().total;
+  if (fsdp) r.per_step = captured_step ? *captured_step : fsdp->counters().total;
   if (timed && step_ms_sum > 0) r.exposed_comm_share = comm_ms / step_ms_sum;
 
   // Profiled steps, untimed: every rank runs them (collectives), rank 0 records its device.

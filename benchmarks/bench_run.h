@@ -75,6 +75,9 @@ struct RunConfig {
   // (0: the model's whole seq_len). The host-cost probe of --write-profile (bench_profile.h)
   // runs the same model on short inputs so that the device never holds the host back.
   int64_t input_seq = 0;
+  // Sharded runs step through a flatshard::CudaGraphStep (fsdp/cuda_graph.h): its warmup is
+  // max(1, warmup - 1) steps, so the capture is the last warmup step; local runs stay eager.
+  bool cuda_graph = false;
 };
 
 // The device side of a rank (cli/cuda_rank.h: shared with flatshard-train).

@@ -126,16 +126,7 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
                          : policy_type_name(members_.front()->name());
   state_ = flat_->is_unsharded() ? UnitState::kUnsharded : UnitState::kSharded;
   // After set_data (dtype may have changed), so these are the accumulators autograd will use.
-  // Note [Frozen parameters]: a frozen parameter has no AccumulateGrad node; the unit's
-  // gradients are in when every trainable one's has run.
-  for (size_t i = 0; i < flat_->params().size(); ++i) {
-    const ParamRef& p = flat_->params()[i];
-    if (!flat_->trainable(i)) continue;
-    auto acc = torch::autograd::impl::grad_accumulator(p.param);
-    TORCH_INTERNAL_ASSERT(acc, "unit '", spec_.name, "': no grad accumulator for '", p.name, "'");
-    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
-    grad_accumulators_.push_back(std::move(acc));
-  }
+  hook_grad_accumulators();
   // Note [Recompute]: the same tensors (parameter views never change, Note [Unsharded buffer
   // lifetime]) for every step, so they are listed once.
   if (recompute_) {
@@ -154,6 +145,27 @@ const std::vector<at::Tensor>& Unit::recompute_leaves(const torch::nn::Module* m
     if (members_[k] == member && k < recompute_leaves_.size()) return recompute_leaves_[k];
   static const std::vector<at::Tensor> kNone;
   return kNone;
+}
+
+// Note [Frozen parameters]: a frozen parameter has no AccumulateGrad node; the unit's gradients
+// are in when every trainable one's has run.
+void Unit::hook_grad_accumulators() {
+  for (size_t i = 0; i < flat_->params().size(); ++i) {
+    const ParamRef& p = flat_->params()[i];
+    if (!flat_->trainable(i)) continue;
+    auto acc = torch::autograd::impl::grad_accumulator(p.param);
+    TORCH_INTERNAL_ASSERT(acc, "unit '", spec_.name, "': no grad accumulator for '", p.name, "'");
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(this, i)));
+    grad_accumulators_.push_back(std::move(acc));
+  }
+}
+
+void Unit::rehook_grad_accumulators() {
+  for (size_t i = 0; i < grad_accumulators_.size(); ++i)
+    grad_accumulators_[i]->del_post_hook(hook_keys_[i]);
+  grad_accumulators_.clear();  // autograd caches them weakly: now they die, unless in a graph
+  hook_keys_.clear();
+  hook_grad_accumulators();
 }
 
 Unit::~Unit() {

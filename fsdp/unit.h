@@ -143,6 +143,12 @@ class Unit {
   // Throws if a parameter's requires_grad differs from what it was at setup.
   void check_trainable_unchanged(int rank) const;
 
+  // Note [CUDA graph step] (fsdp/cuda_graph.h): autograd runs an AccumulateGrad node on the
+  // stream current when the node was made, and the unit keeps its parameters' nodes alive from
+  // fully_shard on. This drops them and hooks fresh ones, made on the current stream (an old
+  // node still referenced by a live autograd graph is reused as it is).
+  void rehook_grad_accumulators();
+
   // --- driven by autograd: the unit's own GradReadyHook (unit-local) ----------------------
   void on_grad_accumulated(size_t param_index);  // one parameter's AccumulateGrad finished
 
@@ -181,6 +187,7 @@ class Unit {
   // (autograd caches them only weakly).
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::vector<uintptr_t> hook_keys_;
+  void hook_grad_accumulators();  // fills the two above, one GradReadyHook per trainable one
 
   bool requires_grad_sync_ = true;  // set by the runtime between steps
 

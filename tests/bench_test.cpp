@@ -449,6 +449,13 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--kernel-profile", "0", "--device", "cuda"}, "--kernel-profile must be >= 1, got 0"},
       {{"--kernel-profile", "1"}, "needs --device cuda"},
       {{"--sync-debug"}, "--sync-debug watches CUDA synchronisation: it needs --device cuda"},
+      // Note [CUDA graph step]: CUDA only, and not with what a capture cannot replay.
+      {{"--cuda-graph"}, "--cuda-graph captures CUDA work: it needs --device cuda"},
+      {{"--cuda-graph", "--device", "cuda", "--offload", "0,1"}, "cannot run with --offload 1"},
+      {{"--cuda-graph", "--device", "cuda", "--recompute"}, "cannot run with --recompute"},
+      {{"--cuda-graph", "--device", "cuda", "--param-groups"}, "cannot run with --param-groups"},
+      {{"--cuda-graph", "--device", "cuda", "--param-dtype", "fp16"},
+       "cannot run with --param-dtype fp16"},
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--world", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},

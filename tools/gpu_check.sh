@@ -68,6 +68,12 @@
 #               (GPU_CHECK_AB_VARIANTS; default base, --keep-compute-shard, --adamw-moments bf16,
 #               both, and FLATSHARD_PRE_BACKWARD_HOOK=0) per-layer and per-leaf at 4 and 1
 #               sequences, one process each, beside PyTorch plain (tools/ab_table.py)
+#   graphs      issue 54 item 4, CUDA graph capture (opt-in: name it in GPU_CHECK_STEPS):
+#               gpu_cuda_graph_test (a tiny GPT 5 steps eager vs 5 through flatshard::CudaGraphStep
+#               at world 1, per-leaf and per-layer, fp32 and bf16; a changed shape is an error),
+#               then the `ab` table with the variants eager and --cuda-graph
+#               (GPU_CHECK_GRAPHS_VARIANTS replaces them) per-layer and per-leaf at 4 and 1
+#               sequences, one line per run; printed again in the summary
 #   sanitize    opt-in (GPU_CHECK_SANITIZE=1): compute-sanitizer memcheck, then racecheck, on
 #               every rank of nccl_reliability_test's GPT memory case (100 steps) and
 #               gpu_parity_test's per-layer counters case (the whole pipeline, 5 steps)
@@ -127,7 +133,7 @@ step_configure() {
 
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
-                 gpu_hsdp_test gpu_checkpoint_test gpu_quantized_gather_test
+                 gpu_hsdp_test gpu_checkpoint_test gpu_quantized_gather_test gpu_cuda_graph_test
                  flatshard-collectives-bench flatshard-bench flatshard-trace
                  flatshard-explain flatshard-train)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
@@ -377,6 +383,21 @@ step_ab() {
   return $rc
 }
 
+# Issue 54 item 4: the CUDA graph step's GPU test, then the A/B table of step_ab with and without
+# --cuda-graph (Note [CUDA graph step], fsdp/cuda_graph.h). The watchdog must be off for a
+# capture; the bench turns it off itself with --cuda-graph, the variant says so explicitly.
+GRAPHS_DEFAULT="eager:;graph:--cuda-graph FLATSHARD_NCCL_WATCHDOG=0"
+step_graphs() {
+  local rc=0
+  log "graphs: gpu_cuda_graph_test (eager vs replayed steps, 1 GPU)"
+  ctest --test-dir "$BUILD" -R '^gpu_cuda_graph_test$' --output-on-failure -V \
+    --timeout "$TEST_TIMEOUT" || rc=1
+  log "graphs: A/B, per-layer and per-leaf at ${GPU_CHECK_AB_BATCHES:-4 1} sequences, with and without --cuda-graph"
+  GPU_CHECK_AB_VARIANTS=${GPU_CHECK_GRAPHS_VARIANTS:-$GRAPHS_DEFAULT} step_ab || rc=1
+  cp "$LOGDIR/ab.txt" "$LOGDIR/graphs.txt" 2>/dev/null
+  return $rc
+}
+
 # Issue 17's offload table: the vs_torch table with FSDP2's CPUOffloadPolicy beside flatshard's
 # offload levels, per-layer units, 4 and 1 sequences per GPU.
 # With the CPU step during backward (Note [Offload step in backward]) as a second bench, the
@@ -463,6 +484,10 @@ summary() {
   if [ -f "$LOGDIR/advisor.txt" ]; then
     echo
     cat "$LOGDIR/advisor.txt"
+  fi
+  if [ -f "$LOGDIR/graphs.txt" ]; then
+    echo
+    cat "$LOGDIR/graphs.txt"
   fi
   if [ -f "$LOGDIR/compare.txt" ]; then
     echo
