@@ -522,8 +522,8 @@ at::Tensor TensorParallel::vocab_parallel_cross_entropy(const at::Tensor& logits
                                                         int64_t vocab) const {
   const std::string where = "loss parallelism (tp rank " + std::to_string(tp_rank_) + " of " +
                             std::to_string(tp_size_) + ")";
-  TORCH_CHECK(logits.dim() >= 1 && targets.numel() * std::max<int64_t>(logits.size(-1), 1) ==
-                                       logits.numel(),
+  TORCH_CHECK(logits.dim() >= 1 &&
+                  targets.numel() * std::max<int64_t>(logits.size(-1), 1) == logits.numel(),
               where, ": logits ", logits.sizes(), " do not match targets ", targets.sizes(),
               " (expected logits [..., V/tp] over the targets' shape)");
   TORCH_CHECK(vocab % tp_size_ == 0 && logits.size(-1) * tp_size_ == vocab, where,
@@ -668,8 +668,9 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
       auto it = p.value().defined() ? split_params.find(p.value().unsafeGetTensorImpl())
                                     : split_params.end();
-      TORCH_CHECK(it == split_params.end(), where, ": module '", printable_escape(out[it->second].path),
-                  "' (", style_text(plan.rules[out[it->second].rule]), ") shares its parameter '",
+      TORCH_CHECK(it == split_params.end(), where, ": module '",
+                  printable_escape(out[it->second].path), "' (",
+                  style_text(plan.rules[out[it->second].rule]), ") shares its parameter '",
                   printable_escape(p.key()), "' with module '", printable_escape(item.key()),
                   "' (tied weights), which would be split too; untie them or leave '",
                   printable_escape(out[it->second].path), "' out of the tp plan");
@@ -691,7 +692,8 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
 // alive) and passes its own result through unchanged, so each gradient is reduced once.
 struct SequenceGradHookState {
   std::mutex mu;
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> reduced;  // the hook's own results
+  // The hook's own results.
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> reduced;
 };
 
 void TensorParallel::add_sequence_grad_hooks(const torch::nn::Module& model,
@@ -808,7 +810,8 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
     }
     g_count.store(g_modules.size(), std::memory_order_release);
   }
-  if (tp > 1 && plan.sequence_parallel) TensorParallel::add_sequence_grad_hooks(*model, sequence, out.get());
+  if (tp > 1 && plan.sequence_parallel)
+    TensorParallel::add_sequence_grad_hooks(*model, sequence, out.get());
   {
     std::unique_lock<std::shared_mutex> lock(g_mu);
     g_roots[model.get()] = out.get();

@@ -530,6 +530,12 @@ TEST_CASE("tensor parallel: sequence and loss parallelism match one rank", "[tp]
     const ParityRun ref = run_reference(s);
     require_tp_parity(ref, run_tp(s, sp_lp_plan(false, true, true), 2, 2, ref));
   }
+  SECTION("8 ranks: HSDP 2 replicas of shard 2 x tp 2, LLaMA with both") {
+    ParitySpec s = llama_spec(4, 12, 98);
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, sp_lp_plan(true, true, true), 2, 2, ref, /*replicate=*/2));
+  }
   SECTION("Qwen2 (biases on q, k, v) with both, and LLaMA per-leaf units") {
     ParitySpec s = llama_spec(2, 12, 98, /*qwen2=*/true);
     s.clip = 0.5;
@@ -575,7 +581,8 @@ TEST_CASE("tensor parallel: explain predicts the sequence- and loss-parallel col
         CHECK(e.tp.backward_all_reduces == (m.sp ? 0 : layers * colwise + (m.lp ? 1 : 0)));
         const int64_t grads = !m.sp ? 0 : llama ? 2 * layers + 1 : 6 * layers + 2;
         CHECK(e.tp.grad_all_reduces == grads);
-        CHECK(e.tp.grad_numel == (!m.sp ? 0 : llama ? grads * d : (4 * layers + 2) * d + 2 * layers * d));
+        CHECK(e.tp.grad_numel ==
+              (!m.sp ? 0 : llama ? grads * d : (4 * layers + 2) * d + 2 * layers * d));
         CHECK(e.tp.loss_all_reduces == (m.lp ? 3 : 0));
         const TpCounters want = e.tp.counters(tokens, at::kFloat);
         const auto ranks = count_one_step(s, tp_plan, shard, 2);
@@ -607,7 +614,8 @@ TEST_CASE("tensor parallel: explain predicts the sequence- and loss-parallel col
   }
 }
 
-TEST_CASE("tensor parallel: sequence and loss parallelism refuse misuse by name", "[tp][misuse][sp]") {
+TEST_CASE("tensor parallel: sequence and loss parallelism refuse misuse by name",
+          "[tp][misuse][sp]") {
   SECTION("a sequence length tp does not divide") {
     const ParitySpec s = gpt_spec(1, 4, /*seq_len=*/11);
     const std::string e = error_of([&] {
