@@ -82,6 +82,178 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
 
 int64_t as_int(const void* c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(c)); }
 
+int64_t bytes_of(const at::Tensor& t) {
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+// Adds one collective of `t`'s bytes to a TpCounterCells' count `n` and `bytes`.
+void count(std::atomic<int64_t>* n, std::atomic<int64_t>* bytes, const at::Tensor& t) {
+  n->fetch_add(1, std::memory_order_relaxed);
+  bytes->fetch_add(bytes_of(t), std::memory_order_relaxed);
+}
+
+// Sequence parallelism's layout: [B, T/tp, ...] on each rank, rank k holding rows
+// [k*T/tp, (k+1)*T/tp) of dim 1. The communicator's collectives work on dim 0, hence the
+// transposes: all-gather into [tp, B, T/tp, ...] -> [B, T, ...]; reduce-scatter from
+// [B, T, ...] -> [tp, B, T/tp, ...].
+at::Tensor seq_all_gather(Communicator* group, const at::Tensor& x) {
+  const int tp = group->world_size();
+  TORCH_CHECK(x.dim() >= 2, "sequence parallelism: expected an activation [B, T, ...], got ",
+              x.sizes());
+  const at::Tensor in = x.contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape.insert(shape.begin(), tp);
+  at::Tensor out = at::empty(shape, in.options());
+  group->all_gather(in, out, group->current_stream());
+  std::vector<int64_t> full = in.sizes().vec();
+  full[1] *= tp;
+  return out.transpose(0, 1).reshape(full);
+}
+
+at::Tensor seq_reduce_scatter(Communicator* group, const at::Tensor& y) {
+  const int tp = group->world_size();
+  TORCH_CHECK(y.dim() >= 2 && y.size(1) % tp == 0,
+              "sequence parallelism: a rowwise module's output must be [B, T, ...] with T a ",
+              "multiple of tp ", tp, "; got ", y.sizes());
+  std::vector<int64_t> split = y.sizes().vec();
+  split[1] /= tp;
+  split.insert(split.begin() + 1, tp);  // [B, tp, T/tp, ...]
+  const at::Tensor in = y.reshape(split).transpose(0, 1).contiguous();
+  std::vector<int64_t> local = y.sizes().vec();
+  local[1] /= tp;
+  at::Tensor out = at::empty(local, y.options());
+  group->reduce_scatter(in, out, ReduceOp::kSum, group->current_stream());
+  return out;
+}
+
+at::Tensor seq_part(const at::Tensor& x, int tp, int rank) {
+  const int64_t c = x.size(1) / tp;
+  return x.narrow(1, rank * c, c).clone(at::MemoryFormat::Contiguous);  // never a view of x
+}
+
+// A colwise module's entry under sequence parallelism: all-gather forward, reduce-scatter of
+// the gradient backward (Megatron's gather_from_sequence_parallel_region and its dual).
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t group, int64_t counters) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["counters"] = counters;
+    at::Tensor out = seq_all_gather(reinterpret_cast<Communicator*>(group), x);
+    if (auto* c = cells_of(counters)) count(&c->forward_all_gathers, &c->forward_bytes, out);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    if (auto* c = cells_of(ctx->saved_data.at("counters").toInt()))
+      count(&c->backward_reduce_scatters, &c->backward_bytes, g[0]);
+    return {seq_reduce_scatter(group_of(ctx), g[0]), at::Tensor(), at::Tensor()};
+  }
+};
+
+// A rowwise module's exit under sequence parallelism: reduce-scatter forward, all-gather of the
+// gradient backward.
+struct ReduceScatterSequence : torch::autograd::Function<ReduceScatterSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
+                            int64_t group, int64_t counters) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["counters"] = counters;
+    if (auto* c = cells_of(counters)) count(&c->forward_reduce_scatters, &c->forward_bytes, y);
+    return seq_reduce_scatter(reinterpret_cast<Communicator*>(group), y);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    at::Tensor out = seq_all_gather(group_of(ctx), g[0]);
+    if (auto* c = cells_of(ctx->saved_data.at("counters").toInt()))
+      count(&c->backward_all_gathers, &c->backward_bytes, out);
+    return {out, at::Tensor(), at::Tensor()};
+  }
+};
+
+// The sequence region's edges (sequence_shard / sequence_gather): this rank's part forward and
+// an all-gather backward, or the reverse. Counted as boundary_*.
+struct ShardSequence : torch::autograd::Function<ShardSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t group, int64_t counters) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["counters"] = counters;
+    auto* g = reinterpret_cast<Communicator*>(group);
+    return seq_part(x, g->world_size(), g->rank());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    at::Tensor out = seq_all_gather(group_of(ctx), g[0]);
+    if (auto* c = cells_of(ctx->saved_data.at("counters").toInt()))
+      count(&c->boundary_all_gathers, &c->boundary_bytes, out);
+    return {out, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct UnshardSequence : torch::autograd::Function<UnshardSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t group, int64_t counters) {
+    ctx->saved_data["group"] = group;
+    at::Tensor out = seq_all_gather(reinterpret_cast<Communicator*>(group), x);
+    if (auto* c = cells_of(counters)) count(&c->boundary_all_gathers, &c->boundary_bytes, out);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    Communicator* group = group_of(ctx);
+    return {seq_part(g[0], group->world_size(), group->rank()), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Loss parallelism (TensorParallel::vocab_parallel_cross_entropy): logits [N, V/tp], targets
+// [N]. Megatron's _VocabParallelCrossEntropy: the max, the sum of exp and the target's logit
+// all-reduced over tp (one fp32 value per token each); backward is local.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets, int64_t group, int64_t counters,
+                            int64_t vocab_start) {
+    auto* g = reinterpret_cast<Communicator*>(group);
+    auto* c = cells_of(counters);
+    auto reduce = [&](at::Tensor t, ReduceOp op) {
+      t = t.contiguous();
+      g->all_reduce(t, op, g->current_stream());
+      if (c != nullptr) count(&c->loss_all_reduces, &c->loss_bytes, t);
+      return t;
+    };
+    const at::Tensor x = logits.to(at::kFloat);
+    const int64_t local = x.size(1);
+    const at::Tensor max = reduce(std::get<0>(x.max(/*dim=*/1)), ReduceOp::kMax);
+    const at::Tensor shifted = x - max.unsqueeze(1);
+    const at::Tensor e = shifted.exp();
+    const at::Tensor sum = reduce(e.sum(1), ReduceOp::kSum);
+    const at::Tensor valid = targets.ne(-100);
+    const at::Tensor shifted_t = targets - vocab_start;
+    const at::Tensor mine = shifted_t.ge(0).logical_and(shifted_t.lt(local)).logical_and(valid);
+    const at::Tensor idx = shifted_t.clamp(0, local - 1).unsqueeze(1);
+    const at::Tensor target_logit =
+        reduce(shifted.gather(1, idx).squeeze(1) * mine.to(at::kFloat), ReduceOp::kSum);
+    const at::Tensor weight = valid.to(at::kFloat) / valid.sum().to(at::kFloat);
+    ctx->save_for_backward({e / sum.unsqueeze(1), idx, mine, weight});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return ((sum.log() - target_logit) * weight).sum();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();  // softmax on this slice
+    grad.scatter_add_(1, saved[1], -saved[2].to(at::kFloat).unsqueeze(1));
+    grad.mul_(saved[3].unsqueeze(1) * g[0]);
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data.at("dtype").toInt());
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The sequence-parallel TensorParallel of `root`, or nullptr (none, tp 1, option off).
+const TensorParallel* sequence_parallel_of(const torch::nn::Module& root) {
+  const TensorParallel* tp = find_tensor_parallel(&root);
+  if (tp == nullptr || tp->tp_size() == 1 || !tp->plan().sequence_parallel) return nullptr;
+  return tp;
+}
+
+
 // The placement of a parameter of a split module (a rowwise bias is replicated).
 TpPlacement placement_of(TpStyle style, int parts, bool is_bias) {
   if (style == TpStyle::kRowwise && is_bias) return {};
@@ -184,6 +356,13 @@ TpEntry find_tp(const torch::nn::Module* m) {
 }
 
 at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x) {
+  if (e.sequence) {
+    TORCH_CHECK(x.dim() >= 3, "sequence parallelism: module '", printable_escape(*e.path),
+                "' (colwise) got an input of shape ", x.sizes(), "; it needs [B, T/tp, ...] "
+                "(gathered along the sequence, dim 1): do not flatten it to [B*T, ...] before the "
+                "call (takes_sequence_shards(), fsdp/tensor_parallel.h)");
+    return GatherSequence::apply(x, as_int(e.group), as_int(e.counters));
+  }
   return CopyToTp::apply(x, as_int(e.group), as_int(e.counters));
 }
 
@@ -194,9 +373,18 @@ at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const a
   // crashed tests/tensor_parallel_test.cpp about every other run).
   const auto params = m->named_parameters(/*recurse=*/false);
   const at::Tensor* bias = params.find("bias");
-  if (bias == nullptr || !bias->defined())
-    return ReduceFromTp::apply(y, as_int(e.group), as_int(e.counters));
-  return ReduceFromTp::apply(y - *bias, as_int(e.group), as_int(e.counters)) + *bias;
+  auto reduce = [&](const at::Tensor& t) {
+    if (!e.sequence) return ReduceFromTp::apply(t, as_int(e.group), as_int(e.counters));
+    TORCH_CHECK(t.dim() >= 3, "sequence parallelism: module '", printable_escape(*e.path),
+                "' (rowwise) returned an output of shape ", t.sizes(), "; it needs [B, T, ...] "
+                "(reduce-scattered along the sequence, dim 1): do not flatten its input to "
+                "[B*T, ...] (takes_sequence_shards(), fsdp/tensor_parallel.h)");
+    return ReduceScatterSequence::apply(t, as_int(e.group), as_int(e.counters));
+  };
+  if (bias == nullptr || !bias->defined()) return reduce(y);
+  // Under sequence parallelism the bias is added to this rank's part of the sequence only: its
+  // gradient is partial, all-reduced over tp by the hook parallelize() put on it.
+  return reduce(y - *bias) + *bias;
 }
 
 void tp_bad_signature(const TpEntry& e) {
@@ -211,6 +399,7 @@ TensorParallel::~TensorParallel() {
   // Only erases the entries this object added. Locking may throw (std::system_error): then
   // they stay registered, which a destructor cannot report; swallowed (CONTRIBUTING.md 5).
   try {
+    for (auto& [param, hook] : sequence_hooks_) param.remove_hook(hook);
     std::unique_lock<std::shared_mutex> lock(g_mu);
     for (const torch::nn::Module* m : registered_) g_modules.erase(m);
     auto it = g_roots.find(root_);
@@ -298,19 +487,78 @@ std::string TensorParallel::to_string() const {
 TpCounters TensorParallel::counters() const {
   TpCounters c;
   if (!counters_) return c;
-  c.forward_all_reduces = counters_->forward_all_reduces.load(std::memory_order_relaxed);
-  c.backward_all_reduces = counters_->backward_all_reduces.load(std::memory_order_relaxed);
-  c.forward_bytes = counters_->forward_bytes.load(std::memory_order_relaxed);
-  c.backward_bytes = counters_->backward_bytes.load(std::memory_order_relaxed);
+  const detail::TpCounterCells& k = *counters_;
+  auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
+  c.forward_all_reduces = get(k.forward_all_reduces);
+  c.backward_all_reduces = get(k.backward_all_reduces);
+  c.forward_all_gathers = get(k.forward_all_gathers);
+  c.forward_reduce_scatters = get(k.forward_reduce_scatters);
+  c.backward_all_gathers = get(k.backward_all_gathers);
+  c.backward_reduce_scatters = get(k.backward_reduce_scatters);
+  c.forward_bytes = get(k.forward_bytes);
+  c.backward_bytes = get(k.backward_bytes);
+  c.grad_all_reduces = get(k.grad_all_reduces);
+  c.grad_bytes = get(k.grad_bytes);
+  c.boundary_all_gathers = get(k.boundary_all_gathers);
+  c.boundary_bytes = get(k.boundary_bytes);
+  c.loss_all_reduces = get(k.loss_all_reduces);
+  c.loss_bytes = get(k.loss_bytes);
   return c;
 }
 
 void TensorParallel::reset_counters() {
   if (!counters_) return;
-  counters_->forward_all_reduces = 0;
-  counters_->backward_all_reduces = 0;
-  counters_->forward_bytes = 0;
-  counters_->backward_bytes = 0;
+  detail::TpCounterCells& k = *counters_;
+  for (std::atomic<int64_t>* a :
+       {&k.forward_all_reduces, &k.backward_all_reduces, &k.forward_all_gathers,
+        &k.forward_reduce_scatters, &k.backward_all_gathers, &k.backward_reduce_scatters,
+        &k.forward_bytes, &k.backward_bytes, &k.grad_all_reduces, &k.grad_bytes,
+        &k.boundary_all_gathers, &k.boundary_bytes, &k.loss_all_reduces, &k.loss_bytes})
+    a->store(0, std::memory_order_relaxed);
+}
+
+at::Tensor TensorParallel::vocab_parallel_cross_entropy(const at::Tensor& logits,
+                                                        const at::Tensor& targets,
+                                                        int64_t vocab) const {
+  const std::string where = "loss parallelism (tp rank " + std::to_string(tp_rank_) + " of " +
+                            std::to_string(tp_size_) + ")";
+  TORCH_CHECK(logits.dim() >= 1 &&
+                  targets.numel() * std::max<int64_t>(logits.size(-1), 1) == logits.numel(),
+              where, ": logits ", logits.sizes(), " do not match targets ", targets.sizes(),
+              " (expected logits [..., V/tp] over the targets' shape)");
+  TORCH_CHECK(vocab % tp_size_ == 0 && logits.size(-1) * tp_size_ == vocab, where,
+              ": the logits have ", logits.size(-1), " classes per rank but the vocabulary is ",
+              vocab, " = tp ", tp_size_, " x ", vocab / tp_size_,
+              "; the tp plan must split the head colwise (e.g. colwise:path=lm_head) with a "
+              "vocabulary tp divides");
+  const at::Tensor flat = logits.reshape({-1, logits.size(-1)});
+  const at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  if (tp_size_ == 1) return at::cross_entropy_loss(flat.to(at::kFloat), t);
+  return VocabParallelCrossEntropy::apply(flat, t, as_int(group_), as_int(counters_.get()),
+                                          static_cast<int64_t>(tp_rank_) * (vocab / tp_size_));
+}
+
+at::Tensor sequence_shard(const torch::nn::Module& root, const at::Tensor& x) {
+  const TensorParallel* tp = sequence_parallel_of(root);
+  if (tp == nullptr) return x;
+  TORCH_CHECK(x.dim() >= 2 && x.size(1) % tp->tp_size() == 0, "sequence parallelism (tp rank ",
+              tp->tp_rank(), " of ", tp->tp_size(), "): the sequence length ",
+              x.dim() >= 2 ? x.size(1) : int64_t{-1}, " of activation ", x.sizes(),
+              " is not a multiple of tp ", tp->tp_size(),
+              "; use sequences whose length tp divides (pad them), or turn sequence_parallel off");
+  return ShardSequence::apply(x, as_int(tp->group_), as_int(tp->counters_.get()));
+}
+
+at::Tensor sequence_gather(const torch::nn::Module& root, const at::Tensor& x,
+                           const torch::nn::Module& next) {
+  const TensorParallel* tp = sequence_parallel_of(root);
+  if (tp == nullptr || detail::find_tp(&next).kind == detail::TpEntry::Kind::kColwise) return x;
+  return UnshardSequence::apply(x, as_int(tp->group_), as_int(tp->counters_.get()));
+}
+
+bool takes_sequence_shards(const torch::nn::Module& m) {
+  const detail::TpEntry e = detail::find_tp(&m);
+  return e.kind != detail::TpEntry::Kind::kNone && e.sequence;
 }
 
 std::vector<int64_t> tp_local_shape(const TpModule& m, bool is_bias,
@@ -328,7 +576,7 @@ const TensorParallel* find_tensor_parallel(const torch::nn::Module* root) {
 }
 
 std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan& plan, int tp,
-                                    const std::string& where) {
+                                    const std::string& where, std::vector<TpModule>* sequence) {
   std::vector<TpModule> out;
   // 1. Match.
   const Policy policy = plan.match_policy();
@@ -344,7 +592,9 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
     if (r < 0) continue;
     ++hits[r];
     const TpRule& rule = plan.rules[r];
-    if (rule.style == TpStyle::kReplicate) continue;
+    if (rule.style == TpStyle::kSequence && sequence != nullptr)
+      sequence->push_back({item.key(), rule.style, 1, r});
+    if (rule.style == TpStyle::kReplicate || rule.style == TpStyle::kSequence) continue;
     out.push_back({item.key(), rule.style, rule.parts, r});
     split.push_back(item.value());
   }
@@ -354,6 +604,13 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
                 "' matches no module of the model (plan '", printable_escape(plan.to_spec()),
                 "'; the model's module types: ", model_types(model),
                 "). Fix the rule's type or path terms, or remove it");
+
+  bool has_sequence_rule = false;
+  for (const TpRule& r : plan.rules) has_sequence_rule |= r.style == TpStyle::kSequence;
+  TORCH_CHECK(!plan.sequence_parallel || has_sequence_rule, where, ": tp plan '",
+              printable_escape(plan.to_spec()),
+              "' has sequence_parallel but no sequence rule; name the modules that run on "
+              "sequence shards (the norms), e.g. sequence:type=LayerNorm|RMSNorm");
 
   // 2. The parents' own checks (heads), then Linear-like modules and sizes tp divides.
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
@@ -398,7 +655,94 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
                   " input features, which tp ", tp, " cannot split evenly");
     }
   }
+  // 3. A split parameter held by another module too (tied embeddings and a colwise head) would
+  // be sliced under it as well.
+  std::unordered_map<const void*, size_t> split_params;
+  for (size_t i = 0; i < split.size(); ++i)
+    for (const auto& p : split[i]->named_parameters(/*recurse=*/false))
+      if (p.value().defined()) split_params.emplace(p.value().unsafeGetTensorImpl(), i);
+  std::unordered_set<const torch::nn::Module*> split_set;
+  for (const auto& m : split) split_set.insert(m.get());
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (split_set.count(item.value().get()) != 0) continue;
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      auto it = p.value().defined() ? split_params.find(p.value().unsafeGetTensorImpl())
+                                    : split_params.end();
+      TORCH_CHECK(it == split_params.end(), where, ": module '",
+                  printable_escape(out[it->second].path), "' (",
+                  style_text(plan.rules[out[it->second].rule]), ") shares its parameter '",
+                  printable_escape(p.key()), "' with module '", printable_escape(item.key()),
+                  "' (tied weights), which would be split too; untie them or leave '",
+                  printable_escape(out[it->second].path), "' out of the tp plan");
+    }
+  }
   return out;
+}
+
+// Note [Sequence-parallel gradients]
+// Under sequence parallelism a parameter kept whole on every tp rank but used on this rank's
+// part of the sequence only (a `sequence` module's: the norms; a rowwise module's bias, added
+// after the reduce-scatter) gets a partial gradient; Megatron all-reduces those over tp. A
+// tensor hook on the parameter does it before AccumulateGrad, so fully_shard's units (their
+// GradReadyHook runs after AccumulateGrad), clip_grad_norm_ and the optimizer see the sum.
+// The hooks live in the parameter's autograd meta, which fully_shard's set_data keeps.
+// A recompute unit (fsdp/recompute.cpp) runs its backward through torch::autograd::grad, which
+// calls the hook on the captured gradient, then hands that gradient to AccumulateGrad, which
+// calls it again: the hook remembers what it returned (weak references: never keeps a gradient
+// alive) and passes its own result through unchanged, so each gradient is reduced once.
+struct SequenceGradHookState {
+  std::mutex mu;
+  // The hook's own results.
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> reduced;
+};
+
+void TensorParallel::add_sequence_grad_hooks(const torch::nn::Module& model,
+                                             const std::vector<TpModule>& sequence,
+                                             TensorParallel* tp) {
+  std::unordered_map<std::string, const torch::nn::Module*> by_path;
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    by_path.emplace(item.key(), item.value().get());
+  std::unordered_set<const void*> seen;
+  auto state = std::make_shared<SequenceGradHookState>();
+  auto hook = [&](const std::string& name, at::Tensor p) {
+    // A parameter frozen now has no gradient to reduce (register_hook refuses it).
+    if (!p.defined() || !p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) return;
+    Communicator* group = tp->group_;
+    detail::TpCounterCells* c = tp->counters_.get();
+    const unsigned key = p.register_hook([group, c, state](const at::Tensor& grad) {
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        auto& seen_out = state->reduced;
+        bool mine = false;
+        for (size_t i = 0; i < seen_out.size();) {
+          const bool hit = seen_out[i]._unsafe_get_target() == grad.unsafeGetTensorImpl() &&
+                           !seen_out[i].expired();
+          if (hit || seen_out[i].expired()) {
+            seen_out[i] = std::move(seen_out.back());
+            seen_out.pop_back();
+            mine = mine || hit;
+          } else {
+            ++i;
+          }
+        }
+        if (mine) return grad;  // reduced already (a recompute's captured gradient)
+      }
+      at::Tensor out = all_reduced(group, grad, &c->grad_all_reduces, &c->grad_bytes);
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->reduced.emplace_back(out.getIntrusivePtr());
+      return out;
+    });
+    tp->sequence_hooks_.emplace_back(p, key);
+    tp->sequence_grad_names_.push_back(name);
+  };
+  for (const TpModule& m : sequence)
+    for (const auto& p : by_path.at(m.path)->named_parameters(/*recurse=*/true))
+      hook(m.path + "." + p.key(), p.value());
+  for (const TpModule& m : tp->modules_) {
+    if (m.style != TpStyle::kRowwise) continue;
+    const auto params = by_path.at(m.path)->named_parameters(/*recurse=*/false);
+    if (const at::Tensor* b = params.find("bias")) hook(m.path + ".bias", *b);
+  }
 }
 
 std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>& model,
@@ -417,7 +761,9 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
   out->counters_ = std::make_unique<detail::TpCounterCells>();
 
   // 1-2. Match and check (nothing changed yet).
-  out->modules_ = match_tp_plan(*model, plan, tp, where);
+  std::vector<TpModule> sequence;
+  out->modules_ = match_tp_plan(*model, plan, tp, where, &sequence);
+  out->group_ = mesh.tp();
   std::vector<std::shared_ptr<torch::nn::Module>> split;
   {
     std::unordered_map<std::string, std::shared_ptr<torch::nn::Module>> by_path;
@@ -456,6 +802,7 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
       e.group = mesh.tp();
       e.path = &out->modules_[i].path;
       e.counters = out->counters_.get();
+      e.sequence = plan.sequence_parallel;
       TORCH_CHECK(g_modules.emplace(split[i].get(), e).second, where, ": module '",
                   printable_escape(out->modules_[i].path),
                   "' is already split by another parallelize()");
@@ -463,6 +810,8 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
     }
     g_count.store(g_modules.size(), std::memory_order_release);
   }
+  if (tp > 1 && plan.sequence_parallel)
+    TensorParallel::add_sequence_grad_hooks(*model, sequence, out.get());
   {
     std::unique_lock<std::shared_mutex> lock(g_mu);
     g_roots[model.get()] = out.get();

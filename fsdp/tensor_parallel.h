@@ -32,7 +32,12 @@
 //   gather_full_grads() give the TP-local values (full over the shard group); local_slice()
 //   maps a full value to them. Checkpoints record each parameter's placement (placement(),
 //   TpPlacement; the layout's one home is tp_slice / tp_unslice below) and load at any tp size.
-// - Not yet (issue 51): sequence and loss parallelism, vocabulary-parallel embeddings, kv heads
+// - Sequence and loss parallelism are options of the plan (TpPlan::sequence_parallel,
+//   loss_parallel; wrap_policies/tp_plan.h); the model's forward marks the sequence region's
+//   edges (sequence_shard / sequence_gather below) and its loss calls
+//   vocab_parallel_cross_entropy(). Sequence parallelism needs a `sequence` rule; a split
+//   module may not share a parameter with another module (tied embeddings and a colwise head).
+// - Not yet (issue 51): vocabulary-parallel embeddings, kv heads
 //   fewer than tp (replicated), deferred init on meta without a loader (a meta-built model is
 //   parallelized, shapes only, and must be loaded: ShardingOptions::load, slice_loader),
 //   bench/explain --tp.
@@ -93,17 +98,39 @@ at::Tensor tp_slice(const at::Tensor& full, const TpPlacement& p, int tp, int ra
 at::Tensor tp_unslice(const at::Tensor& tp_major, const std::vector<int64_t>& full_shape,
                       const TpPlacement& p, int tp);
 
-// The TP collectives one rank issued (TensorParallel::counters()): an all-reduce over the tp
-// group of each rowwise module's output in forward and of each colwise module's input gradient in
-// backward; bytes are the reduced tensors' (numel x element size), what this rank sends.
-// explain() predicts them per step (planner/explain.h, TpCollectives).
+// The TP collectives one rank issued (TensorParallel::counters()), over the tp group. Without
+// sequence parallelism: an all-reduce of each rowwise module's output in forward and of each
+// colwise module's input gradient in backward. With it (TpPlan::sequence_parallel): a colwise
+// module's input is all-gathered along the sequence in forward (its gradient reduce-scattered in
+// backward), a rowwise module's output reduce-scattered (its gradient all-gathered). Bytes are
+// the full tensors' (the reduced or gathered one: numel x element size), so the sequence-parallel
+// bytes per layer equal the all-reduce ones. Besides, per step:
+//   grad_*      sequence parallelism: the gradient of each parameter that saw sequence shards
+//               (`sequence` modules' and rowwise biases) all-reduced over tp, in backward;
+//   boundary_*  sequence parallelism: the model's own edges of the sequence region,
+//               sequence_shard()'s backward all-gather and sequence_gather()'s forward one;
+//   loss_*      loss parallelism: the max, sum-exp and target-logit all-reduces of
+//               vocab_parallel_cross_entropy() (fp32, one value per token each).
+// explain() predicts all but boundary_* per step (planner/explain.h, TpCollectives).
 struct TpCounters {
   int64_t forward_all_reduces = 0, backward_all_reduces = 0;
-  int64_t forward_bytes = 0, backward_bytes = 0;
+  int64_t forward_all_gathers = 0, forward_reduce_scatters = 0;
+  int64_t backward_all_gathers = 0, backward_reduce_scatters = 0;
+  int64_t forward_bytes = 0, backward_bytes = 0;  // every forward / backward collective above
+  int64_t grad_all_reduces = 0, grad_bytes = 0;
+  int64_t boundary_all_gathers = 0, boundary_bytes = 0;
+  int64_t loss_all_reduces = 0, loss_bytes = 0;
   bool operator==(const TpCounters& o) const {
     return forward_all_reduces == o.forward_all_reduces &&
-           backward_all_reduces == o.backward_all_reduces && forward_bytes == o.forward_bytes &&
-           backward_bytes == o.backward_bytes;
+           backward_all_reduces == o.backward_all_reduces &&
+           forward_all_gathers == o.forward_all_gathers &&
+           forward_reduce_scatters == o.forward_reduce_scatters &&
+           backward_all_gathers == o.backward_all_gathers &&
+           backward_reduce_scatters == o.backward_reduce_scatters &&
+           forward_bytes == o.forward_bytes && backward_bytes == o.backward_bytes &&
+           grad_all_reduces == o.grad_all_reduces && grad_bytes == o.grad_bytes &&
+           boundary_all_gathers == o.boundary_all_gathers && boundary_bytes == o.boundary_bytes &&
+           loss_all_reduces == o.loss_all_reduces && loss_bytes == o.loss_bytes;
   }
   bool operator!=(const TpCounters& o) const { return !(*this == o); }
 };
@@ -148,11 +175,28 @@ class TensorParallel {
   // The TP collectives this rank issued since parallelize() or the last reset_counters().
   TpCounters counters() const;
   void reset_counters();
+  // Sequence parallelism: the parameters whose gradients are all-reduced over tp (the
+  // `sequence` modules' and the rowwise biases that required grad when parallelize() ran:
+  // freeze parameters before it, never unfreeze one after), by name, in registration order.
+  const std::vector<std::string>& sequence_grads() const { return sequence_grad_names_; }
+  // Loss parallelism: the mean cross-entropy of `logits` [..., V / tp] (this rank's vocabulary
+  // slice, rows [rank * V/tp, (rank+1) * V/tp) of a colwise head) against `targets` [...] (ids
+  // in [0, V), -100 ignored, as at::cross_entropy_loss), computed in fp32 without gathering the
+  // logits: three all-reduces of one value per token (max, sum of exp, target logit) forward;
+  // backward is local (softmax minus one-hot on the slice). Errors name the sizes.
+  at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                          int64_t vocab) const;
 
  private:
   friend std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>&,
                                                      const TpPlan&, const Mesh&);
+  friend at::Tensor sequence_shard(const torch::nn::Module&, const at::Tensor&);
+  friend at::Tensor sequence_gather(const torch::nn::Module&, const at::Tensor&,
+                                    const torch::nn::Module&);
   TensorParallel() = default;
+  // Note [Sequence-parallel gradients] (tensor_parallel.cpp).
+  static void add_sequence_grad_hooks(const torch::nn::Module& model,
+                                      const std::vector<TpModule>& sequence, TensorParallel* tp);
   struct Slice {
     TpStyle style;
     int parts;
@@ -167,6 +211,11 @@ class TensorParallel {
   std::unordered_set<const void*> split_;  // TensorImpl of each split parameter
   std::map<std::string, Slice> slices_;     // by parameter name
   std::unique_ptr<detail::TpCounterCells> counters_;
+  Communicator* group_ = nullptr;  // mesh.tp(): the sequence edges and the loss use it
+  // Sequence parallelism: the gradient hooks parallelize() put on the parameters that saw
+  // sequence shards (removed by the destructor: they point at counters_).
+  std::vector<std::pair<at::Tensor, unsigned>> sequence_hooks_;
+  std::vector<std::string> sequence_grad_names_;
 };
 
 std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Module>& model,
@@ -177,8 +226,28 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
 // modules `plan` names in `model`, in registration order. Throws parallelize()'s errors
 // (prefixed with `where`): a rule that matches nothing, a size>= term, a TensorParallelModule's
 // own check (heads), a module that is not Linear-like, sizes `tp` does not divide.
+// `sequence`, when given, receives the modules the plan's `sequence` rules match (style
+// kSequence), in registration order.
 std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan& plan, int tp,
-                                    const std::string& where);
+                                    const std::string& where,
+                                    std::vector<TpModule>* sequence = nullptr);
+
+// Sequence parallelism (TpPlan::sequence_parallel), for a model's forward (the families call
+// them; docs/tensor-parallel.md). Each is the identity when `root` was not parallelized with
+// the option (or tp is 1).
+// - sequence_shard(root, x): x [B, T, ...] replicated (the embeddings' output) -> this tp
+//   rank's part of the sequence, [B, T/tp, ...] (rows [k*T/tp, (k+1)*T/tp) of dim 1); backward
+//   all-gathers the gradient along the sequence. T that tp does not divide is an error naming
+//   both sizes.
+// - sequence_gather(root, x, next): the inverse before a module that needs the whole sequence
+//   (a replicated lm_head): all-gather along dim 1 forward, this rank's part of the gradient
+//   backward. Also the identity when `next` is a colwise module (its entry gathers).
+// - takes_sequence_shards(m): `m` is split and its call gathers or scatters along dim 1, so its
+//   input must keep the [B, T, ...] layout (not flattened to [B*T, ...]).
+at::Tensor sequence_shard(const torch::nn::Module& root, const at::Tensor& x);
+at::Tensor sequence_gather(const torch::nn::Module& root, const at::Tensor& x,
+                           const torch::nn::Module& next);
+bool takes_sequence_shards(const torch::nn::Module& m);
 
 // The shape tp rank keeps of the parameter `is_bias ? bias : weight` of the split module `m`
 // whose full shape is `full` (the layout parallelize() slices to).

@@ -6,10 +6,12 @@
 //   * find_tp(m): kind == kNone when `m` is not a colwise/rowwise module of a live
 //     TensorParallel with more than one tp rank (the common case: one atomic load, no lock).
 //   * tp_enter_colwise(e, x): Megatron's f, identity forward, all-reduce (sum) of the input
-//     gradient over the tp group backward.
+//     gradient over the tp group backward. With e.sequence: all-gather of x [B, T/tp, ...]
+//     along dim 1 forward, reduce-scatter of the gradient backward.
 //   * tp_exit_rowwise(e, m, y): Megatron's g, all-reduce (sum) of the output over the tp
 //     group forward, identity backward; `m`'s replicated bias (a parameter named "bias", if
-//     any) is added once, not once per rank.
+//     any) is added once, not once per rank. With e.sequence: reduce-scatter of y [B, T, ...]
+//     along dim 1 forward, all-gather of the gradient backward.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -34,7 +36,12 @@ namespace detail {
 // functions add to them from the forward and the autograd threads.
 struct TpCounterCells {
   std::atomic<int64_t> forward_all_reduces{0}, backward_all_reduces{0};
+  std::atomic<int64_t> forward_all_gathers{0}, forward_reduce_scatters{0};
+  std::atomic<int64_t> backward_all_gathers{0}, backward_reduce_scatters{0};
   std::atomic<int64_t> forward_bytes{0}, backward_bytes{0};
+  std::atomic<int64_t> grad_all_reduces{0}, grad_bytes{0};
+  std::atomic<int64_t> boundary_all_gathers{0}, boundary_bytes{0};
+  std::atomic<int64_t> loss_all_reduces{0}, loss_bytes{0};
 };
 
 struct TpEntry {
@@ -43,6 +50,7 @@ struct TpEntry {
   Communicator* group = nullptr;     // the tp group
   const std::string* path = nullptr;  // the module's path, for messages
   TpCounterCells* counters = nullptr;  // its TensorParallel's
+  bool sequence = false;  // sequence parallelism: gather / reduce-scatter along dim 1 instead
 };
 
 TpEntry find_tp(const torch::nn::Module* m);

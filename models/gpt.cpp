@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "fsdp/call.h"
+#include "fsdp/tensor_parallel.h"
 #include "models/family.h"
 #include "models/fp8_linear.h"
 #include "models/model_init.h"
@@ -128,7 +129,10 @@ namespace {
 // (addmm) only for 2-D inputs; a 3-D input takes matmul + an in-place bias add, one more kernel
 // per Linear in forward (and a slower GEMM without the epilogue) than PyTorch's F.linear.
 // fp8: models/fp8_linear.h's matmul instead (the same unit-aware call).
+// Under sequence parallelism a split Linear gathers or scatters along the sequence (dim 1), so it
+// gets the [B, T, in] input as is (fsdp/tensor_parallel.h, takes_sequence_shards).
 at::Tensor linear(torch::nn::Linear& m, const at::Tensor& x, bool fp8) {
+  if (takes_sequence_shards(*m)) return models::call_linear(m, x, fp8);
   auto out_sizes = x.sizes().vec();
   const at::Tensor y = models::call_linear(m, x.reshape({-1, x.size(-1)}), fp8);
   out_sizes.back() = y.size(-1);
@@ -144,14 +148,18 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GPTConfig& cfg)
 }
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), d = x.size(2);
+  const int64_t B = x.size(0), d = x.size(2);
   // [B, T, 3d] -> three [B, H, T, hd] views: q, k, v with heads as a batch dimension, as SDPA
   // wants. split, not indexing a permuted [3, B, H, T, hd]: select's backward materialises a
   // zero tensor of the whole qkv output per slice and adds them (on the 1B GPT on an H200: ~130
   // strided elementwise kernels, ~12 ms of a 100 ms step); split's backward is one cat.
   // Local sizes from the weight (tensor parallelism splits the heads: fsdp/tensor_parallel.h).
+  // The sequence length from qkv's output: under sequence parallelism x holds T/tp positions and
+  // qkv's entry gathers them.
   const int64_t hd = d / n_heads_, local = qkv->weight.size(0) / 3, h = local / hd;
-  const auto parts = linear(qkv, x, fp8_).split(local, /*dim=*/2);
+  const at::Tensor fused = linear(qkv, x, fp8_);
+  const int64_t T = fused.size(1);
+  const auto parts = fused.split(local, /*dim=*/2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, h, hd}).transpose(1, 2); };
   const at::Tensor y = at::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]),
                                                         heads(parts[2]), /*attn_mask=*/{},
@@ -226,14 +234,16 @@ void GPTImpl::init_tensor(const std::string& name, const at::Tensor& values) con
 at::Tensor GPTImpl::forward(const at::Tensor& idx) {
   models::check_tokens(idx, cfg_.seq_len, "GPT::forward");
   const at::Tensor pos = at::arange(idx.size(1), idx.options());
-  at::Tensor x = flatshard::call(wte, idx) + flatshard::call(wpe, pos);
+  // Sequence parallelism (fsdp/tensor_parallel.h): the blocks run on this tp rank's part of the
+  // sequence; identities otherwise.
+  at::Tensor x = sequence_shard(*this, flatshard::call(wte, idx) + flatshard::call(wpe, pos));
   for (auto& block : blocks_) x = flatshard::call(block, x);
-  return flatshard::call(lm_head, flatshard::call(ln_f, x));
+  return flatshard::call(lm_head, sequence_gather(*this, flatshard::call(ln_f, x), *lm_head));
 }
 
 at::Tensor GPTImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
   models::check_targets(idx, targets, "GPT::loss");
-  return models::next_token_loss(forward(idx), targets, cfg_.vocab);
+  return models::next_token_loss(forward(idx), targets, cfg_.vocab, this);
 }
 
 // --- the family descriptor (models/family.h) ----------------------------------------------------
@@ -243,7 +253,8 @@ const models::Family& GPTConfig::family() {
       "gpt", "GPT",
       {"Block", "Linear|LayerNorm|Embedding",
        "GPT, Block, CausalSelfAttention, MLP, Linear, LayerNorm, Embedding",
-       "colwise/3:path=*.attn.qkv;colwise:path=*.mlp.fc;rowwise:path=*.attn.proj|*.mlp.proj"});
+       "colwise/3:path=*.attn.qkv;colwise:path=*.mlp.fc;rowwise:path=*.attn.proj|*.mlp.proj;"
+       "sequence:type=LayerNorm"});
   return f;
 }
 

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "fsdp/call.h"
+#include "fsdp/tensor_parallel.h"
 #include "models/family.h"
 #include "models/fp8_linear.h"
 #include "models/hf_config.h"
@@ -271,15 +272,19 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg)
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
-  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t B = x.size(0);
   // Local head counts from the weights (tensor parallelism splits the heads:
   // fsdp/tensor_parallel.h).
   const int64_t hd = head_dim_, hq = q->weight.size(0) / hd, hkv = k->weight.size(0) / hd;
+  // The sequence length from q's output: under sequence parallelism x holds T/tp positions and
+  // q's entry gathers them.
+  const at::Tensor q_out = models::call_linear(q, x, fp8_);
+  const int64_t T = q_out.size(1);
   // [B, T, H·hd] -> [B, H, T, hd]: heads as a batch dimension, as SDPA wants.
   auto heads = [&](const at::Tensor& t, int64_t h) {
     return t.view({B, T, h, hd}).transpose(1, 2);
   };
-  const at::Tensor qh = apply_rotary(heads(models::call_linear(q, x, fp8_), hq), cos, sin);
+  const at::Tensor qh = apply_rotary(heads(q_out, hq), cos, sin);
   at::Tensor kh = apply_rotary(heads(models::call_linear(k, x, fp8_), hkv), cos, sin);
   at::Tensor vh = heads(models::call_linear(v, x, fp8_), hkv);
   if (hkv != hq) {  // grouped-query: kv head j serves q heads [j·g, (j+1)·g)
@@ -384,14 +389,16 @@ at::Tensor LlamaImpl::forward(const at::Tensor& idx) {
   // No length limit: RoPE is computed for the batch's positions (llama.h).
   models::check_tokens(idx, std::numeric_limits<int64_t>::max(), "Llama::forward");
   const auto [cos, sin] = flatshard::call(rope, idx.size(1));
-  at::Tensor x = flatshard::call(embed_tokens, idx);
+  // Sequence parallelism (fsdp/tensor_parallel.h): the layers run on this tp rank's part of the
+  // sequence; identities otherwise.
+  at::Tensor x = sequence_shard(*this, flatshard::call(embed_tokens, idx));
   for (auto& layer : layers_) x = flatshard::call(layer, x, cos, sin);
-  return flatshard::call(lm_head, flatshard::call(norm, x));
+  return flatshard::call(lm_head, sequence_gather(*this, flatshard::call(norm, x), *lm_head));
 }
 
 at::Tensor LlamaImpl::loss(const at::Tensor& idx, const at::Tensor& targets) {
   models::check_targets(idx, targets, "Llama::loss");
-  return models::next_token_loss(forward(idx), targets, cfg_.vocab);
+  return models::next_token_loss(forward(idx), targets, cfg_.vocab, this);
 }
 
 // --- the family descriptor (models/family.h) ----------------------------------------------------
@@ -402,7 +409,7 @@ const models::Family& LlamaConfig::family() {
       {"DecoderLayer", "Linear|RMSNorm|Embedding",
        "Llama, DecoderLayer, Attention, MLP, RMSNorm, RotaryEmbedding, Linear, Embedding",
        "colwise:path=*.attn.q|*.attn.k|*.attn.v|*.mlp.gate|*.mlp.up;"
-       "rowwise:path=*.attn.o|*.mlp.down"});
+       "rowwise:path=*.attn.o|*.mlp.down;sequence:type=RMSNorm"});
   return f;
 }
 

@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "fsdp/tensor_parallel.h"
+
 namespace flatshard {
 namespace models {
 
@@ -57,7 +59,16 @@ void check_targets(const at::Tensor& idx, const at::Tensor& targets, const char*
               " must have the shape of idx ", idx.sizes());
 }
 
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab) {
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                           const torch::nn::Module* root) {
+  const TensorParallel* tp = root != nullptr ? find_tensor_parallel(root) : nullptr;
+  if (tp != nullptr && tp->plan().loss_parallel)
+    return tp->vocab_parallel_cross_entropy(logits, targets, vocab);
+  TORCH_CHECK(logits.size(-1) == vocab, "next_token_loss: the logits have ", logits.size(-1),
+              " classes but the vocabulary is ", vocab,
+              tp != nullptr ? "; a head the tp plan splits colwise needs the plan's loss_parallel "
+                              "option (fsdp/tensor_parallel.h)"
+                            : "");
   return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
 }
 

@@ -20,7 +20,10 @@
 //     c10::Error prefixed by `who` ("GPT::forward").
 //   * check_targets(idx, targets, who): targets have idx's shape, else c10::Error (checked before
 //     the forward runs). next_token_loss(logits, targets, vocab): the mean cross-entropy of
-//     logits [B, T, vocab] (any dtype; computed in fp32) against targets int64 [B, T].
+//     logits [B, T, vocab] (any dtype; computed in fp32) against targets int64 [B, T]. With
+//     `root` parallelized with loss parallelism (fsdp/tensor_parallel.h, TpPlan::loss_parallel)
+//     the logits are this tp rank's vocabulary slice [B, T, vocab/tp] and the loss is
+//     vocabulary-parallel; logits of another width than vocab are an error naming the fix.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -67,7 +70,8 @@ std::pair<torch::nn::Embedding, torch::nn::Linear> embedding_and_head(int64_t vo
                                                                       bool tied);
 void check_tokens(const at::Tensor& idx, int64_t seq_len, const char* who);
 void check_targets(const at::Tensor& idx, const at::Tensor& targets, const char* who);
-at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab);
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                           const torch::nn::Module* root = nullptr);
 
 }  // namespace models
 }  // namespace flatshard

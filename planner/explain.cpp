@@ -535,6 +535,14 @@ MemoryEstimate estimate_memory(const std::vector<UnitExplanation>& units, int fo
 TpCollectives& TpCollectives::operator+=(const TpCollectives& o) {
   forward_all_reduces += o.forward_all_reduces;
   backward_all_reduces += o.backward_all_reduces;
+  forward_all_gathers += o.forward_all_gathers;
+  forward_reduce_scatters += o.forward_reduce_scatters;
+  backward_all_gathers += o.backward_all_gathers;
+  backward_reduce_scatters += o.backward_reduce_scatters;
+  grad_all_reduces += o.grad_all_reduces;
+  grad_numel += o.grad_numel;
+  loss_all_reduces += o.loss_all_reduces;
+  loss_numel_per_token += o.loss_numel_per_token;
   forward_numel_per_token += o.forward_numel_per_token;
   backward_numel_per_token += o.backward_numel_per_token;
   return *this;
@@ -544,8 +552,16 @@ TpCounters TpCollectives::counters(int64_t tokens, c10::ScalarType dtype) const 
   TpCounters c;
   c.forward_all_reduces = forward_all_reduces;
   c.backward_all_reduces = backward_all_reduces;
+  c.forward_all_gathers = forward_all_gathers;
+  c.forward_reduce_scatters = forward_reduce_scatters;
+  c.backward_all_gathers = backward_all_gathers;
+  c.backward_reduce_scatters = backward_reduce_scatters;
   c.forward_bytes = forward_numel_per_token * tokens * elem_size(dtype);
   c.backward_bytes = backward_numel_per_token * tokens * elem_size(dtype);
+  c.grad_all_reduces = grad_all_reduces;
+  c.grad_bytes = grad_numel * elem_size(dtype);
+  c.loss_all_reduces = loss_all_reduces;
+  c.loss_bytes = loss_numel_per_token * tokens * elem_size(c10::kFloat);
   return c;
 }
 
@@ -555,8 +571,9 @@ namespace {
 // module's collectives by its weight's name, from the model's TensorParallel or from `tp_plan`.
 struct TpLocal {
   std::unordered_map<std::string, std::vector<int64_t>> shapes;
-  std::unordered_map<std::string, TpCollectives> by_weight;
+  std::unordered_map<std::string, TpCollectives> by_weight;  // and SP's gradient all-reduces
   int modules = 0;
+  bool loss_parallel = false;
 };
 
 TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const TpPlan& tp_plan,
@@ -564,7 +581,8 @@ TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const Tp
   TpLocal out;
   if (mesh.tp() <= 1) return out;
   const TensorParallel* done = find_tensor_parallel(&model);
-  std::vector<TpModule> modules;
+  std::vector<TpModule> modules, sequence;
+  const TpPlan& plan = done != nullptr ? done->plan() : tp_plan;
   if (done != nullptr) {
     TORCH_CHECK(done->tp_size() == mesh.tp(), "explain: the model was parallelized at tp ",
                 done->tp_size(), " but the mesh has tp ", mesh.tp());
@@ -574,22 +592,47 @@ TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const Tp
                 " has tp > 1 but no tp plan was given; pass the plan parallelize() will get "
                 "(a family's: Family::modules().tp_plan)");
     modules = match_tp_plan(model, tp_plan, mesh.tp(),
-                            "explain (tp " + std::to_string(mesh.tp()) + ")");
+                            "explain (tp " + std::to_string(mesh.tp()) + ")", &sequence);
+  }
+  const bool sp = plan.sequence_parallel;
+  out.loss_parallel = plan.loss_parallel;
+  // Note [Sequence-parallel gradients]: the names parallelize() hooks (or will).
+  std::vector<std::string> sp_grads;
+  if (sp && done != nullptr) sp_grads = done->sequence_grads();
+  if (sp && done == nullptr) {
+    std::unordered_set<const void*> seen;
+    auto add = [&](const std::string& name) {
+      const at::Tensor* p = params.find(name);
+      if (p != nullptr && p->defined() && seen.insert(p->unsafeGetTensorImpl()).second)
+        sp_grads.push_back(name);
+    };
+    for (const TpModule& m : sequence)
+      for (const auto& kv : params)
+        if (kv.key().rfind(m.path + ".", 0) == 0) add(kv.key());
+    for (const TpModule& m : modules)
+      if (m.style == TpStyle::kRowwise) add(m.path + ".bias");
+  }
+  for (const std::string& name : sp_grads) {
+    const at::Tensor* p = params.find(name);
+    if (p == nullptr || !p->requires_grad()) continue;  // frozen: no gradient, no hook call
+    out.by_weight[name].grad_all_reduces += 1;
+    out.by_weight[name].grad_numel += p->numel();
   }
   for (const TpModule& m : modules) {
     const std::string wname = m.path + ".weight", bname = m.path + ".bias";
     const at::Tensor* wp = params.find(wname);
     TORCH_INTERNAL_ASSERT(wp != nullptr, "explain: tp module '", m.path, "' has no weight");
     const at::Tensor& w = *wp;
-    TpCollectives c;
+    TpCollectives& c = out.by_weight[wname];
     if (m.style == TpStyle::kRowwise) {
-      c.forward_all_reduces = 1;
+      (sp ? c.forward_reduce_scatters : c.forward_all_reduces) = 1;
       c.forward_numel_per_token = w.size(0);
+      if (sp) c.backward_all_gathers = 1, c.backward_numel_per_token = w.size(0);
     } else {
-      c.backward_all_reduces = 1;
+      (sp ? c.backward_reduce_scatters : c.backward_all_reduces) = 1;
       c.backward_numel_per_token = w.size(1);
+      if (sp) c.forward_all_gathers = 1, c.forward_numel_per_token = w.size(1);
     }
-    out.by_weight[wname] = c;
     ++out.modules;
     if (done != nullptr) continue;  // its shapes are the local ones already
     out.shapes[wname] = tp_local_shape(m, false, w.sizes().vec(), mesh.tp());
@@ -717,6 +760,8 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
     e.collectives_per_step += collective_count(u.per_step);
     if (u.recompute) {  // the recomputed forward all-reduces again
       u.tp.forward_all_reduces *= 2;
+      u.tp.forward_all_gathers *= 2;
+      u.tp.forward_reduce_scatters *= 2;
       u.tp.forward_numel_per_token *= 2;
     }
     e.per_step += u.per_step;
@@ -724,6 +769,10 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
     e.total_numel += u.numel;
     e.total_padding += u.padding();
     e.units.push_back(std::move(u));
+  }
+  if (tp.loss_parallel) {  // vocab_parallel_cross_entropy: max, sum of exp, target logit
+    e.tp.loss_all_reduces += 3;
+    e.tp.loss_numel_per_token += 3;
   }
 
   e.memory = estimate_memory(e.units, options.forward_prefetch, options.backward_prefetch);
@@ -811,10 +860,21 @@ std::string Explanation::to_string() const {
        << mesh.to_string() << "), " << tp_modules
        << " split modules; numel and bytes above are the TP-local slices. Per step and rank: "
        << tp.forward_all_reduces << " forward + " << tp.backward_all_reduces
-       << " backward all-reduces over the tp group, "
+       << " backward all-reduces over the tp group, ";
+    if (tp.forward_all_gathers + tp.backward_all_gathers > 0)
+      os << "sequence parallel: " << tp.forward_all_gathers << " forward + "
+         << tp.backward_all_gathers << " backward all-gathers and " << tp.forward_reduce_scatters
+         << " + " << tp.backward_reduce_scatters << " reduce-scatters, ";
+    os
        << format_bytes(tp.forward_numel_per_token * e_size) << " + "
        << format_bytes(tp.backward_numel_per_token * e_size) << " per token ("
-       << dtype_name(mp.param_dtype) << ")\n";
+       << dtype_name(mp.param_dtype) << ")";
+    if (tp.grad_all_reduces > 0)
+      os << ", " << tp.grad_all_reduces << " gradient all-reduces of "
+         << format_bytes(tp.grad_numel * e_size);
+    if (tp.loss_all_reduces > 0)
+      os << ", " << tp.loss_all_reduces << " loss all-reduces of 4 B per token";
+    os << "\n";
     for (const auto& u : units) {
       if (u.tp.empty()) continue;
       os << "  tp " << u.name << ": AR f" << u.tp.forward_all_reduces << " b"

@@ -40,7 +40,10 @@
 //   per rank. TpCollectives (per unit and in total) equal TensorParallel::counters() after one
 //   step that enters every split module once with an input that requires grad: a forward
 //   all-reduce of each rowwise module's output, a backward one of each colwise module's input
-//   gradient (a recompute unit's forward runs twice: two forward all-reduces per rowwise module).
+//   gradient (a recompute unit's forward runs twice: two forward all-reduces per rowwise module);
+//   with sequence parallelism the all-gathers and reduce-scatters that replace them, and the
+//   all-reduces of the gradients of parameters that saw sequence shards; with loss parallelism
+//   the loss's three all-reduces.
 //   Their size is per token: bytes = numel_per_token x tokens x the compute dtype's size
 //   (TpCollectives::counters()).
 // Estimates (a model of the runtime, stated in MemoryEstimate's comment):
@@ -80,11 +83,25 @@ namespace flatshard {
 // of the reduced tensors (a rowwise module's out_features, a colwise module's in_features).
 struct TpCollectives {
   int64_t forward_all_reduces = 0, backward_all_reduces = 0;
-  int64_t forward_numel_per_token = 0, backward_numel_per_token = 0;
+  // Sequence parallelism: a colwise module's input gathered (forward) and its gradient
+  // reduce-scattered (backward); a rowwise module's output reduce-scattered, its gradient gathered.
+  int64_t forward_all_gathers = 0, forward_reduce_scatters = 0;
+  int64_t backward_all_gathers = 0, backward_reduce_scatters = 0;
+  int64_t forward_numel_per_token = 0, backward_numel_per_token = 0;  // all of the above
+  // Sequence parallelism: the gradients all-reduced over tp (Note [Sequence-parallel
+  // gradients], fsdp/tensor_parallel.cpp): one per trainable parameter, numel per step.
+  int64_t grad_all_reduces = 0, grad_numel = 0;
+  // Loss parallelism (total only): 3 all-reduces of one fp32 value per token.
+  int64_t loss_all_reduces = 0, loss_numel_per_token = 0;
   TpCollectives& operator+=(const TpCollectives& o);
-  bool empty() const { return forward_all_reduces == 0 && backward_all_reduces == 0; }
+  bool empty() const {
+    return forward_all_reduces == 0 && backward_all_reduces == 0 && forward_all_gathers == 0 &&
+           forward_reduce_scatters == 0 && backward_all_gathers == 0 &&
+           backward_reduce_scatters == 0 && grad_all_reduces == 0 && loss_all_reduces == 0;
+  }
   // What TensorParallel::counters() shows after one step of `tokens` tokens per rank (batch x
-  // seq) computed in `dtype` (the param dtype).
+  // seq) computed in `dtype` (the param dtype); its boundary_* (the model's sequence edges) are
+  // not predicted and stay 0.
   TpCounters counters(int64_t tokens, c10::ScalarType dtype) const;
 };
 

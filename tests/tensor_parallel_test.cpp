@@ -39,17 +39,19 @@ using namespace flatshard_test;
 
 namespace {
 
-ParitySpec gpt_spec(int world, int n_heads = 4) {
+// seq_len and vocab: sequence parallelism needs a length tp divides, loss parallelism a
+// vocabulary (tests below: 12 and 98).
+ParitySpec gpt_spec(int world, int n_heads = 4, int64_t seq_len = 11, int64_t vocab = 97) {
   namespace g = flatshard::gpt;
   ParitySpec s;
   s.world = world;
-  s.make_model = [n_heads] {
+  s.make_model = [n_heads, seq_len, vocab] {
     g::GPTConfig c;
-    c.vocab = 97;
+    c.vocab = vocab;
     c.d_model = 36;  // head_dim 9: odd sizes, every flat parameter padded
     c.n_heads = n_heads;
     c.n_layers = 3;
-    c.seq_len = 11;
+    c.seq_len = seq_len;
     return std::static_pointer_cast<torch::nn::Module>(g::GPT(c, 11).ptr());
   };
   s.plan = [](torch::nn::Module& m) { return make_plan(m, parse_policy("type=Block")); };
@@ -61,19 +63,20 @@ ParitySpec gpt_spec(int world, int n_heads = 4) {
   return s;
 }
 
-ParitySpec llama_spec(int world) {
+ParitySpec llama_spec(int world, int64_t seq_len = 11, int64_t vocab = 97, bool qwen2 = false) {
   namespace ll = flatshard::llama;
   ParitySpec s;
   s.world = world;
-  s.make_model = [] {
+  s.make_model = [seq_len, vocab, qwen2] {
     ll::LlamaConfig c;
-    c.vocab = 97;
+    c.vocab = vocab;
     c.d_model = 40;  // head_dim 10 (RoPE needs it even)
     c.n_heads = 4;
     c.n_kv_heads = 2;  // grouped-query: one kv head per tp rank at tp 2
     c.n_layers = 3;
-    c.seq_len = 11;
+    c.seq_len = seq_len;
     c.hidden = 50;
+    c.attention_bias = qwen2;  // Qwen2: biases on q, k and v
     return std::static_pointer_cast<torch::nn::Module>(ll::Llama(c, 11).ptr());
   };
   s.plan = [](torch::nn::Module& m) { return make_plan(m, parse_policy("type=DecoderLayer")); };
@@ -268,7 +271,7 @@ TEST_CASE("tensor parallel: misuse is refused naming the module, sizes and fix",
     const ParitySpec s = gpt_spec(1);
     const std::string e = error_of([&] {
       run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
-        const std::string extra = mesh.coord(MeshDim::kTp) == 1 ? ";replicate:path=ln_f" : "";
+        const std::string extra = mesh.coord(MeshDim::kTp) == 1 ? ";replicate:path=wpe" : "";
         auto model = s.make_model();
         auto par = parallelize(model, parse_tp_plan(gpt_plan() + extra), mesh);
         fully_shard(model, s.plan(*model), mesh, s.options);
@@ -487,5 +490,186 @@ TEST_CASE("tensor parallel: accumulation, frozen parameters, recompute, bf16, Qw
       CAPTURE(i, mean, ref.losses[i]);
       CHECK(std::abs(mean - ref.losses[i]) <= 2e-2 * std::abs(ref.losses[i]));
     }
+  }
+}
+
+namespace {
+
+// The family's plan with sequence parallelism, loss parallelism (a colwise lm_head) or both.
+std::string sp_lp_plan(bool llama, bool sp, bool lp) {
+  std::string plan = llama ? llama_plan() : gpt_plan();
+  if (sp) plan += ";sequence_parallel";
+  if (lp) plan += ";colwise:path=lm_head;loss_parallel";
+  return plan;
+}
+
+}  // namespace
+
+TEST_CASE("tensor parallel: sequence and loss parallelism match one rank", "[tp][parity][sp]") {
+  // seq_len 12 and vocab 98: tp 2 divides both.
+  struct Mode {
+    bool sp, lp;
+  };
+  for (int shard : {1, 2}) {
+    for (bool llama : {false, true}) {
+      for (const Mode m : {Mode{true, false}, Mode{false, true}, Mode{true, true}}) {
+        CAPTURE(shard, llama, m.sp, m.lp);
+        ParitySpec s = llama ? llama_spec(shard, 12, 98) : gpt_spec(shard, 4, 12, 98);
+        s.clip = 0.5;
+        const ParityRun ref = run_reference(s);
+        require_tp_parity(ref, run_tp(s, sp_lp_plan(llama, m.sp, m.lp), shard, 2, ref));
+      }
+    }
+  }
+  SECTION("recompute units (their backward reduces the norms' gradients once)") {
+    ParitySpec s = gpt_spec(2, 4, 12, 98);
+    s.plan = [](torch::nn::Module& m) {
+      return make_plan(m, parse_policy("recompute:type=Block"));
+    };
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, sp_lp_plan(false, true, true), 2, 2, ref));
+  }
+  SECTION("8 ranks: HSDP 2 replicas of shard 2 x tp 2, LLaMA with both") {
+    ParitySpec s = llama_spec(4, 12, 98);
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, sp_lp_plan(true, true, true), 2, 2, ref, /*replicate=*/2));
+  }
+  SECTION("Qwen2 (biases on q, k, v) with both, and LLaMA per-leaf units") {
+    ParitySpec s = llama_spec(2, 12, 98, /*qwen2=*/true);
+    s.clip = 0.5;
+    const ParityRun ref = run_reference(s);
+    require_tp_parity(ref, run_tp(s, sp_lp_plan(true, true, true), 2, 2, ref));
+    ParitySpec leaves = llama_spec(2, 12, 98);
+    leaves.plan = [](torch::nn::Module& m) {
+      return make_plan(m, parse_policy("type=Linear|RMSNorm|Embedding"));
+    };
+    leaves.clip = 0.5;
+    const ParityRun ref2 = run_reference(leaves);
+    require_tp_parity(ref2, run_tp(leaves, sp_lp_plan(true, true, false), 2, 2, ref2));
+  }
+}
+
+TEST_CASE("tensor parallel: explain predicts the sequence- and loss-parallel collectives exactly",
+          "[tp][explain][sp]") {
+  const int64_t tokens = 2 * 12;  // synthetic_batch(config, 2, ...) of seq_len 12 per rank
+  struct Mode {
+    bool sp, lp;
+  };
+  for (bool llama : {false, true}) {
+    for (const Mode m : {Mode{true, false}, Mode{false, true}, Mode{true, true}}) {
+      for (int shard : {1, 2}) {
+        CAPTURE(llama, m.sp, m.lp, shard);
+        const ParitySpec s = llama ? llama_spec(shard, 12, 98) : gpt_spec(shard, 4, 12, 98);
+        const std::string tp_plan = sp_lp_plan(llama, m.sp, m.lp);
+        auto fresh = s.make_model();
+        const Explanation e = explain(*fresh, s.plan(*fresh), MeshShape(shard, 1, 2), s.options,
+                                      std::nullopt, {}, parse_tp_plan(tp_plan));
+        // The closed form per layer: GPT 2 colwise (qkv, fc), LLaMA 5 (q, k, v, gate, up), each
+        // gathering its input; 2 rowwise (reduce-scattering their outputs); the duals in
+        // backward; the lm_head of loss parallelism one more colwise. Gradients all-reduced: GPT
+        // ln1, ln2 (weight, bias) and the rowwise biases per layer, ln_f; LLaMA the two norms'
+        // weights per layer, norm.
+        const int64_t layers = 3, colwise = llama ? 5 : 2, d = llama ? 40 : 36;
+        const int64_t cols = m.sp ? layers * colwise + (m.lp ? 1 : 0) : 0;
+        CHECK(e.tp.forward_all_gathers == cols);
+        CHECK(e.tp.backward_reduce_scatters == cols);
+        CHECK(e.tp.forward_reduce_scatters == (m.sp ? layers * 2 : 0));
+        CHECK(e.tp.backward_all_gathers == (m.sp ? layers * 2 : 0));
+        CHECK(e.tp.forward_all_reduces == (m.sp ? 0 : layers * 2));
+        CHECK(e.tp.backward_all_reduces == (m.sp ? 0 : layers * colwise + (m.lp ? 1 : 0)));
+        const int64_t grads = !m.sp ? 0 : llama ? 2 * layers + 1 : 6 * layers + 2;
+        CHECK(e.tp.grad_all_reduces == grads);
+        CHECK(e.tp.grad_numel ==
+              (!m.sp ? 0 : llama ? grads * d : (4 * layers + 2) * d + 2 * layers * d));
+        CHECK(e.tp.loss_all_reduces == (m.lp ? 3 : 0));
+        const TpCounters want = e.tp.counters(tokens, at::kFloat);
+        const auto ranks = count_one_step(s, tp_plan, shard, 2);
+        for (const CountedStep& r : ranks) {
+          TpCounters got = r.tp;
+          // The model's own sequence edges (not predicted): the embeddings' shard (a backward
+          // all-gather) and, before a replicated lm_head, a forward all-gather; d per token.
+          CHECK(got.boundary_all_gathers == (m.sp ? (m.lp ? 1 : 2) : 0));
+          CHECK(got.boundary_bytes == got.boundary_all_gathers * tokens * d * 4);
+          got.boundary_all_gathers = got.boundary_bytes = 0;
+          CHECK(got.forward_all_gathers == want.forward_all_gathers);
+          CHECK(got.forward_reduce_scatters == want.forward_reduce_scatters);
+          CHECK(got.backward_all_gathers == want.backward_all_gathers);
+          CHECK(got.backward_reduce_scatters == want.backward_reduce_scatters);
+          CHECK(got.forward_bytes == want.forward_bytes);
+          CHECK(got.backward_bytes == want.backward_bytes);
+          CHECK(got.grad_all_reduces == want.grad_all_reduces);
+          CHECK(got.grad_bytes == want.grad_bytes);
+          CHECK(got.loss_all_reduces == want.loss_all_reduces);
+          CHECK(got.loss_bytes == want.loss_bytes);
+          CHECK(got == want);
+          TpCollectives unit_sum;
+          for (const UnitExplanation& u : e.units) unit_sum += u.tp;
+          CHECK(unit_sum.grad_all_reduces == e.tp.grad_all_reduces);
+          CHECK(unit_sum.forward_all_gathers == e.tp.forward_all_gathers);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("tensor parallel: sequence and loss parallelism refuse misuse by name",
+          "[tp][misuse][sp]") {
+  SECTION("a sequence length tp does not divide") {
+    const ParitySpec s = gpt_spec(1, 4, /*seq_len=*/11);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        auto model = s.make_model();
+        auto par = parallelize(model, parse_tp_plan(sp_lp_plan(false, true, false)), mesh);
+        auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+        s.loss(model, 0, 0, 0);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("the sequence length 11"));
+    CHECK_THAT(e, Catch::Contains("is not a multiple of tp 2"));
+  }
+  SECTION("sequence_parallel without a sequence rule") {
+    const ParitySpec s = gpt_spec(1, 4, 12);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        parallelize(s.make_model(),
+                    parse_tp_plan("colwise/3:path=*.attn.qkv;rowwise:path=*.attn.proj;"
+                                  "sequence_parallel"),
+                    mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("has sequence_parallel but no sequence rule"));
+  }
+  SECTION("a colwise head without loss_parallel, and loss_parallel without a colwise head") {
+    const ParitySpec s = gpt_spec(1, 4, 12, 98);
+    for (const std::string& plan :
+         {gpt_plan() + ";colwise:path=lm_head", gpt_plan() + ";loss_parallel"}) {
+      CAPTURE(plan);
+      const std::string e = error_of([&] {
+        run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+          auto model = s.make_model();
+          auto par = parallelize(model, parse_tp_plan(plan), mesh);
+          auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
+          s.loss(model, 0, 0, 0);
+        });
+      });
+      CHECK_THAT(e, Catch::Contains(plan.find("loss_parallel") == std::string::npos
+                                        ? "the logits have 49 classes but the vocabulary is 98"
+                                        : "the logits have 98 classes per rank but the vocabulary "
+                                          "is 98"));
+    }
+  }
+  SECTION("a colwise head tied to the embedding") {
+    namespace g = flatshard::gpt;
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        g::GPTConfig c = g::GPTConfig::preset("tiny");
+        c.tie_embeddings = true;
+        parallelize(g::GPT(c, 1).ptr(), parse_tp_plan(sp_lp_plan(false, false, true)), mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("module 'lm_head' (colwise) shares its parameter 'weight' with "
+                                  "module 'wte' (tied weights)"));
   }
 }

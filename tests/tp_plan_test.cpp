@@ -35,6 +35,39 @@ TEST_CASE("tp plan: parse and print back", "[tp][plan]") {
   CHECK(p.match_policy().rules.size() == 4);
 }
 
+TEST_CASE("tp plan: the sequence style and the sequence_parallel / loss_parallel options",
+          "[tp][plan]") {
+  const TpPlan p = parse_tp_plan(
+      "sequence_parallel ; colwise:path=*.fc;rowwise:path=*.proj;sequence:type=LayerNorm;"
+      "colwise:path=lm_head; loss_parallel");
+  REQUIRE(p.rules.size() == 4);
+  CHECK(p.rules[2].style == TpStyle::kSequence);
+  CHECK(p.sequence_parallel);
+  CHECK(p.loss_parallel);
+  // Printed last, whatever their place in the text.
+  const std::string text =
+      "colwise:path=*.fc;rowwise:path=*.proj;sequence:type=LayerNorm;colwise:path=lm_head;"
+      "sequence_parallel;loss_parallel";
+  CHECK(p.to_spec() == text);
+  CHECK(parse_tp_plan(text).to_spec() == text);
+  CHECK_FALSE(parse_tp_plan("colwise:path=*.fc").sequence_parallel);
+  CHECK(parse_tp_plan("loss_parallel").to_spec() == "loss_parallel");
+  CHECK_FALSE(parse_tp_plan("loss_parallel").empty());
+  auto error_of = [](const std::string& spec) {
+    try {
+      parse_tp_plan(spec);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(error_of("sequence/2:type=LayerNorm"), Catch::Contains("'/' after 'sequence'"));
+  CHECK_THAT(error_of("sequence_parallel:path=x"),
+             Catch::Contains("unknown style 'sequence_parallel'"));
+  CHECK_THAT(error_of("colwise:path=x;sequence_paralel"),
+             Catch::Contains("unknown style 'sequence_paralel'"));
+}
+
 TEST_CASE("tp plan: errors name the column and show a caret", "[tp][plan]") {
   auto error_of = [](const std::string& spec) {
     try {

@@ -9,7 +9,9 @@ namespace flatshard {
 namespace {
 
 const char* const kLabel = "tp plan";
-const char* const kStyles = "one of: colwise, colwise/K, rowwise, replicate";
+const char* const kStyles =
+    "one of: colwise, colwise/K, rowwise, replicate, sequence, or the option sequence_parallel "
+    "or loss_parallel";
 constexpr int kMaxParts = 64;
 
 bool is_space(char c) {
@@ -33,6 +35,8 @@ size_t parse_style(const std::string& s, size_t i, TpRule* rule) {
     rule->style = TpStyle::kRowwise;
   } else if (word == "replicate") {
     rule->style = TpStyle::kReplicate;
+  } else if (word == "sequence") {
+    rule->style = TpStyle::kSequence;
   } else if (word.empty()) {
     spec_error(s, start, i >= s.size() ? "missing style" : "unexpected '" + s.substr(i, 1) + "'",
                kStyles, kLabel);
@@ -66,6 +70,7 @@ const char* to_string(TpStyle style) {
     case TpStyle::kReplicate: return "replicate";
     case TpStyle::kColwise: return "colwise";
     case TpStyle::kRowwise: return "rowwise";
+    case TpStyle::kSequence: return "sequence";
   }
   return "?";
 }
@@ -92,6 +97,18 @@ TpPlan parse_tp_plan(const std::string& spec) {
     if (i >= spec.size() || spec[i] == ';')
       spec_error(spec, i, "empty rule", "a rule such as rowwise:path=*.o_proj (remove the extra ';')",
                  kLabel);
+    // An option: a bare word followed by ';' or the end.
+    size_t w = i;
+    while (w < spec.size() && is_word(spec[w])) ++w;
+    const std::string word = spec.substr(i, w - i);
+    const size_t after = skip_ws(spec, w);
+    if ((word == "sequence_parallel" || word == "loss_parallel") &&
+        (after >= spec.size() || spec[after] == ';')) {
+      (word == "sequence_parallel" ? plan.sequence_parallel : plan.loss_parallel) = true;
+      if (after >= spec.size()) return plan;
+      i = after + 1;
+      continue;
+    }
     TpRule rule;
     i = parse_style(spec, i, &rule);
     size_t end = i;
@@ -103,12 +120,14 @@ TpPlan parse_tp_plan(const std::string& spec) {
 }
 
 std::string TpPlan::to_spec() const {
-  if (rules.empty()) return "none";
+  if (empty()) return "none";
   std::string out;
   for (const TpRule& r : rules) {
     if (!out.empty()) out += ';';
     out += style_text(r) + ":" + flatshard::to_spec(r.match);
   }
+  if (sequence_parallel) out += std::string(out.empty() ? "" : ";") + "sequence_parallel";
+  if (loss_parallel) out += std::string(out.empty() ? "" : ";") + "loss_parallel";
   return out;
 }
 

@@ -16,12 +16,24 @@
 //                a colwise module, through elementwise ops or the attention of local heads).
 //   replicate    kept whole on every tp rank (what every module the plan does not name is); a
 //                rule of its own claims modules so later rules skip them.
+//   sequence     kept whole like replicate, and a module that runs on sequence shards under
+//                sequence parallelism (norms: torchtitan's SequenceParallel): with the plan's
+//                sequence_parallel option its parameters' gradients are summed over the tp group
+//                (each rank saw only its part of the sequence). Without the option, replicate.
+//
+// Options (items without terms, anywhere in the plan; to_spec() prints them last):
+//   sequence_parallel  Megatron's sequence parallelism: between the split blocks activations
+//                      are sharded along the sequence (dim 1 of [B, T, ...]); a colwise module's
+//                      input is all-gathered along it, a rowwise module's output reduce-scattered
+//                      (backward: the duals) instead of f/g's all-reduces. Needs a `sequence` rule.
+//   loss_parallel      vocabulary-parallel cross-entropy on a colwise lm_head: the logits stay
+//                      split by vocabulary (no gathered logits); the families' loss() uses it.
 //
 // Text form (the terms are spec.h's, `every` excepted; errors have its column and caret form,
 // starting "tp plan:"):
 //   plan  := 'none' | item (';' item)*
-//   item  := style ':' term (',' term)*
-//   style := 'colwise' ['/' K] | 'rowwise' | 'replicate'        K: 2..64
+//   item  := style ':' term (',' term)* | 'sequence_parallel' | 'loss_parallel'
+//   style := 'colwise' ['/' K] | 'rowwise' | 'replicate' | 'sequence'        K: 2..64
 // Example (flatshard's LLaMA; its Hugging Face names match too, Note [Module aliases]):
 //   colwise:path=*.attn.q|*.attn.k|*.attn.v|*.mlp.gate|*.mlp.up;rowwise:path=*.attn.o|*.mlp.down
 // to_spec() prints a plan back in this form; parse_tp_plan(to_spec()) gives back an equal plan.
@@ -35,7 +47,7 @@
 
 namespace flatshard {
 
-enum class TpStyle : uint8_t { kReplicate = 0, kColwise = 1, kRowwise = 2 };
+enum class TpStyle : uint8_t { kReplicate = 0, kColwise = 1, kRowwise = 2, kSequence = 3 };
 const char* to_string(TpStyle style);
 
 struct TpRule {
@@ -46,8 +58,10 @@ struct TpRule {
 
 struct TpPlan {
   std::vector<TpRule> rules;  // the first rule whose terms match a module gives its style
+  bool sequence_parallel = false;  // the option above; off: f/g's all-reduces
+  bool loss_parallel = false;      // the option above; off: the loss sees gathered logits
 
-  bool empty() const { return rules.empty(); }
+  bool empty() const { return rules.empty() && !sequence_parallel && !loss_parallel; }
   // The text form above ("none" when empty).
   std::string to_spec() const;
   // The rules' terms as a Policy, one Rule per TpRule in order: what a PolicyMatcher
