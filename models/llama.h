@@ -234,6 +234,9 @@ class AttentionImpl : public torch::nn::Module, public flatshard::TensorParallel
   // x [B, T, d], cos/sin [T, hd/2] -> [B, T, d]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
   void check_tensor_parallel(const std::string& path, int tp) const override;
+  // n_kv_heads < tp: k and v are kept whole, each rank using its query heads' kv head
+  // (Note [Replicated kv heads], fsdp/tensor_parallel.cpp).
+  std::vector<std::pair<std::string, int64_t>> tp_replicated_children(int tp) const override;
 
   torch::nn::Linear q{nullptr};  // d -> H·hd
   torch::nn::Linear k{nullptr};  // d -> Hkv·hd

@@ -582,7 +582,8 @@ TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const Tp
       c.forward_numel_per_token = w.size(0);
     } else {
       c.backward_all_reduces = 1;
-      c.backward_numel_per_token = w.size(1);
+      // A module kept whole (Note [Replicated kv heads]) all-reduces its output's gradient.
+      c.backward_numel_per_token = m.replicated_groups > 0 ? w.size(0) : w.size(1);
     }
     out.by_weight[wname] = c;
     ++out.modules;
