@@ -226,8 +226,9 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
 TORCH_MODULE(RotaryEmbedding);
 
 // Under tensor parallelism (fsdp/tensor_parallel.h; the family's tp plan: q, k, v colwise, o
-// rowwise) each rank runs n_heads / tp query heads and n_kv_heads / tp kv heads: forward reads
-// the local head counts from the weights, never from the config.
+// rowwise) each rank runs n_heads / tp query heads and n_kv_heads / tp kv heads (one, replicated,
+// when n_kv_heads < tp): forward reads the local head counts from the projections' outputs,
+// never from the config.
 class AttentionImpl : public torch::nn::Module, public flatshard::TensorParallelModule {
  public:
   explicit AttentionImpl(const LlamaConfig& cfg);
