@@ -291,6 +291,9 @@ void resolve_tp(const Flags& f, bool cuda, BenchOptions& o) {
     throw UsageError("--tp " + std::to_string(o.tp) +
                      " runs on --device cpu only for now (the NCCL tp groups are not wired into "
                      "the bench yet, issue 51)");
+  if (!o.profile_path.empty())
+    throw UsageError("--write-profile measures a data-parallel machine profile: run it without "
+                     "--tp " + std::to_string(o.tp));
   if (o.nproc % o.tp != 0) {
     std::ostringstream os;
     os << "--world " << o.nproc << " is not a multiple of --tp " << o.tp

@@ -33,9 +33,9 @@
 //   maps a full value to them. Checkpoints record each parameter's placement (placement(),
 //   TpPlacement; the layout's one home is tp_slice / tp_unslice below) and load at any tp size.
 // - Kv heads fewer than tp: Note [Replicated kv heads] (tensor_parallel.cpp).
-// - Not yet (issue 51): sequence and loss parallelism, vocabulary-parallel embeddings, deferred init on meta without a loader (a meta-built model is
-//   parallelized, shapes only, and must be loaded: ShardingOptions::load, slice_loader),
-//   bench/explain --tp.
+// - Not yet (issue 51): sequence and loss parallelism, vocabulary-parallel embeddings, deferred
+//   init on meta without a loader (a meta-built model is parallelized, shapes only, and must be
+//   loaded: ShardingOptions::load, slice_loader; flatshard-bench loads from the family's init).
 // - Thread rule: as fully_shard; the registry is shared by all ranks-as-threads.
 #pragma once
 

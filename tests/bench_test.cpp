@@ -510,6 +510,7 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       {{"--tp", "2", "--tp-plan", "colwise:pth=x"}, "--tp-plan: tp plan:"},
       {{"--tp", "2", "--tp-plan", "rowwise:path=*.nothing"}, "matches no module"},
       {{"--tp", "3", "--world", "3"}, "tp 3"},  // 4 heads
+      {{"--tp", "2", "--world", "4", "--write-profile", "/tmp/x.json"}, "without --tp 2"},
       // Launcher variables, parsed by the library (collectives/launch_env.h), name the variable.
       {{}, "RANK='abc' is not an integer", {"RANK=abc", "WORLD_SIZE=2", "LOCAL_RANK=0"}},
       {{}, "RANK=2 is out of range [0, 1]", {"RANK=2", "WORLD_SIZE=2", "LOCAL_RANK=0"}},

@@ -497,7 +497,9 @@ void add_plan_flags(CLI::App& app, CommandLine& c) {
       ->transform(at_least(1))
       ->group(plan);
   flatshard::cli::add_tp_flag(app, r.tp, plan,
-                              "ranks: --world x --replicate x --tp (--world is the shard group)");
+                              "ranks: --world x --replicate x --tp (--world is the shard group); with "
+                              "--suggest, tp 1 and every divisor of --tp above 1 compete on "
+                              "those ranks");
   app.add_option("--replicate", r.replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
       ->transform(at_least(1))
