@@ -218,14 +218,24 @@ RankModel build_rank_model(const RunConfig& config, const Granularity& granulari
 
 }  // namespace
 
+namespace {
+
+// train_rank's arguments: a communicator unless local; under TP the mesh, its shard group as it.
+void check_rank_args(const RunConfig& config, const Granularity& granularity,
+                     const Communicator* group, const Mesh* mesh) {
+  const std::string who = "train_rank: granularity '" + granularity.label + "'";
+  TORCH_CHECK(granularity.local || group != nullptr, who, " needs a communicator");
+  TORCH_CHECK(mesh == nullptr || &mesh->shard() == group, who,
+              ": the communicator must be the mesh's shard group");
+  TORCH_CHECK((mesh != nullptr) == (config.tp > 1 && !granularity.local), who, " at tp ",
+              config.tp, (mesh ? " got" : " did not get"), " a mesh");
+}
+
+}  // namespace
+
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
                      const DeviceHooks& hooks, const ProgressFn& progress, const Mesh* mesh) {
-  TORCH_CHECK(granularity.local || group != nullptr, "train_rank: granularity '",
-              granularity.label, "' needs a communicator");
-  TORCH_CHECK(mesh == nullptr || &mesh->shard() == group, "train_rank: granularity '",
-              granularity.label, "': the communicator must be the mesh's shard group");
-  TORCH_CHECK((mesh != nullptr) == (config.tp > 1 && !granularity.local), "train_rank: granularity '",
-              granularity.label, "' at tp ", config.tp, (mesh ? " got" : " did not get"), " a mesh");
+  check_rank_args(config, granularity, group, mesh);
   // Rank 0 reports; a tp group's ranks share the data rank (their shard coordinate).
   const int rank = mesh ? mesh->global_rank() : group ? group->rank() : 0;
   const int data_rank = group ? group->rank() : 0;

@@ -121,6 +121,48 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share, double
   c.why = why.str();
 }
 
+// Tensor parallelism (issue 51): every mesh (shard, replicas) at tp 1 and at each size of
+// a.tp_sizes the model can split; the sizes left out, with why, into `skipped`.
+struct Mesh3 {
+  int shard, replicas, tp;
+};
+std::vector<Mesh3> tp_grid(const torch::nn::Module& model,
+                           const std::vector<std::pair<int, int>>& meshes, bool searched,
+                           int world_size, int replicate_size, const AdvisorOptions& a,
+                           std::vector<std::string>* skipped) {
+  std::vector<Mesh3> grid;
+  for (const auto& [shard, replicas] : meshes) grid.push_back({shard, replicas, 1});
+  TORCH_CHECK(a.tp_sizes.empty() || !a.tp_plan.empty(),
+              "suggest: tp_sizes given without a tp_plan (a family's FamilyModules::tp_plan)");
+  const int64_t gpus = static_cast<int64_t>(world_size) * replicate_size;
+  for (int t : a.tp_sizes) {
+    TORCH_CHECK(t >= 2, "suggest: tp size ", t, " must be >= 2 (tp 1 is always tried)");
+    if (gpus % t != 0) {
+      skipped->push_back("tp " + std::to_string(t) + ": does not divide the " +
+                         std::to_string(gpus) + " ranks");
+      continue;
+    }
+    try {  // parallelize()'s own check (heads, kv heads, sizes): one home for the rule
+      match_tp_plan(model, a.tp_plan, t, "tp " + std::to_string(t));
+    } catch (const c10::Error& err) {
+      const std::string msg = err.what_without_backtrace();
+      skipped->push_back(msg.substr(0, msg.find('\n')));
+      continue;
+    }
+    const int64_t dp = gpus / t;
+    if (searched) {
+      for (const auto& [shard, replicas] : meshes)
+        if (dp % shard == 0) grid.push_back({shard, static_cast<int>(dp / shard), t});
+    } else if (world_size % t == 0) {
+      grid.push_back({world_size / t, replicate_size, t});
+    } else {
+      skipped->push_back("tp " + std::to_string(t) + ": does not divide world " +
+                         std::to_string(world_size));
+    }
+  }
+  return grid;
+}
+
 }  // namespace
 
 const char* to_string(LossReason r) {
@@ -218,40 +260,9 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
   const bool searched = !meshes.empty();
   if (!searched) meshes.emplace_back(world_size, replicate_size);
   advice.mesh_searched = searched;
-  // Tensor parallelism (issue 51): every mesh at tp 1 and at each size the model can split.
-  struct Mesh3 {
-    int shard, replicas, tp;
-  };
-  std::vector<Mesh3> grid;
-  for (const auto& [shard, replicas] : meshes) grid.push_back({shard, replicas, 1});
   advice.tp_searched = !a.tp_sizes.empty();
-  TORCH_CHECK(a.tp_sizes.empty() || !a.tp_plan.empty(),
-              "suggest: tp_sizes given without a tp_plan (a family's FamilyModules::tp_plan)");
-  for (int t : a.tp_sizes) {
-    TORCH_CHECK(t >= 2, "suggest: tp size ", t, " must be >= 2 (tp 1 is always tried)");
-    if (gpus % t != 0) {
-      advice.tp_skipped.push_back("tp " + std::to_string(t) + ": does not divide the " +
-                                  std::to_string(gpus) + " ranks");
-      continue;
-    }
-    try {  // parallelize()'s own check (heads, kv heads, sizes): one home for the rule
-      match_tp_plan(model, a.tp_plan, t, "tp " + std::to_string(t));
-    } catch (const c10::Error& err) {
-      const std::string msg = err.what_without_backtrace();
-      advice.tp_skipped.push_back(msg.substr(0, msg.find('\n')));
-      continue;
-    }
-    const int64_t dp = gpus / t;
-    if (searched) {
-      for (const auto& [shard, replicas] : meshes)
-        if (dp % shard == 0) grid.push_back({shard, static_cast<int>(dp / shard), t});
-    } else if (world_size % t == 0) {
-      grid.push_back({world_size / t, replicate_size, t});
-    } else {
-      advice.tp_skipped.push_back("tp " + std::to_string(t) + ": does not divide world " +
-                                  std::to_string(world_size));
-    }
-  }
+  const std::vector<Mesh3> grid =
+      tp_grid(model, meshes, searched, world_size, replicate_size, a, &advice.tp_skipped);
   for (const Shape& g : granularities(a)) {
     Plan plan;
     try {
