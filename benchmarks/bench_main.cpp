@@ -39,6 +39,7 @@
 #include "cli/launch.h"
 #include "collectives/env.h"
 #include "fsdp/meta_init.h"
+#include "fsdp/tensor_parallel.h"
 #include "fsdp/trace.h"
 #include "support/input_file.h"
 #include "support/output_file.h"
@@ -60,6 +61,17 @@ std::vector<fb::Granularity> plan_granularities(const fb::BenchOptions& o) {
     planning = o.model.build(o.seed);
   }
   const auto& modules = o.model.family().modules();
+  // --tp: the plan must fit the model before anything runs (parallelize()'s own checks: heads,
+  // sizes, rules that match nothing), as a usage error.
+  if (o.tp > 1) {
+    try {
+      flatshard::match_tp_plan(*planning, flatshard::parse_tp_plan(o.tp_plan), o.tp, "--tp " + std::to_string(o.tp));
+    } catch (const c10::Error& e) {
+      std::string msg = e.what_without_backtrace();
+      std::replace(msg.begin(), msg.end(), '\n', ' ');
+      throw fb::UsageError(msg);
+    }
+  }
   std::vector<fb::Granularity> out;
   for (const auto& label : fb::split_granularities(o.policies)) {
     fb::Granularity g = fb::resolve_granularity(label, *planning, modules);
@@ -97,6 +109,8 @@ fb::RunConfig run_config(const fb::BenchOptions& o) {
   c.kernel_profile_steps = o.kernel_profile_steps;
   c.sync_debug = o.sync_debug;
   c.cuda_graph = o.cuda_graph;
+  c.tp = o.tp;
+  if (o.tp > 1) c.tp_plan = flatshard::parse_tp_plan(o.tp_plan);
   return c;
 }
 
@@ -203,9 +217,14 @@ int run_cpu(const fb::BenchOptions& o) {
     say_trace(grans[i].label, traces[i], o.nproc);
   }
   // The check's reference for the steps after the first (bench_report.h), untimed.
-  std::vector<double> reference = fb::reference_losses(config, o.nproc, fb::DeviceHooks{});
+  // Under TP the ranks of a tp group share a batch: the data-parallel ranks are --world / tp.
+  std::vector<double> reference = fb::reference_losses(config, o.nproc / o.tp, fb::DeviceHooks{});
+  const std::string layout =
+      o.tp > 1 ? " (shard " + std::to_string(o.nproc / o.tp) + " x tp " + std::to_string(o.tp) + ")"
+               : "";
   return report(o, o.nproc,
-                "cpu, " + std::to_string(o.nproc) + " ranks as threads (1 compute thread each)",
+                "cpu, " + std::to_string(o.nproc) + " ranks as threads" + layout +
+                    " (1 compute thread each)",
                 {"local: one unsharded replica per rank thread, run concurrently without "
                  "communication (same core contention as the sharded runs).",
                  "exposed: host time inside collectives / step time, rank 0 (CPU collectives are "

@@ -12,6 +12,7 @@
 #include "cli/numbers.h"
 #include "cli/options.h"
 #include "fsdp/resolve.h"
+#include "wrap_policies/tp_plan.h"
 #include "support/input_file.h"
 #include "cli/exit.h"
 
@@ -73,11 +74,13 @@ struct Flags {
   cli::ShardingFlags sharding;  // --strategy, dtypes, --prefetch, --offload-step, ...
   std::string device = "cpu", optimizer = "adamw", init = "deferred", moments = "fp32";
   int64_t batch = 0;
-  int nproc = 0, warmup = 2, steps = 0, kernel_profile = 0;
+  int nproc = 0, warmup = 2, steps = 0, kernel_profile = 0, tp = 1;
+  std::string tp_plan;  // --tp-plan as given
   uint64_t seed = 0;
   double peak_tflops = 0;
   // The options whose count() a default or a check depends on.
-  CLI::Option *preset, *batch_opt, *nproc_opt, *steps_opt, *kprof, *sync, *peak, *profile, *graph;
+  CLI::Option *preset, *batch_opt, *nproc_opt, *steps_opt, *kprof, *sync, *peak, *profile, *graph,
+      *tp_plan_opt;
 };
 
 void add_model_flags(CLI::App& app, Flags& f) {
@@ -113,6 +116,14 @@ void add_sharding_flags(CLI::App& app, Flags& f, BenchOptions& o) {
       ->group(group);
   // Runs are labelled GRANULARITY+offloadN+bwdstep / +delayed, GRANULARITY+lpgrads.
   cli::add_sharding_flags(app, f.sharding, group, "cpu fp32, cuda bf16");
+  cli::add_tp_flag(app, f.tp, group,
+                   "--world counts every rank: shard x tp; cpu only ('local' stays unsplit)");
+  f.tp_plan_opt = app.add_option("--tp-plan", f.tp_plan,
+                                 "the TP plan for --tp (wrap_policies/tp_plan.h text form, e.g. "
+                                 "'colwise:path=*.mlp.fc;rowwise:path=*.mlp.proj'); default: "
+                                 "the model family's")
+                      ->type_name("SPEC")
+                      ->group(group);
 }
 
 void add_run_flags(CLI::App& app, Flags& f, BenchOptions& o) {
@@ -203,6 +214,9 @@ void add_output_flags(CLI::App& app, Flags& f, BenchOptions& o) {
 void check_texts(const CLI::App& app, const Flags& f, const BenchOptions& o) {
   // A granularity or policy spec is printable text: one with control bytes (ESC, BEL) would be
   // echoed raw to the terminal by every later error that names it.
+  if (printable_escape(f.tp_plan) != f.tp_plan)
+    throw UsageError("--tp-plan '" + printable_escape(f.tp_plan) +
+                     "': control characters are not part of a tp plan spec");
   for (const auto& flag : o.policies)
     if (printable_escape(flag) != flag)
       throw UsageError("--policy '" + printable_escape(flag) +
@@ -272,6 +286,41 @@ void resolve_sharding(const Flags& f, bool cuda, BenchOptions& o) {
   o.deferred_init = f.init == "deferred";
 }
 
+// --tp and --tp-plan: the plan's text parsed (its caret error as the usage error) and printed
+// back; the world split into tp groups. Whether the plan fits the model (heads, sizes, rules
+// that match nothing) is parallelize()'s check, which plan_granularities asks before any run.
+void resolve_tp(const Flags& f, bool cuda, BenchOptions& o) {
+  o.tp = f.tp;
+  if (f.tp_plan_opt->count() && o.tp == 1)
+    throw UsageError("--tp-plan '" + printable_escape(f.tp_plan) +
+                     "' splits modules over tp ranks: add --tp N (N >= 2)");
+  if (o.tp == 1) return;
+  if (cuda)
+    throw UsageError("--tp " + std::to_string(o.tp) +
+                     " runs on --device cpu only for now (the NCCL tp groups are not wired into "
+                     "the bench yet, issue 51)");
+  if (!o.profile_path.empty())
+    throw UsageError("--write-profile measures a data-parallel machine profile: run it without "
+                     "--tp " + std::to_string(o.tp));
+  if (o.nproc % o.tp != 0) {
+    std::ostringstream os;
+    os << "--world " << o.nproc << " is not a multiple of --tp " << o.tp
+       << " (--world counts every rank: shard x tp)";
+    throw UsageError(os.str());
+  }
+  const std::string spec = f.tp_plan_opt->count() ? f.tp_plan : o.model.family().modules().tp_plan;
+  if (spec.empty())
+    throw UsageError("--tp " + std::to_string(o.tp) + ": model family '" +
+                     o.model.family().name() + "' has no default tp plan; give --tp-plan");
+  try {
+    o.tp_plan = parse_tp_plan(spec).to_spec();
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    std::replace(msg.begin(), msg.end(), '\n', ' ');
+    throw UsageError("--tp-plan: " + msg);
+  }
+}
+
 // Ranks, steps, seed and the cuda-only diagnostics.
 void resolve_run(const Flags& f, bool cuda, BenchOptions& o) {
   o.nproc_given = f.nproc_opt->count() > 0;
@@ -316,6 +365,7 @@ void resolve_run(const Flags& f, bool cuda, BenchOptions& o) {
     o.cuda_graph = true;
   }
   o.peak_tflops = cli::peak_tflops(*f.peak, f.peak_tflops, cuda);
+  resolve_tp(f, cuda, o);
 }
 
 }  // namespace

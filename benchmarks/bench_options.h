@@ -20,6 +20,9 @@
 //            preset  overrides     batch  steps  param dtype  nproc
 //   cpu      small   seq 128       2      5      fp32         2 (threads)
 //   cuda     1b      -             4      20     bf16         visible GPUs (processes)
+// --tp N (cpu): every sharded run parallelizes the model with the TP plan (--tp-plan, else the
+// family's) over tp groups of N ranks and shards it over the other --world / N; a bad plan
+// spec, --world not a multiple of N, or --tp-plan without --tp > 1 is a UsageError.
 #pragma once
 
 #include <cstdint>
@@ -58,6 +61,13 @@ struct BenchOptions {
   std::vector<int> offload_levels{0};
   DeviceKind device = DeviceKind::kCpu;
   int nproc = 0;              // --world: ranks, threads on cpu; processes on cuda
+  // --tp: tensor-parallel ranks per group (docs/tensor-parallel.md); --world is every rank,
+  // shard x tp (no replicas), so a tp group's ranks share one batch and the data-parallel
+  // ranks are --world / tp. cpu only for now.
+  int tp = 1;
+  // The TP plan's text (wrap_policies/tp_plan.h), parsed and printed back: --tp-plan as given,
+  // else the family's default (FamilyModules::tp_plan); "" when tp is 1.
+  std::string tp_plan;
   bool nproc_given = false;   // cuda: --world asks to launch that many processes
   ShardingOptions sharding;   // strategy, prefetch depth, mixed precision
   int warmup = 2;             // untimed steps before the measured ones

@@ -16,6 +16,7 @@
 #include "cli/options.h"
 #include "support/dtype_name.h"
 #include "support/format.h"
+#include "support/input_file.h"
 #include "support/json.h"
 #include "support/output_file.h"
 
@@ -144,7 +145,8 @@ Report make_report(const BenchOptions& options, int world_size, std::string devi
     if (!run.hook_backward_ms.empty()) row.hook_backward_ms = median(run.hook_backward_ms);
     row.min_ms = *std::min_element(run.step_ms.begin(), run.step_ms.end());
     row.max_ms = *std::max_element(run.step_ms.begin(), run.step_ms.end());
-    const double tokens = static_cast<double>(options.batch * options.model.seq_len());
+    // A tp group's ranks share one batch: each rank's share of its tokens is 1 / tp.
+    const double tokens = static_cast<double>(options.batch * options.model.seq_len()) / run.tp;
     row.tokens_per_s_per_gpu = tokens / (row.median_ms * 1e-3);
     row.mfu = cli::mfu(row.tokens_per_s_per_gpu, options.model.flops_per_token(),
                        options.peak_tflops);
@@ -211,6 +213,21 @@ void print_table(const Report& rep, std::ostream& out) {
                    fixed(r.run.loss_step0, 5), r.ok ? "ok" : "FAIL"});
   }
   out << table;
+  if (o.tp > 1) {  // the TP collectives (TensorParallel::counters()), over each tp group
+    out << "\ntensor parallel: tp " << o.tp << " x shard " << rep.world_size / o.tp
+        << ", plan '" << printable_escape(o.tp_plan) << "'\n";
+    TextTable tp({"granularity", "tp", "fwd AR", "bwd AR", "fwd MiB", "bwd MiB"});
+    for (const auto& r : rep.rows) {
+      const TpCounters& c = r.run.tp_per_step;
+      tp.add_row({r.run.granularity, std::to_string(r.run.tp),
+                  std::to_string(c.forward_all_reduces), std::to_string(c.backward_all_reduces),
+                  format_mib(c.forward_bytes, 2), format_mib(c.backward_bytes, 2)});
+    }
+    out << tp << "fwd AR, bwd AR: all-reduces over the tp group per step (rowwise outputs in "
+                 "forward, colwise input gradients in backward); MiB: bytes rank 0 reduced "
+                 "(last measured step).\n  tok/s/GPU and MFU count a tp group's batch once "
+                 "(each rank's share: 1 / tp).\n";
+  }
   out << "\n"
       << "fwd AG, bwd AG, RS, AR: all-gathers in forward / backward, reduce-scatters, all-reduces\n"
       << "  per step; MiB/step: bytes rank 0 sent into them (last measured step, rank 0).\n"
@@ -297,10 +314,13 @@ void print_kernel_profiles(const Report& rep, std::ostream& out) {
 //   "strategy", "param_dtype", "reduce_dtype", "keep_low_precision_grads" (bool), "prefetch",
 //   "optimizer", "init" ("eager" |
 //   "deferred"), "warmup", "steps", "seed",
-//   "peak_tflops", "notes": [footnotes], "check_reference", "check_tolerance", "check_steps_tolerance",
+//   "peak_tflops", "tp" (tensor-parallel ranks per group; 1: none), "tp_plan" (its spec; ""
+//   without TP), "notes": [footnotes], "check_reference", "check_tolerance", "check_steps_tolerance",
 //   "all_ok",
 //   "runs": [ { "granularity", "world_size", "units", "forward_all_gathers",
 //               "backward_all_gathers", "reduce_scatters", "all_reduces", "bytes_per_step",
+//               "tp", "tp_forward_all_reduces", "tp_backward_all_reduces", "tp_forward_bytes",
+//               "tp_backward_bytes" (TensorParallel::counters() of the last measured step),
 //               "step_ms": {"median", "min", "max", "all": [...]},
 //               "fwd_bwd_ms_median", "optimizer_ms_median", "host_issue_ms_median",
 //               "hook_forward_ms_median", "hook_backward_ms_median" (null for local),
@@ -345,6 +365,8 @@ void write_json(const Report& rep, const std::string& path) {
     << "  \"steps\": " << o.steps << ",\n"
     << "  \"seed\": " << o.seed << ",\n"
     << "  \"peak_tflops\": " << number(o.peak_tflops) << ",\n"
+    << "  \"tp\": " << o.tp << ",\n"
+    << "  \"tp_plan\": " << json_string(o.tp_plan) << ",\n"
     << "  \"notes\": [";
   for (size_t i = 0; i < rep.notes.size(); ++i) j << (i ? ", " : "") << json_string(rep.notes[i]);
   j << "],\n"
@@ -361,7 +383,12 @@ void write_json(const Report& rep, const std::string& path) {
       << ",\n     \"forward_all_gathers\": " << c.forward_all_gathers
       << ", \"backward_all_gathers\": " << c.backward_all_gathers
       << ", \"reduce_scatters\": " << c.reduce_scatters << ", \"all_reduces\": " << c.all_reduces
-      << ", \"bytes_per_step\": " << c.bytes << ",\n     \"step_ms\": {\"median\": "
+      << ", \"bytes_per_step\": " << c.bytes << ",\n     \"tp\": " << r.run.tp
+      << ", \"tp_forward_all_reduces\": " << r.run.tp_per_step.forward_all_reduces
+      << ", \"tp_backward_all_reduces\": " << r.run.tp_per_step.backward_all_reduces
+      << ", \"tp_forward_bytes\": " << r.run.tp_per_step.forward_bytes
+      << ", \"tp_backward_bytes\": " << r.run.tp_per_step.backward_bytes
+      << ",\n     \"step_ms\": {\"median\": "
       << number(r.median_ms) << ", \"min\": " << number(r.min_ms)
       << ", \"max\": " << number(r.max_ms) << ", \"all\": [";
     for (size_t k = 0; k < r.run.step_ms.size(); ++k)
@@ -413,7 +440,8 @@ void write_csv(const Report& rep, const std::string& path) {
        "all_reduces,bytes_per_step,step_ms_median,step_ms_min,step_ms_max,fwd_bwd_ms_median,"
        "optimizer_ms_median,host_issue_ms_median,ratio_to_local,"
        "tokens_per_s_per_gpu,mfu,exposed_comm_share,peak_memory_bytes,loss_step0,check,"
-       "setup_s,setup_peak_memory_bytes\n";
+       "setup_s,setup_peak_memory_bytes,tp,tp_forward_all_reduces,tp_backward_all_reduces,"
+       "tp_forward_bytes,tp_backward_bytes\n";
   auto opt = [](const std::optional<double>& v) { return v ? number(*v) : std::string(); };
   for (const auto& r : rep.rows) {
     const UnitCounters& c = r.run.per_step;
@@ -426,7 +454,10 @@ void write_csv(const Report& rep, const std::string& path) {
       << number(r.tokens_per_s_per_gpu) << ',' << opt(r.mfu) << ','
       << opt(r.run.exposed_comm_share) << ',' << r.run.peak_memory_bytes << ','
       << number(r.run.loss_step0) << ',' << (r.ok ? "ok" : "FAIL") << ','
-      << number(r.run.setup_s) << ',' << r.run.setup_peak_memory_bytes << '\n';
+      << number(r.run.setup_s) << ',' << r.run.setup_peak_memory_bytes << ',' << r.run.tp << ','
+      << r.run.tp_per_step.forward_all_reduces << ',' << r.run.tp_per_step.backward_all_reduces
+      << ',' << r.run.tp_per_step.forward_bytes << ',' << r.run.tp_per_step.backward_bytes
+      << '\n';
   }
   write_file(path, s.str(), "--csv");
 }

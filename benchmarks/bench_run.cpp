@@ -6,12 +6,16 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "benchmarks/timed_communicator.h"
 #include "collectives/thread_communicator.h"
+#include "collectives/thread_mesh.h"
+#include "fsdp/deferred_init.h"
 #include "fsdp/call.h"
 #include "fsdp/cuda_graph.h"
 #include "optim/fused_adamw.h"
@@ -37,6 +41,36 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 }
 
 }  // namespace
+
+ParamLoader init_loader(const std::shared_ptr<torch::nn::Module>& model) {
+  auto* self = dynamic_cast<const InitializesItself*>(model.get());
+  TORCH_CHECK(self != nullptr, "init_loader: the model (", model->name(),
+              ") does not initialise itself (flatshard::InitializesItself)");
+  struct State {
+    std::map<std::string, std::vector<int64_t>> shapes;  // full shapes, from check()
+    std::string name;                                    // the tensor drawn last
+    at::Tensor values;                                   // its values, flattened
+  };
+  auto state = std::make_shared<State>();
+  ParamLoader out;
+  out.check = [state](const std::vector<PlannedParam>& params) {
+    for (const PlannedParam& p : params) state->shapes[p.name] = p.shape;
+  };
+  out.read = [state, model, self](const std::string& name, int64_t begin, int64_t end,
+                                  const at::Tensor& dst) {
+    if (state->name != name) {
+      auto it = state->shapes.find(name);
+      TORCH_CHECK(it != state->shapes.end(), "init_loader: parameter '", name,
+                  "' was not in the planned parameters");
+      at::Tensor v = at::empty(it->second, at::TensorOptions().dtype(at::kFloat));
+      self->init_tensor(name, v);
+      state->values = v.reshape({-1});
+      state->name = name;
+    }
+    dst.copy_(state->values.slice(0, begin, end));
+  };
+  return out;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -122,13 +156,14 @@ namespace {
 // flatshard drives it) and, for fp16 compute, the loss scaler.
 struct RankModel {
   std::shared_ptr<torch::nn::Module> model;
+  std::unique_ptr<TensorParallel> tp;  // outlives fsdp (fsdp/tensor_parallel.h)
   std::unique_ptr<ShardedModel> fsdp;
   std::shared_ptr<torch::optim::AdamW> optimizer;
   std::unique_ptr<ShardedGradScaler> scaler;
 };
 
 RankModel build_rank_model(const RunConfig& config, const Granularity& granularity,
-                           Communicator* comm, const DeviceHooks& hooks) {
+                           Communicator* comm, const DeviceHooks& hooks, const Mesh* mesh) {
   const c10::ScalarType param_dtype = config.sharding.mixed_precision.param_dtype;
   RankModel m;
   const bool deferred = config.deferred_init && !granularity.local;
@@ -144,6 +179,21 @@ RankModel build_rank_model(const RunConfig& config, const Granularity& granulari
     m.model->to(hooks.device, param_dtype);
     params = models::unique_parameters(*m.model);
     if (config.param_groups) named = models::unique_named_parameters(*m.model);
+  } else if (mesh != nullptr) {
+    // Tensor parallelism: slice (shapes only on meta), then shard the TP-local parameters over
+    // the mesh's shard group; a meta model is loaded from its own init (init_loader).
+    ShardingOptions sharding = config.sharding;
+    if (deferred) {
+      MetaInit meta;  // a second model in shapes only, unsplit: the init's full tensors
+      sharding.load = init_loader(config.model.build(config.seed));
+    }
+    m.tp = parallelize(m.model, config.tp_plan, *mesh);
+    if (!deferred) {
+      m.model->to(hooks.device);
+    }
+    m.fsdp = fully_shard(m.model, granularity.plan, *mesh, sharding);
+    params = m.fsdp->parameters();
+    if (config.param_groups) named = m.fsdp->named_parameters();
   } else {
     if (!deferred) m.model->to(hooks.device);
     m.fsdp = fully_shard(m.model, granularity.plan, *comm, config.sharding);
@@ -169,11 +219,32 @@ RankModel build_rank_model(const RunConfig& config, const Granularity& granulari
 
 }  // namespace
 
+namespace {
+
+// train_rank's arguments: a communicator unless local; under TP the mesh, its shard group as it.
+void check_rank_args(const RunConfig& config, const Granularity& granularity,
+                     const Communicator* group, const Mesh* mesh) {
+  const std::string who = "train_rank: granularity '" + granularity.label + "'";
+  TORCH_CHECK(granularity.local || group != nullptr, who, " needs a communicator");
+  TORCH_CHECK(mesh == nullptr || &mesh->shard() == group, who,
+              ": the communicator must be the mesh's shard group");
+  TORCH_CHECK((mesh != nullptr) == (config.tp > 1 && !granularity.local), who, " at tp ",
+              config.tp, (mesh ? " got" : " did not get"), " a mesh");
+}
+
+}  // namespace
+
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
-                     const DeviceHooks& hooks, const ProgressFn& progress) {
-  TORCH_CHECK(granularity.local || group != nullptr, "train_rank: granularity '",
-              granularity.label, "' needs a communicator");
-  const int rank = group ? group->rank() : 0;
+                     const DeviceHooks& hooks, const ProgressFn& progress, const Mesh* mesh) {
+  check_rank_args(config, granularity, group, mesh);
+  // Rank 0 reports; a tp group's ranks share the data rank (their shard coordinate).
+  const int rank = mesh ? mesh->global_rank() : group ? group->rank() : 0;
+  const int data_rank = group ? group->rank() : 0;
+  // Shard groups, then tp groups: once both barriers pass, every rank of the mesh has arrived.
+  auto barrier = [&] {
+    if (group) group->barrier();
+    if (mesh && mesh->tp()) mesh->tp()->barrier();
+  };
   const int total = config.warmup + config.steps;
 
   // The communicator sharding uses: none for local, else the group (timed when asked).
@@ -183,17 +254,25 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     timed = std::make_unique<TimedCommunicator>(*comm);
     comm = timed.get();
   }
+  // Under TP the shard group's collectives are timed through the same wrapper (the tp group's
+  // all-reduces are not: they run inside the layers' forward and backward).
+  std::optional<Mesh> timed_mesh;
+  const Mesh* run_mesh_ptr = mesh;
+  if (mesh && timed) {
+    timed_mesh.emplace(*timed, mesh->replicate(), mesh->tp());
+    run_mesh_ptr = &*timed_mesh;
+  }
 
   // Setup's peak and time start together on every rank.
   auto reset_peak = [&] {
     hooks.synchronize();
-    if (group) group->barrier();
+    barrier();
     if (rank == 0 && hooks.memory_reset_peak) hooks.memory_reset_peak();
-    if (group) group->barrier();
+    barrier();
   };
   reset_peak();
   const auto setup_start = std::chrono::steady_clock::now();
-  RankModel m = build_rank_model(config, granularity, comm, hooks);
+  RankModel m = build_rank_model(config, granularity, comm, hooks, run_mesh_ptr);
   const std::shared_ptr<torch::nn::Module>& model = m.model;
   ShardedModel* fsdp = m.fsdp.get();
   hooks.synchronize();
@@ -202,19 +281,21 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   ShardedGradScaler* scaler = m.scaler.get();
 
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
-  for (int s = 0; s < total; ++s) batches.push_back(step_batch(config, rank, s, hooks.device));
+  for (int s = 0; s < total; ++s)
+    batches.push_back(step_batch(config, data_rank, s, hooks.device));
 
   RunResult r;
   r.granularity = granularity.label;
   r.setup_s = setup_s;
-  r.world_size = comm ? comm->world_size() : 1;
+  r.world_size = mesh ? mesh->global_size() : comm ? comm->world_size() : 1;
+  r.tp = mesh ? mesh->size(MeshDim::kTp) : 1;
   if (fsdp)
     for (const auto& u : fsdp->units()) r.units += u.padded_numel > 0 ? 1 : 0;
 
   // Reset the peak once every rank finished setup: the steps' peak is the steady state we want,
   // not setup's (reported on its own).
   hooks.synchronize();
-  if (group) group->barrier();
+  barrier();
   if (hooks.memory_peak) r.setup_peak_memory_bytes = hooks.memory_peak();
   reset_peak();
 
@@ -276,6 +357,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   std::optional<UnitCounters> captured_step;
   for (int s = 0; s < total; ++s) {
     if (fsdp) fsdp->reset_counters();
+    if (m.tp) m.tp->reset_counters();
     if (timed) timed->reset_time();
     const bool watch = config.sync_debug && hooks.sync_debug && s >= config.warmup;
     const auto t0 = std::chrono::steady_clock::now();
@@ -309,12 +391,13 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     if (rank == 0 && progress) progress(s, total, ms);
   }
   if (fsdp) r.per_step = captured_step ? *captured_step : fsdp->counters().total;
+  if (m.tp) r.tp_per_step = m.tp->counters();
   if (timed && step_ms_sum > 0) r.exposed_comm_share = comm_ms / step_ms_sum;
 
   // Profiled steps, untimed: every rank runs them (collectives), rank 0 records its device.
   if (config.kernel_profile_steps > 0) {
     hooks.synchronize();
-    if (group) group->barrier();
+    barrier();
     if (rank == 0) profiling::start_kernel_profile();
     for (int k = 0; k < config.kernel_profile_steps; ++k) train_step(k % total, [] {});
     hooks.synchronize();
@@ -323,7 +406,7 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
                                                   config.kernel_profile_steps);
   }
 
-  if (group) group->barrier();  // every rank's steps are inside the peak
+  barrier();  // every rank's steps are inside the peak
   if (hooks.memory_peak) r.peak_memory_bytes = hooks.memory_peak();
   return r;
 }
@@ -341,13 +424,25 @@ RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granula
   const int64_t baseline = hooks.memory_current();
   RunResult result;
   std::mutex mu;
-  run_ranks(world, [&](Communicator& comm) {
-    RunResult r = train_rank(config, granularity, &comm, hooks, progress);
-    if (comm.rank() == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      result = std::move(r);
-    }
-  }, timeout);
+  if (config.tp > 1 && !granularity.local) {
+    TORCH_CHECK(world % config.tp == 0, "run_on_cpu_threads: world ", world,
+                " is not a multiple of tp ", config.tp);
+    run_mesh(MeshShape(world / config.tp, 1, config.tp), [&](const Mesh& mesh) {
+      RunResult r = train_rank(config, granularity, &mesh.shard(), hooks, progress, &mesh);
+      if (mesh.global_rank() == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        result = std::move(r);
+      }
+    }, timeout);
+  } else {
+    run_ranks(world, [&](Communicator& comm) {
+      RunResult r = train_rank(config, granularity, &comm, hooks, progress);
+      if (comm.rank() == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        result = std::move(r);
+      }
+    }, timeout);
+  }
   result.peak_memory_bytes = (result.peak_memory_bytes - baseline) / world;
   result.setup_peak_memory_bytes = (result.setup_peak_memory_bytes - baseline) / world;
   return result;

@@ -22,6 +22,10 @@
 // - Memory: after setup (model sharded, optimizer built) the peak is reset on rank 0 between
 //   two barriers; RunResult::peak_memory_bytes is the raw probe peak at the end (the caller
 //   subtracts its baseline and, for process-wide probes, divides by the ranks).
+// - Tensor parallelism (config.tp > 1, sharded runs): train_rank gets the run's Mesh (shard x tp);
+//   `group` is its shard group. Barriers span the mesh (shard, then tp: every rank has arrived),
+//   rank 0 is the mesh's global rank 0, and the data rank is the shard coordinate. Per-step
+//   counters add the TP collectives (RunResult::tp_per_step: TensorParallel::counters()).
 // - Progress is reported on rank 0 only, after every step.
 // - The returned result is this rank's; callers use rank 0's.
 #pragma once
@@ -38,6 +42,8 @@
 #include "benchmarks/bench_granularity.h"
 #include "cli/cuda_rank.h"
 #include "collectives/communicator.h"
+#include "collectives/mesh.h"
+#include "fsdp/tensor_parallel.h"
 #include "fsdp/options.h"
 #include "fsdp/unit.h"
 #include "models/family.h"
@@ -78,6 +84,13 @@ struct RunConfig {
   // Sharded runs step through a flatshard::CudaGraphStep (fsdp/cuda_graph.h): its warmup is
   // max(1, warmup - 1) steps, so the capture is the last warmup step; local runs stay eager.
   bool cuda_graph = false;
+  // Tensor parallelism (docs/tensor-parallel.md): sharded runs parallelize() the model with
+  // `tp_plan` over tp groups of `tp` ranks of the run's mesh and shard it over the rest; the
+  // ranks of a tp group train on one batch (their data rank is the mesh's shard coordinate).
+  // A deferred model is built on meta, parallelized in shapes, and loaded from the family's own
+  // init through ParamLoader (init_loader below), each rank reading its slices only.
+  int tp = 1;
+  TpPlan tp_plan;
 };
 
 // The device side of a rank (cli/cuda_rank.h: shared with flatshard-train).
@@ -91,6 +104,8 @@ struct RunResult {
   int world_size = 1;
   int64_t units = 0;            // units that own parameters (0 for local)
   UnitCounters per_step;        // collectives and bytes of the last measured step
+  int tp = 1;                   // tensor-parallel ranks per group (1: none)
+  TpCounters tp_per_step;       // the TP collectives of the last measured step (TensorParallel)
   std::vector<double> step_ms;  // measured steps
   // The same steps split at the end of backward (device time, from DeviceHooks marks): zero_grad
   // + forward + backward with every reduction done, and the optimizer step.
@@ -117,10 +132,21 @@ struct RunResult {
   std::optional<KernelProfile> kernel_profile;  // rank 0, with kernel_profile_steps > 0
 };
 
+// `mesh`: the run's mesh when config.tp > 1 (then `group` is &mesh->shard()), else null.
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
-                     const DeviceHooks& hooks, const ProgressFn& progress);
+                     const DeviceHooks& hooks, const ProgressFn& progress,
+                     const Mesh* mesh = nullptr);
 
-// A whole run on CPU: `world_size` ranks as threads with one compute thread each; memory from
+// A ParamLoader that reads parameters from `model`'s own init (an InitializesItself root: the
+// GPT and LLaMA families; `model` unsplit, on meta is fine), one whole tensor drawn at a time on
+// the host and kept for the next read of the same name: how a meta-built model is parallelized
+// (which needs a loader: fsdp/tensor_parallel.h; the TP slice loader reads full tensors from
+// it) and still gets the eager model's values. Throws c10::Error when the model does not
+// initialise itself. One per rank (not thread-safe).
+ParamLoader init_loader(const std::shared_ptr<torch::nn::Module>& model);
+
+// A whole run on CPU: `world_size` ranks as threads with one compute thread each (config.tp > 1
+// and not local: a mesh of world_size / tp shard x tp, collectives/thread_mesh.h); memory from
 // the counting CPU allocator as the per-rank average (process peak minus the baseline before
 // the run, divided by the ranks). Returns rank 0's result.
 // `local` runs one unsharded replica per rank thread, concurrently and without communicating:
@@ -133,7 +159,8 @@ RunResult run_on_cpu_threads(const RunConfig& config, const Granularity& granula
 
 // The check's reference for the losses after the optimizer steps (bench_report.h): the model
 // built eagerly in fp32 on `hooks.device`, unsharded, trained with the run's optimizer (same
-// class, options and groups) on the mean loss over the `world_size` ranks' batches of each step
+// class, options and groups) on the mean loss over the `world_size` data-parallel ranks'
+// batches (under TP: --world / tp) of each step
 // -- what a sharded run's averaged gradients are. Returns rank 0's batch's loss at every step
 // (warmup + steps values), as RunResult::losses. Untimed; one process, no communication.
 std::vector<double> reference_losses(const RunConfig& config, int world_size,

@@ -240,6 +240,11 @@ struct RowwiseExit {
   const torch::nn::Module* m;
   at::Tensor operator()(const at::Tensor& y) const { return tp_exit_rowwise(tp, m, y); }
 };
+// A colwise module kept whole (Note [Replicated kv heads]): its head group's exit.
+struct ReplicatedExit {
+  TpEntry tp;
+  at::Tensor operator()(const at::Tensor& y) const { return tp_exit_replicated(tp, y); }
+};
 
 // module->forward(args...) then post(output), both inside the unit's call when `m` is a unit
 // member (its parameters are gathered for both).
@@ -267,6 +272,8 @@ auto call_tp(const TpEntry& tp, const torch::nn::Module* m, M& module, Args&&...
   if constexpr (OneTensorArg<Args...>::value && std::is_same_v<Out, at::Tensor>) {
     if (tp.kind == TpEntry::Kind::kColwise)
       return call_unit(m, Identity{}, module, tp_enter_colwise(tp, args...));
+    if (tp.kind == TpEntry::Kind::kReplicatedHeads)
+      return call_unit(m, ReplicatedExit{tp}, module, std::forward<Args>(args)...);
     // Inside the unit's call: the exit reads the bias, which a per-leaf unit frees after it.
     return call_unit(m, RowwiseExit{tp, m}, module, std::forward<Args>(args)...);
   } else {

@@ -387,6 +387,25 @@ at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const a
   return reduce(y - *bias) + *bias;
 }
 
+// Note [Replicated kv heads]
+// Grouped-query attention with G kv heads, G < tp (tp a multiple of G): a kv head cannot be
+// split, so k and v stay whole on every tp rank (Megatron's and torchtitan's replication) and
+// tp rank r uses head group r * G / tp, the one its local query heads read. Each rank's
+// gradient of that group comes from its own query heads only: a partial sum. Here the exit
+// keeps the whole output y in the graph behind CopyToTp (f on the output, not the input):
+// backward, the output gradient (zero outside this rank's group) is all-reduced over tp, so
+// every rank holds the full dL/dy and the weight gradient (y's Linear) and input gradient are
+// the unsharded ones, equal on every tp rank, like any replicated parameter's (no f on the
+// input: its gradient is already whole). Costs one all-reduce of tokens x out per module per
+// step (TensorParallel::counters(), explain's TpCollectives); the parameters' placement is
+// kReplicate (checkpoints, clip_grad_norm_, slice_loader treat them as whole).
+at::Tensor tp_exit_replicated(const TpEntry& e, const at::Tensor& y) {
+  const at::Tensor whole = CopyToTp::apply(y, as_int(e.group), as_int(e.counters));
+  const int64_t width = y.size(-1) / e.groups;
+  const int64_t group = static_cast<int64_t>(e.tp_rank) * e.groups / e.tp_size;
+  return whole.narrow(-1, group * width, width);
+}
+
 void tp_bad_signature(const TpEntry& e) {
   TORCH_CHECK(false, "tensor parallelism: module '", printable_escape(*e.path),
               "' is split by the tp plan but its forward is not one Tensor in, one Tensor out; "
@@ -479,7 +498,10 @@ std::string TensorParallel::to_string() const {
     TpRule r;
     r.style = m.style;
     r.parts = m.parts;
-    os << style_text(r) << ' ' << printable_escape(m.path) << '\n';
+    os << style_text(r) << ' ' << printable_escape(m.path);
+    if (m.replicated_groups > 0)  // Note [Replicated kv heads]
+      os << " (kept whole: " << m.replicated_groups << " head groups < tp " << tp_size_ << ")";
+    os << '\n';
   }
   return os.str();
 }
@@ -564,6 +586,7 @@ bool takes_sequence_shards(const torch::nn::Module& m) {
 std::vector<int64_t> tp_local_shape(const TpModule& m, bool is_bias,
                                     const std::vector<int64_t>& full, int tp) {
   std::vector<int64_t> local = full;
+  if (m.replicated_groups > 0) return local;  // Note [Replicated kv heads]
   if (m.style == TpStyle::kColwise && !local.empty()) local[0] /= tp;
   if (m.style == TpStyle::kRowwise && !is_bias && local.size() >= 2) local[1] /= tp;
   return local;
@@ -625,6 +648,12 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, where, ": ", e.what_without_backtrace());
     }
+    // Note [Replicated kv heads]: colwise children with fewer head groups than tp stay whole.
+    for (const auto& [child, groups] : aware->tp_replicated_children(tp))
+      for (size_t i = 0; i < split.size(); ++i)
+        if (out[i].path == (item.key().empty() ? child : item.key() + "." + child) &&
+            out[i].style == TpStyle::kColwise && out[i].parts == 1)
+          out[i].replicated_groups = groups;
   }
 
   for (size_t i = 0; i < split.size(); ++i) {
@@ -644,7 +673,18 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
                 " is not Linear-like: a colwise or rowwise module holds a 2-D "
                 "weight [out, in] and at most a 1-D bias [out]; it holds",
                 held.str(), ". Name its Linear children in the tp plan instead");
-    if (tm.style == TpStyle::kColwise) {
+    if (tm.replicated_groups > 0) {
+      // Not combined yet: a whole module's entry would need the sequence gather as well.
+      TORCH_CHECK(!plan.sequence_parallel, where, ": ", what, " has ", tm.replicated_groups,
+                  " head groups, fewer than tp ", tp,
+                  ", so it is kept whole (Note [Replicated kv heads]); that does not combine "
+                  "with sequence_parallel yet. Use a tp that divides the kv heads, or turn "
+                  "sequence_parallel off");
+      TORCH_CHECK(tp % tm.replicated_groups == 0 && w->size(0) % tm.replicated_groups == 0,
+                  where, ": ", what, " has ", tm.replicated_groups, " head groups in ",
+                  w->size(0), " output features; replicating them over tp ", tp,
+                  " needs tp a multiple of the groups and whole groups");
+    } else if (tm.style == TpStyle::kColwise) {
       const int64_t o = w->size(0);
       TORCH_CHECK(o % (static_cast<int64_t>(tm.parts) * tp) == 0, where, ": ", what, " has ", o,
                   " output features", tm.parts > 1 ? " in " + std::to_string(tm.parts) + " blocks" : "",
@@ -777,6 +817,7 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < split.size(); ++i) {
       const TpModule& tm = out->modules_[i];
+      if (tm.replicated_groups > 0) continue;  // whole (Note [Replicated kv heads])
       for (auto& p : split[i]->named_parameters(/*recurse=*/false)) {
         if (!p.value().defined()) continue;
         const bool is_bias = p.key() == "bias";
@@ -799,6 +840,12 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
       detail::TpEntry e;
       e.kind = out->modules_[i].style == TpStyle::kColwise ? detail::TpEntry::Kind::kColwise
                                                            : detail::TpEntry::Kind::kRowwise;
+      if (out->modules_[i].replicated_groups > 0) {  // Note [Replicated kv heads]
+        e.kind = detail::TpEntry::Kind::kReplicatedHeads;
+        e.groups = out->modules_[i].replicated_groups;
+        e.tp_rank = rank;
+        e.tp_size = tp;
+      }
       e.group = mesh.tp();
       e.path = &out->modules_[i].path;
       e.counters = out->counters_.get();

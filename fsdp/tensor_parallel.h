@@ -37,10 +37,10 @@
 //   edges (sequence_shard / sequence_gather below) and its loss calls
 //   vocab_parallel_cross_entropy(). Sequence parallelism needs a `sequence` rule; a split
 //   module may not share a parameter with another module (tied embeddings and a colwise head).
-// - Not yet (issue 51): vocabulary-parallel embeddings, kv heads
-//   fewer than tp (replicated), deferred init on meta without a loader (a meta-built model is
-//   parallelized, shapes only, and must be loaded: ShardingOptions::load, slice_loader),
-//   bench/explain --tp.
+// - Kv heads fewer than tp: Note [Replicated kv heads] (tensor_parallel.cpp).
+// - Not yet (issue 51): vocabulary-parallel embeddings, deferred init on meta without a loader
+//   (a meta-built model is parallelized, shapes only, and must be loaded:
+//   ShardingOptions::load, slice_loader; flatshard-bench loads from the family's init).
 // - Thread rule: as fully_shard; the registry is shared by all ranks-as-threads.
 #pragma once
 
@@ -72,6 +72,13 @@ class TensorParallelModule {
   virtual ~TensorParallelModule() = default;
   // Throws a c10::Error naming `path`, the sizes and `tp` when `tp` ranks cannot split it.
   virtual void check_tensor_parallel(const std::string& path, int tp) const = 0;
+  // Note [Replicated kv heads]: the direct children (by name) whose output holds fewer head
+  // groups than tp (LLaMA's k and v when n_kv_heads < tp), each with its group count G (tp a
+  // multiple of G); the plan's colwise rule then keeps them whole instead of splitting them.
+  virtual std::vector<std::pair<std::string, int64_t>> tp_replicated_children(int tp) const {
+    (void)tp;
+    return {};
+  }
 };
 
 // Where a parameter lives under tensor parallelism (also the checkpoint manifest's "tp"):
@@ -144,6 +151,10 @@ struct TpModule {
   TpStyle style = TpStyle::kReplicate;
   int parts = 1;     // colwise/K
   int rule = -1;     // the plan rule that matched it
+  // Note [Replicated kv heads]: > 0 for a colwise module whose output's G head groups are
+  // fewer than tp: its parameters stay whole (placement kReplicate) and tp rank r uses group
+  // r * G / tp of its output; its backward all-reduce is of its output gradient (out features).
+  int64_t replicated_groups = 0;
 };
 
 class TensorParallel {

@@ -8,6 +8,9 @@
 //   * tp_enter_colwise(e, x): Megatron's f, identity forward, all-reduce (sum) of the input
 //     gradient over the tp group backward. With e.sequence: all-gather of x [B, T/tp, ...]
 //     along dim 1 forward, reduce-scatter of the gradient backward.
+//   * tp_exit_replicated(e, y): a colwise module kept whole (Note [Replicated kv heads],
+//     fsdp/tensor_parallel.cpp): forward this rank's head group of the output, backward the
+//     output gradient (zero outside that group) all-reduced over the tp group.
 //   * tp_exit_rowwise(e, m, y): Megatron's g, all-reduce (sum) of the output over the tp
 //     group forward, identity backward; `m`'s replicated bias (a parameter named "bias", if
 //     any) is added once, not once per rank. With e.sequence: reduce-scatter of y [B, T, ...]
@@ -45,17 +48,20 @@ struct TpCounterCells {
 };
 
 struct TpEntry {
-  enum class Kind : uint8_t { kNone, kColwise, kRowwise };
+  enum class Kind : uint8_t { kNone, kColwise, kRowwise, kReplicatedHeads };
   Kind kind = Kind::kNone;
   Communicator* group = nullptr;     // the tp group
   const std::string* path = nullptr;  // the module's path, for messages
   TpCounterCells* counters = nullptr;  // its TensorParallel's
   bool sequence = false;  // sequence parallelism: gather / reduce-scatter along dim 1 instead
+  int64_t groups = 0;  // kReplicatedHeads: the output's head groups G (TpModule::replicated_groups)
+  int tp_rank = 0, tp_size = 1;  // kReplicatedHeads: which group this rank uses
 };
 
 TpEntry find_tp(const torch::nn::Module* m);
 at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x);
 at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const at::Tensor& y);
+at::Tensor tp_exit_replicated(const TpEntry& e, const at::Tensor& y);
 // A module the TP plan names whose forward is not Tensor -> Tensor.
 [[noreturn]] void tp_bad_signature(const TpEntry& e);
 

@@ -273,20 +273,21 @@ AttentionImpl::AttentionImpl(const LlamaConfig& cfg)
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
                                   const at::Tensor& sin) {
   const int64_t B = x.size(0);
-  // Local head counts from the weights (tensor parallelism splits the heads:
-  // fsdp/tensor_parallel.h).
-  const int64_t hd = head_dim_, hq = q->weight.size(0) / hd, hkv = k->weight.size(0) / hd;
-  // The sequence length from q's output: under sequence parallelism x holds T/tp positions and
-  // q's entry gathers them.
-  const at::Tensor q_out = models::call_linear(q, x, fp8_);
-  const int64_t T = q_out.size(1);
+  // Local head counts from the projections' outputs (tensor parallelism splits the heads:
+  // fsdp/tensor_parallel.h; with kv heads fewer than tp, k and v are whole and their exit keeps
+  // this rank's one kv head: Note [Replicated kv heads]). The sequence length from q's output
+  // too: under sequence parallelism x holds T/tp positions and q's entry gathers them.
+  const at::Tensor qx = models::call_linear(q, x, fp8_), kx = models::call_linear(k, x, fp8_),
+                   vx = models::call_linear(v, x, fp8_);
+  const int64_t T = qx.size(1);
+  const int64_t hd = head_dim_, hq = qx.size(-1) / hd, hkv = kx.size(-1) / hd;
   // [B, T, H·hd] -> [B, H, T, hd]: heads as a batch dimension, as SDPA wants.
   auto heads = [&](const at::Tensor& t, int64_t h) {
     return t.view({B, T, h, hd}).transpose(1, 2);
   };
-  const at::Tensor qh = apply_rotary(heads(q_out, hq), cos, sin);
-  at::Tensor kh = apply_rotary(heads(models::call_linear(k, x, fp8_), hkv), cos, sin);
-  at::Tensor vh = heads(models::call_linear(v, x, fp8_), hkv);
+  const at::Tensor qh = apply_rotary(heads(qx, hq), cos, sin);
+  at::Tensor kh = apply_rotary(heads(kx, hkv), cos, sin);
+  at::Tensor vh = heads(vx, hkv);
   if (hkv != hq) {  // grouped-query: kv head j serves q heads [j·g, (j+1)·g)
     const int64_t g = hq / hkv;
     kh = kh.repeat_interleave(g, /*dim=*/1);
@@ -307,11 +308,19 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
 }
 
 void AttentionImpl::check_tensor_parallel(const std::string& path, int tp) const {
-  TORCH_CHECK(n_heads_ % tp == 0 && n_kv_heads_ % tp == 0, "tensor parallelism: module '", path,
+  // Kv heads fewer than tp are replicated (tp_replicated_children), when tp is a multiple.
+  const bool kv_ok = n_kv_heads_ % tp == 0 || tp % n_kv_heads_ == 0;
+  TORCH_CHECK(n_heads_ % tp == 0 && kv_ok, "tensor parallelism: module '", path,
               "' (Attention) has n_heads = ", n_heads_, " and n_kv_heads = ", n_kv_heads_,
-              ", which tp ", tp, " cannot split into whole heads per rank (both must be ",
-              "multiples of tp; kv heads fewer than tp are not replicated yet); use a tp size ",
-              "that divides both");
+              ", which tp ", tp, " cannot split into whole heads per rank (n_heads must be a "
+              "multiple of tp, and n_kv_heads a multiple or a divisor of it: kv heads fewer than "
+              "tp are replicated); use a tp size that divides n_heads and divides or is a "
+              "multiple of n_kv_heads");
+}
+
+std::vector<std::pair<std::string, int64_t>> AttentionImpl::tp_replicated_children(int tp) const {
+  if (n_kv_heads_ >= tp) return {};
+  return {{"k", n_kv_heads_}, {"v", n_kv_heads_}};
 }
 
 MLPImpl::MLPImpl(const LlamaConfig& cfg) : torch::nn::Module("MLP"), fp8_(cfg.fp8) {

@@ -228,14 +228,18 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
 TORCH_MODULE(RotaryEmbedding);
 
 // Under tensor parallelism (fsdp/tensor_parallel.h; the family's tp plan: q, k, v colwise, o
-// rowwise) each rank runs n_heads / tp query heads and n_kv_heads / tp kv heads: forward reads
-// the local head counts from the weights, never from the config.
+// rowwise) each rank runs n_heads / tp query heads and n_kv_heads / tp kv heads (one, replicated,
+// when n_kv_heads < tp): forward reads the local head counts from the projections' outputs,
+// never from the config.
 class AttentionImpl : public torch::nn::Module, public flatshard::TensorParallelModule {
  public:
   explicit AttentionImpl(const LlamaConfig& cfg);
   // x [B, T, d], cos/sin [T, hd/2] -> [B, T, d]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
   void check_tensor_parallel(const std::string& path, int tp) const override;
+  // n_kv_heads < tp: k and v are kept whole, each rank using its query heads' kv head
+  // (Note [Replicated kv heads], fsdp/tensor_parallel.cpp).
+  std::vector<std::pair<std::string, int64_t>> tp_replicated_children(int tp) const override;
 
   torch::nn::Linear q{nullptr};  // d -> H·hd
   torch::nn::Linear k{nullptr};  // d -> Hkv·hd

@@ -51,12 +51,26 @@ std::vector<Shape> granularities(const AdvisorOptions& a) {
   return out;
 }
 
-// The decisive reason `c` loses against `best` (both fit), with its numbers.
+// `p`'s times scaled by `f` (tensor parallelism: a candidate's step per token, in units of
+// the best's tokens).
+CostPrediction scaled(CostPrediction p, double f) {
+  for (double* t : {&p.compute_ms, &p.passes_ms, &p.optimizer_ms, &p.comm_ms, &p.exposed_comm_ms,
+                    &p.exposed_all_gather_ms, &p.host_ms, &p.offload_ms, &p.recompute_ms,
+                    &p.gpu_ms, &p.step_ms, &p.cpu_optimizer_ms, &p.tp_comm_ms})
+    *t *= f;
+  return p;
+}
+
+// The decisive reason `c` loses against `best` (both fit), with its numbers. Candidates at
+// another tp size run other tokens per step: `c` is compared at the best's tokens.
 void assign_reason(Candidate& c, const Candidate& best, double tie_share, double noise_share) {
-  const CostPrediction &x = c.cost, &b = best.cost;
+  const double f =
+      c.cost.tokens > 0 && best.cost.tokens > 0 ? best.cost.tokens / c.cost.tokens : 1.0;
+  const CostPrediction x = scaled(c.cost, f), &b = best.cost;
   const double slower = x.step_ms - b.step_ms;
   std::ostringstream why;
   why << format_fixed(x.step_ms, 2) << " ms vs " << format_fixed(b.step_ms, 2) << " ms";
+  if (f != 1.0) why << " (at the best's " << format_fixed(b.tokens, 0) << " tokens per GPU)";
   if (slower <= tie_share * b.step_ms) {
     c.reason = LossReason::kNotFaster;
     why << ": no faster (within " << format_fixed(100 * tie_share, 1) << "%); the best peaks at "
@@ -107,6 +121,48 @@ void assign_reason(Candidate& c, const Candidate& best, double tie_share, double
   c.why = why.str();
 }
 
+// Tensor parallelism (issue 51): every mesh (shard, replicas) at tp 1 and at each size of
+// a.tp_sizes the model can split; the sizes left out, with why, into `skipped`.
+struct Mesh3 {
+  int shard, replicas, tp;
+};
+std::vector<Mesh3> tp_grid(const torch::nn::Module& model,
+                           const std::vector<std::pair<int, int>>& meshes, bool searched,
+                           int world_size, int replicate_size, const AdvisorOptions& a,
+                           std::vector<std::string>* skipped) {
+  std::vector<Mesh3> grid;
+  for (const auto& [shard, replicas] : meshes) grid.push_back({shard, replicas, 1});
+  TORCH_CHECK(a.tp_sizes.empty() || !a.tp_plan.empty(),
+              "suggest: tp_sizes given without a tp_plan (a family's FamilyModules::tp_plan)");
+  const int64_t gpus = static_cast<int64_t>(world_size) * replicate_size;
+  for (int t : a.tp_sizes) {
+    TORCH_CHECK(t >= 2, "suggest: tp size ", t, " must be >= 2 (tp 1 is always tried)");
+    if (gpus % t != 0) {
+      skipped->push_back("tp " + std::to_string(t) + ": does not divide the " +
+                         std::to_string(gpus) + " ranks");
+      continue;
+    }
+    try {  // parallelize()'s own check (heads, kv heads, sizes): one home for the rule
+      match_tp_plan(model, a.tp_plan, t, "tp " + std::to_string(t));
+    } catch (const c10::Error& err) {
+      const std::string msg = err.what_without_backtrace();
+      skipped->push_back(msg.substr(0, msg.find('\n')));
+      continue;
+    }
+    const int64_t dp = gpus / t;
+    if (searched) {
+      for (const auto& [shard, replicas] : meshes)
+        if (dp % shard == 0) grid.push_back({shard, static_cast<int>(dp / shard), t});
+    } else if (world_size % t == 0) {
+      grid.push_back({world_size / t, replicate_size, t});
+    } else {
+      skipped->push_back("tp " + std::to_string(t) + ": does not divide world " +
+                         std::to_string(world_size));
+    }
+  }
+  return grid;
+}
+
 }  // namespace
 
 const char* to_string(LossReason r) {
@@ -140,6 +196,7 @@ std::string Candidate::command_line() const {
   if (offload) s += " --offload " + std::to_string(offload);
   if (mesh_searched)
     s += " --world " + std::to_string(shard) + " --replicate " + std::to_string(replicate);
+  if (tp > 1) s += " --tp " + std::to_string(tp);
   return s;
 }
 
@@ -203,6 +260,9 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
   const bool searched = !meshes.empty();
   if (!searched) meshes.emplace_back(world_size, replicate_size);
   advice.mesh_searched = searched;
+  advice.tp_searched = !a.tp_sizes.empty();
+  const std::vector<Mesh3> grid =
+      tp_grid(model, meshes, searched, world_size, replicate_size, a, &advice.tp_skipped);
   for (const Shape& g : granularities(a)) {
     Plan plan;
     try {
@@ -215,7 +275,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
     const bool extra =
         std::find(a.extra_specs.begin(), a.extra_specs.end(), g.spec) != a.extra_specs.end();
     if (g.label != "model" && !extra && plan.matched_modules == 0) continue;
-    for (const auto& [shard, replicas] : meshes) {
+    for (const auto& [shard, replicas, tp] : grid) {
     std::map<int, Explanation> explained;  // per offload level
     for (int depth : a.prefetch_depths) {
       for (int level : a.offload_levels) {
@@ -228,7 +288,8 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
           ShardingOptions o = options;
           o.forward_prefetch = o.backward_prefetch = depth;
           o.offload = level;
-          base = explain(model, plan, MeshShape(shard, replicas), o);
+          base = explain(model, plan, MeshShape(shard, replicas, tp), o, std::nullopt, {},
+                         tp > 1 ? a.tp_plan : TpPlan{});
         }
         Explanation e = base;
         e.options.forward_prefetch = e.options.backward_prefetch = depth;
@@ -244,6 +305,7 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
         c.fits = static_cast<double>(c.cost.peak_bytes) <= usable;
         c.shard = shard;
         c.replicate = replicas;
+        c.tp = tp;
         c.mesh_searched = searched;
         advice.candidates.push_back(std::move(c));
       }
@@ -251,16 +313,20 @@ Advice suggest(const torch::nn::Module& model, int world_size, int replicate_siz
     }  // meshes
   }
   auto& cs = advice.candidates;
-  std::stable_sort(cs.begin(), cs.end(), [](const Candidate& x, const Candidate& y) {
+  // Time per token per GPU: the step itself when every candidate has the same tokens (tp 1).
+  auto per_token = [](const Candidate& c) {
+    return c.cost.tokens > 0 ? c.cost.step_ms / c.cost.tokens : c.cost.step_ms;
+  };
+  std::stable_sort(cs.begin(), cs.end(), [&](const Candidate& x, const Candidate& y) {
     if (x.fits != y.fits) return x.fits;
-    if (x.fits) return x.cost.step_ms < y.cost.step_ms;
+    if (x.fits) return per_token(x) < per_token(y);
     return x.cost.peak_bytes < y.cost.peak_bytes;
   });
   if (!cs.empty() && cs.front().fits) {
     // Ties: among the candidates within tie_share of the fastest, the smallest peak.
-    const double limit = cs.front().cost.step_ms * (1 + a.tie_share);
+    const double limit = per_token(cs.front()) * (1 + a.tie_share);
     size_t pick = 0;
-    for (size_t i = 1; i < cs.size() && cs[i].fits && cs[i].cost.step_ms <= limit; ++i)
+    for (size_t i = 1; i < cs.size() && cs[i].fits && per_token(cs[i]) <= limit; ++i)
       if (cs[i].cost.peak_bytes < cs[pick].cost.peak_bytes) pick = i;
     std::rotate(cs.begin(), cs.begin() + pick, cs.begin() + pick + 1);
     cs.front().reason = LossReason::kNone;
@@ -293,13 +359,19 @@ std::string Advice::to_string() const {
      << format_bytes(memory_limit_bytes) << " per rank (" << std::lround(100 * memory_margin)
      << "% kept free), held against the predicted peak with activations\nprofile: "
      << printable_escape(profile.source) << "\n";
+  if (tp_searched) {
+    os << "tensor parallelism: each tp group trains on one batch of the size above; candidates "
+          "ranked by time per token per GPU\n";
+    for (const auto& s : tp_skipped) os << "  skipped " << printable_escape(s) << "\n";
+  }
   if (fits()) {
     const Candidate& b = candidates.front();
     // A spec holds module paths, which may come from a file (flatshard-explain --weights).
     os << "suggested: " << b.label << " " << printable_escape(b.command_line()) << "\n"
        << "  spec: " << printable_escape(b.spec) << "\n"
        << "  " << b.cost.to_string();
-    if (mesh_searched || profile.peak_tflops > 0) os << "  " << b.cost.throughput(profile) << "\n";
+    if (mesh_searched || tp_searched || profile.peak_tflops > 0)
+      os << "  " << b.cost.throughput(profile) << "\n";
   } else {
     os << "no candidate fits";
     if (!candidates.empty())
@@ -314,11 +386,16 @@ std::string Advice::to_string() const {
       TextTable::Align::kLeft,  TextTable::Align::kRight, TextTable::Align::kRight,
       TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kRight,
       TextTable::Align::kRight, TextTable::Align::kRight, TextTable::Align::kLeft};
-  if (mesh_searched) {  // shard group x replicas; tokens/s per GPU and MFU beside the step
+  const bool wide = mesh_searched || tp_searched;
+  if (wide) {  // shard group x replicas; tokens/s per GPU and MFU beside the step
     heads.insert(heads.begin() + 1, "mesh");
     aligns.insert(aligns.begin() + 1, TextTable::Align::kRight);
     heads.insert(heads.end() - 1, {"tok/s/GPU", "MFU"});
     aligns.insert(aligns.end() - 1, {TextTable::Align::kRight, TextTable::Align::kRight});
+  }
+  if (tp_searched) {  // after the mesh
+    heads.insert(heads.begin() + 2, "tp");
+    aligns.insert(aligns.begin() + 2, TextTable::Align::kRight);
   }
   TextTable t(heads, aligns);
   // One row per distinct prediction: candidates that differ only in the prefetch depth and
@@ -329,6 +406,7 @@ std::string Advice::to_string() const {
     int64_t peak_bytes = 0;
     std::string prefetch;
     std::string tokens, mfu, mesh;  // with a mesh search
+    int tp = 1;
   };
   std::vector<Row> rows;
   for (const auto& c : candidates) {
@@ -341,10 +419,11 @@ std::string Advice::to_string() const {
             format_fixed(c.cost.tokens_per_s(), 0),
             profile.peak_tflops > 0 ? format_fixed(100 * c.cost.mfu(profile.peak_tflops), 1) + "%"
                                     : "-",
-            std::to_string(c.shard) + "x" + std::to_string(c.replicate)};
+            std::to_string(c.shard) + "x" + std::to_string(c.replicate),
+            c.tp};
     // Times as printed (10 us), the peak to the byte.
     auto same = std::find_if(rows.begin(), rows.end(), [&](const Row& r) {
-      return r.peak_bytes == row.peak_bytes && r.mesh == row.mesh &&
+      return r.peak_bytes == row.peak_bytes && r.mesh == row.mesh && r.tp == row.tp &&
              std::equal(r.cells.begin(), r.cells.begin() + 7, row.cells.begin());
     });
     if (same != rows.end()) {
@@ -354,14 +433,16 @@ std::string Advice::to_string() const {
     }
   }
   for (const auto& r : rows) {
-    if (!mesh_searched) {
+    if (!wide) {
       t.add_row({r.cells[0], r.prefetch, r.cells[1], r.cells[2], r.cells[3], r.cells[4],
                  r.cells[5], r.cells[6], r.cells[7]});
       continue;
     }
-    t.add_row({r.cells[0], r.mesh, r.prefetch, r.cells[1],
-               r.cells[2], r.cells[3], r.cells[4], r.cells[5], r.cells[6], r.tokens, r.mfu,
-               r.cells[7]});
+    std::vector<std::string> cells = {r.cells[0], r.mesh, r.prefetch, r.cells[1],
+                                      r.cells[2], r.cells[3], r.cells[4], r.cells[5], r.cells[6],
+                                      r.tokens, r.mfu, r.cells[7]};
+    if (tp_searched) cells.insert(cells.begin() + 2, std::to_string(r.tp));
+    t.add_row(cells);
   }
   os << t;
   return os.str();

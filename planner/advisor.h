@@ -45,6 +45,15 @@
 // - With AdvisorOptions::shard_sizes, the product above is taken at every HSDP mesh too (shard
 //   group S, replicas world x replicate / S), each costed on its groups' links (the profile's
 //   topology); the table gains a mesh column and the losers' reasons compare across meshes.
+// - With AdvisorOptions::tp_sizes (issue 51), each mesh is tried at tp 1 and at every tp size T
+//   given: the world's ranks form tp groups of T consecutive ranks and the shard group is S / T
+//   of them (with shard_sizes: each S that divides the world's ranks / T). A T the model cannot
+//   split (parallelize()'s own check, match_tp_plan: heads, kv heads, sizes) or whose groups
+//   do not divide the mesh is skipped and named in Advice::tp_skipped. A tp group trains on one
+//   batch: AdvisorOptions::workload is per data-parallel rank, so tp T runs 1 / T of the global
+//   batch per step; candidates are therefore ranked by time per token per GPU (step /
+//   CostPrediction::tokens; the step itself when every candidate has the same tokens, as
+//   without TP) and a loser's terms are compared per token. The table gains a tp column.
 // - Throws c10::Error for a budget <= 0, world or replicate < 1, a shard size that does not
 //   divide world x replicate, an empty prefetch_depths, a
 //   prefetch depth or offload level out of range, or an extra spec parse_policy() rejects
@@ -99,6 +108,10 @@ struct AdvisorOptions {
   // Empty: only the world and replicate suggest() is given. cluster_shard_sizes() lists the
   // ones that fit a cluster's nodes.
   std::vector<int> shard_sizes;
+  // Tensor-parallel sizes to try beside tp 1 (issue 51), each > 1, with tp_plan (the plan
+  // parallelize() would get: a family's FamilyModules::tp_plan). Empty: tp 1 only.
+  std::vector<int> tp_sizes;
+  TpPlan tp_plan;
   double tie_share = 0.005;  // steps within 0.5% are a tie; the smaller peak wins
   // Margins below this share of the best's step are within the cost model's error: its steps
   // are held within 10% of measured runs (tools/advisor_check.py, benchmarks/RESULTS.md), so
@@ -125,9 +138,10 @@ struct Candidate {
   // The mesh it was costed at: ranks per shard group and replicas (AdvisorOptions::
   // shard_sizes; otherwise suggest()'s world and replicate).
   int shard = 1, replicate = 1;
+  int tp = 1;                  // tensor-parallel ranks per group (AdvisorOptions::tp_sizes)
   bool mesh_searched = false;  // command_line() then gives --world and --replicate too
-  // "--policy '<spec>' --prefetch N [--offload L] [--world S --replicate R]" (flatshard-bench
-  // and flatshard-explain; the mesh when shard sizes were searched)
+  // "--policy '<spec>' --prefetch N [--offload L] [--world S --replicate R] [--tp T]"
+  // (flatshard-explain; the mesh when shard sizes were searched, --tp when tp > 1)
   std::string command_line() const;
 };
 
@@ -136,6 +150,9 @@ struct Advice {
   double memory_margin = 0;
   int world_size = 1, replicate_size = 1;
   bool mesh_searched = false;  // AdvisorOptions::shard_sizes was given
+  bool tp_searched = false;    // AdvisorOptions::tp_sizes was given
+  // tp sizes left out, each with why ("tp 3: ... n_heads = 4 ..."), first line of the error.
+  std::vector<std::string> tp_skipped;
   Workload workload;
   MachineProfile profile;
   // Sorted: the best first, then fitting ones by predicted step, then the ones that do not fit

@@ -107,6 +107,7 @@ class CostWalk {
         tokens_(static_cast<double>(w.tokens())),
         shard_size_(e.mesh.shard()),
         replicas_(e.mesh.replicate()),
+        tp_(e.mesh.tp()),
         forward_prefetch_(e.options.forward_prefetch),
         backward_prefetch_(e.options.backward_prefetch),
         // One rank and no replicas: no collective runs and no flat gradient exists (Note
@@ -190,7 +191,7 @@ class CostWalk {
   const int n_;
   const int64_t layers_;
   const double seq_, tokens_;
-  const int shard_size_, replicas_, forward_prefetch_, backward_prefetch_;
+  const int shard_size_, replicas_, tp_, forward_prefetch_, backward_prefetch_;
   const bool one_rank_;
   const double staging_;
 
@@ -511,6 +512,9 @@ void CostWalk::time_walk() {
   double tail = 0;
   pipeline(false, &p_.exposed_all_gather_ms, &tail);
   p_.exposed_comm_ms = p_.exposed_all_gather_ms + tail;
+  // The TP all-reduces run on the compute stream between a layer's matmuls: nothing hides them.
+  p_.comm_ms += p_.tp_comm_ms;
+  p_.exposed_comm_ms += p_.tp_comm_ms;
   // Note [Offload step in backward] (fsdp/offload_step.h): each offloaded unit's CPU step runs
   // beside the backward of the units after it, once its gradient is on the host; at level 1
   // its upload follows its step there instead of riding the next forward's gathers. The CPU
@@ -544,7 +548,7 @@ void CostWalk::time_walk() {
       gathers += ag_ms_[k] * (explained_.units[k].per_step.forward_all_gathers +
                               explained_.units[k].per_step.backward_all_gathers);
     p_.exposed_all_gather_ms = gathers;
-    p_.exposed_comm_ms = p_.comm_ms;
+    p_.exposed_comm_ms = p_.comm_ms;  // the TP all-reduces included (above)
     copy_exposed = std::max(0.0, copy_ms_ - p_.compute_ms);
   } else if (copy_ms_ > 0) {
     double g = 0, t = 0;
@@ -562,11 +566,13 @@ void CostWalk::time_walk() {
 }
 
 void CostWalk::unit_compute() {
-  p_.tokens = tokens_;
+  // Tensor parallelism: a tp group's ranks share its tokens (each GPU's share: 1 / tp) and
+  // split every layer's matmuls and attention heads; the head stays whole on each rank.
+  p_.tokens = tokens_ / tp_;
   const double rate = prof_.compute_tflops * 1e9;  // FLOP per ms
   const double attn_flops_layer = shape_.attention_flops_per_token_per_position * seq_ * tokens_;
   const double layer_flops =
-      6.0 * tokens_ * static_cast<double>(shape_.layer_matmul_params) + attn_flops_layer;
+      (6.0 * tokens_ * static_cast<double>(shape_.layer_matmul_params) + attn_flops_layer) / tp_;
   const double head_flops = 6.0 * tokens_ * static_cast<double>(shape_.vocab * shape_.d_model);
   fwd_ms_.assign(n_, 0);
   bwd_ms_.assign(n_, 0);
@@ -605,12 +611,32 @@ void CostWalk::passes_and_collectives() {
   // reductions, the replicate group's all-reduce.
   // All ranks inside one node (W x R <= gpus per node): every group is, aligned or not.
   const auto per_node = static_cast<int64_t>(prof_.gpus_per_node);
-  const int64_t nodes = static_cast<int64_t>(shard_size_) * replicas_ <= per_node ? 0 : per_node;
-  const GroupSpan shard = shard_group_span(shard_size_, nodes);
-  const GroupSpan replicate = replicate_group_span(replicas_, shard_size_, nodes);
+  // Tensor parallelism is the innermost dimension (collectives/mesh.h): a tp group is tp
+  // consecutive ranks, a shard group shard_size_ ranks tp apart, replicas shard x tp apart.
+  const int64_t nodes =
+      static_cast<int64_t>(shard_size_) * replicas_ * tp_ <= per_node ? 0 : per_node;
+  const GroupSpan shard = tp_ > 1 ? replicate_group_span(shard_size_, tp_, nodes)
+                                  : shard_group_span(shard_size_, nodes);
+  const GroupSpan replicate =
+      replicate_group_span(replicas_, static_cast<int64_t>(shard_size_) * tp_, nodes);
   auto cost = [&](Collective c, const GroupSpan& g, double bus, int64_t bytes) {
     return bytes > 0 ? collective_ms(prof_, c, g, bus * static_cast<double>(bytes)) : 0.0;
   };
+  // The TP all-reduces (explain's TpCollectives, per unit): each one of its share of the
+  // tensors' bytes (tokens x numel per token x the compute dtype's size), over the tp group.
+  if (tp_ > 1) {
+    const GroupSpan tp = shard_group_span(tp_, nodes);
+    const double bus = 2.0 * (tp_ - 1) / tp_;
+    auto all_reduces = [&](int64_t count, int64_t numel_per_token) {
+      if (count <= 0) return 0.0;
+      const double bytes = tokens_ * static_cast<double>(numel_per_token * compute_elem_);
+      return static_cast<double>(count) *
+             collective_ms(prof_, Collective::kAllReduce, tp, bus * bytes / count);
+    };
+    for (const auto& u : explained_.units)
+      p_.tp_comm_ms += all_reduces(u.tp.forward_all_reduces, u.tp.forward_numel_per_token) +
+                       all_reduces(u.tp.backward_all_reduces, u.tp.backward_numel_per_token);
+  }
   for (int k = 0; k < n_; ++k) {
     const auto& u = explained_.units[k];
     const auto& c = u.per_step;
@@ -786,6 +812,7 @@ CostPrediction predict_cost(const Explanation& e, const TransformerShape& shape,
       {"optimizer_ms", p.optimizer_ms},
       {"comm_ms", p.comm_ms},
       {"exposed_comm_ms", p.exposed_comm_ms},
+      {"tp_comm_ms", p.tp_comm_ms},
       {"exposed_all_gather_ms", p.exposed_all_gather_ms},
       {"host_ms", p.host_ms},
       {"offload_ms", p.offload_ms},
@@ -833,7 +860,8 @@ std::string CostPrediction::to_string() const {
   os << "\npredicted step " << ms(step_ms) << " ms" << (host_bound ? " (host-bound)" : "")
      << ": compute " << ms(compute_ms) << " (recompute " << ms(recompute_ms)
      << "), parameter passes " << ms(passes_ms) << ", optimizer " << ms(optimizer_ms)
-     << ", exposed communication " << ms(exposed_comm_ms) << " of " << ms(comm_ms) << ", offload "
+     << ", exposed communication " << ms(exposed_comm_ms) << " of " << ms(comm_ms)
+     << (tp_comm_ms > 0 ? " (TP all-reduces " + ms(tp_comm_ms) + ")" : std::string()) << ", offload "
      << ms(offload_ms) << "; host " << ms(host_ms) << "\n";
   return os.str();
 }

@@ -72,6 +72,17 @@
 //               (the compute keeps its own). Synchronous
 //               collectives (comm_overlap 0): all copies beyond the compute time are exposed. The
 //               CPU optimizer (cpu_optimizer_params_per_s) overlaps nothing.
+//   tensor parallelism (e.mesh.tp() T > 1, docs/tensor-parallel.md): the workload is the tp
+//               group's (batch sequences per data-parallel rank, each of its T ranks computing
+//               on all of them); a layer's matmul and attention FLOPs are divided by T (the head
+//               is not: the default plans keep it whole), the persistent and gathered bytes are
+//               explain's TP-local ones, activations are NOT divided (the replicated norms and
+//               residuals are saved whole, the split parts counted whole too: an upper bound).
+//               The TP all-reduces (explain's TpCollectives: 2 forward + 2 backward per GPT
+//               layer of tokens x d_model) cost latency + 2(T-1)/T x bytes / bandwidth each on
+//               the tp group's links (T consecutive ranks; the shard group is then S ranks T
+//               apart, replicas S x T apart, planner/topology.h) and are all exposed: they sit
+//               between a layer's matmuls on the compute stream (tp_comm_ms).
 //   gpu_ms = compute + passes + optimizer + exposed + offload; step_ms = the
 //   host_overlap_norm-norm of (gpu_ms, host_ms) (machine_profile.h: imperfect overlap; the max
 //   for a large norm); host_bound when host_ms > gpu_ms.
@@ -123,10 +134,14 @@ struct CostPrediction {
          exposed_all_gather_ms = 0, host_ms = 0, offload_ms = 0, recompute_ms = 0, gpu_ms = 0,
          step_ms = 0;
   double cpu_optimizer_ms = 0;  // the CPU optimizer of offloaded units (a part of offload_ms)
+  // Tensor parallelism: the all-reduces over the tp group, all exposed (a part of comm_ms and
+  // exposed_comm_ms; see the contract).
+  double tp_comm_ms = 0;
   bool host_bound = false;
   int64_t replicated_bytes = 0;  // NO_SHARD units' master + gradient + AdamW state per rank
   // Throughput: the model's FLOPs of one step on this rank (forward + backward, recompute left
   // out: what MFU counts, as the compute term's 6 N + attention per token) and its tokens.
+  // Under tensor parallelism `tokens` is each GPU's share of its tp group's (workload / tp).
   double model_flops = 0, tokens = 0;
   double tokens_per_s() const;              // per rank (GPU): tokens / step
   double mfu(double peak_tflops) const;     // model FLOPs / step / peak; 0 if the peak is unknown

@@ -629,9 +629,16 @@ TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const Tp
       c.forward_numel_per_token = w.size(0);
       if (sp) c.backward_all_gathers = 1, c.backward_numel_per_token = w.size(0);
     } else {
-      (sp ? c.backward_reduce_scatters : c.backward_all_reduces) = 1;
-      c.backward_numel_per_token = w.size(1);
-      if (sp) c.forward_all_gathers = 1, c.forward_numel_per_token = w.size(1);
+      if (m.replicated_groups > 0) {
+        // A module kept whole (Note [Replicated kv heads]) all-reduces its output's gradient
+        // (parallelize refuses it under sequence parallelism).
+        c.backward_all_reduces = 1;
+        c.backward_numel_per_token = w.size(0);
+      } else {
+        (sp ? c.backward_reduce_scatters : c.backward_all_reduces) = 1;
+        c.backward_numel_per_token = w.size(1);
+        if (sp) c.forward_all_gathers = 1, c.forward_numel_per_token = w.size(1);
+      }
     }
     ++out.modules;
     if (done != nullptr) continue;  // its shapes are the local ones already

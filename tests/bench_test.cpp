@@ -17,6 +17,7 @@
 
 #include "benchmarks/bench_report.h"
 #include "models/family.h"
+#include "wrap_policies/tp_plan.h"
 #include "profiling/kernel_profile.h"
 #include "support/input_file.h"
 #include "support/json.h"
@@ -418,6 +419,58 @@ TEST_CASE("--init eager|deferred: same losses, setup time and peak reported", "[
   }
 }
 
+TEST_CASE("--tp 2 --world 4: TP collectives per step match closed forms, losses check",
+          "[bench][tp]") {
+  // shard 2 x tp 2 on CPU threads, deferred init (meta, parallelized, loaded from the family's
+  // own init). Per layer the default plans enter each colwise module through Megatron's f (one
+  // backward all-reduce of its input gradient, d_model per token) and leave each rowwise one
+  // through g (one forward all-reduce of its output, d_model per token): GPT splits the fused
+  // qkv and fc (2 colwise) and attn.proj, mlp.proj (2 rowwise); LLaMA q, k, v, gate, up (5) and
+  // o, down (2). The losses after each step must match the unsharded reference on the two
+  // data-parallel ranks' batches (the check), which covers the TP slicing and reduction.
+  struct Family {
+    const char* name;
+    int64_t colwise, rowwise;
+    std::vector<std::string> runs;
+  };
+  for (const Family& fam : {Family{"gpt", 2, 2, {"local", "layer", "leaf"}},
+                            Family{"llama", 5, 2, {"layer"}}}) {
+    CAPTURE(fam.name);
+    const std::string json = scratch(std::string("tp_") + fam.name + ".json");
+    std::string policies;
+    for (const auto& r : fam.runs) policies += (policies.empty() ? "" : ",") + r;
+    const Outcome o = run_bench({"--model", fam.name, "--preset", "tiny", "--world", "4", "--tp",
+                                 "2", "--steps", "2", "--warmup", "1", "--policy", policies,
+                                 "--json", json});
+    INFO("stdout:\n" << o.out << "\nstderr:\n" << o.err);
+    REQUIRE(o.exit_code == 0);
+    CHECK(o.out.find("tensor parallel: tp 2 x shard 2") != std::string::npos);
+    const JsonFile report(json);
+    const auto& doc = report.root;
+    CHECK(doc.at("tp").as_number() == 2);
+    CHECK(doc.at("tp_plan").as_string() ==
+          flatshard::parse_tp_plan(flatshard::models::family(fam.name).modules().tp_plan)
+              .to_spec());
+    CHECK(doc.at("all_ok").as_bool());
+    const double L = doc.at("model").at("n_layers").as_number();
+    const double d = doc.at("model").at("d_model").as_number();
+    const double tokens = doc.at("batch").as_number() * doc.at("model").at("seq_len").as_number();
+    for (const auto& name : fam.runs) {
+      CAPTURE(name);
+      const auto& r = run_named(doc, name);
+      CHECK(r.at("check").as_string() == "ok");
+      const bool local = name == "local";
+      CHECK(r.at("world_size").as_number() == (local ? 1 : 4));  // local: one replica
+      CHECK(r.at("tp").as_number() == (local ? 1 : 2));
+      CHECK(r.at("tp_forward_all_reduces").as_number() == (local ? 0 : fam.rowwise * L));
+      CHECK(r.at("tp_backward_all_reduces").as_number() == (local ? 0 : fam.colwise * L));
+      CHECK(r.at("tp_forward_bytes").as_number() == (local ? 0 : fam.rowwise * L * tokens * d * 4));
+      CHECK(r.at("tp_backward_bytes").as_number() == (local ? 0 : fam.colwise * L * tokens * d * 4));
+      if (!local) CHECK(r.at("losses_max_rel_diff").as_number() <= 1e-4);
+    }
+  }
+}
+
 TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
   struct Case {
     std::vector<std::string> args;
@@ -459,6 +512,12 @@ TEST_CASE("usage errors: one line on stderr, exit code 2", "[bench][errors]") {
       // Without the CUDA path (e.g. the sanitizer builds) the flag itself is refused.
       {{"--device", "cuda", "--world", "4096"}, FLATSHARD_WITH_CUDA ? "GPU" : "has no CUDA"},
       {{"--json", "/nonexistent-dir/x.json"}, "/nonexistent-dir/x.json"},
+      {{"--world", "3", "--tp", "2"}, "--world 3 is not a multiple of --tp 2"},
+      {{"--tp-plan", "colwise:path=*.mlp.fc"}, "add --tp N"},
+      {{"--tp", "2", "--tp-plan", "colwise:pth=x"}, "--tp-plan: tp plan:"},
+      {{"--tp", "2", "--tp-plan", "rowwise:path=*.nothing"}, "matches no module"},
+      {{"--tp", "3", "--world", "3"}, "tp 3"},  // 4 heads
+      {{"--tp", "2", "--world", "4", "--write-profile", "/tmp/x.json"}, "without --tp 2"},
       // Launcher variables, parsed by the library (collectives/launch_env.h), name the variable.
       {{}, "RANK='abc' is not an integer", {"RANK=abc", "WORLD_SIZE=2", "LOCAL_RANK=0"}},
       {{}, "RANK=2 is out of range [0, 1]", {"RANK=2", "WORLD_SIZE=2", "LOCAL_RANK=0"}},

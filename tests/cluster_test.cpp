@@ -27,6 +27,7 @@
 #include "planner/topology.h"
 #include "wrap_policies/plan.h"
 #include "wrap_policies/spec.h"
+#include "wrap_policies/tp_plan.h"
 
 using namespace flatshard;
 
@@ -364,6 +365,90 @@ TEST_CASE("advisor: HSDP shard sizes searched over a cluster's meshes", "[adviso
   a.shard_sizes = {3};
   CHECK(error_of([&] { suggest(*model, 32, 1, ShardingOptions{}, a); })
             .find("shard size 3 does not divide the 32 ranks") != std::string::npos);
+}
+
+TEST_CASE("cost model and advisor: tensor parallelism's all-reduces on the tp group's links",
+          "[advisor][cluster][tp]") {
+  auto cfg = models::ModelConfig::preset("gpt", "small");  // d 256, 8 heads, 4 layers, seq 256
+  std::shared_ptr<torch::nn::Module> model;
+  {
+    MetaInit meta;
+    model = cfg.build(0);
+  }
+  const auto shape = cfg.transformer_shape();
+  const TpPlan tp_plan = parse_tp_plan(cfg.family().modules().tp_plan);
+  const Workload w{2, cfg.seq_len()};
+  ShardingOptions o;
+  o.mixed_precision.param_dtype = at::kBFloat16;
+  const Plan plan = make_plan(*model, parse_policy("type=Block"));
+  const MachineProfile p = cluster_profile();
+  const Explanation e1 = explain(*model, plan, MeshShape(8, 1), o);
+  const Explanation e2 = explain(*model, plan, MeshShape(4, 1, 2), o, std::nullopt, {}, tp_plan);
+  const CostPrediction p1 = predict_cost(e1, shape, w, p), p2 = predict_cost(e2, shape, w, p);
+
+  // Per GPT layer 2 forward + 2 backward all-reduces of tokens x d_model bf16 over the tp
+  // group: 2 consecutive ranks in one node, so the profile's own all-reduce (its fixed latency
+  // holds a 2-rank ring's steps), bus bytes 2 (T-1)/T x the buffer.
+  const double L = 4, d = 256, tokens = static_cast<double>(w.tokens());
+  const double one = 23.0 / 1e3 + 2.0 * 1 / 2 * tokens * d * 2 / (328 * 1e6);
+  CHECK(p1.tp_comm_ms == 0);
+  CHECK(p2.tp_comm_ms == Approx(4 * L * one).epsilon(1e-9));
+  // All of it exposed, on top of the sharding's own exposed communication.
+  CHECK(p2.exposed_comm_ms - p2.tp_comm_ms >= 0);
+  CHECK(p2.comm_ms >= p2.tp_comm_ms);
+  // Compute: the layers' matmuls and attention split over tp; the head whole on each rank.
+  const double rate = p.compute_tflops * 1e9;
+  const double layer = 6.0 * tokens * shape.layer_matmul_params +
+                       shape.attention_flops_per_token_per_position * cfg.seq_len() * tokens;
+  const double head = 6.0 * tokens * shape.vocab * shape.d_model;
+  CHECK(p1.compute_ms == Approx((L * layer + head) / rate).epsilon(1e-9));
+  CHECK(p2.compute_ms == Approx((L * layer / 2 + head) / rate).epsilon(1e-9));
+  CHECK(p2.tokens == tokens / 2);  // each GPU's share of its tp group's batch
+  // Persistent bytes: explain's TP-local masters (the split layers' parameters / tp).
+  CHECK(p2.persistent_bytes < predict_cost(explain(*model, plan, MeshShape(4, 1), o), shape, w, p)
+                                  .persistent_bytes);
+
+  // The advisor: tp 1 and tp 2 (and 4) on 8 ranks; 3 divides no 8 ranks: skipped, said why.
+  AdvisorOptions a;
+  a.memory_limit_bytes = int64_t{8} << 30;
+  a.workload = w;
+  a.shape = shape;
+  a.profile = p;
+  a.prefetch_depths = {1};
+  a.tp_sizes = {2, 3, 4};
+  a.tp_plan = tp_plan;
+  const Advice advice = suggest(*model, 8, 1, o, a);
+  std::set<int> tps;
+  for (const auto& c : advice.candidates) {
+    CAPTURE(c.label, c.tp);
+    tps.insert(c.tp);
+    CHECK(c.shard * c.replicate * c.tp == 8);
+    CHECK((c.command_line().find("--tp ") != std::string::npos) == (c.tp > 1));
+  }
+  CHECK(tps == std::set<int>{1, 2, 4});
+  REQUIRE(advice.tp_skipped.size() == 1);
+  CHECK_THAT(advice.tp_skipped[0], Catch::Contains("tp 3: does not divide the 8 ranks"));
+  // Each candidate is predict_cost at its own mesh and tp; ranked by time per token per GPU.
+  for (const auto& c : advice.candidates) {
+    if (c.tp == 1 || c.label != "layer") continue;
+    ShardingOptions oc = o;
+    oc.forward_prefetch = oc.backward_prefetch = c.prefetch;
+    const Explanation ec = explain(*model, make_plan(*model, parse_policy(c.spec)),
+                                   MeshShape(c.shard, c.replicate, c.tp), oc, std::nullopt, {},
+                                   tp_plan);
+    CHECK(predict_cost(ec, shape, w, p).step_ms == c.cost.step_ms);
+  }
+  for (size_t i = 2; i < advice.candidates.size(); ++i) {
+    const Candidate &x = advice.candidates[i - 1], &y = advice.candidates[i];
+    if (x.fits && y.fits)
+      CHECK(x.cost.step_ms / x.cost.tokens <= y.cost.step_ms / y.cost.tokens);
+  }
+  const std::string table = advice.to_string();
+  CHECK(table.find(" tp ") != std::string::npos);
+  CHECK(table.find("skipped tp 3") != std::string::npos);
+  a.tp_plan = {};
+  CHECK(error_of([&] { suggest(*model, 8, 1, o, a); }).find("without a tp_plan") !=
+        std::string::npos);
 }
 
 #ifdef FLATSHARD_EXPLAIN_EXE

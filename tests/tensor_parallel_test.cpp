@@ -63,19 +63,21 @@ ParitySpec gpt_spec(int world, int n_heads = 4, int64_t seq_len = 11, int64_t vo
   return s;
 }
 
-ParitySpec llama_spec(int world, int64_t seq_len = 11, int64_t vocab = 97, bool qwen2 = false) {
+// `n_kv_heads` below tp: replicated kv heads (Note [Replicated kv heads]).
+ParitySpec llama_spec(int world, int64_t seq_len = 11, int64_t vocab = 97, bool qwen2 = false,
+                      int64_t n_kv_heads = 2, int64_t n_heads = 4, int64_t hidden = 50) {
   namespace ll = flatshard::llama;
   ParitySpec s;
   s.world = world;
-  s.make_model = [seq_len, vocab, qwen2] {
+  s.make_model = [seq_len, vocab, qwen2, n_kv_heads, n_heads, hidden] {
     ll::LlamaConfig c;
     c.vocab = vocab;
-    c.d_model = 40;  // head_dim 10 (RoPE needs it even)
-    c.n_heads = 4;
-    c.n_kv_heads = 2;  // grouped-query: one kv head per tp rank at tp 2
+    c.d_model = 10 * n_heads;  // head_dim 10 (RoPE needs it even)
+    c.n_heads = n_heads;
+    c.n_kv_heads = n_kv_heads;  // grouped-query: 2 is one kv head per tp rank at tp 2
     c.n_layers = 3;
     c.seq_len = seq_len;
-    c.hidden = 50;
+    c.hidden = hidden;
     c.attention_bias = qwen2;  // Qwen2: biases on q, k and v
     return std::static_pointer_cast<torch::nn::Module>(ll::Llama(c, 11).ptr());
   };
@@ -238,14 +240,15 @@ TEST_CASE("tensor parallel: misuse is refused naming the module, sizes and fix",
                                   "which tp 2 cannot split"));
     CHECK_THAT(e, Catch::Contains("use a tp size that divides 3"));
   }
-  SECTION("GQA kv heads tp does not divide") {
-    ParitySpec s = llama_spec(1);
+  SECTION("GQA kv heads neither a multiple nor a divisor of tp") {
+    ParitySpec s = llama_spec(1, 11, 97, false, /*n_kv_heads=*/4, /*n_heads=*/12);
     const std::string e = error_of([&] {
-      run_mesh(MeshShape(1, 1, 4), [&](const Mesh& mesh) {
+      run_mesh(MeshShape(1, 1, 6), [&](const Mesh& mesh) {
         parallelize(s.make_model(), parse_tp_plan(llama_plan()), mesh);
       });
     });
-    CHECK_THAT(e, Catch::Contains("n_heads = 4 and n_kv_heads = 2, which tp 4"));
+    CHECK_THAT(e, Catch::Contains("n_heads = 12 and n_kv_heads = 4, which tp 6"));
+    CHECK_THAT(e, Catch::Contains("kv heads fewer than tp are replicated"));
   }
   SECTION("a rule that matches nothing") {
     const ParitySpec s = gpt_spec(1);
@@ -671,5 +674,67 @@ TEST_CASE("tensor parallel: sequence and loss parallelism refuse misuse by name"
     });
     CHECK_THAT(e, Catch::Contains("module 'lm_head' (colwise) shares its parameter 'weight' with "
                                   "module 'wte' (tied weights)"));
+TEST_CASE("tensor parallel: kv heads fewer than tp are replicated and match one rank",
+          "[tp][parity]") {
+  // Note [Replicated kv heads]: k and v stay whole on every tp rank, each rank uses its query
+  // heads' kv head, and their output gradient is summed over tp, so their gradients are the
+  // unsharded ones (not split: local_slice is the identity) on every rank.
+  struct Case {
+    int64_t kv, heads;
+    int shard, tp;
+  };
+  auto is_kv = [](const std::string& name) {
+    return name.find(".attn.k.") != std::string::npos || name.find(".attn.v.") != std::string::npos;
+  };
+  for (const Case& c : {Case{1, 4, 1, 2}, Case{1, 4, 2, 2}, Case{2, 4, 1, 4}}) {
+    CAPTURE(c.kv, c.heads, c.shard, c.tp);
+    ParitySpec s = llama_spec(c.shard, 11, 97, false, c.kv, c.heads, /*hidden=*/48);  // tp 4 splits 48
+    s.clip = 0.5;
+    // At the parity tests' lr 1e-2, AdamW amplifies the all-reduce's rounding in near-zero
+    // gradients: after 5 steps the parameters of the 1-rank batch (shard 1) differed by up to
+    // 1.3e-4 (lm_head, replicated), over the 5e-5 + 1e-4 relative tolerance, with step-0
+    // gradients within 1e-5. lr 1e-3 keeps the steps' check meaningful without that noise.
+    s.lr = 1e-3;
+    const ParityRun ref = run_reference(s);
+    const auto ranks = run_tp(s, llama_plan(), c.shard, c.tp, ref);
+    require_tp_parity(ref, ranks);
+    for (const RankCheck& r : ranks) {
+      CAPTURE(r.where);
+      for (const auto& [name, got, want] : r.grads)
+        if (is_kv(name)) {
+          CAPTURE(name);
+          CHECK(got.sizes() == ref.grads.at(name).sizes());  // whole, not a slice
+        }
+      // Replicated: every rank holds the same k and v after the steps, bit for bit.
+      for (size_t i = 0; i < r.params.size(); ++i)
+        if (is_kv(std::get<0>(r.params[i]))) {
+          CAPTURE(std::get<0>(r.params[i]));
+          CHECK(at::equal(std::get<1>(r.params[i]), std::get<1>(ranks[0].params[i])));
+        }
+    }
+  }
+  SECTION("explain predicts the replicated modules' all-reduces; placement is replicate") {
+    ParitySpec s = llama_spec(1, 11, 97, false, /*n_kv_heads=*/1);
+    auto fresh = s.make_model();
+    const Explanation e = explain(*fresh, s.plan(*fresh), MeshShape(1, 1, 2), s.options,
+                                  std::nullopt, {}, parse_tp_plan(llama_plan()));
+    // Per layer: q, gate, up all-reduce their input gradient (d = 40 per token), k and v their
+    // whole output's gradient (1 kv head x head_dim 10).
+    CHECK(e.tp.backward_all_reduces == 3 * 5);
+    CHECK(e.tp.backward_numel_per_token == 3 * (3 * 40 + 2 * 10));
+    for (const CountedStep& r : count_one_step(s, llama_plan(), 1, 2)) {
+      const TpCounters want = e.tp.counters(2 * 11, at::kFloat);
+      CHECK(r.tp == want);
+    }
+    run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+      auto model = s.make_model();
+      auto par = parallelize(model, parse_tp_plan(llama_plan()), mesh);
+      TORCH_CHECK(par->placement("layers.0.attn.k.weight") == TpPlacement{},
+                  "k is not replicated: ", to_string(par->placement("layers.0.attn.k.weight")));
+      TORCH_CHECK(to_string(par->placement("layers.0.attn.q.weight")) == "colwise");
+      TORCH_CHECK(par->to_string().find("colwise layers.0.attn.v (kept whole: 1 head groups < tp 2)") !=
+                      std::string::npos,
+                  par->to_string());
+    });
   }
 }

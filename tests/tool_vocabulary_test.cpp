@@ -304,9 +304,20 @@ TEST_CASE("explain --tp: the TP-local model and the TP collectives", "[tools][vo
   CHECK(has(r.out, "4 forward + 4 backward all-reduces over the tp group"));
   CHECK(has(r.out, "4 forward all-reduces, 32.0 KiB (32768 B); 4 backward all-reduces, 32.0 KiB "
                    "(32768 B) per rank"));
+  // --suggest --tp 2: tp 1 and tp 2 compete on the 2 x 2 ranks (planner/advisor.h).
   const Run suggest = explain({"--tp", "2", "--suggest", "--memory-limit", "1GiB"});
-  CHECK(suggest.exit_code == 1);
-  CHECK(has(suggest.err, "--suggest considers tp 1 only"));
+  CAPTURE(suggest.out, suggest.err);
+  CHECK(suggest.exit_code == 0);
+  CHECK(has(suggest.out, "tensor parallelism: each tp group trains on one batch"));
+  CHECK(has(suggest.out, " tp "));  // the table's column
+  // --tp 6 over --world 2 (12 ranks): tp 2 and 6 compete with tp 1, tp 3 cannot split 4 heads
+  // (nor can 6): skipped, said why.
+  const Run suggest6 = explain({"--tp", "6", "--suggest", "--memory-limit", "1GiB"});
+  CAPTURE(suggest6.out, suggest6.err);
+  CHECK(suggest6.exit_code == 0);
+  CHECK(has(suggest6.out, "skipped tp 3: "));
+  CHECK(has(suggest6.out, "n_heads = 4, which tp 3 cannot split"));
+  CHECK(has(suggest6.out, "skipped tp 6: "));
   const Run zero = explain({"--tp", "0"});
   CHECK(zero.exit_code == 2);
   CHECK(has(zero.err, "--tp: must be >= 1, got 0"));

@@ -357,10 +357,6 @@ int run(const Described& m, const Request& r) {
     TORCH_CHECK(!m.tp_plan.empty(), "--tp ", r.tp,
                 " needs a reference model (--model): a "
                 "checkpoint given by --weights has no TP plan");
-    TORCH_CHECK(!r.suggest,
-                "--suggest considers tp 1 only for now (issue 51); drop --tp, or "
-                "explain a plan at --tp ",
-                r.tp, " without --suggest");
     tp_plan = flatshard::parse_tp_plan(m.tp_plan);
   }
   for (const auto& n : m.notes) std::cout << flatshard::printable_escape(n) << "\n";
@@ -385,12 +381,18 @@ int run(const Described& m, const Request& r) {
     a.offload_levels = r.offload_levels;
     a.prefetch_depths = r.prefetch_depths;
     if (policy_given) a.extra_specs.push_back(policy);  // the user's plan competes too
+    // --tp N: tp 1 and every divisor of N above 1 compete on the same --world x --tp ranks
+    // (planner/advisor.h: tp_sizes; a size the heads cannot split is skipped, said why).
+    const int ranks = r.world * r.tp;
+    for (int t = 2; t <= r.tp; ++t)
+      if (r.tp % t == 0) a.tp_sizes.push_back(t);
+    if (!a.tp_sizes.empty()) a.tp_plan = tp_plan;
     if (profile.gpus_per_node > 0)  // a cluster: every HSDP shard size aligned with its nodes
       a.shard_sizes = flatshard::cluster_shard_sizes(
-          static_cast<int64_t>(r.world) * r.replicate, static_cast<int64_t>(profile.gpus_per_node));
+          static_cast<int64_t>(ranks) * r.replicate, static_cast<int64_t>(profile.gpus_per_node));
     if (!m.model_line.empty()) std::cout << m.model_line << "\n";
     if (!cluster.empty()) std::cout << cluster << "\n";
-    const auto advice = flatshard::suggest(*m.tree, r.world, r.replicate, opts, a);
+    const auto advice = flatshard::suggest(*m.tree, ranks, r.replicate, opts, a);
     std::cout << advice.to_string();
     flatshard::flush_stdout();
     // Nothing fits: the table says why; the exit status says the advisor found no plan.
@@ -495,7 +497,9 @@ void add_plan_flags(CLI::App& app, CommandLine& c) {
       ->transform(at_least(1))
       ->group(plan);
   flatshard::cli::add_tp_flag(app, r.tp, plan,
-                              "ranks: --world x --replicate x --tp (--world is the shard group)");
+                              "ranks: --world x --replicate x --tp (--world is the shard group); with "
+                              "--suggest, tp 1 and every divisor of --tp above 1 compete on "
+                              "those ranks");
   app.add_option("--replicate", r.replicate,
                  "HSDP: replicas of the shard group (default 1: plain sharding over --world)")
       ->transform(at_least(1))
