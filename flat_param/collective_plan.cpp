@@ -62,7 +62,9 @@ class KeptShardAllGather final : public ShardedGather {
   KeptShardAllGather(GatherArgs args, const FlatLayout& layout, at::ScalarType param_dtype,
                      Communicator& comm)
       : ShardedGather("KeptShardAllGather", std::move(args), layout, param_dtype, comm),
-        step_(args_, at::empty({shard_numel_}, args_.full.options())) {}
+        step_(args_, at::empty({shard_numel_}, args_.full.options())) {
+    extras_.step = &step_;
+  }
   void gather(c10::Stream stream) override {
     if (padded_numel_ == 0) return;
     if (!step_.current()) {
@@ -73,7 +75,6 @@ class KeptShardAllGather final : public ShardedGather {
     }
     comm_.all_gather(step_.tensor(), args_.full, stream);
   }
-  GatherExtras extras() override { return {nullptr, &step_}; }
 
  private:
   StepCopy step_;
@@ -87,12 +88,13 @@ class ResidentAllGather final : public ShardedGather {
   ResidentAllGather(GatherArgs args, const FlatLayout& layout, at::ScalarType param_dtype,
                     Communicator& comm)
       : ShardedGather("ResidentAllGather", std::move(args), layout, param_dtype, comm),
-        copy_(args_, OffloadCopy::Kept::kResident) {}
+        copy_(args_, OffloadCopy::Kept::kResident) {
+    extras_.offload = &copy_;
+  }
   void gather(c10::Stream stream) override {
     if (padded_numel_ == 0) return;
     comm_.all_gather(copy_.update(stream), args_.full, stream);
   }
-  GatherExtras extras() override { return {&copy_, nullptr}; }
 
  private:
   OffloadCopy copy_;
@@ -105,13 +107,14 @@ class UploadAllGather final : public ShardedGather {
   UploadAllGather(GatherArgs args, const FlatLayout& layout, at::ScalarType param_dtype,
                   Communicator& comm)
       : ShardedGather("UploadAllGather", std::move(args), layout, param_dtype, comm),
-        copy_(args_, OffloadCopy::Kept::kNone) {}
+        copy_(args_, OffloadCopy::Kept::kNone) {
+    extras_.offload = &copy_;
+  }
   void gather(c10::Stream stream) override {
     if (padded_numel_ == 0) return;
     copy_.upload(slot_);
     comm_.all_gather(slot_, args_.full, stream);
   }
-  GatherExtras extras() override { return {&copy_, nullptr}; }
 
  private:
   OffloadCopy copy_;
@@ -129,6 +132,7 @@ class ReplicatedRecast final : public GatherPlan {
     step_ = std::make_unique<StepCopy>(args_, args_.full);
     upload_to_device(args_.full, args_.master);  // same device: a plain copy_
     step_->mark_current();
+    extras_.step = step_.get();
   }
   int64_t bytes() const override { return 0; }
   void gather(c10::Stream) override {
@@ -139,7 +143,6 @@ class ReplicatedRecast final : public GatherPlan {
     step_->mark_current();
   }
   bool gather_is_noop() const override { return !step_ || step_->current(); }
-  GatherExtras extras() override { return {nullptr, step_.get()}; }
 
  private:
   std::unique_ptr<StepCopy> step_;  // null: full() aliases the master
@@ -151,10 +154,11 @@ class ReplicatedRecast final : public GatherPlan {
 class ReplicatedUpload final : public GatherPlan {
  public:
   explicit ReplicatedUpload(GatherArgs args)
-      : GatherPlan("ReplicatedUpload", std::move(args)), copy_(args_, OffloadCopy::Kept::kFull) {}
+      : GatherPlan("ReplicatedUpload", std::move(args)), copy_(args_, OffloadCopy::Kept::kFull) {
+    extras_.offload = &copy_;
+  }
   int64_t bytes() const override { return 0; }
   void gather(c10::Stream stream) override { copy_.update(stream); }
-  GatherExtras extras() override { return {&copy_, nullptr}; }
 
  private:
   OffloadCopy copy_;
@@ -270,7 +274,9 @@ class HostGradDelivery final : public ReducePlan {
   HostGradDelivery(std::unique_ptr<FlatGradReduce> inner, c10::Device device)
       : ReducePlan("HostGradDelivery(" + inner->name() + ")"),
         inner_(std::move(inner)),
-        host_(device) {}
+        host_(device) {
+    host_grad_ = &host_;
+  }
   bool needs_flat_grad() const override { return true; }
   int64_t bytes() const override { return inner_->bytes(); }
   int64_t replicate_bytes() const override { return inner_->replicate_bytes(); }
@@ -282,7 +288,6 @@ class HostGradDelivery final : public ReducePlan {
                                     const at::Tensor& current) override {
     return host_.deliver(r, current);
   }
-  HostGrad* host_grad() override { return &host_; }
 
  private:
   std::unique_ptr<FlatGradReduce> inner_;

@@ -12,10 +12,11 @@
 // - Optional parts (STYLE.md 17: a member that is null when unused, not a virtual no-op on
 //   every plan): a gather plan's GatherExtras (OffloadCopy for the offloaded gathers,
 //   flat_param/offload_state.h; StepCopy for ReplicatedRecast) and ReducePlan::host_grad()
-//   (HostGradDelivery's HostGrad). FlatParam hands them out as offload_copy(), step_copy() and
-//   host_grad(), null where the unit has none. A new plan implements bytes() and gather() (and
-//   gather_is_noop() if it can skip) or needs_flat_grad(), bytes(), reduce() and
-//   accumulate_master_grad(), nothing more.
+//   (HostGradDelivery's HostGrad): each owned by its plan, set once in the plan's constructor
+//   and read where it is needed through FlatParam::gather_plan().extras() and
+//   reduce_plan().host_grad(), null where the unit has none. A new plan implements bytes()
+//   and gather() (and gather_is_noop() if it can skip) or needs_flat_grad(), bytes(), reduce()
+//   and accumulate_master_grad(), nothing more.
 // - Chosen ONCE, in FlatParam's constructor, by make_gather_plan() / make_reduce_plan() from
 //   the FlatParamConfig, the layout and the communicators; after that FlatParam never branches
 //   on the strategy to issue a collective: unshard() calls gather(), reduce_grad() calls
@@ -138,7 +139,8 @@ struct GatherArgs {
   at::Tensor full;               // unsharded buffer (param dtype); sharded: storage when gathered
   std::vector<ShardView> views;  // with `master`: what master_version() sums
   std::vector<std::string> names;  // the parameters' names, for errors (empty: "#<index>")
-  // Sum of the version counters of master and the views (FlatParam::master_version()).
+  // Sum of the version counters of master and the views: changes when any is written in
+  // place (an optimizer step on either, a checkpoint load). The one version of a unit's master.
   int64_t master_version() const;
 };
 
@@ -208,14 +210,15 @@ class GatherPlan {
   // True when gather() would write nothing and wait for nothing: a NO_SHARD full() that is the
   // master or holds its current cast. The unit then skips the gather and its stream events.
   virtual bool gather_is_noop() const { return false; }
-  // The plan's optional parts; the same pointers for the plan's life.
-  virtual GatherExtras extras() { return {}; }
+  // The plan's optional parts (the plan owns them); the same pointers for the plan's life.
+  GatherExtras extras() const { return extras_; }
 
  private:
   std::string name_;
 
  protected:
   GatherArgs args_;
+  GatherExtras extras_;  // set by the constructor of a plan that has them
 };
 
 // A reduction's result (FlatGradReduce plans; empty for the one-rank reduction).
@@ -264,12 +267,15 @@ class ReducePlan {
   // gradient, or undefined where the reduction went elsewhere (HostGrad::take_reduced()).
   virtual at::Tensor accumulate_master_grad(const ReduceResult& r, const BackwardGrads& grads,
                                             const at::Tensor& current) = 0;
-  // Note [CPU offload]: where offloaded plans deliver the gradient on the host; null elsewhere.
-  // The same pointer for the plan's life.
-  virtual HostGrad* host_grad() { return nullptr; }
+  // Note [CPU offload]: where offloaded plans deliver the gradient on the host (the plan owns
+  // it); null elsewhere. The same pointer for the plan's life.
+  HostGrad* host_grad() const { return host_grad_; }
 
  private:
   std::string name_;
+
+ protected:
+  HostGrad* host_grad_ = nullptr;  // set by the constructor of a plan that delivers to the host
 };
 
 // Whether full() is the fp32 master itself (replicated, fp32 compute, not offloaded): no

@@ -116,11 +116,12 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, const 
   make_views();
   make_full_buffer();
   attach_and_guard();
-  if (fp8_scales_ != nullptr) detail::register_fp8_params(*this);
+  if (gather_->extras().fp8_scales != nullptr) detail::register_fp8_params(*this);
 }
 
 FlatParam::~FlatParam() {
-  if (fp8_scales_ != nullptr) detail::unregister_fp8_params(*this);  // noexcept
+  if (gather_->extras().fp8_scales != nullptr)
+    detail::unregister_fp8_params(*this);  // noexcept
 }
 
 std::vector<std::vector<int64_t>> FlatParam::check_params(bool deferred) {
@@ -205,7 +206,6 @@ void FlatParam::broadcast_values(const at::Tensor& init) {
 void FlatParam::choose_plans() {
   // Throws for an offload level other than 0, 1 or 2 (before anything is moved to the host).
   reduce_ = make_reduce_plan(unit_name_, config_, layout_, mesh_);
-  host_grad_ = reduce_->host_grad();
 }
 
 void FlatParam::move_to_host() {
@@ -252,11 +252,6 @@ void FlatParam::make_full_buffer() {
   for (const ParamRef& p : params_) names.push_back(p.name);
   gather_ = make_gather_plan(unit_name_, config_, layout_, mesh_,
                              GatherArgs{master_.detach(), full_, views_, std::move(names)});
-  const GatherExtras extras = gather_->extras();
-  offload_copy_ = extras.offload;
-  step_copy_ = extras.step;
-  fp8_scales_ = extras.fp8_scales;
-  gather_check_ = extras.check;
 }
 
 void FlatParam::attach_and_guard() {
@@ -391,23 +386,9 @@ void FlatParam::unshard(c10::Stream stream, bool attach) {
     for (const auto& [b, e] : padding_) full_.narrow(0, b, e - b).fill_(NAN);
 }
 
-void FlatParam::finish_host_grad() {
-  if (host_grad_ == nullptr) return;
-  const at::Tensor staged = host_grad_->take_staged();
-  if (!staged.defined()) return;
-  at::NoGradGuard no_grad;
-  master_.mutable_grad().add_(staged);
-}
-
 bool FlatParam::gather_is_noop() const {
   if (config_.poison_padding && !full_aliases_master_) return false;  // unshard() poisons
   return gather_->gather_is_noop();
-}
-
-void FlatParam::drop_master_grad() {
-  master_.mutable_grad() = at::Tensor();
-  for (size_t i = 0; i < views_.size(); ++i)
-    if (trainable_[i]) views_[i].tensor.mutable_grad() = at::Tensor();
 }
 
 void FlatParam::reshard() {
@@ -531,8 +512,6 @@ std::vector<at::Tensor> FlatParam::reduce_grad(c10::Stream stream) {
   drop_grad();
   return in_use;
 }
-
-int64_t FlatParam::master_version() const { return master_version_of(master_, views_); }
 
 void FlatParam::set_views_active(bool active) {
   views_active_ = active && num_trainable_ > 0;

@@ -64,10 +64,13 @@
 //   full().
 // - CPU offload (Note [CPU offload], flat_param/offload.h), config.offload 1 or 2: master()
 //   and its gradient are host tensors (pinned on CUDA); level 1 keeps a compute-dtype copy of
-//   the shard on the device, refreshed at the first unshard() after master_version() changed;
-//   level 2 uploads the master at every unshard(). reduce_grad() ends with an asynchronous
-//   copy of the reduced shard to the host gradient; the caller synchronizes with the stream
-//   and calls finish_host_grad() before the optimizer reads it.
+//   the shard on the device, refreshed at the first unshard() after the master's version
+//   (GatherArgs::master_version(): master() and its views) changed; level 2 uploads the master
+//   at every unshard(). reduce_grad() ends with an asynchronous copy of the reduced shard to the
+//   host gradient; the caller synchronizes with the stream and calls
+//   reduce_plan().host_grad()->finish(master()) before the optimizer reads it. What only an
+//   offloaded or step-copy unit has is owned by its plans and reached through them
+//   (gather_plan().extras(), reduce_plan().host_grad(): flat_param/collective_plan.h).
 // - All collectives go through the given Communicator on the given stream; the caller orders
 //   streams (fsdp/ does). No method here blocks the host on the device. Which collectives run
 //   is decided once, at construction: a GatherPlan for unshard() and a ReducePlan for
@@ -90,10 +93,6 @@ namespace flatshard {
 
 class GatherPlan;  // flat_param/collective_plan.h
 class ReducePlan;
-class StepCopy;
-class GatherCheck;
-class OffloadCopy;  // flat_param/offload_state.h
-class HostGrad;
 
 struct ParamRef {
   std::string name;  // fully qualified, for messages
@@ -121,7 +120,8 @@ class FlatParam {
   const FlatLayout& layout() const { return layout_; }
   const FlatParamConfig& config() const { return config_; }
   const std::vector<ParamRef>& params() const { return params_; }
-  // The collectives chosen at construction (flat_param/collective_plan.h).
+  // The collectives chosen at construction (flat_param/collective_plan.h), with the optional
+  // parts they own: extras() (OffloadCopy, StepCopy) and host_grad().
   const GatherPlan& gather_plan() const { return *gather_; }
   const ReducePlan& reduce_plan() const { return *reduce_; }
 
@@ -145,12 +145,9 @@ class FlatParam {
   // forward instead of at this unit's next reduction (as zero_grad on the master would).
   void release_cleared_grad();
 
-  // Sum of the version counters of master() and its views: changes when any is written in
-  // place (an optimizer step on either).
-  int64_t master_version() const;
-
-  // Never reassigned after construction (the gather plan keeps it: GatherArgs); written in
-  // place (an optimizer step, a checkpoint load).
+  // Never reassigned after construction (the gather plan keeps it: GatherArgs, whose
+  // master_version() changes when it or a view is written in place); written in place (an
+  // optimizer step, a checkpoint load).
   const at::Tensor& master() const { return master_; }
   const at::Tensor& full() const { return full_; }
   const at::Tensor& full_grad() const { return full_grad_; }
@@ -191,34 +188,8 @@ class FlatParam {
   // Clears the parameters' .grad and the pending gradients, frees full_grad() without reducing.
   void drop_grad();
 
-  // Offloaded units, after the host has waited for the stream of the last reduce_grad(): adds
-  // a reduction staged beside an existing host gradient (HostGrad::take_staged()) to
-  // master().grad. No-op otherwise.
-  void finish_host_grad();
-  // Sets master().grad and the shard views' .grad to undefined (the caller holds them).
-  void drop_master_grad();
   // Whether unshard() would write and wait for nothing (GatherPlan::gather_is_noop).
   bool gather_is_noop() const;
-  // Note [CPU offload]: what the stepper of an offloaded unit drives (the device copy's refresh
-  // and hold, Note [Host compute copy]'s host buffer: flat_param/offload_state.h); null when
-  // the unit is not offloaded. Its refresh() may run on another thread than the rest of this
-  // unit's calls, when none of them runs.
-  OffloadCopy* offload_copy() const { return offload_copy_; }
-  // Note [Compute copy in the step] (optim/fused_adamw.h): the device buffer that keeps the
-  // master's compute-dtype cast between gathers (a NO_SHARD unit below fp32: full()), which an
-  // optimizer step may write in its pass (then StepCopy::mark_current(): the next unshard()
-  // recasts nothing); null where the unit keeps none.
-  StepCopy* step_copy() const { return step_copy_; }
-  // Note [CPU offload]: where an offloaded unit's reductions land on the host (the host
-  // gradient's buffers; Note [Host compute copy]'s reduce-dtype path:
-  // flat_param/offload_state.h); null when the unit is not offloaded.
-  HostGrad* host_grad() const { return host_grad_; }
-  // An fp8 gather's last per-parameter scales (GatherExtras::fp8_scales; what
-  // flat_param/gathered_scale.h hands fp8 matmuls); null when the unit does not gather fp8.
-  const at::Tensor* fp8_scales() const { return fp8_scales_; }
-  // Note [Deferred gather check] (collective_plan.h): what the runtime verifies at the end of
-  // each backward pass; null where the gather plan checks at once or checks nothing.
-  GatherCheck* gather_check() const { return gather_check_; }
 
   // The one way to see a tensor laid out as master() (the master, its gradient, an optimizer
   // state) whole: all-gathered over the shard group into a new [padded_numel] buffer on the
@@ -246,7 +217,7 @@ class FlatParam {
   void load_master(const RangeFill& load_ranges);
   // sync_module_states: rank 0's values within the shard group, then across replicas.
   void broadcast_values(const at::Tensor& init);
-  // reduce_ (flat_param/collective_plan.h) and its host_grad_, once; it validates the config.
+  // reduce_ (flat_param/collective_plan.h), once; it validates the config.
   void choose_plans();
   // Note [CPU offload]: master_ moves to (pinned) host memory.
   void move_to_host();
@@ -290,14 +261,9 @@ class FlatParam {
   std::vector<c10::Storage> guards_;
   bool attached_ = true;  // the parameters point at full()'s storage
   // The collectives (flat_param/collective_plan.h): chosen in the constructor, never changed.
-  // They own what only they need (offload's resident shard, the host gradient buffers).
+  // They own what only they need (offload's copies, the step copy, the host gradient buffers).
   std::unique_ptr<GatherPlan> gather_;
   std::unique_ptr<ReducePlan> reduce_;
-  OffloadCopy* offload_copy_ = nullptr;  // gather_'s (GatherExtras), null when not offloaded
-  StepCopy* step_copy_ = nullptr;        // gather_'s (GatherExtras), null when none
-  GatherCheck* gather_check_ = nullptr;  // gather_'s (GatherExtras), null when none
-  HostGrad* host_grad_ = nullptr;        // reduce_'s (ReducePlan::host_grad()), null when none
-  const at::Tensor* fp8_scales_ = nullptr;  // gather_'s (GatherExtras), null unless fp8
 };
 
 // Resizes the storage behind `t` (which must own its whole storage from offset 0) to hold

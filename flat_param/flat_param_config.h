@@ -66,7 +66,7 @@ struct ShardView {
   int64_t numel() const { return end - begin; }
 };
 
-// Sum of the version counters of `master` and the views' tensors: FlatParam::master_version().
+// Sum of the version counters of `master` and the views' tensors: GatherArgs::master_version().
 int64_t master_version_of(const at::Tensor& master, const std::vector<ShardView>& views);
 
 }  // namespace flatshard

@@ -27,7 +27,7 @@ at::Tensor gathered_fp8_scale(const at::Tensor& param) {
   if (it == g_params.end()) return {};
   const auto& [flat, i] = it->second;
   if (is_guarded_param(param) || !flat->is_unsharded()) return {};
-  const at::Tensor* scales = flat->fp8_scales();
+  const at::Tensor* scales = flat->gather_plan().extras().fp8_scales;
   if (scales == nullptr || !scales->defined()) return {};
   return scales->narrow(0, static_cast<int64_t>(i), 1);
 }

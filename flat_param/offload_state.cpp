@@ -144,10 +144,11 @@ at::Tensor HostGrad::take_reduced() {
   return reduced_host_;
 }
 
-at::Tensor HostGrad::take_staged() {
-  if (!staged_) return {};
+void HostGrad::finish(const at::Tensor& master) {
+  if (!staged_) return;
   staged_ = false;
-  return stage_;
+  at::NoGradGuard no_grad;
+  master.mutable_grad().add_(stage_);
 }
 
 }  // namespace flatshard

@@ -5,8 +5,8 @@
 //   the host. What that needs beyond the collectives lives here, in an object the unit's plan
 //   holds only when the unit is offloaded (STYLE.md 17: a wrapper, not a wider base):
 //   OffloadCopy, the copy of the master the gathers read (the device's compute-dtype copy and
-//   Note [Host compute copy]'s host buffer). FlatParam::offload_copy() hands it to the stepper
-//   (fsdp/offload_step.h); null for units that are not offloaded.
+//   Note [Host compute copy]'s host buffer). The stepper (fsdp/offload_step.h) finds it as
+//   FlatParam::gather_plan().extras().offload; null for units that are not offloaded.
 // - Threads: the plan's gather() and update() run on the main thread; refresh(), host_copy(),
 //   prepare_host_copy() and host_copy_written() may run on the stepper's thread, never at once
 //   with the unit's gathers (Note [Offload step in backward]'s waits order them).
@@ -97,8 +97,9 @@ class OffloadCopy {
 // into without blocking the host (the host gradient, a staging buffer beside an existing one,
 // Note [Host compute copy]'s reduce-dtype buffer), each reused while nobody else holds it (Note
 // [Exact pinned allocations], offload.cpp: pinning pages per step would cost more than the
-// copy). HostGradDelivery (collective_plan.cpp) delivers into it; FlatParam::host_grad() hands
-// it to the stepper; FlatParam::finish_host_grad() adds what it staged.
+// copy). HostGradDelivery (collective_plan.cpp) owns it and delivers into it; the stepper and
+// the runtime's offload lifecycle (fsdp/offload_step.h) find it as
+// FlatParam::reduce_plan().host_grad() and finish() adds what it staged.
 class HostGrad {
  public:
   // `device`: the communicator's (pinned host memory when CUDA).
@@ -109,7 +110,7 @@ class HostGrad {
   // --- the plan's side, on the reduce stream (current), which allocated r.grad ---
   // The reduction `r` to the host. `current`: master's .grad now. Undefined: into the host
   // gradient, which is returned (master's .grad to be); defined: into the staging buffer
-  // (take_staged()), and `current` is returned. Keeping the reduce dtype (keep_reduce_dtype())
+  // (finish()), and `current` is returned. Keeping the reduce dtype (keep_reduce_dtype())
   // with `current` undefined and `r` below fp32: into the reduce-dtype buffer (take_reduced()),
   // and the undefined `current` is returned.
   at::Tensor deliver(const ReduceResult& r, const at::Tensor& current);
@@ -123,11 +124,12 @@ class HostGrad {
   // The last reduction's host gradient in the reduce dtype (then forgotten here), or undefined
   // when it went to master's .grad.
   at::Tensor take_reduced();
-  // Whether a reduction waits in the staging buffer (FlatParam::finish_host_grad() adds it).
+  // Whether a reduction waits in the staging buffer (finish() adds it).
   bool staged() const { return staged_; }
-  // After the host waited for the reduction's stream: the staged reduction, to add to master's
-  // .grad (then no longer staged here); undefined when none.
-  at::Tensor take_staged();
+  // After the host waited for the reduction's stream: adds the staged reduction to `master`'s
+  // .grad (the unit's master, whose .grad the delivery returned), then it is no longer staged
+  // here. No-op when none is staged.
+  void finish(const at::Tensor& master);
 
  private:
   c10::Device device_;           // the communicator's: pinned host memory when CUDA

@@ -116,12 +116,8 @@ class QuantizedGather : public GatherPlan, private GatherCheck {
         rank_(comm.rank()),
         world_(comm.world_size()),
         kernel_(wire_kernel_dtype(args_)),
-        deferred_(args_.master.device().type() != c10::DeviceType::CPU) {}
-
-  GatherExtras extras() override {
-    GatherExtras e;
-    if (deferred_) e.check = this;
-    return e;
+        deferred_(args_.master.device().type() != c10::DeviceType::CPU) {
+    if (deferred_) extras_.check = this;
   }
 
  protected:
@@ -229,6 +225,7 @@ class Fp8AllGather final : public QuantizedGather {
       : QuantizedGather("Fp8AllGather", std::move(unit), std::move(args), layout, param_dtype,
                         comm),
         delayed_(delayed) {
+    extras_.fp8_scales = &scales_;
     const int64_t sb = layout_.shard_begin(rank_), se = layout_.shard_end(rank_);
     int64_t at = 0;  // end of the last parameter: what lies between is padding
     for (size_t i = 0; i < layout_.numels.size(); ++i) {
@@ -268,11 +265,6 @@ class Fp8AllGather final : public QuantizedGather {
     else
       dequantize_aten(wire, scales);
     for (const auto& [b, len] : gaps_) args_.full.narrow(0, b, len).zero_();
-  }
-  GatherExtras extras() override {
-    GatherExtras e;
-    e.fp8_scales = &scales_;
-    return e;
   }
 
  private:

@@ -52,7 +52,7 @@
 //   first non-finite value's index and the count in a device tensor (the first gather that
 //   saw one keeps it), copies it asynchronously into pinned host memory and records an event.
 //   The plan is the unit's GatherCheck (flat_param/collective_plan.h; FlatParam::
-//   gather_check()): at the end of every backward pass the runtime (fsdp/runtime.cpp,
+//   gather_plan().extras().check): at the end of every backward pass the runtime (fsdp/runtime.cpp,
 //   finalize_backward, after the step's state is closed) calls verify(), which waits for the
 //   last gather's event (the all-gather stream up to that gather, not the device: one host
 //   wait per backward pass instead of one per gather) and throws the same error, on every

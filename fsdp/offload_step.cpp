@@ -8,6 +8,7 @@
 #include <string>
 
 #include "collectives/env.h"
+#include "flat_param/collective_plan.h"
 #include "flat_param/flat_param.h"
 #include "flat_param/offload_state.h"
 #include "optim/fused_adamw.h"
@@ -20,15 +21,35 @@ namespace {
 // were dropped: no real version plus it is a version (see enqueue_delayed).
 constexpr int64_t kDroppedGradient = -(int64_t{1} << 62);
 
+// Note [CPU offload]: where the unit's reductions land on the host (the reduce plan's), and
+// the copy of its master its gathers read (the gather plan's); null when not offloaded.
+HostGrad* host_grad(const FlatParam& flat) { return flat.reduce_plan().host_grad(); }
+OffloadCopy* offload_copy(const FlatParam& flat) { return flat.gather_plan().extras().offload; }
+
 // Whether the unit's last reduction was staged beside an existing host gradient
-// (FlatParam::finish_host_grad() adds it).
+// (finish_host_grad() adds it).
 bool host_grad_staged(const FlatParam& flat) {
-  return flat.host_grad() != nullptr && flat.host_grad()->staged();
+  return host_grad(flat) != nullptr && host_grad(flat)->staged();
+}
+
+// After the host waited for the stream of the unit's last reduction: adds a reduction staged
+// beside an existing host gradient to master().grad (HostGrad::finish). No-op otherwise.
+void finish_host_grad(const FlatParam& flat) {
+  if (HostGrad* h = host_grad(flat)) h->finish(flat.master());
 }
 
 // Note [Host compute copy]: reductions below fp32 come to the host as they are (offloaded units).
 void keep_reduce_dtype(const FlatParam& flat, bool keep) {
-  if (HostGrad* h = flat.host_grad()) h->keep_reduce_dtype(keep);
+  if (HostGrad* h = host_grad(flat)) h->keep_reduce_dtype(keep);
+}
+
+// Note [Delayed offload step]: master().grad and the trainable shard views' .grad become
+// undefined (the captured step holds them).
+void drop_master_grad(FlatParam& flat) {
+  flat.master().mutable_grad() = at::Tensor();
+  const std::vector<ShardView>& views = flat.shard_views();
+  for (size_t i = 0; i < views.size(); ++i)
+    if (flat.trainable(i)) views[i].tensor.mutable_grad() = at::Tensor();
 }
 
 }  // namespace
@@ -72,8 +93,8 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
     auto it = entries_.find(flats[i]);
     if (it == entries_.end()) continue;
     keep_reduce_dtype(*flats[i], host_copy);
-    if (host_copy && flats[i]->offload_copy())
-      it->second.host_copy = flats[i]->offload_copy()->host_copy();
+    OffloadCopy* copy = offload_copy(*flats[i]);
+    if (host_copy && copy) it->second.host_copy = copy->host_copy();
     if (i < trace_units.size()) it->second.trace_unit = trace_units[i];
   }
 }
@@ -81,7 +102,8 @@ void OffloadStepper::attach(std::shared_ptr<FusedAdamW> opt, const std::vector<F
 FusedAdamW::CapturedStep OffloadStepper::capture(FlatParam& flat, const Entry& e) {
   // Note [Host compute copy]: the gradient in the reduce dtype and the copy to write, as the
   // slices of the unit's buffers that line up with each tensor (the master or a shard view).
-  const at::Tensor reduced = flat.host_grad() ? flat.host_grad()->take_reduced() : at::Tensor();
+  HostGrad* host = host_grad(flat);
+  const at::Tensor reduced = host ? host->take_reduced() : at::Tensor();
   const at::Tensor& copy = e.host_copy;
   if (!reduced.defined() && !copy.defined()) return opt_->capture_located(e.params);
   const at::Tensor& master = flat.master();
@@ -145,16 +167,16 @@ void OffloadStepper::enqueue_delayed(FlatParam& flat, Entry& e, const c10::Strea
   const bool device = stream.device_type() != c10::DeviceType::CPU;
   if (host_grad_staged(flat)) {  // added to a gradient left from before: rare, synchronous
     if (device) e.done->synchronize();
-    flat.finish_host_grad();
+    finish_host_grad(flat);
   }
   if (device) e.done->block(upload_stream_);  // the unit's backward read the copy before this
-  if (OffloadCopy* c = flat.offload_copy()) c->refresh(upload_stream_, /*hold=*/true);
+  if (OffloadCopy* c = offload_copy(flat)) c->refresh(upload_stream_, /*hold=*/true);
   if (device) {
     if (!e.uploaded) e.uploaded.emplace(stream.device_type());
     e.uploaded->record(upload_stream_);  // the worker's step writes the master the upload reads
   }
   job.captured = capture(flat, e);
-  flat.drop_master_grad();
+  drop_master_grad(flat);
   // Marked as stepped early, as offload_step = backward marks its steps, so opt.step() leaves
   // these tensors to the worker. Their gradients were just dropped: any gradient they hold at
   // opt.step() was written since (a loop filling missing gradients with zeros, clipping) and
@@ -208,7 +230,7 @@ void OffloadStepper::run_job(Job& job) {
       if (t1 > 0) tracer->record_worker(TraceKind::kOffloadStep, unit, step, t1, t2);
     }
   } spans{tracer_, job.entry->trace_unit, job.trace_step, t0, t1};
-  OffloadCopy* offload = job.flat->offload_copy();
+  OffloadCopy* offload = offload_copy(*job.flat);
   // Note [Host compute copy]: a host buffer was taken at attach only from an offload copy.
   OffloadCopy* copy = job.entry->host_copy.defined() ? offload : nullptr;
   if (delayed_) {  // Note [Delayed offload step]
@@ -221,7 +243,7 @@ void OffloadStepper::run_job(Job& job) {
   }
   if (job.wait_event) job.entry->done->synchronize();
   if (tracer_) t1 = Tracer::now_us();
-  job.flat->finish_host_grad();  // one in-place add to the captured gradient when staged
+  finish_host_grad(*job.flat);  // one in-place add to the captured gradient when staged
   if (copy) copy->prepare_host_copy();  // its last upload came before this unit's forward
   opt_->run_step(*job.captured);
   if (copy) copy->host_copy_written();
@@ -264,6 +286,96 @@ void OffloadStepper::run() {
     }
     idle_cv_.notify_all();
   }
+}
+
+void OffloadLifecycle::add_unit(FlatParam& flat, int trace_index) {
+  flats_.push_back(&flat);
+  trace_units_.push_back(trace_index);
+  any_offloaded_ = any_offloaded_ || flat.config().offload > 0;
+}
+
+void OffloadLifecycle::on_root_entry(bool backward_active) {
+  // Note [Offload step in backward]: the last backward's CPU steps end before any upload reads
+  // a master (a no-op when none is queued).
+  // Note [Delayed offload step]: not when delayed, whose forward reads the held copies.
+  if (stepper_ && !stepper_->delayed() && !backward_active) stepper_->wait();
+}
+
+void OffloadLifecycle::on_backward_start(bool requires_grad_sync, bool forward_ran) {
+  if (stepper_ && requires_grad_sync && any_offloaded_) {
+    const bool delayed = stepper_->delayed();
+    TORCH_CHECK(stepper_->attached(), "flatshard (rank ", rank_, "): offload_step = ",
+                delayed ? "delayed" : "backward", " steps the offloaded units' optimizer itself, "
+                "but no optimizer is attached: call fsdp->attach_optimizer(opt) with the "
+                "flatshard::FusedAdamW built on parameters() or named_parameters() before the "
+                "first backward (Note [Offload step in backward], fsdp/offload_step.h)");
+    // Note [Delayed offload step]: a retained graph's second backward would gather device
+    // copies refreshed since its forward (its gradient would not belong to the parameters it
+    // used).
+    TORCH_CHECK(!delayed || forward_ran, "flatshard (rank ", rank_,
+                "): offload_step = delayed: a second backward with gradient sync on and no "
+                "forward since the last one (a retained graph) is not supported: the offloaded "
+                "units' device copies were refreshed by the first. Run a forward per backward, "
+                "or use offload_step = backward (Note [Delayed offload step], "
+                "fsdp/offload_step.h)");
+  }
+  // Note [Offload step in backward]: a second backward over a retained graph (no forward
+  // between) must not gather or reduce a unit the worker is still stepping. (Delayed: each
+  // unit waits for its own step before it reduces, and the check above refuses this case.)
+  if (stepper_ && !stepper_->delayed()) stepper_->wait();
+}
+
+void OffloadLifecycle::on_backward_end(bool requires_grad_sync, c10::Stream compute) {
+  // Note [CPU offload] (flat_param/offload.h): the step's one host sync. The CPU optimizer reads
+  // the host gradients and writes the host masters next; the compute stream now waits for the
+  // last reduction (whose stream carried the copies to the host) and came after every gather.
+  // With offload_step = backward the stepper waits for each unit's copy and adds its staged
+  // gradient instead (Note [Offload step in backward]).
+  if (!requires_grad_sync || !any_offloaded_ || stepper_) return;
+  if (compute.device_type() != c10::DeviceType::CPU) compute.synchronize();
+  for (FlatParam* f : flats_) finish_host_grad(*f);
+}
+
+void OffloadLifecycle::before_reduction(const FlatParam& flat) {
+  if (stepper_ && flat.config().offload > 0) stepper_->wait_for(flat);
+}
+
+void OffloadLifecycle::after_reduction(FlatParam& flat, const c10::Stream& stream) {
+  if (stepper_ && flat.config().offload > 0) stepper_->enqueue(flat, stream);
+}
+
+void OffloadLifecycle::wait() {
+  if (stepper_) stepper_->wait();
+}
+
+void OffloadLifecycle::sync_params() {
+  wait();
+  for (FlatParam* f : flats_)
+    if (OffloadCopy* c = offload_copy(*f)) c->release_hold();
+}
+
+void OffloadLifecycle::attach(const std::shared_ptr<FusedAdamW>& opt) {
+  TORCH_INTERNAL_ASSERT(stepper_ != nullptr, "OffloadLifecycle::attach without a stepper");
+  stepper_->attach(opt, flats_, trace_units_);
+  // Note [Delayed offload step]: delayed steps run on through the next forward; opt.step()
+  // finds the offloaded units without gradients and steps the rest.
+  if (stepper_->delayed()) {
+    opt->set_before_step(nullptr);
+    return;
+  }
+  std::weak_ptr<OffloadStepper> weak = stepper_;
+  opt->set_before_step([weak] {
+    if (auto s = weak.lock()) s->wait();
+  });
+}
+
+void OffloadLifecycle::check_clip_grad_norm() const {
+  TORCH_CHECK(!(stepper_ && any_offloaded_), "clip_grad_norm_ (rank ", rank_,
+              "): with offload_step = ", stepper_ && stepper_->delayed() ? "delayed" : "backward",
+              " the offloaded units' steps took their gradients during backward, before the "
+              "global norm was known, so clipping cannot apply to them. Use the default "
+              "offload_step (after backward) to clip (Note [Offload step in backward], "
+              "fsdp/offload_step.h)");
 }
 
 }  // namespace flatshard

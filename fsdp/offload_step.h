@@ -11,7 +11,7 @@
 // - Trigger: the unit's post-backward, right after its reduction (and the copy of the gradient
 //   to the host) was enqueued on the reduce stream: the stepper records an event there and
 //   queues the unit. The worker waits for that event on the host (nothing else blocks), adds a
-//   staged gradient (FlatParam::finish_host_grad) and calls FusedAdamW::step_params over the
+//   staged gradient (HostGrad::finish) and calls FusedAdamW::step_params over the
 //   optimizer's tensors that live in the unit's master (the master, or its shard views for
 //   parameter groups), with their groups' options. At level 1 it then uploads the unit's
 //   compute-dtype shard on its own stream (OffloadCopy::refresh), so PCIe carries
@@ -144,7 +144,7 @@ class OffloadStepper {
     Entry* entry = nullptr;
     bool wait_event = false;
     std::optional<FusedAdamW::CapturedStep> captured;  // the step to run, taken at enqueue()
-    bool staged = false;  // backward: finish_host_grad() adds to the captured gradient
+    bool staged = false;  // backward: HostGrad::finish() adds to the captured gradient
     int trace_step = -1;  // the trace's step it was queued in (-1: not traced)
   };
   void run();
@@ -171,6 +171,69 @@ class OffloadStepper {
   bool stop_ = false;
   std::exception_ptr error_;
   std::thread worker_;  // started by the first enqueue()
+};
+
+// Note [CPU offload]'s lifecycle over one model's units, in one place: what offload does at each
+// point of a step, for every offload_step mode. The runtime (fsdp/runtime.cpp) calls it at its
+// hook points, each unit (fsdp/unit.cpp) around its reduction, the ShardedModel for its waits,
+// the optimizer's attachment and clipping. With offload_step = after backward (no stepper) that
+// is the end of backward's host sync; with backward or delayed, the stepper's queue, its waits
+// and the checks of Notes [Offload step in backward] and [Delayed offload step].
+// Main thread only (the stepper's worker runs behind it).
+class OffloadLifecycle {
+ public:
+  // `stepper`: null unless offload_step is kBackward or kDelayed.
+  OffloadLifecycle(int rank, std::shared_ptr<OffloadStepper> stepper)
+      : rank_(rank), stepper_(std::move(stepper)) {}
+  OffloadLifecycle(const OffloadLifecycle&) = delete;
+  OffloadLifecycle& operator=(const OffloadLifecycle&) = delete;
+
+  // Each unit's flat parameter as the unit is built, in plan order; `trace_index`: the unit's
+  // index in the trace. The units outlive this (the runtime destroys it first).
+  void add_unit(FlatParam& flat, int trace_index);
+  // flatshard steps the offloaded units itself (offload_step = backward or delayed).
+  bool steps_in_backward() const { return stepper_ != nullptr; }
+  bool delayed() const { return stepper_ && stepper_->delayed(); }
+  bool any_offloaded() const { return any_offloaded_; }  // some unit's offload level is above 0
+
+  // --- the runtime's hook points (fsdp/runtime.cpp) -----------------------------------------
+  // The root's entry (a forward may begin): the last backward's CPU steps end before any upload
+  // reads a master; not when delayed, nor inside a backward.
+  void on_root_entry(bool backward_active);
+  // A backward's first pre-backward: refuses a synced backward the stepper cannot step (no
+  // optimizer attached; delayed and `forward_ran` false, a retained graph's second backward),
+  // then waits for the stepper (not delayed).
+  void on_backward_start(bool requires_grad_sync, bool forward_ran);
+  // End of backward, after compute was ordered after the last reduction: without a stepper and
+  // with sync, the step's one host sync on `compute`, then the staged host gradients are added.
+  void on_backward_end(bool requires_grad_sync, c10::Stream compute);
+  // Whether a step was queued since the last call (StepGuard).
+  bool take_stepped() { return stepper_ && stepper_->take_stepped(); }
+
+  // --- a unit's reduction (fsdp/unit.cpp), offloaded units with a stepper only -------------------
+  // Before reduce_grad(): the unit's queued step no longer reads its host gradient.
+  void before_reduction(const FlatParam& flat);
+  // After it was enqueued on `stream`: the unit's CPU step is queued.
+  void after_reduction(FlatParam& flat, const c10::Stream& stream);
+
+  // --- the ShardedModel (fsdp/sharded_model.h) -------------------------------------------
+  // Waits for the stepper's queued steps (a no-op without one); rethrows a step's error.
+  void wait();
+  // wait(), then the delayed mode's held device copies take the newest masters at the next
+  // gather (OffloadCopy::release_hold).
+  void sync_params();
+  // The stepper steps offloaded units with `opt` from now on (steps_in_backward() only), and
+  // opt.step() waits for it first (not when delayed: Note [Delayed offload step]).
+  void attach(const std::shared_ptr<FusedAdamW>& opt);
+  // Throws when offloaded units were stepped in backward: clip_grad_norm_ cannot apply to them.
+  void check_clip_grad_norm() const;
+
+ private:
+  int rank_;
+  std::shared_ptr<OffloadStepper> stepper_;  // shared: an attached optimizer's wait holds it weakly
+  std::vector<FlatParam*> flats_;            // every unit's, in plan order
+  std::vector<int> trace_units_;             // their indices in the trace
+  bool any_offloaded_ = false;
 };
 
 }  // namespace flatshard

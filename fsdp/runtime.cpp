@@ -169,9 +169,9 @@ struct PreBackwardHook : public torch::autograd::FunctionPreHook {
 Runtime::~Runtime() {
   self_handle_.reset();  // leases alive in graphs now find nothing
   // The stepper's worker reads the units and writes the tracer, both destroyed before it.
-  if (offload_stepper_) {
+  if (offload_) {
     try {
-      offload_stepper_->wait();
+      offload_->wait();
     } catch (...) {  // an error no wait reported: nothing to do about it in a destructor
     }
   }
@@ -187,14 +187,16 @@ Runtime::Runtime(const Mesh& mesh, ShardingOptions options)
               "flatshard: prefetch depths must be >= 0 (forward_prefetch=",
               options_.forward_prefetch, ", backward_prefetch=", options_.backward_prefetch, ")");
   tracer_ = Tracer::create(options_, comm_, all_gather_stream_, reduce_scatter_stream_);
+  std::shared_ptr<OffloadStepper> stepper;  // Note [Offload step in backward]
   if (options_.offload_step != OffloadStep::kAfterBackward)
-    offload_stepper_ = std::make_shared<OffloadStepper>(
+    stepper = std::make_shared<OffloadStepper>(
         comm_.rank(), side_stream(mesh_.device()), options_.offload_step == OffloadStep::kDelayed,
         tracer_.get());
+  offload_ = std::make_unique<OffloadLifecycle>(comm_.rank(), std::move(stepper));
   ctx_.emplace(UnitContext{mesh_, all_gather_stream_, reduce_scatter_stream_,
                            tracer_.get(), reduce_buffers_,
                            options_.debug_sleep_before_all_gather_cycles,
-                           options_.debug_sleep_before_reduce_cycles, offload_stepper_.get()});
+                           options_.debug_sleep_before_reduce_cycles, offload_.get()});
   debug_order_ = env::debug();
   env_pre_backward_hook_ = env::pre_backward_hook();
   self_handle_ = std::make_shared<Runtime*>(this);
@@ -353,11 +355,7 @@ void Runtime::on_first_forward_entry(Unit& unit) {
 }
 
 void Runtime::on_root_enter() {
-  // Note [Offload step in backward]: the last backward's CPU steps end before any upload reads
-  // a master (a no-op when none is queued).
-  // Note [Delayed offload step]: not when delayed, whose forward reads the held copies.
-  if (offload_stepper_ && !offload_stepper_->delayed() && !backward_active_)
-    offload_stepper_->wait();
+  offload_->on_root_entry(backward_active_);  // Note [Offload step in backward]
   if (!backward_active_ && !pending_backward_ && forward_order_.empty()) {
     step_guard_.on_step_start(units_, comm_.rank());
     for (const auto& u : units_) {
@@ -374,11 +372,8 @@ void Runtime::on_root_enter() {
 
 void Runtime::on_first_pre_backward(Unit& unit) {
   if (!backward_active_) {
-    check_offload_step();
-    // Note [Offload step in backward]: a second backward over a retained graph (no forward
-    // between) must not gather or reduce a unit the worker is still stepping. (Delayed: each
-    // unit waits for its own step before it reduces, and check_offload_step refuses this case.)
-    if (offload_stepper_ && !offload_stepper_->delayed()) offload_stepper_->wait();
+    // Note [Offload step in backward]: checks, then waits for the last backward's CPU steps.
+    offload_->on_backward_start(requires_grad_sync_, !forward_order_.empty());
     backward_active_ = true;
     backward_order_.clear();
     for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it)
@@ -393,33 +388,6 @@ void Runtime::on_first_pre_backward(Unit& unit) {
     from = static_cast<size_t>(it - backward_order_.begin()) + 1;
   }
   prefetch(backward_order_, from, options_.backward_prefetch, /*for_backward=*/true);
-}
-
-bool Runtime::any_offloaded() const {
-  return std::any_of(units_.begin(), units_.end(),
-                     [](const auto& u) { return u->flat().config().offload > 0; });
-}
-
-void Runtime::check_offload_step() const {
-  if (!offload_stepper_ || !requires_grad_sync_ || !any_offloaded()) return;
-  const bool delayed = offload_stepper_->delayed();
-  TORCH_CHECK(offload_stepper_->attached(), "flatshard (rank ", comm_.rank(), "): offload_step = ",
-              delayed ? "delayed" : "backward", " steps the offloaded units' optimizer itself, "
-              "but no optimizer is attached: call fsdp->attach_optimizer(opt) with the "
-              "flatshard::FusedAdamW built on parameters() or named_parameters() before the "
-              "first backward (Note [Offload step in backward], fsdp/offload_step.h)");
-  // Note [Delayed offload step]: a retained graph's second backward would gather device copies
-  // refreshed since its forward (its gradient would not belong to the parameters it used).
-  TORCH_CHECK(!delayed || !forward_order_.empty(), "flatshard (rank ", comm_.rank(),
-              "): offload_step = delayed: a second backward with gradient sync on and no "
-              "forward since the last one (a retained graph) is not supported: the offloaded "
-              "units' device copies were refreshed by the first. Run a forward per backward, "
-              "or use offload_step = backward (Note [Delayed offload step], "
-              "fsdp/offload_step.h)");
-}
-
-void Runtime::wait_offload_steps() {
-  if (offload_stepper_) offload_stepper_->wait();
 }
 
 std::vector<std::string> Runtime::unit_names() const {
@@ -438,26 +406,19 @@ void Runtime::finalize_backward() {
   // The optimizer reads the master gradients on the compute stream: wait for the last
   // reduction (reductions run in order on one stream, so the last one covers all).
   reduce_buffers_.release(compute_stream(), tracer());
-  // Note [CPU offload] (flat_param/offload.h): the step's one host sync. The CPU optimizer reads
-  // the host gradients and writes the host masters next; the compute stream now waits for the
-  // last reduction (whose stream carried the copies to the host) and came after every gather.
-  // With offload_step = backward the stepper waits for each unit's copy and adds its staged
-  // gradient instead (Note [Offload step in backward]).
-  if (requires_grad_sync_ && any_offloaded() && !offload_stepper_) {
-    const c10::Stream compute = compute_stream();
-    if (compute.device_type() != c10::DeviceType::CPU) compute.synchronize();
-    for (auto& u : units_) u->flat().finish_host_grad();
-  }
+  // Note [CPU offload] (flat_param/offload.h): the step's one host sync (offload_step = after
+  // backward), before the CPU optimizer reads the host gradients.
+  offload_->on_backward_end(requires_grad_sync_, compute_stream());
   end_step();
-  step_guard_.on_backward_end(units_, requires_grad_sync_,
-                              offload_stepper_ && offload_stepper_->take_stepped(), comm_.rank(),
-                              offload_stepper_ && offload_stepper_->delayed());
+  const bool stepped = offload_->take_stepped();
+  step_guard_.on_backward_end(units_, requires_grad_sync_, stepped, comm_.rank(),
+                              offload_->delayed());
   trace_step_end(tracer());
   // Note [Deferred gather check] (flat_param/collective_plan.h): what this step's gathers
   // found (a quantized gather's non-finite master) throws here, out of backward(), on every
   // rank alike and before the optimizer step; last, so the step's state is already closed.
   for (auto& u : units_)
-    if (GatherCheck* check = u->flat().gather_check()) check->verify();
+    if (GatherCheck* check = u->flat().gather_plan().extras().check) check->verify();
 }
 
 }  // namespace flatshard

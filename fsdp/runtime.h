@@ -35,7 +35,7 @@ class Module;
 
 namespace flatshard {
 
-class OffloadStepper;
+class OffloadLifecycle;
 class Runtime;
 struct StepLease;
 
@@ -91,11 +91,9 @@ class Runtime {
   void pre_backward(Unit& unit);
   // Runs when the autograd engine finishes a backward pass that touched our units.
   void finalize_backward();
-  // Note [Offload step in backward] (fsdp/offload_step.h): the stepper (nullptr unless
-  // offload_step is kBackward), and a wait for its queued steps (a no-op without one).
-  const std::shared_ptr<OffloadStepper>& offload_stepper() const { return offload_stepper_; }
-  bool any_offloaded() const;  // some unit's offload level is above 0
-  void wait_offload_steps();
+  // Note [CPU offload]'s lifecycle over the units (fsdp/offload_step.h): the runtime calls it at
+  // its hook points; the ShardedModel for its waits, the optimizer's attachment and clipping.
+  OffloadLifecycle& offload() const { return *offload_; }
 
   // Note [Forward without backward]: every autograd node this step's forward hooked is gone
   // and no backward began (an eval forward that forgot NoGradGuard, its outputs dropped).
@@ -113,9 +111,6 @@ class Runtime {
   // every unit, resets their step state and the runtime's.
   void end_step();
   std::vector<std::string> unit_names() const;
-  // Throws when a synced backward would need the offload stepper's optimizer and none is
-  // attached (Note [Offload step in backward]).
-  void check_offload_step() const;
   void prefetch(const std::vector<Unit*>& order, size_t from, int depth, bool for_backward);
 
   Mesh mesh_;  // the rank layout every unit's collectives run over (UnitContext::mesh)
@@ -129,9 +124,9 @@ class Runtime {
   // Built once the tracer exists; declared before units_, which refer to it, so it outlives them.
   std::optional<UnitContext> ctx_;
   std::vector<std::unique_ptr<Unit>> units_;
-  // Note [Offload step in backward]: its worker steps units' masters, so it is destroyed (and
-  // waits) before units_; UnitContext holds its raw pointer.
-  std::shared_ptr<OffloadStepper> offload_stepper_;
+  // Note [CPU offload]'s lifecycle; its stepper's worker steps units' masters, so it is
+  // destroyed (and waits) before units_; UnitContext holds its raw pointer.
+  std::unique_ptr<OffloadLifecycle> offload_;
   std::vector<Unit*> forward_order_;       // units in first-entry order, this step
   std::vector<Unit*> last_forward_order_;  // the previous step's, drives forward prefetch
   std::vector<Unit*> backward_order_;      // reverse forward order without the root, this step

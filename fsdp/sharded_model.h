@@ -67,20 +67,6 @@ struct StepCounters {
   std::vector<UnitCounters> per_unit;  // in plan order
 };
 
-struct UnitInfo {
-  std::string name;
-  ShardingStrategy strategy;
-  bool reshard_after_forward;
-  int64_t numel;         // real parameter elements
-  int64_t padded_numel;  // flat buffer elements
-  int64_t shard_numel;   // elements of this rank's master shard
-  size_t num_params;
-  // Keeps a device compute copy an attached FusedAdamW writes in its step (Note [Compute copy
-  // in the step], optim/fused_adamw.h): NO_SHARD below fp32, or sharded with
-  // ShardingOptions::keep_compute_shard (Note [Kept compute shard]); not offloaded.
-  bool step_copy;
-};
-
 class ShardedModel {
  public:
   ShardedModel(std::shared_ptr<torch::nn::Module> model, Plan plan, Communicator& comm,
@@ -111,7 +97,9 @@ class ShardedModel {
   // master it lacks. Local, no collectives (fsdp/optimizer_check.cpp). Without this call, a
   // StepGuard warns after many reduced steps that changed no master (fsdp/step_guard.h).
   void check_optimizer(const torch::optim::Optimizer& opt) const;
-  // Hands `opt` (check_optimizer runs on it first) what flatshard drives with it:
+  // The fused optimizer attaches itself (flatshard::attach, optim/attach.h: the checks and
+  // their order are there); this hands it the units, check_optimizer (run on it first) and the
+  // offload stepper. What it takes on:
   // - ShardingOptions::offload_step = kBackward or kDelayed (Note [Offload step in backward],
   //   fsdp/offload_step.h): the optimizer flatshard steps offloaded units with during backward.
   //   Its step() then steps only the rest, after waiting for those steps (kBackward; kDelayed

@@ -2,9 +2,17 @@
 
 #include <c10/util/Exception.h>
 
+#include "flat_param/collective_plan.h"
 #include "fsdp/unit.h"
 
 namespace flatshard {
+
+namespace {
+// Changes when an optimizer step (or any in-place write) reaches the unit's master or a view.
+int64_t master_version(const Unit& unit) {
+  return unit.flat().gather_plan().args().master_version();
+}
+}  // namespace
 
 void StepGuard::on_backward_end(const std::vector<std::unique_ptr<Unit>>& units, bool reduced,
                                 bool stepped, int rank, bool skip_offloaded) {
@@ -12,7 +20,7 @@ void StepGuard::on_backward_end(const std::vector<std::unique_ptr<Unit>>& units,
   skip_offloaded_ = skip_offloaded;
   versions_.resize(units.size());
   for (size_t i = 0; i < units.size(); ++i)
-    versions_[i] = units[i]->flat().master_version();
+    versions_[i] = master_version(*units[i]);
   last_ = reduced ? Last::kReduced : Last::kUnreduced;
 }
 
@@ -27,7 +35,7 @@ void StepGuard::on_step_start(const std::vector<std::unique_ptr<Unit>>& units, i
     if (units[i]->flat().layout().padded_numel == 0) continue;
     if (skip_offloaded_ && units[i]->flat().config().offload > 0) continue;
     any_grad = any_grad || m.grad().defined();
-    if (!changed && units[i]->flat().master_version() != versions_[i]) changed = units[i].get();
+    if (!changed && master_version(*units[i]) != versions_[i]) changed = units[i].get();
   }
   if (last == Last::kUnreduced) {
     TORCH_CHECK(changed == nullptr, "flatshard (rank ", rank, "): the master shard of unit '",

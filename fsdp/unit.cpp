@@ -5,10 +5,13 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "flat_param/collective_plan.h"
 #include "fsdp/offload_step.h"
+#include "fsdp/tensor_parallel.h"
+#include "optim/attach.h"
 #include "wrap_policies/policy.h"
 
 namespace flatshard {
@@ -138,6 +141,8 @@ Unit::Unit(int index, UnitSpec spec, const ResolvedUnit& settings,
       recompute_leaves_.push_back(std::move(leaves));
     }
   }
+  // Last, once nothing here can throw: Note [CPU offload]'s lifecycle keeps the flat parameter.
+  if (ctx_.offload) ctx_.offload->add_unit(*flat_, index_);
 }
 
 const std::vector<at::Tensor>& Unit::recompute_leaves(const torch::nn::Module* member) const {
@@ -307,18 +312,17 @@ void Unit::post_backward() {
       TraceScope trace(ctx_.tracer, TraceKind::kReduce, &trace_info_);
       device_sleep(rs, ctx_.debug_sleep_before_reduce_cycles);
       // Note [Delayed offload step]: the unit's last step no longer reads its host gradient.
-      const bool stepped = ctx_.offload_stepper && flat_->config().offload > 0;
-      if (stepped) ctx_.offload_stepper->wait_for(*flat_);
+      if (ctx_.offload) ctx_.offload->before_reduction(*flat_);
       auto in_use = flat_->reduce_grad(rs);
       reduce_done_.record(rs);
       ctx_.reduce_buffers.hold(std::move(in_use), &reduce_done_);
       // Note [Offload step in backward]: the host master steps as soon as its gradient lands.
-      if (stepped) ctx_.offload_stepper->enqueue(*flat_, rs);
+      if (ctx_.offload) ctx_.offload->after_reduction(*flat_, rs);
       if (strategy_ == ShardingStrategy::kNoShard) {
         counters_.all_reduces += 1;  // one all-ranks all-reduce, in two hops with HSDP
       } else {
         counters_.reduce_scatters += 1;
-        if (flat_->hybrid()) counters_.replicate_all_reduces += 1;
+        if (ctx_.mesh.hybrid()) counters_.replicate_all_reduces += 1;
       }
       const ReducePlan& plan = flat_->reduce_plan();
       counters_.bytes += plan.bytes() + plan.replicate_bytes();
@@ -329,6 +333,88 @@ void Unit::post_backward() {
   }
   reshard();
 }
+
+UnitInfo Unit::info() const {
+  const FlatLayout& l = flat_->layout();
+  return UnitInfo{name(),         strategy_,     reshard_after_forward_,
+                  l.used_numel,   l.padded_numel, flat_->master().numel(),
+                  flat_->params().size(),
+                  flat_->gather_plan().extras().step != nullptr};
+}
+
+std::vector<at::Tensor> Unit::optimizer_params() const {
+  std::vector<at::Tensor> out;
+  const FlatParam& f = *flat_;
+  if (f.layout().padded_numel == 0 || !f.any_trainable()) return out;
+  if (f.all_trainable()) {
+    out.push_back(f.master());
+    return out;
+  }
+  for (size_t i = 0; i < f.params().size(); ++i)
+    if (f.trainable(i) && f.shard_views()[i].numel() > 0) out.push_back(f.shard_views()[i].tensor);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Unit::named_shard_views() {
+  flat_->set_views_active(true);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < flat_->params().size(); ++i)
+    out.emplace_back(flat_->params()[i].name, flat_->shard_views()[i].tensor);
+  return out;
+}
+
+void Unit::grad_norm_sq(const at::Tensor& out, const TensorParallel* tp) {
+  flat_->absorb_view_grads();  // zero_grad on the views since the reduction
+  const at::Tensor& g = flat_->master().grad();
+  if (!g.defined()) return;
+  // A replicated unit's gradient is identical on every rank: count it on rank 0 only.
+  const bool no_shard = strategy_ == ShardingStrategy::kNoShard;
+  const int rank = ctx_.mesh.shard().rank();
+  if (no_shard && rank != 0) return;
+  // Note [Low-precision master gradient]: a bf16 / fp16 gradient's norm in fp32.
+  const at::Tensor g32 = g.to(at::kFloat);  // g if fp32
+  if (tp == nullptr || tp->tp_rank() == 0) {
+    out.copy_(g32.pow(2).sum());
+    return;
+  }
+  // Other tp ranks: only the split parameters' parts of this rank's shard.
+  const FlatLayout& layout = flat_->layout();
+  const int64_t begin = no_shard ? 0 : layout.shard_begin(rank);
+  const int64_t end = begin + g32.numel();
+  for (size_t j = 0; j < flat_->params().size(); ++j) {
+    if (!tp->is_split(flat_->params()[j].param)) continue;
+    const int64_t lo = std::max(begin, layout.offsets[j]);
+    const int64_t hi = std::min(end, layout.offsets[j] + layout.numels[j]);
+    if (hi > lo) out.add_(g32.narrow(0, lo - begin, hi - lo).pow(2).sum());
+  }
+}
+
+void Unit::scale_grad(double coef) {
+  at::Tensor g = flat_->master().grad();
+  if (!g.defined()) return;
+  if (g.scalar_type() == at::kFloat) {
+    g.mul_(coef);
+  } else {  // Note [Low-precision master gradient]: scaled in fp32, rounded once
+    g.copy_(g.to(at::kFloat).mul_(coef));
+  }
+}
+
+void Unit::gather_full(bool grads, std::vector<std::pair<std::string, at::Tensor>>& out) {
+  FlatParam& f = *flat_;
+  if (grads) f.absorb_view_grads();  // zero_grad on the views since the reduction
+  const FlatLayout& l = f.layout();
+  at::Tensor local = f.master();
+  if (grads)
+    local = f.master().grad().defined()
+                ? f.master().grad()
+                : at::zeros_like(local, local.options().dtype(f.config().grad_dtype()));
+  const at::Tensor full = f.gather_whole(local);
+  for (size_t i = 0; i < f.params().size(); ++i)
+    out.emplace_back(f.params()[i].name,
+                     full.narrow(0, l.offsets[i], l.numels[i]).view(l.shapes[i]).clone());
+}
+
+void Unit::offer_to(AttachTarget& target) const { target.units.push_back(flat_.get()); }
 
 void Unit::reset_step_state() {
   member_calls_ = 0;

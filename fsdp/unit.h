@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flat_param/flat_param.h"
@@ -46,7 +47,25 @@ struct Node;
 
 namespace flatshard {
 
+struct AttachTarget;   // optim/attach.h
+class TensorParallel;  // fsdp/tensor_parallel.h
+
 enum class UnitState { kSharded, kUnsharded };
+
+// What ShardedModel::units() reports of one unit (Unit::info()).
+struct UnitInfo {
+  std::string name;
+  ShardingStrategy strategy;
+  bool reshard_after_forward;
+  int64_t numel;         // real parameter elements
+  int64_t padded_numel;  // flat buffer elements
+  int64_t shard_numel;   // elements of this rank's master shard
+  size_t num_params;
+  // Keeps a device compute copy an attached FusedAdamW writes in its step (Note [Compute copy
+  // in the step], optim/fused_adamw.h): NO_SHARD below fp32, or sharded with
+  // ShardingOptions::keep_compute_shard (Note [Kept compute shard]); not offloaded.
+  bool step_copy;
+};
 
 // Collectives issued by one unit since the last reset.
 struct UnitCounters {
@@ -108,6 +127,33 @@ class Unit {
   }
   // What the tracer records about this unit (fsdp/trace.h).
   const TraceUnit& trace_info() const { return trace_info_; }
+
+  // --- asked by the ShardedModel (fsdp/sharded_model.h), which never reaches the flat
+  // parameter itself ---------------------------------------------------------------------
+  UnitInfo info() const;
+  // This unit's part of ShardedModel::parameters(): its master shard when every parameter
+  // trains; the non-empty shard views of the trainable ones when it mixes frozen and
+  // trainable; nothing when none trains or it holds no element (Note [Frozen parameters]).
+  std::vector<at::Tensor> optimizer_params() const;
+  // This unit's part of ShardedModel::named_parameters(): per parameter its name and shard view
+  // (Note [Original-parameter views]); from now on the unit keeps the views' .grad current.
+  std::vector<std::pair<std::string, at::Tensor>> named_shard_views();
+  // This unit's term of clip_grad_norm_'s total, written into `out` (a zero 0-dim fp32 tensor
+  // on the device): the squared norm in fp32 of this rank's master gradient, the views' .grad
+  // absorbed first (zero_grad on the views since the reduction), as the global norm counts it:
+  // a NO_SHARD unit's on shard rank 0 only; with tensor parallelism (`tp`,
+  // fsdp/tensor_parallel.h) on tp ranks other than 0 only its split parameters' parts. Nothing
+  // when there is no gradient. Local (the caller sums over the ranks).
+  void grad_norm_sq(const at::Tensor& out, const TensorParallel* tp);
+  // Scales the master gradient by `coef` in place (Note [Low-precision master gradient]: below
+  // fp32 in fp32, rounded once). No-op without a gradient.
+  void scale_grad(double coef);
+  // Collective over the shard group: appends, per parameter, its name and full value gathered
+  // from the master shards (`grads`: from the master gradient, the views' .grad absorbed first;
+  // zeros of its dtype when there is none), a new tensor of the parameter's shape.
+  void gather_full(bool grads, std::vector<std::pair<std::string, at::Tensor>>& out);
+  // What this unit hands a FusedAdamW that attaches itself (optim/attach.h): its flat parameter.
+  void offer_to(AttachTarget& target) const;
 
   // --- driven by the runtime (fsdp/runtime.h) -------------------------------------------
   // Marks the unit entered in this forward / its backward begun; true the first time per step.

@@ -17,7 +17,7 @@
 
 namespace flatshard {
 
-class OffloadStepper;
+class OffloadLifecycle;
 class Tracer;
 
 struct UnitContext {
@@ -33,9 +33,11 @@ struct UnitContext {
   // ShardingOptions' race-exposure sleeps (GPU only; 0 = off), queued before each collective.
   int64_t debug_sleep_before_all_gather_cycles = 0;
   int64_t debug_sleep_before_reduce_cycles = 0;
-  // Note [Offload step in backward] (fsdp/offload_step.h): an offloaded unit queues its CPU
-  // optimizer step here after its reduction; nullptr unless offload_step is kBackward.
-  OffloadStepper* offload_stepper = nullptr;
+  // Note [CPU offload]'s lifecycle (fsdp/offload_step.h): each unit registers its flat
+  // parameter at construction, and a reduction calls it before and after reduce_grad() (Note
+  // [Offload step in backward]: an offloaded unit's CPU step is queued there). Owned by the
+  // runtime; nullptr: no offload handling at all.
+  OffloadLifecycle* offload = nullptr;
 
   // The stream compute runs on: the communicator's current stream, read at each use because
   // callers may switch it between steps.

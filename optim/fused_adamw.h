@@ -45,10 +45,11 @@
 // - Note [Compute copy in the step]: a unit that keeps a compute-dtype copy of its master on the
 //   device between gathers (a NO_SHARD unit below fp32: its full(); a sharded unit with
 //   ShardingOptions::keep_compute_shard: its kept shard, Note [Kept compute shard],
-//   flat_param/collective_plan.h; FlatParam::step_copy(), a StepCopy) casts the master into it only when the master changed since.
-//   set_compute_copies() hands this optimizer those copies (ShardedModel::attach_optimizer
-//   does, unless FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the same pass
-//   as its parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
+//   flat_param/collective_plan.h; a StepCopy, its gather plan's extras().step) casts the master
+//   into it only when the master changed since. set_compute_copies() hands this optimizer those
+//   copies (flatshard::attach in optim/attach.h does, which ShardedModel::attach_optimizer
+//   forwards to, unless FLATSHARD_STEP_COMPUTE_COPY=0): step() then writes each copy in the
+//   same pass as its parameter's update — on CUDA flatshard's one-pass kernel (Note [One-pass AdamW kernel],
 //   optim/adamw_kernel.h), elsewhere the fused kernel then a cast, per block on the CPU — when
 //   its set's current() says the copies hold the parameters as they are before the step, and
 //   calls the set's written() after; otherwise the copies are left for the gather to recast.

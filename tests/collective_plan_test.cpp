@@ -118,6 +118,11 @@ at::Tensor my_part(const at::Tensor& full, const FlatLayout& l, bool sharded, in
   return sharded ? full.narrow(0, l.shard_begin(rank), l.shard_numel) : full;
 }
 
+// Offloaded units: the staged reduction added to the master gradient (the host has waited).
+void finish_host_grad(FlatParam& fp) {
+  if (HostGrad* h = fp.reduce_plan().host_grad()) h->finish(fp.master());
+}
+
 // One backward's gradients of global rank `r` delivered as AccumulateGrad does, reduced.
 void backward_and_reduce(FlatParam& fp, std::vector<at::Tensor>& ps, Communicator& comm, int r,
                          int world, bool defer) {
@@ -140,16 +145,16 @@ void check_reductions(FlatParam& fp, std::vector<at::Tensor>& ps, Communicator& 
   const at::Tensor expect =
       my_part(reference_mean(l, world), l, fp.config().sharded, shard_rank).to(at::kFloat);
   backward_and_reduce(fp, ps, comm, r, world, defer);
-  fp.finish_host_grad();  // offload: the host has "waited" (CPU ranks: copies are done)
+  finish_host_grad(fp);  // offload: the host has "waited" (CPU ranks: copies are done)
   RANK_REQUIRE(fp.master().grad().defined());
   RANK_REQUIRE(fp.master().grad().scalar_type() == at::kFloat);
   RANK_REQUIRE(at::equal(fp.master().grad(), expect));
   for (const auto& p : ps) RANK_REQUIRE_FALSE(p.grad().defined());
   // A second backward accumulates into the master gradient; offloaded, the staged copy is
-  // added by finish_host_grad().
+  // added by HostGrad::finish().
   backward_and_reduce(fp, ps, comm, r, world, defer);
   if (fp.config().offload > 0) RANK_REQUIRE(at::equal(fp.master().grad(), expect));
-  fp.finish_host_grad();
+  finish_host_grad(fp);
   RANK_REQUIRE(at::equal(fp.master().grad(), expect * 2));
 }
 
@@ -240,9 +245,9 @@ TEST_CASE("the factories choose the plan from the config and the communicators",
     CHECK(fp.reduce_plan().needs_flat_grad() == reduce->needs_flat_grad());
     // The optional parts exist only where the unit uses them (STYLE.md 17): the offload copy
     // and the host gradient when offloaded, the step copy for a NO_SHARD recast below fp32.
-    CHECK((fp.offload_copy() != nullptr) == (c.offload > 0));
-    CHECK((fp.host_grad() != nullptr) == (c.offload > 0));
-    CHECK((fp.step_copy() != nullptr) ==
+    CHECK((fp.gather_plan().extras().offload != nullptr) == (c.offload > 0));
+    CHECK((fp.reduce_plan().host_grad() != nullptr) == (c.offload > 0));
+    CHECK((fp.gather_plan().extras().step != nullptr) ==
           (std::string(c.gather) == "ReplicatedRecast" && c.param != at::kFloat));
   }
   SizeOnlyComm comm(2);
@@ -267,11 +272,11 @@ TEST_CASE("Kept compute shard: the sharded gather all-gathers the kept shard, re
     auto ps = make_params(at::kFloat);
     FlatParam fp("blk", refs(ps), comm, cfg);
     CHECK(fp.gather_plan().name() == "KeptShardAllGather");
-    REQUIRE(fp.step_copy() != nullptr);
-    CHECK(fp.offload_copy() == nullptr);
+    REQUIRE(fp.gather_plan().extras().step != nullptr);
+    CHECK(fp.gather_plan().extras().offload == nullptr);
     // The kept shard is the master's element count in bf16: 64 / 2 ranks * 2 B.
-    CHECK(fp.step_copy()->tensor().numel() == fp.master().numel());
-    CHECK(fp.step_copy()->tensor().scalar_type() == at::kBFloat16);
+    CHECK(fp.gather_plan().extras().step->tensor().numel() == fp.master().numel());
+    CHECK(fp.gather_plan().extras().step->tensor().scalar_type() == at::kBFloat16);
     CHECK(kept_shard_bytes(cfg, fp.layout()) == 32 * 2);
     CHECK(fp.gather_plan().bytes() == 32 * 2);  // the wire is unchanged
     // Where it means nothing the rule refuses it (fsdp/resolve.cpp never sets it there).
@@ -291,7 +296,7 @@ TEST_CASE("Kept compute shard: the sharded gather all-gathers the kept shard, re
     run_ranks(world, [&](Communicator& c) {
       auto ps = make_params(at::kFloat);
       FlatParam fp("unit", refs(ps), c, config_of(kept, at::kBFloat16, at::kFloat));
-      StepCopy* step = fp.step_copy();
+      StepCopy* step = fp.gather_plan().extras().step;
       RANK_REQUIRE(step != nullptr);
       // A step wrote the copy (here: a value the master's cast is not) and marked it: the
       // gather sends it as it is, from every rank.
@@ -360,7 +365,8 @@ TEST_CASE("each plan's byte counts are the closed forms", "[flat_param][collecti
     CHECK(fp.reduce_plan().bytes() == c.reduction);
     CHECK(fp.reduce_plan().replicate_bytes() == c.replicate);
     // What the unit keeps on the device between gathers is the offload copy's.
-    CHECK((fp.offload_copy() ? fp.offload_copy()->resident_bytes() : 0) == c.resident);
+    const OffloadCopy* copy = fp.gather_plan().extras().offload;
+    CHECK((copy ? copy->resident_bytes() : 0) == c.resident);
   }
 }
 

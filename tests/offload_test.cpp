@@ -20,6 +20,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "collectives/env.h"
+#include "flat_param/collective_plan.h"
 #include "flat_param/offload_state.h"
 #include "fsdp/trace.h"
 #include "optim/fused_adamw.h"
@@ -39,7 +40,8 @@ namespace {
 
 // Device bytes a unit holds between gathers (level 1's resident shard; 0 without an offload copy).
 int64_t resident_bytes_of(const FlatParam& f) {
-  return f.offload_copy() ? f.offload_copy()->resident_bytes() : 0;
+  const OffloadCopy* copy = f.gather_plan().extras().offload;
+  return copy ? copy->resident_bytes() : 0;
 }
 
 bool contains(const std::string& s, const std::string& part) {
