@@ -232,6 +232,60 @@ void check_rank_args(const RunConfig& config, const Granularity& granularity,
               config.tp, (mesh ? " got" : " did not get"), " a mesh");
 }
 
+// A step's marks: the device's own (DeviceHooks::mark / elapsed_ms) or host-clock ones (CPU work
+// is synchronous).
+class StepClock {
+ public:
+  explicit StepClock(const DeviceHooks& hooks) : hooks_(hooks) {}
+  void mark(int i) {
+    if (hooks_.mark) {
+      hooks_.mark(i);
+    } else {
+      host_marks_[static_cast<size_t>(i)] = std::chrono::steady_clock::now();
+    }
+  }
+  double elapsed(int a, int b) const {
+    if (hooks_.elapsed_ms) return hooks_.elapsed_ms(a, b);
+    return std::chrono::duration<double, std::milli>(host_marks_[static_cast<size_t>(b)] -
+                                                     host_marks_[static_cast<size_t>(a)])
+        .count();
+  }
+
+ private:
+  const DeviceHooks& hooks_;
+  std::array<std::chrono::steady_clock::time_point, DeviceHooks::kMarks> host_marks_;
+};
+
+// --cuda-graph: forward + backward through one CUDA graph (Note [CUDA graph step]); its warmup
+// ends one step before the bench's, so the capture is not a measured step. Null otherwise.
+std::unique_ptr<CudaGraphStep> make_graph_step(
+    const RunConfig& config, const RankModel& m,
+    const std::vector<std::pair<at::Tensor, at::Tensor>>& batches) {
+  if (!config.cuda_graph || !m.fsdp) return nullptr;
+  TORCH_CHECK(!m.scaler, "--cuda-graph: the fp16 gradient scaler is not supported");
+  CudaGraphOptions go;
+  go.warmup_steps = std::max(1, config.warmup - 1);
+  std::shared_ptr<torch::nn::Module> model = m.model;
+  return std::make_unique<CudaGraphStep>(
+      *m.fsdp, std::vector<at::Tensor>{batches[0].first, batches[0].second},
+      [&config, model](const std::vector<at::Tensor>& in) {
+        return enter(model, [&] { return config.model.loss(*model, in[0], in[1]); });
+      },
+      go);
+}
+
+// Profiled steps, untimed: every rank runs them (collectives), rank 0 records its device.
+std::optional<KernelProfile> profile_steps(const RunConfig& config, int rank,
+                                          const DeviceHooks& hooks,
+                                          const std::function<void(int)>& step) {
+  if (rank == 0) profiling::start_kernel_profile();
+  for (int k = 0; k < config.kernel_profile_steps; ++k) step(k);
+  hooks.synchronize();
+  if (rank != 0) return std::nullopt;
+  return profiling::summarize_kernels(profiling::stop_kernel_profile(),
+                                      config.kernel_profile_steps);
+}
+
 }  // namespace
 
 RunResult train_rank(const RunConfig& config, const Granularity& granularity, Communicator* group,
@@ -299,36 +353,9 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (hooks.memory_peak) r.setup_peak_memory_bytes = hooks.memory_peak();
   reset_peak();
 
-  // Host-clock marks unless the device brings its own (CPU work is synchronous).
-  std::array<std::chrono::steady_clock::time_point, DeviceHooks::kMarks> host_marks;
-  auto mark = [&](int i) {
-    if (hooks.mark) {
-      hooks.mark(i);
-    } else {
-      host_marks[static_cast<size_t>(i)] = std::chrono::steady_clock::now();
-    }
-  };
-  auto elapsed = [&](int a, int b) {
-    if (hooks.elapsed_ms) return hooks.elapsed_ms(a, b);
-    return std::chrono::duration<double, std::milli>(host_marks[static_cast<size_t>(b)] -
-                                                     host_marks[static_cast<size_t>(a)])
-        .count();
-  };
+  StepClock clock(hooks);
 
-  // --cuda-graph: forward + backward through one CUDA graph (Note [CUDA graph step]); its
-  // warmup ends one step before the bench's, so the capture is not a measured step.
-  std::unique_ptr<CudaGraphStep> graph;
-  if (config.cuda_graph && fsdp) {
-    TORCH_CHECK(!scaler, "--cuda-graph: the fp16 gradient scaler is not supported");
-    CudaGraphOptions go;
-    go.warmup_steps = std::max(1, config.warmup - 1);
-    graph = std::make_unique<CudaGraphStep>(
-        *fsdp, std::vector<at::Tensor>{batches[0].first, batches[0].second},
-        [&](const std::vector<at::Tensor>& in) {
-          return enter(model, [&] { return config.model.loss(*model, in[0], in[1]); });
-        },
-        go);
-  }
+  std::unique_ptr<CudaGraphStep> graph = make_graph_step(config, m, batches);
 
   // One training step on batch b; after_backward() runs between backward and the optimizer step.
   auto train_step = [&](int b, auto&& after_backward) {
@@ -362,9 +389,9 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     const bool watch = config.sync_debug && hooks.sync_debug && s >= config.warmup;
     const auto t0 = std::chrono::steady_clock::now();
     if (watch) hooks.sync_debug(true);
-    mark(0);
-    at::Tensor loss = train_step(s, [&] { mark(1); });
-    mark(2);
+    clock.mark(0);
+    at::Tensor loss = train_step(s, [&] { clock.mark(1); });
+    clock.mark(2);
     if (watch) hooks.sync_debug(false);  // the bench's own wait below is not the step's
     const double issue_ms = ms_since(t0);
     hooks.synchronize();
@@ -373,8 +400,8 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
     if (s == 0) r.loss_step0 = r.losses.back();
     if (s >= config.warmup) {
       r.step_ms.push_back(ms);
-      r.fwd_bwd_ms.push_back(elapsed(0, 1));
-      r.optimizer_ms.push_back(elapsed(1, 2));
+      r.fwd_bwd_ms.push_back(clock.elapsed(0, 1));
+      r.optimizer_ms.push_back(clock.elapsed(1, 2));
       r.host_issue_ms.push_back(issue_ms);
       if (fsdp) {
         const UnitCounters c = fsdp->counters().total;
@@ -394,16 +421,11 @@ RunResult train_rank(const RunConfig& config, const Granularity& granularity, Co
   if (m.tp) r.tp_per_step = m.tp->counters();
   if (timed && step_ms_sum > 0) r.exposed_comm_share = comm_ms / step_ms_sum;
 
-  // Profiled steps, untimed: every rank runs them (collectives), rank 0 records its device.
   if (config.kernel_profile_steps > 0) {
     hooks.synchronize();
     barrier();
-    if (rank == 0) profiling::start_kernel_profile();
-    for (int k = 0; k < config.kernel_profile_steps; ++k) train_step(k % total, [] {});
-    hooks.synchronize();
-    if (rank == 0)
-      r.kernel_profile = profiling::summarize_kernels(profiling::stop_kernel_profile(),
-                                                  config.kernel_profile_steps);
+    r.kernel_profile =
+        profile_steps(config, rank, hooks, [&](int k) { train_step(k % total, [] {}); });
   }
 
   barrier();  // every rank's steps are inside the peak

@@ -650,6 +650,27 @@ TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const Tp
   return out;
 }
 
+// The largest prefetch depth d <= the configured one whose memory fits `limit`, or -1. Memory
+// never falls as d grows (each point's gathered set only gains units), so a binary search finds
+// it in O(n log depth); trying every depth downwards was O(n * depth).
+int fitting_prefetch(const std::vector<UnitExplanation>& units, const ShardingOptions& options,
+                     int64_t limit) {
+  auto fits = [&](int d) {
+    return estimate_memory(units, std::min(d, options.forward_prefetch),
+                           std::min(d, options.backward_prefetch))
+               .total() <= limit;
+  };
+  const int max_depth = std::max(options.forward_prefetch, options.backward_prefetch);
+  if (fits(max_depth)) return max_depth;
+  if (!fits(0)) return -1;
+  int lo = 0, hi = max_depth;  // fits(lo), !fits(hi)
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 }  // namespace
 
 Explanation explain(const torch::nn::Module& model, const Plan& plan, const MeshShape& mesh,
@@ -783,28 +804,8 @@ Explanation explain(const torch::nn::Module& model, const Plan& plan, const Mesh
   }
 
   e.memory = estimate_memory(e.units, options.forward_prefetch, options.backward_prefetch);
-  if (memory_limit_bytes) {
-    // The largest depth d <= the configured one that fits. Memory never falls as d grows (each
-    // point's gathered set only gains units), so a binary search finds it in O(n log depth);
-    // trying every depth downwards was O(n * depth).
-    auto fits = [&](int d) {
-      return estimate_memory(e.units, std::min(d, options.forward_prefetch),
-                             std::min(d, options.backward_prefetch))
-                 .total() <= *memory_limit_bytes;
-    };
-    const int max_depth = std::max(options.forward_prefetch, options.backward_prefetch);
-    e.fitting_prefetch = -1;
-    if (fits(max_depth)) {
-      e.fitting_prefetch = max_depth;
-    } else if (fits(0)) {
-      int lo = 0, hi = max_depth;  // fits(lo), !fits(hi)
-      while (hi - lo > 1) {
-        const int mid = lo + (hi - lo) / 2;
-        (fits(mid) ? lo : hi) = mid;
-      }
-      e.fitting_prefetch = lo;
-    }
-  }
+  if (memory_limit_bytes)
+    e.fitting_prefetch = fitting_prefetch(e.units, options, *memory_limit_bytes);
   add_warnings(e, model, plan, root_owners, shard_numel_if_sharded);
   return e;
 }

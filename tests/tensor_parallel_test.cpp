@@ -674,6 +674,9 @@ TEST_CASE("tensor parallel: sequence and loss parallelism refuse misuse by name"
     });
     CHECK_THAT(e, Catch::Contains("module 'lm_head' (colwise) shares its parameter 'weight' with "
                                   "module 'wte' (tied weights)"));
+  }
+}
+
 TEST_CASE("tensor parallel: kv heads fewer than tp are replicated and match one rank",
           "[tp][parity]") {
   // Note [Replicated kv heads]: k and v stay whole on every tp rank, each rank uses its query
