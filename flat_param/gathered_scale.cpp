@@ -8,7 +8,7 @@
 #include <shared_mutex>
 #include <utility>
 
-#include "flat_param/collective_plan.h"
+#include "flat_param/collective_plan.h"  // GatherPlan::extras(): flat_param.h only declares it
 #include "flat_param/flat_param.h"
 
 namespace flatshard {

@@ -246,6 +246,14 @@ struct ReplicatedExit {
   at::Tensor operator()(const at::Tensor& y) const { return tp_exit_replicated(tp, y); }
 };
 
+// A vocabulary-parallel embedding's exit: masks the rows of ids outside this rank's range and
+// all-reduces (fsdp/tp_entry.h).
+struct VocabExit {
+  TpEntry tp;
+  at::Tensor outside;
+  at::Tensor operator()(const at::Tensor& y) const { return tp_exit_vocab(tp, outside, y); }
+};
+
 // module->forward(args...) then post(output), both inside the unit's call when `m` is a unit
 // member (its parameters are gathered for both).
 template <class Post, class M, class... Args>
@@ -265,13 +273,18 @@ template <class A>
 struct OneTensorArg<A> : std::is_same<std::decay_t<A>, at::Tensor> {};
 
 // A module the TP plan splits (fsdp/tensor_parallel.h): colwise enters through f, rowwise
-// leaves through g (fsdp/tp_entry.h), around the unit-aware call.
+// leaves through g (fsdp/tp_entry.h), a vocab embedding looks up its rows and leaves through g,
+// around the unit-aware call.
 template <class M, class... Args>
 auto call_tp(const TpEntry& tp, const torch::nn::Module* m, M& module, Args&&... args) {
   using Out = decltype(call_unit(m, Identity{}, module, std::forward<Args>(args)...));
   if constexpr (OneTensorArg<Args...>::value && std::is_same_v<Out, at::Tensor>) {
     if (tp.kind == TpEntry::Kind::kColwise)
       return call_unit(m, Identity{}, module, tp_enter_colwise(tp, args...));
+    if (tp.kind == TpEntry::Kind::kVocab) {
+      VocabIds ids = tp_enter_vocab(tp, args...);
+      return call_unit(m, VocabExit{tp, std::move(ids.outside)}, module, std::move(ids.local));
+    }
     if (tp.kind == TpEntry::Kind::kReplicatedHeads)
       return call_unit(m, ReplicatedExit{tp}, module, std::forward<Args>(args)...);
     // Inside the unit's call: the exit reads the bias, which a per-leaf unit frees after it.

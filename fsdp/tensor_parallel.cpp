@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/embedding.h>
 
 #include <atomic>
 #include <mutex>
@@ -255,8 +256,11 @@ const TensorParallel* sequence_parallel_of(const torch::nn::Module& root) {
 
 
 // The placement of a parameter of a split module (a rowwise bias is replicated).
+// A vocab embedding's weight [V, d] is split along dim 0 like a colwise weight: the same layout
+// (checkpoints, loaders and save_hf need no placement of their own).
 TpPlacement placement_of(TpStyle style, int parts, bool is_bias) {
   if (style == TpStyle::kRowwise && is_bias) return {};
+  if (style == TpStyle::kVocab) return {TpStyle::kColwise, 1};
   return {style, style == TpStyle::kColwise ? parts : 1};
 }
 
@@ -404,6 +408,35 @@ at::Tensor tp_exit_replicated(const TpEntry& e, const at::Tensor& y) {
   const int64_t width = y.size(-1) / e.groups;
   const int64_t group = static_cast<int64_t>(e.tp_rank) * e.groups / e.tp_size;
   return whole.narrow(-1, group * width, width);
+}
+
+VocabIds tp_enter_vocab(const TpEntry& e, const at::Tensor& ids) {
+  TORCH_CHECK(at::isIntegralType(ids.scalar_type(), /*includeBool=*/false),
+              "tensor parallelism: module '", printable_escape(*e.path),
+              "' (vocab) takes integer ids; got ", ids.scalar_type());
+  const int64_t begin = static_cast<int64_t>(e.tp_rank) * e.vocab_rows;
+  const int64_t vocab = e.vocab_rows * e.tp_size;
+  // Unsplit, an id outside the vocabulary is Embedding's error; split, it would be a zero row on
+  // every rank. Checked where it costs no device sync.
+  if (ids.device().is_cpu() && ids.numel() > 0) {
+    const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < vocab, "tensor parallelism (tp rank ", e.tp_rank, " of ",
+                e.tp_size, "): module '", printable_escape(*e.path), "' (vocab) got ids in [",
+                lo, ", ", hi, "] outside its vocabulary [0, ", vocab, ")");
+  }
+  VocabIds out;
+  out.outside = ids.lt(begin).logical_or(ids.ge(begin + e.vocab_rows));
+  out.local = (ids - begin).masked_fill(out.outside, 0);
+  return out;
+}
+
+at::Tensor tp_exit_vocab(const TpEntry& e, const at::Tensor& outside, const at::Tensor& y) {
+  TORCH_CHECK(y.dim() == outside.dim() + 1, "tensor parallelism: module '",
+              printable_escape(*e.path), "' (vocab) returned ", y.sizes(), " for ids ",
+              outside.sizes(), "; a vocab module is Embedding-like (ids [...] -> [..., d])");
+  // masked_fill's backward zeroes those rows' gradient: row 0 is not charged for others' ids.
+  const at::Tensor mine = y.masked_fill(outside.unsqueeze(-1), 0);
+  return ReduceFromTp::apply(mine, as_int(e.group), as_int(e.counters));
 }
 
 void tp_bad_signature(const TpEntry& e) {
@@ -587,7 +620,8 @@ std::vector<int64_t> tp_local_shape(const TpModule& m, bool is_bias,
                                     const std::vector<int64_t>& full, int tp) {
   std::vector<int64_t> local = full;
   if (m.replicated_groups > 0) return local;  // Note [Replicated kv heads]
-  if (m.style == TpStyle::kColwise && !local.empty()) local[0] /= tp;
+  if ((m.style == TpStyle::kColwise || m.style == TpStyle::kVocab) && !local.empty())
+    local[0] /= tp;
   if (m.style == TpStyle::kRowwise && !is_bias && local.size() >= 2) local[1] /= tp;
   return local;
 }
@@ -667,6 +701,28 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
     const at::Tensor* b = params.find("bias");
     std::ostringstream held;
     for (const auto& p : params) held << ' ' << printable_escape(p.key()) << p.value().sizes();
+    if (tm.style == TpStyle::kVocab) {
+      TORCH_CHECK(w != nullptr && w->dim() == 2 && params.size() == 1, where, ": ", what,
+                  " is not Embedding-like: a vocab module holds one 2-D weight [vocab, d]; it "
+                  "holds",
+                  held.str(), ". Name an Embedding in the vocab rule");
+      if (const auto* emb = dynamic_cast<const torch::nn::EmbeddingImpl*>(&m)) {
+        TORCH_CHECK(!emb->options.padding_idx().has_value() && !emb->options.max_norm().has_value(),
+                    where, ": ", what,
+                    " has a padding_idx or max_norm, which a vocabulary split does not "
+                    "support; leave it out of the tp plan");
+      }
+      TORCH_CHECK(!plan.sequence_parallel, where, ": ", what,
+                  " is vocabulary-parallel, which does not combine with sequence_parallel yet "
+                  "(its all-reduce would have to become a reduce-scatter along the sequence); "
+                  "turn sequence_parallel off or leave '",
+                  printable_escape(tm.path), "' out of the tp plan");
+      TORCH_CHECK(w->size(0) % tp == 0, where, ": ", what, " has a vocabulary of ", w->size(0),
+                  " rows, which tp ", tp, " cannot split evenly; pad the vocabulary to a multiple "
+                  "of ", tp, " (e.g. ", (w->size(0) + tp - 1) / tp * tp,
+                  ") or leave the embedding out of the tp plan");
+      continue;
+    }
     TORCH_CHECK(w != nullptr && w->dim() == 2 && params.size() <= (b ? 2u : 1u) &&
                     (b == nullptr || !b->defined() || (b->dim() == 1 && b->size(0) == w->size(0))),
                 where, ": ", what,
@@ -699,8 +755,17 @@ std::vector<TpModule> match_tp_plan(const torch::nn::Module& model, const TpPlan
   // be sliced under it as well.
   std::unordered_map<const void*, size_t> split_params;
   for (size_t i = 0; i < split.size(); ++i)
-    for (const auto& p : split[i]->named_parameters(/*recurse=*/false))
-      if (p.value().defined()) split_params.emplace(p.value().unsafeGetTensorImpl(), i);
+    for (const auto& p : split[i]->named_parameters(/*recurse=*/false)) {
+      if (!p.value().defined()) continue;
+      const auto [it, fresh] = split_params.emplace(p.value().unsafeGetTensorImpl(), i);
+      // Two split modules on one tensor (a tied embedding and head, vocab and colwise): it
+      // would be sliced twice.
+      TORCH_CHECK(fresh, where, ": modules '", printable_escape(out[it->second].path), "' (",
+                  style_text(plan.rules[out[it->second].rule]), ") and '",
+                  printable_escape(out[i].path), "' (", style_text(plan.rules[out[i].rule]),
+                  ") share their parameter '", printable_escape(p.key()),
+                  "' (tied weights); untie them or leave one out of the tp plan");
+    }
   std::unordered_set<const torch::nn::Module*> split_set;
   for (const auto& m : split) split_set.insert(m.get());
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
@@ -840,6 +905,12 @@ std::unique_ptr<TensorParallel> parallelize(const std::shared_ptr<torch::nn::Mod
       detail::TpEntry e;
       e.kind = out->modules_[i].style == TpStyle::kColwise ? detail::TpEntry::Kind::kColwise
                                                            : detail::TpEntry::Kind::kRowwise;
+      if (out->modules_[i].style == TpStyle::kVocab) {
+        e.kind = detail::TpEntry::Kind::kVocab;
+        e.tp_rank = rank;
+        e.tp_size = tp;
+        e.vocab_rows = out->slices_.at(out->modules_[i].path + ".weight").local_shape[0];
+      }
       if (out->modules_[i].replicated_groups > 0) {  // Note [Replicated kv heads]
         e.kind = detail::TpEntry::Kind::kReplicatedHeads;
         e.groups = out->modules_[i].replicated_groups;

@@ -20,7 +20,8 @@
 //   TensorParallelModule; parallelize() calls its check before changing anything.
 // - Errors (c10::Error, nothing changed yet): a rule that matches no module (the plan, the rule,
 //   the model's types), a colwise/rowwise module that is not Linear-like (a 2-D `weight`, an
-//   optional 1-D `bias`), sizes tp does not divide (module, sizes, tp), a model parallelized
+//   optional 1-D `bias`; a vocab module: one 2-D `weight`), sizes tp does not divide (module,
+//   sizes, tp), a split parameter shared with another module (tied weights), a model parallelized
 //   twice. Meta parameters are sliced as shapes (fully_shard must then load them). Every rank
 //   reaches the same decision (same model, plan and sizes).
 // - fully_shard on a parallelized model (Mesh with tp): units flatten the TP-local parameters
@@ -38,7 +39,12 @@
 //   vocab_parallel_cross_entropy(). Sequence parallelism needs a `sequence` rule; a split
 //   module may not share a parameter with another module (tied embeddings and a colwise head).
 // - Kv heads fewer than tp: Note [Replicated kv heads] (tensor_parallel.cpp).
-// - Not yet (issue 51): vocabulary-parallel embeddings, deferred init on meta without a loader
+// - A `vocab` module (an Embedding's rows split over tp: Megatron's VocabParallelEmbedding) is
+//   entered through tp_enter_vocab / tp_exit_vocab (fsdp/tp_entry.h); its weight's placement is
+//   kColwise (dim 0 split), so checkpoints and loaders need nothing new. Refused: a vocabulary
+//   tp does not divide, a weight tied to another module, sequence_parallel (not yet).
+// - Not yet (issue 51): a vocab embedding under sequence parallelism, deferred init on meta
+//   without a loader
 //   (a meta-built model is parallelized, shapes only, and must be loaded:
 //   ShardingOptions::load, slice_loader; flatshard-bench loads from the family's init).
 // - Thread rule: as fully_shard; the registry is shared by all ranks-as-threads.

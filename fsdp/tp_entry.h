@@ -11,6 +11,11 @@
 //   * tp_exit_replicated(e, y): a colwise module kept whole (Note [Replicated kv heads],
 //     fsdp/tensor_parallel.cpp): forward this rank's head group of the output, backward the
 //     output gradient (zero outside that group) all-reduced over the tp group.
+//   * tp_enter_vocab(e, ids) / tp_exit_vocab(e, ids, y): a vocabulary-parallel embedding
+//     (Megatron's VocabParallelEmbedding): the entry maps the ids to this rank's rows
+//     [tp_rank * vocab_rows, (tp_rank + 1) * vocab_rows) (ids outside: row 0, masked after); the
+//     exit zeroes the rows of ids outside the range and all-reduces (sum) the output over the tp
+//     group forward, identity backward. ids on the CPU are checked against [0, vocab_rows * tp).
 //   * tp_exit_rowwise(e, m, y): Megatron's g, all-reduce (sum) of the output over the tp
 //     group forward, identity backward; `m`'s replicated bias (a parameter named "bias", if
 //     any) is added once, not once per rank. With e.sequence: reduce-scatter of y [B, T, ...]
@@ -48,20 +53,28 @@ struct TpCounterCells {
 };
 
 struct TpEntry {
-  enum class Kind : uint8_t { kNone, kColwise, kRowwise, kReplicatedHeads };
+  enum class Kind : uint8_t { kNone, kColwise, kRowwise, kReplicatedHeads, kVocab };
   Kind kind = Kind::kNone;
   Communicator* group = nullptr;     // the tp group
   const std::string* path = nullptr;  // the module's path, for messages
   TpCounterCells* counters = nullptr;  // its TensorParallel's
   bool sequence = false;  // sequence parallelism: gather / reduce-scatter along dim 1 instead
   int64_t groups = 0;  // kReplicatedHeads: the output's head groups G (TpModule::replicated_groups)
-  int tp_rank = 0, tp_size = 1;  // kReplicatedHeads: which group this rank uses
+  int tp_rank = 0, tp_size = 1;  // kReplicatedHeads: which group this rank uses; kVocab: rows
+  int64_t vocab_rows = 0;  // kVocab: the rows (ids) each rank holds, vocabulary / tp
+};
+
+// kVocab's entry: the ids this rank looks up (`local`) and where they fall outside its rows.
+struct VocabIds {
+  at::Tensor local, outside;
 };
 
 TpEntry find_tp(const torch::nn::Module* m);
 at::Tensor tp_enter_colwise(const TpEntry& e, const at::Tensor& x);
 at::Tensor tp_exit_rowwise(const TpEntry& e, const torch::nn::Module* m, const at::Tensor& y);
 at::Tensor tp_exit_replicated(const TpEntry& e, const at::Tensor& y);
+VocabIds tp_enter_vocab(const TpEntry& e, const at::Tensor& ids);
+at::Tensor tp_exit_vocab(const TpEntry& e, const at::Tensor& outside, const at::Tensor& y);
 // A module the TP plan names whose forward is not Tensor -> Tensor.
 [[noreturn]] void tp_bad_signature(const TpEntry& e);
 

@@ -624,7 +624,12 @@ TpLocal tp_local(const torch::nn::Module& model, const MeshShape& mesh, const Tp
     TORCH_INTERNAL_ASSERT(wp != nullptr, "explain: tp module '", m.path, "' has no weight");
     const at::Tensor& w = *wp;
     TpCollectives& c = out.by_weight[wname];
-    if (m.style == TpStyle::kRowwise) {
+    if (m.style == TpStyle::kVocab) {
+      // A vocabulary-parallel embedding all-reduces its output [tokens, d] (parallelize refuses
+      // it under sequence parallelism); its backward is local.
+      c.forward_all_reduces = 1;
+      c.forward_numel_per_token = w.size(1);
+    } else if (m.style == TpStyle::kRowwise) {
       (sp ? c.forward_reduce_scatters : c.forward_all_reduces) = 1;
       c.forward_numel_per_token = w.size(0);
       if (sp) c.backward_all_gathers = 1, c.backward_numel_per_token = w.size(0);

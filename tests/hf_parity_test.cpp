@@ -317,7 +317,13 @@ TEST_CASE("hf: save_hf after tp 2 x shard 2 training opens in from_pretrained", 
   flatshard_test::TempDir out;
   std::vector<std::array<std::string, 3>> jobs;
   std::vector<std::pair<std::string, at::Tensor>> ours;
-  for (const std::string name : {"llama2", "qwen2"}) {
+  // llama2 also with its embedding vocabulary-parallel (the plan's vocab style: a colwise
+  // placement, written back whole); qwen2's embedding is tied to its head.
+  for (const auto& job : std::vector<std::pair<std::string, bool>>{
+           {"llama2", false}, {"qwen2", false}, {"llama2", true}}) {
+    const std::string name = job.first;
+    const bool vocab_split = job.second;  // a plain variable: lambdas capture it (C++17)
+    const std::string tag = name + (vocab_split ? "_vocab" : "");
     const std::string dir = reference_dir() + "/" + name;
     std::istringstream dims(read_file(dir + "/seq.txt"));
     int64_t seq = 0, vocab = 0;
@@ -325,7 +331,7 @@ TEST_CASE("hf: save_hf after tp 2 x shard 2 training opens in from_pretrained", 
     const at::Tensor idx = read_tensor(dir + "/idx.bin", {2, seq}, at::kLong);
     const at::Tensor targets = read_tensor(dir + "/targets.bin", {2, seq}, at::kLong);
     const fm::ModelConfig cfg = fm::hf_config(dir);
-    const std::string saved = out / name;
+    const std::string saved = out / tag;
     std::mutex mu;
     at::Tensor logits;
     double first = 0, last = 0;
@@ -334,8 +340,11 @@ TEST_CASE("hf: save_hf after tp 2 x shard 2 training opens in from_pretrained", 
       auto* llama = dynamic_cast<flatshard::llama::LlamaImpl*>(model.get());
       TORCH_CHECK(llama != nullptr, "not a LLaMA model");
       auto par = flatshard::parallelize(
-          model, flatshard::parse_tp_plan(flatshard::llama::LlamaConfig::family().modules().tp_plan),
+          model,
+          flatshard::parse_tp_plan(flatshard::llama::LlamaConfig::family().modules().tp_plan +
+                                   (vocab_split ? ";vocab:path=embed_tokens" : "")),
           mesh);
+      TORCH_CHECK(!vocab_split || par->is_split(model->named_parameters()["embed_tokens.weight"]));
       auto fsdp = flatshard::fully_shard(model, flatshard::parse_policy("type=DecoderLayer"), mesh);
       torch::optim::AdamW opt(fsdp->parameters(), torch::optim::AdamWOptions(kLr));
       std::vector<double> losses;
@@ -359,10 +368,10 @@ TEST_CASE("hf: save_hf after tp 2 x shard 2 training opens in from_pretrained", 
         last = losses.back();
       }
     });
-    CAPTURE(name, first, last);
+    CAPTURE(tag, first, last);
     CHECK(last < first);  // the steps did something
-    jobs.push_back({saved, dir + "/idx.bin", out / (name + ".logits")});
-    ours.emplace_back(name, logits);
+    jobs.push_back({saved, dir + "/idx.bin", out / (tag + ".logits")});
+    ours.emplace_back(tag, logits);
   }
   python_logits(jobs, out / "python.log");
   for (const auto& [name, logits] : ours) {
@@ -378,7 +387,7 @@ TEST_CASE("hf: save_hf after tp 2 x shard 2 training opens in from_pretrained", 
 // (TensorParallel::slice_loader) and the logits are transformers' (logits.bin) to 1e-4, as the
 // world 1 and 2 loads above. For llama2 the loader's byte count shows that no rank read more
 // than its slices: over the 4 ranks every split parameter is read once, every replicated one
-// once per tp rank.
+// once per tp rank. llama31 also has its embedding vocabulary-parallel (the plan's vocab style).
 TEST_CASE("hf: hf_loader into tp 2 x shard 2 gives transformers' logits", "[hf][python][tp]") {
   for (const std::string name : {"llama2", "llama31", "qwen2"}) {
     const std::string dir = reference_dir() + "/" + name;
@@ -401,9 +410,13 @@ TEST_CASE("hf: hf_loader into tp 2 x shard 2 gives transformers' logits", "[hf][
         flatshard::MetaInit meta;
         model = cfg.build(/*seed=*/0);
       }
+      const bool vocab_split = name == "llama31";
       auto par = flatshard::parallelize(
-          model, flatshard::parse_tp_plan(flatshard::llama::LlamaConfig::family().modules().tp_plan),
+          model,
+          flatshard::parse_tp_plan(flatshard::llama::LlamaConfig::family().modules().tp_plan +
+                                   (vocab_split ? ";vocab:path=embed_tokens" : "")),
           mesh);
+      TORCH_CHECK(!vocab_split || par->is_split(model->named_parameters()["embed_tokens.weight"]));
       if (mesh.global_rank() == 0) {
         std::set<const void*> seen;
         for (const auto& p : model->named_parameters())

@@ -31,139 +31,13 @@
 #include "models/gpt.h"
 #include "models/llama.h"
 #include "parity_util.h"
+#include "tp_test_util.h"
 #include "planner/explain.h"
 #include "wrap_policies/spec.h"
 
 using namespace flatshard;
 using namespace flatshard_test;
-
-namespace {
-
-// seq_len and vocab: sequence parallelism needs a length tp divides, loss parallelism a
-// vocabulary (tests below: 12 and 98).
-ParitySpec gpt_spec(int world, int n_heads = 4, int64_t seq_len = 11, int64_t vocab = 97) {
-  namespace g = flatshard::gpt;
-  ParitySpec s;
-  s.world = world;
-  s.make_model = [n_heads, seq_len, vocab] {
-    g::GPTConfig c;
-    c.vocab = vocab;
-    c.d_model = 36;  // head_dim 9: odd sizes, every flat parameter padded
-    c.n_heads = n_heads;
-    c.n_layers = 3;
-    c.seq_len = seq_len;
-    return std::static_pointer_cast<torch::nn::Module>(g::GPT(c, 11).ptr());
-  };
-  s.plan = [](torch::nn::Module& m) { return make_plan(m, parse_policy("type=Block")); };
-  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
-    auto model = std::static_pointer_cast<g::GPTImpl>(m);
-    auto [x, y] = g::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
-    return flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
-  };
-  return s;
-}
-
-// `n_kv_heads` below tp: replicated kv heads (Note [Replicated kv heads]).
-ParitySpec llama_spec(int world, int64_t seq_len = 11, int64_t vocab = 97, bool qwen2 = false,
-                      int64_t n_kv_heads = 2, int64_t n_heads = 4, int64_t hidden = 50) {
-  namespace ll = flatshard::llama;
-  ParitySpec s;
-  s.world = world;
-  s.make_model = [seq_len, vocab, qwen2, n_kv_heads, n_heads, hidden] {
-    ll::LlamaConfig c;
-    c.vocab = vocab;
-    c.d_model = 10 * n_heads;  // head_dim 10 (RoPE needs it even)
-    c.n_heads = n_heads;
-    c.n_kv_heads = n_kv_heads;  // grouped-query: 2 is one kv head per tp rank at tp 2
-    c.n_layers = 3;
-    c.seq_len = seq_len;
-    c.hidden = hidden;
-    c.attention_bias = qwen2;  // Qwen2: biases on q, k and v
-    return std::static_pointer_cast<torch::nn::Module>(ll::Llama(c, 11).ptr());
-  };
-  s.plan = [](torch::nn::Module& m) { return make_plan(m, parse_policy("type=DecoderLayer")); };
-  s.loss = [](const std::shared_ptr<torch::nn::Module>& m, int rank, int step, int micro) {
-    auto model = std::static_pointer_cast<ll::LlamaImpl>(m);
-    auto [x, y] = ll::synthetic_batch(model->config(), 2, 5, rank, step * 16 + micro);
-    return flatshard::enter(model, [&, &x = x, &y = y] { return model->loss(x, y); });
-  };
-  return s;
-}
-
-// One rank's results next to its slice of the reference.
-struct RankCheck {
-  std::string where;
-  std::vector<double> losses;
-  std::vector<std::tuple<std::string, at::Tensor, at::Tensor>> grads, params;  // name, got, want
-};
-
-std::vector<RankCheck> run_tp(const ParitySpec& s, const std::string& tp_plan, int shard, int tp,
-                              const ParityRun& ref, int replicate = 1) {
-  std::vector<RankCheck> out(replicate * shard * tp);
-  std::mutex mu;
-  run_mesh(MeshShape(shard, replicate, tp), [&](const Mesh& mesh) {
-    auto model = s.make_model();
-    apply_freeze(s, *model);
-    auto par = parallelize(model, parse_tp_plan(tp_plan), mesh);
-    auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
-    const int data_rank = mesh.coord(MeshDim::kReplicate) * shard + mesh.coord(MeshDim::kShard);
-    RankRun r = train_sharded_rank(s, model, *fsdp, data_rank);
-    RankCheck c;
-    c.where = mesh.describe_rank();
-    c.losses = r.losses;
-    for (auto& [name, g] : r.grads0) c.grads.emplace_back(name, g, par->local_slice(name, ref.grads.at(name)));
-    for (auto& [name, p] : r.params) c.params.emplace_back(name, p, par->local_slice(name, ref.params.at(name)));
-    std::lock_guard<std::mutex> lock(mu);
-    out[mesh.global_rank()] = std::move(c);
-  });
-  return out;
-}
-
-void require_tp_parity(const ParityRun& ref, const std::vector<RankCheck>& ranks) {
-  // The mean over every rank is the mean over the data-parallel ranks (a tp group's ranks
-  // share a batch); the reference's loss is the mean over their union.
-  std::vector<double> mean(ref.losses.size(), 0.0);
-  for (const RankCheck& c : ranks) {
-    REQUIRE(c.losses.size() == ref.losses.size());
-    for (size_t i = 0; i < mean.size(); ++i) mean[i] += c.losses[i] / ranks.size();
-  }
-  // Step 0: the same parameters and data, only the summation order differs.
-  CHECK(std::abs(mean[0] - ref.losses[0]) <= 1e-5 * (1 + std::abs(ref.losses[0])));
-  for (size_t i = 1; i < mean.size(); ++i)
-    CHECK(std::abs(mean[i] - ref.losses[i]) <= 1e-4 * (1 + std::abs(ref.losses[i])));
-  for (const RankCheck& c : ranks) {
-    CAPTURE(c.where);
-    REQUIRE(c.grads.size() == ref.grads.size());
-    for (const auto& [name, got, want] : c.grads) {
-      CAPTURE(name);
-      REQUIRE(got.sizes() == want.sizes());
-      CAPTURE((got - want).abs().max().item<double>());
-      CHECK(at::allclose(got, want, /*rtol=*/1e-5, /*atol=*/1e-5));
-    }
-    for (const auto& [name, got, want] : c.params) {
-      CAPTURE(name);
-      REQUIRE(got.sizes() == want.sizes());
-      CAPTURE((got - want).abs().max().item<double>());
-      CHECK(at::allclose(got, want, /*rtol=*/1e-4, /*atol=*/5e-5));  // tests/fsdp_test.cpp's
-    }
-  }
-}
-
-std::string gpt_plan() { return gpt::GPTConfig::family().modules().tp_plan; }
-std::string llama_plan() { return llama::LlamaConfig::family().modules().tp_plan; }
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "no error";
-}
-
-}  // namespace
+using namespace flatshard_test::tp;
 
 TEST_CASE("tensor parallel: GPT and LLaMA (GQA) at tp 2 x shard 1 and 2 match one rank",
           "[tp][parity]") {
@@ -310,38 +184,6 @@ TEST_CASE("tensor parallel: misuse is refused naming the module, sizes and fix",
   }
 }
 
-namespace {
-
-// One training step of `s` on every rank of shard x tp; each rank's fsdp and tp counters.
-struct CountedStep {
-  std::vector<UnitInfo> info;
-  std::vector<UnitCounters> per_unit;
-  TpCounters tp;
-  int64_t tokens = 0;
-};
-
-std::vector<CountedStep> count_one_step(const ParitySpec& s, const std::string& tp_plan,
-                                        int shard, int tp) {
-  std::vector<CountedStep> out(shard * tp);
-  std::mutex mu;
-  run_mesh(MeshShape(shard, 1, tp), [&](const Mesh& mesh) {
-    auto model = s.make_model();
-    auto par = parallelize(model, parse_tp_plan(tp_plan), mesh);
-    auto fsdp = fully_shard(model, s.plan(*model), mesh, s.options);
-    fsdp->reset_counters();
-    par->reset_counters();
-    s.loss(model, mesh.coord(MeshDim::kShard), 0, 0).backward();
-    CountedStep c;
-    c.info = fsdp->units();
-    c.per_unit = fsdp->counters().per_unit;
-    c.tp = par->counters();
-    std::lock_guard<std::mutex> lock(mu);
-    out[mesh.global_rank()] = std::move(c);
-  });
-  return out;
-}
-
-}  // namespace
 
 TEST_CASE("tensor parallel: explain predicts the TP-local units and the TP collectives exactly",
           "[tp][explain]") {
@@ -474,53 +316,39 @@ TEST_CASE("tensor parallel: accumulation, frozen parameters, recompute, bf16, Qw
     ParitySpec s = gpt_spec(2);
     const ParityRun ref = run_reference(s);  // fp32
     s.options.mixed_precision.param_dtype = at::kBFloat16;
-    const auto ranks = run_tp(s, gpt_plan(), 2, 2, ref);
-    for (const RankCheck& c : ranks) {
-      CAPTURE(c.where);
-      REQUIRE(c.losses.size() == ref.losses.size());
-      // Each data rank's own loss: within 2% of the reference's mean over both batches would
-      // mix data and rounding, so compare step 0's gradients, and the losses' mean below.
-      for (const auto& [name, got, want] : c.grads) {
-        REQUIRE(got.scalar_type() == at::kFloat);  // master grads stay fp32
-        const double rel = (got - want).norm().item<double>() / want.norm().item<double>();
-        CAPTURE(name, rel);
-        CHECK(rel < 3e-2);
-      }
-    }
-    for (size_t i = 0; i < ref.losses.size(); ++i) {
-      double mean = 0;
-      for (const RankCheck& c : ranks) mean += c.losses[i] / ranks.size();
-      CAPTURE(i, mean, ref.losses[i]);
-      CHECK(std::abs(mean - ref.losses[i]) <= 2e-2 * std::abs(ref.losses[i]));
-    }
+    require_tp_bf16_parity(ref, run_tp(s, gpt_plan(), 2, 2, ref));
   }
 }
 
-namespace {
-
-// The family's plan with sequence parallelism, loss parallelism (a colwise lm_head) or both.
-std::string sp_lp_plan(bool llama, bool sp, bool lp) {
-  std::string plan = llama ? llama_plan() : gpt_plan();
-  if (sp) plan += ";sequence_parallel";
-  if (lp) plan += ";colwise:path=lm_head;loss_parallel";
-  return plan;
-}
-
-}  // namespace
 
 TEST_CASE("tensor parallel: sequence and loss parallelism match one rank", "[tp][parity][sp]") {
   // seq_len 12 and vocab 98: tp 2 divides both.
   struct Mode {
     bool sp, lp;
   };
-  for (int shard : {1, 2}) {
+  // In a section of its own: code outside the sections runs again for each of them (Catch2).
+  SECTION("fp32: GPT and LLaMA at tp 2 x shard 1 and 2") {
+    for (int shard : {1, 2}) {
+      for (bool llama : {false, true}) {
+        for (const Mode m : {Mode{true, false}, Mode{false, true}, Mode{true, true}}) {
+          CAPTURE(shard, llama, m.sp, m.lp);
+          ParitySpec s = llama ? llama_spec(shard, 12, 98) : gpt_spec(shard, 4, 12, 98);
+          s.clip = 0.5;
+          const ParityRun ref = run_reference(s);
+          require_tp_parity(ref, run_tp(s, sp_lp_plan(llama, m.sp, m.lp), shard, 2, ref));
+        }
+      }
+    }
+  }
+  SECTION("bf16 compute with sequence parallelism, loss parallelism and both (tp 2 x shard 2)") {
+    // Against the fp32 reference with the bf16 tolerances above (require_tp_bf16_parity).
     for (bool llama : {false, true}) {
       for (const Mode m : {Mode{true, false}, Mode{false, true}, Mode{true, true}}) {
-        CAPTURE(shard, llama, m.sp, m.lp);
-        ParitySpec s = llama ? llama_spec(shard, 12, 98) : gpt_spec(shard, 4, 12, 98);
-        s.clip = 0.5;
-        const ParityRun ref = run_reference(s);
-        require_tp_parity(ref, run_tp(s, sp_lp_plan(llama, m.sp, m.lp), shard, 2, ref));
+        CAPTURE(llama, m.sp, m.lp);
+        ParitySpec s = llama ? llama_spec(2, 12, 98) : gpt_spec(2, 4, 12, 98);
+        const ParityRun ref = run_reference(s);  // fp32
+        s.options.mixed_precision.param_dtype = at::kBFloat16;
+        require_tp_bf16_parity(ref, run_tp(s, sp_lp_plan(llama, m.sp, m.lp), 2, 2, ref));
       }
     }
   }

@@ -15,6 +15,10 @@
 // - a manifest that claims a placement its shape cannot take is refused (Note [Strict manifest]).
 // Every rank sees the same global batch of 4 sequences and takes its data rank's rows, so the
 // global mean loss is the same at every shard size.
+// - a vocabulary-parallel embedding (the plan's `vocab` style): wte.weight is recorded colwise
+//   (rows split) with its full shape, and the checkpoint reloads at tp 1 x shard 4, at tp 2 x
+//   shard 1 with the vocab style and at tp 2 x shard 2 with wte replicated or split, slices bit
+//   for bit and training continuing to match.
 #include <catch2/catch.hpp>
 
 #include <torch/optim/adamw.h>
@@ -49,7 +53,7 @@ constexpr int kBatch = 4, kSaveAt = 3, kSteps = 5;
 
 g::GPTConfig config() {
   g::GPTConfig c;
-  c.vocab = 97;
+  c.vocab = 98;  // tp 2 divides it: the vocab-parallel embedding's case
   c.d_model = 36;  // head_dim 9: odd sizes, every flat parameter padded
   c.n_heads = 4;
   c.n_layers = 3;
@@ -74,6 +78,7 @@ struct Run {
   int from = 0;              // the first step it trains
   std::string load_dir;      // load (with the optimizer) before training
   std::string save_dir;      // save after kSaveAt steps
+  bool vocab_parallel = false;  // the family's plan plus vocab:path=wte
   std::map<std::string, at::Tensor> reference;  // full values every rank's slice must equal
 };
 
@@ -115,7 +120,10 @@ Result run(const Run& r) {
     g::GPT model(config(), r.load_dir.empty() ? 11 : 99);  // a resumed run starts elsewhere
     std::unique_ptr<TensorParallel> par;
     if (r.tp > 1)
-      par = parallelize(model.ptr(), parse_tp_plan(g::GPTConfig::family().modules().tp_plan), mesh);
+      par = parallelize(model.ptr(),
+                        parse_tp_plan(g::GPTConfig::family().modules().tp_plan +
+                                      (r.vocab_parallel ? ";vocab:path=wte" : "")),
+                        mesh);
     auto fsdp = fully_shard(model.ptr(), parse_policy("type=Block"), mesh);
     torch::optim::AdamW opt(fsdp->parameters(),
                             torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -211,6 +219,42 @@ TEST_CASE("tp checkpoints: saved at tp 2 x shard 2, resumed at other tp and shar
     const Result got = run(resume);
     CHECK(got.mismatches == std::vector<std::string>{});
     require_losses(uninterrupted, got, shard == 2 && tp == 2 ? 0.0 : 1e-5);
+  }
+}
+
+TEST_CASE("tp checkpoints: a vocabulary-parallel embedding round-trips", "[tp][checkpoint][vocab]") {
+  TempDir tmp;
+  Run save;
+  save.shard = 2;
+  save.tp = 2;
+  save.vocab_parallel = true;
+  save.save_dir = tmp / "vocab";
+  const Result uninterrupted = run(save);
+  CHECK(uninterrupted.mismatches == std::vector<std::string>{});
+  REQUIRE(uninterrupted.losses.size() == static_cast<size_t>(kSteps));
+  const Manifest m = read_manifest(tmp / "vocab");
+  const ValueRecord* wte = nullptr;
+  for (const auto& v : m.params) wte = v.name == "wte.weight" ? &v : wte;
+  REQUIRE(wte != nullptr);
+  CHECK(to_string(wte->tp) == "colwise");
+  CHECK(wte->shape == std::vector<int64_t>{config().vocab, config().d_model});
+  const std::map<std::string, at::Tensor> saved = load_unsharded(tmp / "vocab");
+  struct At {
+    int shard, tp;
+    bool vocab;
+  };
+  for (const At& a : {At{4, 1, false}, At{1, 2, true}, At{2, 2, false}, At{2, 2, true}}) {
+    CAPTURE(a.shard, a.tp, a.vocab);
+    Run resume;
+    resume.shard = a.shard;
+    resume.tp = a.tp;
+    resume.vocab_parallel = a.vocab;
+    resume.from = kSaveAt;
+    resume.load_dir = tmp / "vocab";
+    resume.reference = saved;
+    const Result got = run(resume);
+    CHECK(got.mismatches == std::vector<std::string>{});
+    require_losses(uninterrupted, got, a.shard == 2 && a.tp == 2 && a.vocab ? 0.0 : 1e-5);
   }
 }
 

@@ -35,6 +35,21 @@ TEST_CASE("tp plan: parse and print back", "[tp][plan]") {
   CHECK(p.match_policy().rules.size() == 4);
 }
 
+TEST_CASE("tp plan: the vocab style", "[tp][plan][vocab]") {
+  const TpPlan p = parse_tp_plan("vocab:path=wte|embed_tokens;colwise:path=lm_head;loss_parallel");
+  REQUIRE(p.rules.size() == 2);
+  CHECK(p.rules[0].style == TpStyle::kVocab);
+  CHECK(p.rules[0].parts == 1);
+  CHECK(p.to_spec() == "vocab:path=wte|embed_tokens;colwise:path=lm_head;loss_parallel");
+  CHECK(parse_tp_plan(p.to_spec()).to_spec() == p.to_spec());
+  try {
+    parse_tp_plan("vocab/2:path=wte");
+    FAIL("accepted vocab/2");
+  } catch (const c10::Error& e) {
+    CHECK_THAT(e.what_without_backtrace(), Catch::Contains("only colwise takes /K"));
+  }
+}
+
 TEST_CASE("tp plan: the sequence style and the sequence_parallel / loss_parallel options",
           "[tp][plan]") {
   const TpPlan p = parse_tp_plan(

@@ -12,7 +12,8 @@
 #   quant       opt-in (GPU_CHECK_QUANT=1, or name it in GPU_CHECK_STEPS; ~1 min, most of it
 #               torch's JIT build): tests/quantize_kernel_check.py, flat_param/quantize_kernel.cu
 #               alone against the CPU formulas bit for bit, edge cases included (needs ninja)
-#   hsdp        gpu_hsdp_test: HSDP on 2 GPUs as 2x1 and 1x2 (replicate x shard; needs 2 GPUs)
+#   hsdp        gpu_hsdp_test: HSDP on 2 GPUs as 2x1 and 1x2 (replicate x shard; needs 2 GPUs);
+#               gpu_tp_test: tp 2 x shard 1 over NCCL against one GPU (needs 2 GPUs)
 #   bench       flatshard-collectives-bench via torchrun
 #   bench_nowd  the same for all_gather:bf16 with the watchdog off (FLATSHARD_NCCL_WATCHDOG=0),
 #               to show what the per-collective completion event costs
@@ -133,7 +134,7 @@ step_configure() {
 
 step_build() {
   local targets=(--target nccl_collectives_test nccl_reliability_test gpu_parity_test
-                 gpu_hsdp_test gpu_checkpoint_test gpu_quantized_gather_test gpu_cuda_graph_test
+                 gpu_hsdp_test gpu_tp_test gpu_checkpoint_test gpu_quantized_gather_test gpu_cuda_graph_test
                  flatshard-collectives-bench flatshard-bench flatshard-trace
                  flatshard-explain flatshard-train)
   [ "${GPU_CHECK_BUILD_ALL:-0}" = 1 ] && targets=()
@@ -154,7 +155,7 @@ step_hsdp() {
     log "hsdp: needs 2 GPUs, $NGPU visible"
     return 1
   fi
-  ctest --test-dir "$BUILD" -R '^gpu_hsdp_test$' --output-on-failure -V --timeout "$TEST_TIMEOUT"
+  ctest --test-dir "$BUILD" -R '^gpu_(hsdp|tp)_test$' --output-on-failure -V --timeout "$TEST_TIMEOUT"
 }
 
 step_bench() {

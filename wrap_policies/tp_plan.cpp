@@ -10,7 +10,8 @@ namespace {
 
 const char* const kLabel = "tp plan";
 const char* const kStyles =
-    "one of: colwise, colwise/K, rowwise, replicate, sequence, or the option sequence_parallel "
+    "one of: colwise, colwise/K, rowwise, vocab, replicate, sequence, or the option "
+    "sequence_parallel "
     "or loss_parallel";
 constexpr int kMaxParts = 64;
 
@@ -33,6 +34,8 @@ size_t parse_style(const std::string& s, size_t i, TpRule* rule) {
     rule->style = TpStyle::kColwise;
   } else if (word == "rowwise") {
     rule->style = TpStyle::kRowwise;
+  } else if (word == "vocab") {
+    rule->style = TpStyle::kVocab;
   } else if (word == "replicate") {
     rule->style = TpStyle::kReplicate;
   } else if (word == "sequence") {
@@ -71,6 +74,7 @@ const char* to_string(TpStyle style) {
     case TpStyle::kColwise: return "colwise";
     case TpStyle::kRowwise: return "rowwise";
     case TpStyle::kSequence: return "sequence";
+    case TpStyle::kVocab: return "vocab";
   }
   return "?";
 }

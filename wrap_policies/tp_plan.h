@@ -14,6 +14,11 @@
 //                the bias is replicated. Forward all-reduce of the output over the tp group,
 //                backward identity (Megatron's g). Its input must be TP-sharded (the output of
 //                a colwise module, through elementwise ops or the attention of local heads).
+//   vocab        an Embedding-like module (a 2-D `weight` [vocab, d], nothing else) split along
+//                its ROWS, the vocabulary (Megatron's VocabParallelEmbedding): tp rank k keeps
+//                rows [k*V/tp, (k+1)*V/tp) and looks up the ids in that range (others give zero
+//                rows); forward all-reduce of the output over the tp group, backward local.
+//                Untied embeddings only; not combined with sequence_parallel yet.
 //   replicate    kept whole on every tp rank (what every module the plan does not name is); a
 //                rule of its own claims modules so later rules skip them.
 //   sequence     kept whole like replicate, and a module that runs on sequence shards under
@@ -33,7 +38,7 @@
 // starting "tp plan:"):
 //   plan  := 'none' | item (';' item)*
 //   item  := style ':' term (',' term)* | 'sequence_parallel' | 'loss_parallel'
-//   style := 'colwise' ['/' K] | 'rowwise' | 'replicate' | 'sequence'        K: 2..64
+//   style := 'colwise' ['/' K] | 'rowwise' | 'vocab' | 'replicate' | 'sequence'   K: 2..64
 // Example (flatshard's LLaMA; its Hugging Face names match too, Note [Module aliases]):
 //   colwise:path=*.attn.q|*.attn.k|*.attn.v|*.mlp.gate|*.mlp.up;rowwise:path=*.attn.o|*.mlp.down
 // to_spec() prints a plan back in this form; parse_tp_plan(to_spec()) gives back an equal plan.
@@ -47,7 +52,13 @@
 
 namespace flatshard {
 
-enum class TpStyle : uint8_t { kReplicate = 0, kColwise = 1, kRowwise = 2, kSequence = 3 };
+enum class TpStyle : uint8_t {
+  kReplicate = 0,
+  kColwise = 1,
+  kRowwise = 2,
+  kSequence = 3,
+  kVocab = 4
+};
 const char* to_string(TpStyle style);
 
 struct TpRule {
