@@ -28,7 +28,7 @@
 //   master an upload still reads. At the end of each backward that reduced, the runtime waits
 //   on the host for the compute stream, which by then waits for the last reduction (and every
 //   gather of the step came before the computation that needed it), then finishes the staged
-//   additions (finish_host_grad()). Nothing else in the step blocks the host.
+//   additions (HostGrad::finish()). Nothing else in the step blocks the host.
 // - NO_SHARD units keep their compute copy on the device (their parameters are never freed);
 //   level 2 acts as level 1 for them (fsdp/resolve.h).
 // - Explain (planner/explain.h) counts host bytes per rank: master + gradient (+ AdamW state) for

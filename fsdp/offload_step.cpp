@@ -27,7 +27,7 @@ HostGrad* host_grad(const FlatParam& flat) { return flat.reduce_plan().host_grad
 OffloadCopy* offload_copy(const FlatParam& flat) { return flat.gather_plan().extras().offload; }
 
 // Whether the unit's last reduction was staged beside an existing host gradient
-// (finish_host_grad() adds it).
+// (HostGrad::finish() adds it).
 bool host_grad_staged(const FlatParam& flat) {
   return host_grad(flat) != nullptr && host_grad(flat)->staged();
 }
