@@ -491,6 +491,16 @@ TEST_CASE("tensor parallel: sequence and loss parallelism refuse misuse by name"
                                           "is 98"));
     }
   }
+  SECTION("kv heads fewer than tp (kept whole) with sequence parallelism") {
+    const ParitySpec s = llama_spec(1, 12, 98, false, /*n_kv_heads=*/1);
+    const std::string e = error_of([&] {
+      run_mesh(MeshShape(1, 1, 2), [&](const Mesh& mesh) {
+        parallelize(s.make_model(), parse_tp_plan(sp_lp_plan(true, true, false)), mesh);
+      });
+    });
+    CHECK_THAT(e, Catch::Contains("has 1 head groups, fewer than tp 2"));
+    CHECK_THAT(e, Catch::Contains("does not combine with sequence_parallel yet"));
+  }
   SECTION("a colwise head tied to the embedding") {
     namespace g = flatshard::gpt;
     const std::string e = error_of([&] {
