@@ -37,7 +37,7 @@
 //                       after a step, is the all-gather's input),
 //                       UploadAllGather (offload 2: upload into the slot at every gather).
 //     reduce  OneRankReduce when one rank, no replicas, no offload and a reduce dtype that
-//             rounds nothing (Note [One-rank reduction], collective_plan.cpp); else
+//             rounds nothing (Note [One-rank reduction], plans.cpp); else
 //             ReduceScatter (sharded) or AllReduce (NO_SHARD), wrapped by ReplicateAllReduce
 //             when the replicate group has more than one rank (HSDP), and that by
 //             HostGradDelivery when offloaded (Note [CPU offload], flat_param/offload.h).

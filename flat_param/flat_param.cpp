@@ -100,6 +100,16 @@ at::Tensor resizable_empty(int64_t numel, at::ScalarType dtype, c10::Device devi
 
 }  // namespace
 
+namespace {
+// The parameters' TensorImpls, in order (flat_param/gathered_scale.h keys its lookups by them).
+std::vector<const c10::TensorImpl*> param_impls(const std::vector<ParamRef>& params) {
+  std::vector<const c10::TensorImpl*> out;
+  out.reserve(params.size());
+  for (const ParamRef& p : params) out.push_back(p.param.unsafeGetTensorImpl());
+  return out;
+}
+}  // namespace
+
 FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, const Mesh& mesh,
                      const FlatParamConfig& config, const std::function<void()>& fill,
                      const RangeFill& load_ranges)
@@ -116,12 +126,20 @@ FlatParam::FlatParam(std::string unit_name, std::vector<ParamRef> params, const 
   make_views();
   make_full_buffer();
   attach_and_guard();
-  if (gather_->extras().fp8_scales != nullptr) detail::register_fp8_params(*this);
+  if (gather_->extras().fp8_scales != nullptr) {
+    // flat_param/gathered_scale.h: the scale while gathered; a guarded (sharded) parameter or
+    // a unit not gathered now has none.
+    detail::register_fp8_params(this, param_impls(params_), [this](const at::Tensor& param, size_t i) {
+      const at::Tensor* scales = gather_->extras().fp8_scales;
+      if (is_guarded_param(param) || !is_unsharded() || !scales->defined()) return at::Tensor();
+      return scales->narrow(0, static_cast<int64_t>(i), 1);
+    });
+  }
 }
 
 FlatParam::~FlatParam() {
   if (gather_->extras().fp8_scales != nullptr)
-    detail::unregister_fp8_params(*this);  // noexcept
+    detail::unregister_fp8_params(this);  // noexcept
 }
 
 std::vector<std::vector<int64_t>> FlatParam::check_params(bool deferred) {

@@ -23,17 +23,23 @@
 
 #include <ATen/ATen.h>
 
-namespace flatshard {
+#include <functional>
+#include <vector>
 
-class FlatParam;
+namespace flatshard {
 
 at::Tensor gathered_fp8_scale(const at::Tensor& param);
 
 namespace detail {
-// FlatParam's side (flat_param.cpp): its parameters, each to (flat, its index).
-void register_fp8_params(const FlatParam& flat);
-// Never throws (called from FlatParam's destructor).
-void unregister_fp8_params(const FlatParam& flat) noexcept;
+// FlatParam's side (flat_param.cpp): `params` (its parameters' TensorImpls, in order) are
+// answered by `scale_of(param, i)`, the i-th one's scale or undefined, until unregistered under
+// the same `owner`. Keyed by TensorImpl, so this file needs no FlatParam (flat_param.cpp
+// includes it, not the other way round).
+using Fp8ScaleLookup = std::function<at::Tensor(const at::Tensor& param, size_t i)>;
+void register_fp8_params(const void* owner, const std::vector<const c10::TensorImpl*>& params,
+                         Fp8ScaleLookup scale_of);
+// Every parameter `owner` registered. Never throws (called from FlatParam's destructor).
+void unregister_fp8_params(const void* owner) noexcept;
 }  // namespace detail
 
 }  // namespace flatshard

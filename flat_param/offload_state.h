@@ -97,7 +97,7 @@ class OffloadCopy {
 // into without blocking the host (the host gradient, a staging buffer beside an existing one,
 // Note [Host compute copy]'s reduce-dtype buffer), each reused while nobody else holds it (Note
 // [Exact pinned allocations], offload.cpp: pinning pages per step would cost more than the
-// copy). HostGradDelivery (collective_plan.cpp) owns it and delivers into it; the stepper and
+// copy). HostGradDelivery (plans.cpp) owns it and delivers into it; the stepper and
 // the runtime's offload lifecycle (fsdp/offload_step.h) find it as
 // FlatParam::reduce_plan().host_grad() and finish() adds what it staged.
 class HostGrad {

@@ -117,7 +117,7 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Sc
 // --- the plan ------------------------------------------------------------------------------
 
 // Bytes one gather of a unit configured as `config` (a quantized gather_dtype, sharded) over
-// `layout` sends from this rank; 0 for kParam (collective_plan.cpp's all_gather_bytes counts it).
+// `layout` sends from this rank; 0 for kParam (plans.cpp's all_gather_bytes counts it).
 int64_t quantized_gather_bytes(const FlatParamConfig& config, const FlatLayout& layout);
 
 // Device bytes one gather of such a unit allocates for its wire while it runs, every rank's

@@ -1,25 +1,16 @@
-// flatshard/models/family.cpp — see family.h for the contract. The registry: one line per
-// family (its descriptor lives with the family, e.g. gpt::GPTConfig::family() in gpt.cpp).
+// flatshard/models/family.cpp — see family.h for the contract. The registry's list is
+// families() in models/families.cpp, one line per family (its descriptor lives with the family,
+// e.g. gpt::GPTConfig::family() in gpt.cpp).
 #include "models/family.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 
-#include "models/gpt.h"
-#include "models/llama.h"
 #include "models/synthetic_language.h"
 
 namespace flatshard {
 namespace models {
-
-const std::vector<const Family*>& families() {
-  static const std::vector<const Family*> all = {
-      &gpt::GPTConfig::family(),
-      &llama::LlamaConfig::family(),
-  };
-  return all;
-}
 
 std::vector<std::string> family_names() {
   std::vector<std::string> out;

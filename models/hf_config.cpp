@@ -203,6 +203,19 @@ ModuleAliases::Alias hf_module_alias(const llama::LlamaConfig& l, const std::str
   return alias;
 }
 
+}  // namespace models
+
+namespace llama {
+// LlamaImpl's ModuleAliases (models/llama.h), defined here beside the Hugging Face naming it
+// returns, so that llama.cpp needs no hf_config.h (which includes llama.h).
+ModuleAliases::Alias LlamaImpl::module_alias(const std::string& path,
+                                             const torch::nn::Module& /*module*/) const {
+  return models::hf_module_alias(cfg_, path);
+}
+}  // namespace llama
+
+namespace models {
+
 std::string HfConfig::describe() const {
   std::string name = architecture.empty() ? model_type : architecture;
   name = name.empty() ? "(no architecture)" : printable_escape(name);  // the file's value

@@ -11,7 +11,6 @@
 #include "fsdp/tensor_parallel.h"
 #include "models/family.h"
 #include "models/fp8_linear.h"
-#include "models/hf_config.h"
 #include "models/model_init.h"
 #include "models/synthetic_language.h"
 
@@ -420,11 +419,6 @@ const models::Family& LlamaConfig::family() {
        "colwise:path=*.attn.q|*.attn.k|*.attn.v|*.mlp.gate|*.mlp.up;"
        "rowwise:path=*.attn.o|*.mlp.down;sequence:type=RMSNorm"});
   return f;
-}
-
-ModuleAliases::Alias LlamaImpl::module_alias(const std::string& path,
-                                             const torch::nn::Module& /*module*/) const {
-  return models::hf_module_alias(cfg_, path);
 }
 
 }  // namespace llama

@@ -1,6 +1,6 @@
 // flatshard/planner/explain.cpp — see explain.h. A unit's settings come from resolve_unit()
 // (fsdp/resolve.h), the one resolver fully_shard() builds units with; the byte and collective
-// rules here mirror the collective plans (flat_param/collective_plan.cpp) and Unit (unit.cpp),
+// rules here mirror the collective plans (flat_param/plans.cpp) and Unit (unit.cpp),
 // and tests/explain_test.cpp (diagnostics_test) compares the result with the runtime's counters
 // so they cannot drift apart silently.
 #include "planner/explain.h"
