@@ -152,13 +152,19 @@ std::vector<std::string> tiny(std::vector<std::string> more) {
 TEST_CASE("explain is linear in layers", "[explain][scaling][issue36]") {
   const Tower small = meta_tower(2048), big = meta_tower(8192);
   (void)time_explain(small, 8);  // warm up (allocator, type names)
-  const double t2k = time_explain(small, 8), t8k = time_explain(big, 8);
+  // Four times the layers, at most 10x the time: a quadratic walk gives 16x; this one measures
+  // 5-7x on an idle 2-core machine (allocation and cache effects grow with the model: a 2x
+  // ratio under a 3x bound measured 2.4-2.9x and flaked under load at 3.06x). A pair measured
+  // under a load spike is measured again, up to 3 times: a quadratic walk fails every pair.
+  double t2k = 0, t8k = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    t2k = time_explain(small, 8);
+    t8k = time_explain(big, 8);
+    if (t8k <= 10.0 * t2k + 0.05) break;
+  }
   INFO("make_plan + explain + to_string: 2048 layers " << t2k << " s, 8192 layers " << t8k
                                                        << " s");
   CHECK(t8k < 10.0);
-  // Four times the layers, at most 10x the time: a quadratic walk gives 16x; this one measures
-  // 5-7x on an idle 2-core machine (allocation and cache effects grow with the model: a 2x
-  // ratio under a 3x bound measured 2.4-2.9x and flaked under load at 3.06x).
   CHECK(t8k <= 10.0 * t2k + 0.05);
 }
 
@@ -209,10 +215,17 @@ TEST_CASE("the largest trainable shard matches a per-rank count", "[explain][iss
 TEST_CASE("suggest is linear in layers", "[advisor][scaling][issue36]") {
   const Tower small = meta_tower(1024), big = meta_tower(4096);
   (void)time_suggest_once(small, 1024);
-  const double t1k = time_suggest(small, 1024), t4k = time_suggest(big, 4096);
+  // 4x the layers: quadratic 16x, measured 6.4-7.1x idle; the bound sits between, and a pair
+  // measured under load is measured again (as above: a fresh-clone CI run beside a compile saw
+  // 0.14 s and 4.1 s, 29x, where the same binary alone measures 0.14 s and 0.94 s).
+  double t1k = 0, t4k = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    t1k = time_suggest(small, 1024);
+    t4k = time_suggest(big, 4096);
+    if (t4k <= 10.0 * t1k + 0.05) break;
+  }
   INFO("suggest: 1024 layers " << t1k << " s, 4096 layers " << t4k << " s");
   CHECK(t4k < 10.0);
-  // 4x the layers: quadratic 16x, measured 6.4-7.1x idle; the bound sits between (as above).
   CHECK(t4k <= 10.0 * t1k + 0.05);
 }
 
