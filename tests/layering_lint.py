@@ -17,42 +17,12 @@ import pathlib
 import re
 import sys
 
+from cpp_text import blank_comments_and_strings
+
 FOLDERS = ["checkpoint", "cli", "collectives", "data", "flat_param", "fsdp", "models", "optim",
            "planner", "profiling", "support", "wrap_policies", "benchmarks", "tools"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 MAX_LINES = 150
-
-
-def blank_comments_and_strings(src: str) -> str:
-    out, i, n = [], 0, len(src)
-    while i < n:
-        if src.startswith("//", i):
-            j = src.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif src.startswith("/*", i):
-            j = src.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(re.sub(r"[^\n]", " ", src[i:j]))
-            i = j
-        elif src[i] == '"' or (src[i] == "'" and not src[i - 1:i].isalnum()):
-            q, j = src[i], i + 1
-            if q == '"' and src[i - 1:i] == "R":  # raw string R"d(...)d"
-                k = src.find("(", j)
-                end = ")" + src[j:k] + '"'
-                j = src.find(end, k)
-                j = n if j < 0 else j + len(end)
-            else:
-                while j < n and src[j] != q:
-                    j += 2 if src[j] == "\\" else 1
-                j += 1
-            out.append(re.sub(r"[^\n]", " ", src[i:j]))
-            i = j
-        else:
-            out.append(src[i])
-            i += 1
-    return "".join(out)
 
 
 def include_loops(root: pathlib.Path):

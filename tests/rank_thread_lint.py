@@ -13,35 +13,11 @@ import pathlib
 import re
 import sys
 
+from cpp_text import blank_comments_and_strings
+
 MACRO = re.compile(r"(?<![A-Za-z0-9_])(CAPTURE|INFO|UNSCOPED_INFO|WARN|FAIL|SUCCEED|"
                    r"(?:REQUIRE|CHECK)(?:_[A-Z_]+)?)\s*\(")
 CALL = re.compile(r"(?:run_ranks|run_ranks_2d|run_mesh)\s*\(\s*([^,]+),")
-
-
-def strip_comments_and_strings(src: str) -> str:
-    """Blanks comments and string literals (newlines kept, so line numbers hold)."""
-    out, i, n = [], 0, len(src)
-    while i < n:
-        if src.startswith("//", i):
-            j = src.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif src.startswith("/*", i):
-            j = src.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(re.sub(r"[^\n]", " ", src[i:j]))
-            i = j
-        elif src[i] in "\"'":
-            q, j = src[i], i + 1
-            while j < n and src[j] != q:
-                j += 2 if src[j] == "\\" else 1
-            out.append(q + re.sub(r"[^\n]", " ", src[i + 1:j]) + q)
-            i = j + 1
-        else:
-            out.append(src[i])
-            i += 1
-    return "".join(out)
 
 
 def lambda_body(src: str, start: int):
@@ -61,7 +37,7 @@ def lambda_body(src: str, start: int):
 
 
 def findings(path: pathlib.Path):
-    src = strip_comments_and_strings(path.read_text())
+    src = blank_comments_and_strings(path.read_text())
     for call in CALL.finditer(src):
         if call.group(1).strip() == "1":
             continue
